@@ -1,0 +1,22 @@
+//! Compiles `provisioning/v1/*.proto` with the pure-Rust `protox` compiler, so no
+//! system `protoc` is needed, and writes the descriptor set used by reflection.
+
+use std::{env, fs, path::PathBuf};
+
+use prost::Message;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR")?);
+    println!("cargo:rerun-if-changed={}", root.join("provisioning").display());
+    if env::var_os("CARGO_FEATURE_WIRE").is_none() {
+        return Ok(());
+    }
+    let out_dir = PathBuf::from(env::var("OUT_DIR")?);
+    let fds = protox::compile(["provisioning/v1/provisioning.proto"], [&root])?;
+    fs::write(out_dir.join("descriptor.bin"), fds.encode_to_vec())?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(fds)?;
+    Ok(())
+}

@@ -1,0 +1,408 @@
+//! Identities. Every id is a newtype with a private field, validated when it is
+//! built from outside input, so no bare `String` or `u64` id crosses a function.
+
+use std::{fmt, str::FromStr, sync::Arc};
+
+use crate::error::{FieldError, Problem};
+
+/// Longest run or group id accepted.
+pub const MAX_ID_LEN: usize = 63;
+
+/// Checks the id grammar shared by run and group ids: 1..=63 characters of
+/// lowercase ASCII letters, digits and `-`, starting with a letter and not ending
+/// with `-` (a DNS label, so ids are safe in hostnames, paths and metric labels).
+fn check_label(field: &str, s: &str) -> Result<(), FieldError> {
+    if s.is_empty() {
+        return Err(FieldError::new(field, Problem::Empty));
+    }
+    if s.len() > MAX_ID_LEN {
+        return Err(FieldError::new(
+            field,
+            Problem::TooLong {
+                len: s.len(),
+                max: MAX_ID_LEN,
+            },
+        ));
+    }
+    let bytes = s.as_bytes();
+    let ok_chars = bytes
+        .iter()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-');
+    if !ok_chars || !bytes[0].is_ascii_lowercase() || bytes[bytes.len() - 1] == b'-' {
+        return Err(FieldError::new(
+            field,
+            Problem::Malformed(
+                "expected lowercase letters, digits and '-', starting with a letter and not ending with '-'",
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The caller-chosen name of a run. Fixed for the run's life.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RunId(Arc<str>);
+
+impl RunId {
+    /// Parses a run id; `field` names the input field in the error.
+    pub fn parse(field: &str, s: &str) -> Result<Self, FieldError> {
+        check_label(field, s)?;
+        Ok(Self(Arc::from(s)))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A fresh identity for each incarnation of a run id, so that a run deleted and
+/// created again never collides with its past at the executor.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RunUid(u128);
+
+impl RunUid {
+    pub const fn from_u128(v: u128) -> Self {
+        Self(v)
+    }
+
+    pub const fn as_u128(self) -> u128 {
+        self.0
+    }
+
+    /// Parses the 32-hex-digit form used on the wire.
+    pub fn parse(field: &str, s: &str) -> Result<Self, FieldError> {
+        if s.len() != 32
+            || !s
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            return Err(FieldError::new(
+                field,
+                Problem::Malformed("expected 32 lowercase hex digits"),
+            ));
+        }
+        u128::from_str_radix(s, 16)
+            .map(Self)
+            .map_err(|_| FieldError::new(field, Problem::Malformed("expected 32 lowercase hex digits")))
+    }
+}
+
+/// A group within a shape; slots are named `{group}-{index}`.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GroupId(Arc<str>);
+
+impl GroupId {
+    pub fn parse(field: &str, s: &str) -> Result<Self, FieldError> {
+        check_label(field, s)?;
+        Ok(Self(Arc::from(s)))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The stable slot `{group_id}-{index}`.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LogicalNodeId {
+    group: GroupId,
+    index: u32,
+}
+
+impl LogicalNodeId {
+    pub fn new(group: GroupId, index: u32) -> Self {
+        Self { group, index }
+    }
+
+    pub fn group(&self) -> &GroupId {
+        &self.group
+    }
+
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// Parses `{group}-{index}`; the index is the digits after the last `-`.
+    pub fn parse(field: &str, s: &str) -> Result<Self, FieldError> {
+        let malformed = || FieldError::new(field, Problem::Malformed("expected {group_id}-{index}"));
+        let (group, index) = s.rsplit_once('-').ok_or_else(malformed)?;
+        if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(malformed());
+        }
+        // No leading zeros, so each slot has exactly one spelling.
+        if index.len() > 1 && index.starts_with('0') {
+            return Err(malformed());
+        }
+        let index = index.parse::<u32>().map_err(|_| malformed())?;
+        let group = GroupId::parse(field, group)?;
+        Ok(Self { group, index })
+    }
+}
+
+/// One incarnation of a slot, from a per-run monotonic allocator; never reused.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct AttemptId(u64);
+
+impl AttemptId {
+    pub const fn new(v: u64) -> Self {
+        Self(v)
+    }
+
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// One dispatched effect: (attempt, sequence within the attempt).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct OperationId {
+    attempt: AttemptId,
+    seq: u32,
+}
+
+impl OperationId {
+    pub const fn new(attempt: AttemptId, seq: u32) -> Self {
+        Self { attempt, seq }
+    }
+
+    pub const fn attempt(self) -> AttemptId {
+        self.attempt
+    }
+
+    pub const fn seq(self) -> u32 {
+        self.seq
+    }
+}
+
+/// The version of a desired shape; strictly increases with content.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Generation(u64);
+
+impl Generation {
+    pub const fn new(v: u64) -> Self {
+        Self(v)
+    }
+
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// A driver's ownership term for a run; each taking of ownership gets a larger one.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Epoch(u64);
+
+impl Epoch {
+    pub const fn new(v: u64) -> Self {
+        Self(v)
+    }
+
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The next epoch, or `None` on exhaustion.
+    pub fn next(self) -> Option<Self> {
+        self.0.checked_add(1).map(Self)
+    }
+}
+
+macro_rules! opaque_string_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(Arc<str>);
+
+        impl $name {
+            /// Wraps a provider-chosen value; empty values are refused.
+            pub fn new(field: &str, s: &str) -> Result<Self, FieldError> {
+                if s.is_empty() {
+                    return Err(FieldError::new(field, Problem::Empty));
+                }
+                if s.len() > MAX_OPAQUE_LEN {
+                    return Err(FieldError::new(field, Problem::TooLong { len: s.len(), max: MAX_OPAQUE_LEN }));
+                }
+                Ok(Self(Arc::from(s)))
+            }
+
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}({:?})", stringify!($name), &*self.0)
+            }
+        }
+    };
+}
+
+/// Longest provider-chosen id (lease, session, endpoint) accepted.
+pub const MAX_OPAQUE_LEN: usize = 512;
+
+opaque_string_id!(
+    /// A provider lease (one machine, process or VM).
+    LeaseId
+);
+opaque_string_id!(
+    /// The address at which a lease's node answers, e.g. `127.0.0.1:4242`.
+    Endpoint
+);
+opaque_string_id!(
+    /// One bootstrap session with a node.
+    SessionId
+);
+
+impl fmt::Display for RunId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for RunId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RunId({:?})", &*self.0)
+    }
+}
+
+impl fmt::Display for RunUid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for RunUid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RunUid({:032x})", self.0)
+    }
+}
+
+impl fmt::Display for GroupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for GroupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "GroupId({:?})", &*self.0)
+    }
+}
+
+impl fmt::Display for LogicalNodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.group, self.index)
+    }
+}
+
+impl fmt::Debug for LogicalNodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.group, self.index)
+    }
+}
+
+impl FromStr for LogicalNodeId {
+    type Err = FieldError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse("node_id", s)
+    }
+}
+
+impl fmt::Display for AttemptId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a{}", self.0)
+    }
+}
+
+impl fmt::Debug for AttemptId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a{}", self.0)
+    }
+}
+
+impl fmt::Display for OperationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a{}.{}", self.attempt.0, self.seq)
+    }
+}
+
+impl fmt::Debug for OperationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a{}.{}", self.attempt.0, self.seq)
+    }
+}
+
+impl fmt::Display for Generation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl fmt::Debug for Generation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "g{}", self.0)
+    }
+}
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl fmt::Debug for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "e{}", self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_ids_round_trip_and_reject_malformed() {
+        let id = LogicalNodeId::parse("n", "gpu-workers-12").unwrap();
+        assert_eq!(id.group().as_str(), "gpu-workers");
+        assert_eq!(id.index(), 12);
+        assert_eq!(id.to_string(), "gpu-workers-12");
+        for bad in [
+            "",
+            "workers",
+            "workers-",
+            "-3",
+            "workers-01",
+            "Workers-1",
+            "w_x-1",
+            "workers-99999999999",
+        ] {
+            let err = LogicalNodeId::parse("node_id", bad).unwrap_err();
+            assert_eq!(err.field, "node_id", "{bad}");
+        }
+    }
+
+    #[test]
+    fn labels_follow_the_dns_grammar() {
+        assert!(RunId::parse("run_id", "train-7").is_ok());
+        for bad in ["", "7train", "train-", "Train", "tr ain", &"a".repeat(64)] {
+            assert!(RunId::parse("run_id", bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn run_uid_round_trips_through_hex() {
+        let uid = RunUid::from_u128(0xdead_beef);
+        let s = uid.to_string();
+        assert_eq!(s.len(), 32);
+        assert_eq!(RunUid::parse("run_uid", &s).unwrap(), uid);
+        assert!(RunUid::parse("run_uid", "xyz").is_err());
+        assert!(RunUid::parse("run_uid", &s.to_uppercase()).is_err() || s == s.to_uppercase());
+    }
+}

@@ -1,0 +1,54 @@
+//! The contract between the provisioning services.
+//!
+//! Plain-Rust domain types live at the top: identities ([`ids`]), the desired
+//! shape and its validation ([`shape`]), the observed state ([`state`]), decisions
+//! ([`decision`]), what crosses the driver–executor link ([`ops`]), time as a value
+//! ([`time`]) and the one backoff function ([`backoff`]). With the `wire` feature
+//! (on by default) the crate also carries the `provisioning.v1` protos' generated
+//! code ([`pb`]) and the `TryFrom` conversions between wire and domain types
+//! ([`wire`]); the pure decider uses the crate without it, so it links neither
+//! tonic nor prost.
+
+#![forbid(unsafe_code)]
+
+pub mod backoff;
+pub mod decision;
+pub mod error;
+pub mod ids;
+pub mod ops;
+pub mod shape;
+pub mod state;
+pub mod time;
+
+#[cfg(feature = "wire")]
+pub mod wire;
+
+/// Generated code for `provisioning.v1`.
+#[cfg(feature = "wire")]
+#[allow(clippy::all, missing_debug_implementations, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("provisioning.v1");
+
+    /// The encoded descriptor set, for gRPC server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptor.bin"));
+}
+
+pub use backoff::{BackoffPolicy, backoff_delay};
+pub use decision::{Action, DecideOutput, Decision, Rule};
+pub use error::{FieldError, Problem};
+pub use ids::{
+    AttemptId, Endpoint, Epoch, Generation, GroupId, LeaseId, LogicalNodeId, OperationId, RunId, RunUid,
+    SessionId,
+};
+pub use ops::{
+    Claim, Observation, Operation, OperationInput, OperationResult, Outcome, Rejection, RejectionReason,
+    ResourceIdentity, ResultFacts, TraceContext,
+};
+pub use shape::{
+    Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape, ShapeLimits,
+};
+pub use state::{
+    BootstrapProgress, BootstrapStage, Effect, Failure, Intent, ManagedNode, NodeFacts, NodeStage, PendingOp,
+    PermanentFailure, RetryState,
+};
+pub use time::{ClockSaturated, UnixMillis};

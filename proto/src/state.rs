@@ -1,0 +1,280 @@
+//! The observed state of one run, as the driver records it and the decider
+//! reads it.
+
+use std::sync::Arc;
+
+use crate::{
+    ids::{AttemptId, Endpoint, LeaseId, LogicalNodeId, OperationId, SessionId},
+    shape::NodeTemplate,
+    time::UnixMillis,
+};
+
+/// A node's place on the lifecycle ladder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NodeStage {
+    New,
+    LeaseRequested,
+    LeaseCreated,
+    EndpointKnown,
+    BootstrapRunning,
+    Joined,
+    HandedOff,
+    Dormant,
+    Failed,
+    Destroyed,
+}
+
+impl NodeStage {
+    pub const ALL: [NodeStage; 10] = [
+        NodeStage::New,
+        NodeStage::LeaseRequested,
+        NodeStage::LeaseCreated,
+        NodeStage::EndpointKnown,
+        NodeStage::BootstrapRunning,
+        NodeStage::Joined,
+        NodeStage::HandedOff,
+        NodeStage::Dormant,
+        NodeStage::Failed,
+        NodeStage::Destroyed,
+    ];
+
+    /// `HandedOff` and `Dormant` are the ready steady states.
+    pub fn is_ready(self) -> bool {
+        matches!(self, NodeStage::HandedOff | NodeStage::Dormant)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeStage::New => "new",
+            NodeStage::LeaseRequested => "lease-requested",
+            NodeStage::LeaseCreated => "lease-created",
+            NodeStage::EndpointKnown => "endpoint-known",
+            NodeStage::BootstrapRunning => "bootstrap-running",
+            NodeStage::Joined => "joined",
+            NodeStage::HandedOff => "handed-off",
+            NodeStage::Dormant => "dormant",
+            NodeStage::Failed => "failed",
+            NodeStage::Destroyed => "destroyed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Intent {
+    Active,
+    Deleting,
+}
+
+/// Bootstrap sub-stages, as a node's bootstrap session streams them. The decider
+/// branches only on their class ([`BootstrapStage::is_failure`], `Converged`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum BootstrapStage {
+    Connected,
+    BootCheck,
+    AgentStarted,
+    Joined,
+    Converged,
+    FailedConnect,
+    FailedBootCheck,
+    FailedAgentStart,
+    FailedJoin,
+    /// The session ended before it converged.
+    FailedClosed,
+}
+
+impl BootstrapStage {
+    pub fn is_failure(self) -> bool {
+        matches!(
+            self,
+            BootstrapStage::FailedConnect
+                | BootstrapStage::FailedBootCheck
+                | BootstrapStage::FailedAgentStart
+                | BootstrapStage::FailedJoin
+                | BootstrapStage::FailedClosed
+        )
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BootstrapStage::Connected => "connected",
+            BootstrapStage::BootCheck => "boot-check",
+            BootstrapStage::AgentStarted => "agent-started",
+            BootstrapStage::Joined => "joined",
+            BootstrapStage::Converged => "converged",
+            BootstrapStage::FailedConnect => "failed-connect",
+            BootstrapStage::FailedBootCheck => "failed-boot-check",
+            BootstrapStage::FailedAgentStart => "failed-agent-start",
+            BootstrapStage::FailedJoin => "failed-join",
+            BootstrapStage::FailedClosed => "failed-closed",
+        }
+    }
+
+    /// The stage named `s` (as [`BootstrapStage::name`] spells it).
+    pub fn from_name(s: &str) -> Option<Self> {
+        const ALL: [BootstrapStage; 10] = [
+            BootstrapStage::Connected,
+            BootstrapStage::BootCheck,
+            BootstrapStage::AgentStarted,
+            BootstrapStage::Joined,
+            BootstrapStage::Converged,
+            BootstrapStage::FailedConnect,
+            BootstrapStage::FailedBootCheck,
+            BootstrapStage::FailedAgentStart,
+            BootstrapStage::FailedJoin,
+            BootstrapStage::FailedClosed,
+        ];
+        ALL.into_iter().find(|st| st.name() == s)
+    }
+}
+
+/// The provider effects, one per operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Effect {
+    CreateLease,
+    LookupEndpoint,
+    StartBootstrap,
+    CancelBootstrap,
+    DestroyLease,
+}
+
+impl Effect {
+    pub const ALL: [Effect; 5] = [
+        Effect::CreateLease,
+        Effect::LookupEndpoint,
+        Effect::StartBootstrap,
+        Effect::CancelBootstrap,
+        Effect::DestroyLease,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Effect::CreateLease => "create-lease",
+            Effect::LookupEndpoint => "lookup-endpoint",
+            Effect::StartBootstrap => "start-bootstrap",
+            Effect::CancelBootstrap => "cancel-bootstrap",
+            Effect::DestroyLease => "destroy-lease",
+        }
+    }
+
+    /// Cancel and destroy: the cleanup effects.
+    pub fn is_destructive(self) -> bool {
+        matches!(self, Effect::CancelBootstrap | Effect::DestroyLease)
+    }
+}
+
+/// Where a bootstrap session got to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootstrapProgress {
+    pub stage: BootstrapStage,
+    /// Sequence number of the last folded observation of the session.
+    pub seq: u64,
+    pub at: UnixMillis,
+    pub detail: String,
+}
+
+/// Why an attempt, or one of its effects, failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub reason: String,
+    pub at: UnixMillis,
+}
+
+/// What is known of an attempt's provider resources. These facts belong to one
+/// attempt and never carry into its replacement.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NodeFacts {
+    pub lease: Option<LeaseId>,
+    pub endpoint: Option<Endpoint>,
+    pub session: Option<SessionId>,
+    pub bootstrap: Option<BootstrapProgress>,
+    pub failure: Option<Failure>,
+    /// A `CreateLease` ended ambiguously: a lease may exist that we do not know.
+    pub ambiguous_create: bool,
+    /// A `StartBootstrap` ended ambiguously: a session may exist.
+    pub ambiguous_bootstrap: bool,
+}
+
+impl NodeFacts {
+    /// True while the attempt may hold a provider resource.
+    pub fn holds_resources(&self) -> bool {
+        self.lease.is_some() || self.session.is_some() || self.ambiguous_create || self.ambiguous_bootstrap
+    }
+
+    pub fn bootstrap_converged(&self) -> bool {
+        self.bootstrap
+            .as_ref()
+            .is_some_and(|b| b.stage == BootstrapStage::Converged)
+    }
+
+    pub fn bootstrap_failed(&self) -> bool {
+        self.bootstrap.as_ref().is_some_and(|b| b.stage.is_failure())
+    }
+}
+
+/// The one operation a node may have in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PendingOp {
+    pub id: OperationId,
+    pub effect: Effect,
+    /// Absolute deadline; the executor abandons the operation then.
+    pub deadline: UnixMillis,
+    pub dispatched_at: UnixMillis,
+}
+
+/// A failure that retrying the same spec cannot fix (invalid image, quota).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PermanentFailure {
+    pub reason: String,
+    /// The spec that failed; a restart waits until the desired spec differs.
+    pub spec: Arc<NodeTemplate>,
+}
+
+/// Per-slot retry bookkeeping. Unlike facts, it carries into a replacement
+/// attempt, so a hot restart loop still backs off.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RetryState {
+    pub consecutive_failures: u32,
+    /// No effect is dispatched before this (backoff or probe interval).
+    pub next_effect_at: Option<UnixMillis>,
+    /// A destroyed slot is not restarted before this.
+    pub restart_at: Option<UnixMillis>,
+    pub permanent: Option<PermanentFailure>,
+}
+
+/// One slot's observed state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ManagedNode {
+    pub id: LogicalNodeId,
+    pub attempt: AttemptId,
+    /// The template this attempt was started from; immutable for the attempt.
+    pub spec: Arc<NodeTemplate>,
+    pub intent: Intent,
+    pub stage: NodeStage,
+    pub facts: NodeFacts,
+    pub pending: Option<PendingOp>,
+    pub retry: RetryState,
+    /// Deadline of the current stage (endpoint appearance or bootstrap
+    /// convergence), stored when the stage is entered.
+    pub stage_deadline: Option<UnixMillis>,
+}
+
+impl ManagedNode {
+    /// A fresh attempt for a slot.
+    pub fn new(id: LogicalNodeId, attempt: AttemptId, spec: Arc<NodeTemplate>, retry: RetryState) -> Self {
+        Self {
+            id,
+            attempt,
+            spec,
+            intent: Intent::Active,
+            stage: NodeStage::New,
+            facts: NodeFacts::default(),
+            pending: None,
+            retry,
+            stage_deadline: None,
+        }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.stage.is_ready()
+    }
+}

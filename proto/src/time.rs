@@ -1,0 +1,79 @@
+//! Time as a value. Deadlines are wall-clock milliseconds since the Unix epoch, so
+//! a stored deadline keeps its meaning across a driver restart; nothing in this
+//! crate reads a clock.
+
+use std::{fmt, time::Duration};
+
+/// A wall-clock instant in milliseconds since the Unix epoch.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct UnixMillis(u64);
+
+/// Adding a duration overflowed the clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("clock saturated: {at} + {by:?} does not fit in a u64 of milliseconds")]
+pub struct ClockSaturated {
+    pub at: UnixMillis,
+    pub by: Duration,
+}
+
+impl UnixMillis {
+    pub const ZERO: Self = Self(0);
+    pub const MAX: Self = Self(u64::MAX);
+
+    pub const fn new(ms: u64) -> Self {
+        Self(ms)
+    }
+
+    pub const fn as_millis(self) -> u64 {
+        self.0
+    }
+
+    /// `self + d`, or an error rather than a wrap or a silent clamp: a deadline
+    /// that saturates would never fire, which is a spin or a hang.
+    pub fn checked_add(self, d: Duration) -> Result<Self, ClockSaturated> {
+        u64::try_from(d.as_millis())
+            .ok()
+            .and_then(|ms| self.0.checked_add(ms))
+            .map(Self)
+            .ok_or(ClockSaturated { at: self, by: d })
+    }
+
+    /// Time from `earlier` to `self`, zero if `earlier` is later.
+    pub fn saturating_since(self, earlier: UnixMillis) -> Duration {
+        Duration::from_millis(self.0.saturating_sub(earlier.0))
+    }
+
+    /// Converts the wire's "0 means unset" convention.
+    pub fn from_wire(ms: u64) -> Option<Self> {
+        (ms != 0).then_some(Self(ms))
+    }
+
+    pub fn to_wire(v: Option<Self>) -> u64 {
+        v.map_or(0, |t| t.0)
+    }
+}
+
+impl fmt::Display for UnixMillis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}ms", self.0)
+    }
+}
+
+impl fmt::Debug for UnixMillis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "t{}", self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saturation_is_an_error() {
+        let t = UnixMillis::new(u64::MAX - 5);
+        assert!(t.checked_add(Duration::from_millis(5)).is_ok());
+        assert!(t.checked_add(Duration::from_millis(6)).is_err());
+        assert!(UnixMillis::ZERO.checked_add(Duration::MAX).is_err());
+    }
+}
