@@ -54,7 +54,7 @@ pub fn backoff_delay(policy: &BackoffPolicy, run_uid: RunUid, attempt: AttemptId
     let raw = if exp >= 64 {
         u64::MAX
     } else {
-        base.checked_mul(1u64 << exp).unwrap_or(u64::MAX)
+        base.saturating_mul(1u64 << exp)
     };
     let capped = raw.min(cap);
     let jitter = policy.jitter.clamp(0.0, 1.0);

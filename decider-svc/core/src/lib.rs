@@ -1,1 +1,395 @@
-//! stub
+//! The decider: the pure decision function of the provisioning reconciler.
+//!
+//! `decide(desired, nodes, existing slots, now)` returns one [`Decision`] per node
+//! (an action or a wait, each with its ladder rule and a reason) plus an `Insert`
+//! for every desired slot that has no node, and `requeue_at`, the earliest future
+//! stored deadline among waiting nodes. The ladder is [`decide_node`]; it reads
+//! like the table in SPEC.md section 3, one `if` per row, first match wins.
+//!
+//! This crate does no I/O, reads no clock and uses no randomness: `now` is an
+//! argument and every deadline it compares was computed and stored by the driver.
+//! `clippy.toml` bans the clock functions here, and the crate depends on nothing
+//! but the contract's plain domain types.
+
+#![forbid(unsafe_code)]
+
+use std::{borrow::Cow, collections::HashMap, sync::Arc};
+
+use contract::{
+    Action, ClusterShape, DecideOutput, Decision, Effect, GroupId, Intent, LogicalNodeId, ManagedNode,
+    NodeGroup, NodeStage, NodeTemplate, Rule, UnixMillis,
+};
+
+/// The desired shape as the ladder sees it: which slots are wanted, and with
+/// which template. A deleting run wants nothing.
+#[derive(Debug, Clone)]
+pub struct DesiredView<'a> {
+    groups: &'a [NodeGroup],
+    deleting: bool,
+    /// Only built for shapes with many groups; a linear scan wins below that.
+    index: Option<HashMap<&'a GroupId, usize>>,
+}
+
+const INDEX_THRESHOLD: usize = 16;
+
+impl<'a> DesiredView<'a> {
+    pub fn new(shape: &'a ClusterShape, deleting: bool) -> Self {
+        Self::from_groups(&shape.groups, deleting)
+    }
+
+    pub fn from_groups(groups: &'a [NodeGroup], deleting: bool) -> Self {
+        let index = (groups.len() > INDEX_THRESHOLD)
+            .then(|| groups.iter().enumerate().map(|(i, g)| (&g.id, i)).collect());
+        Self {
+            groups,
+            deleting,
+            index,
+        }
+    }
+
+    /// A view that wants nothing (a run with no shape, or being deleted).
+    pub fn empty() -> DesiredView<'static> {
+        DesiredView {
+            groups: &[],
+            deleting: true,
+            index: None,
+        }
+    }
+
+    fn group(&self, id: &GroupId) -> Option<&'a NodeGroup> {
+        match &self.index {
+            Some(index) => index.get(id).map(|&i| &self.groups[i]),
+            None => self.groups.iter().find(|g| &g.id == id),
+        }
+    }
+
+    /// The template a slot should hold, or `None` if the slot is undesired.
+    pub fn template_for(&self, node: &LogicalNodeId) -> Option<&'a Arc<NodeTemplate>> {
+        if self.deleting {
+            return None;
+        }
+        self.group(node.group())
+            .filter(|g| node.index() < g.count)
+            .map(|g| &g.template)
+    }
+
+    pub fn groups(&self) -> impl Iterator<Item = &'a NodeGroup> {
+        let groups = if self.deleting { &[][..] } else { self.groups };
+        groups.iter()
+    }
+}
+
+/// The slots a run holds, decided this pass or not, so that the decider can
+/// see which desired slots have no node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlotSet {
+    groups: HashMap<GroupId, Vec<u32>>,
+    sorted: bool,
+}
+
+impl SlotSet {
+    pub fn new() -> Self {
+        Self {
+            groups: HashMap::new(),
+            sorted: true,
+        }
+    }
+
+    pub fn insert(&mut self, node: &LogicalNodeId) {
+        self.insert_index(node.group(), node.index());
+    }
+
+    pub fn insert_index(&mut self, group: &GroupId, index: u32) {
+        let v = match self.groups.get_mut(group) {
+            Some(v) => v,
+            None => self.groups.entry(group.clone()).or_default(),
+        };
+        if v.last().is_some_and(|&last| last >= index) {
+            self.sorted = false;
+        }
+        v.push(index);
+    }
+
+    /// Sorts and deduplicates; lookups need it, and `insert` keeps a cheap flag
+    /// so that slots added in order (the common case) cost nothing here.
+    pub fn finish(&mut self) {
+        if !self.sorted {
+            for v in self.groups.values_mut() {
+                v.sort_unstable();
+                v.dedup();
+            }
+            self.sorted = true;
+        }
+    }
+
+    pub fn contains(&self, node: &LogicalNodeId) -> bool {
+        debug_assert!(self.sorted, "SlotSet::finish must be called before lookups");
+        self.groups
+            .get(node.group())
+            .is_some_and(|v| v.binary_search(&node.index()).is_ok())
+    }
+
+    pub fn len(&self) -> usize {
+        self.groups.values().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.groups.values().all(Vec::is_empty)
+    }
+
+    /// Indices held for one group, ascending (after `finish`).
+    pub fn indices(&self, group: &GroupId) -> &[u32] {
+        self.groups.get(group).map_or(&[], Vec::as_slice)
+    }
+
+    pub fn iter_groups(&self) -> impl Iterator<Item = (&GroupId, &[u32])> {
+        self.groups.iter().map(|(g, v)| (g, v.as_slice()))
+    }
+}
+
+fn decision(
+    node: &ManagedNode,
+    rule: Rule,
+    action: Action,
+    reason: impl Into<Cow<'static, str>>,
+) -> Decision {
+    Decision {
+        node: node.id.clone(),
+        attempt: Some(node.attempt),
+        rule,
+        action,
+        reason: reason.into(),
+    }
+}
+
+fn wait(
+    node: &ManagedNode,
+    rule: Rule,
+    until: Option<UnixMillis>,
+    reason: impl Into<Cow<'static, str>>,
+) -> Decision {
+    decision(node, rule, Action::Wait { until }, reason)
+}
+
+/// The ladder for one node: first matching row wins. Row numbers are SPEC.md's.
+pub fn decide_node(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Decision {
+    let wanted = desired.template_for(&n.id);
+    let due = |t: Option<UnixMillis>| t.is_none_or(|t| t <= now);
+
+    // Rows 1-3: a destroyed node is reaped, restarted, or waits to restart.
+    if n.stage == NodeStage::Destroyed {
+        let Some(template) = wanted else {
+            return decision(
+                n,
+                Rule::Reap,
+                Action::Reap,
+                "destroyed and the slot is no longer desired",
+            );
+        };
+        if let Some(p) = &n.retry.permanent
+            && NodeTemplate::same(&p.spec, template)
+        {
+            return wait(
+                n,
+                Rule::RestartBackoff,
+                None,
+                format!(
+                    "permanent failure ({}); change the node's spec to retry",
+                    p.reason
+                ),
+            );
+        }
+        if !due(n.retry.restart_at) {
+            return wait(
+                n,
+                Rule::RestartBackoff,
+                n.retry.restart_at,
+                "restart is backing off",
+            );
+        }
+        return decision(
+            n,
+            Rule::Restart,
+            Action::Restart,
+            "destroyed and still desired: fresh attempt",
+        );
+    }
+
+    // Row 4: an active attempt that is unwanted, drifted or failed begins cleanup.
+    if n.intent == Intent::Active {
+        let why = match wanted {
+            None => Some("the slot is no longer desired"),
+            Some(t) if !NodeTemplate::same(t, &n.spec) => Some("the spec changed: replace the attempt"),
+            Some(_) if n.stage == NodeStage::Failed || n.facts.bootstrap_failed() => {
+                Some("the attempt failed: clean it up")
+            }
+            Some(_) => None,
+        };
+        if let Some(why) = why {
+            return decision(n, Rule::BeginDelete, Action::BeginDelete, why);
+        }
+    }
+
+    // Row 5: one pending operation per node; wait for its result or deadline.
+    if let Some(p) = &n.pending {
+        let reason: &'static str = match p.effect {
+            Effect::CreateLease => "waiting for create-lease",
+            Effect::LookupEndpoint => "waiting for lookup-endpoint",
+            Effect::StartBootstrap => "waiting for start-bootstrap",
+            Effect::CancelBootstrap => "waiting for cancel-bootstrap",
+            Effect::DestroyLease => "waiting for destroy-lease",
+        };
+        return wait(n, Rule::Pending, Some(p.deadline), reason);
+    }
+
+    // Rows 6-9: cleanup, in order, each effect gated by the retry backoff.
+    if n.intent == Intent::Deleting {
+        let step = if n.facts.ambiguous_create {
+            Some((
+                Rule::ReissueCreate,
+                Effect::CreateLease,
+                "a create ended ambiguously: re-issue it so the executor adopts what it made",
+            ))
+        } else if n.facts.session.is_some() || n.facts.ambiguous_bootstrap {
+            Some((
+                Rule::CancelBootstrap,
+                Effect::CancelBootstrap,
+                "cleanup: cancel the bootstrap session",
+            ))
+        } else if n.facts.lease.is_some() {
+            Some((
+                Rule::DestroyLease,
+                Effect::DestroyLease,
+                "cleanup: destroy the lease",
+            ))
+        } else {
+            None
+        };
+        return match step {
+            Some((rule, _, _)) if !due(n.retry.next_effect_at) => wait(
+                n,
+                rule,
+                n.retry.next_effect_at,
+                "cleanup is backing off after a failure",
+            ),
+            Some((rule, effect, reason)) => decision(n, rule, Action::Dispatch(effect), reason),
+            None => decision(n, Rule::MarkDestroyed, Action::MarkDestroyed, "cleanup complete"),
+        };
+    }
+
+    // Row 10: retry backoff (or probe interval) not due.
+    if !due(n.retry.next_effect_at) {
+        return wait(
+            n,
+            Rule::RetryBackoff,
+            n.retry.next_effect_at,
+            "backing off before the next try",
+        );
+    }
+
+    // Row 11: ready is the steady state.
+    if n.stage.is_ready() {
+        return wait(n, Rule::Ready, None, "ready");
+    }
+
+    // Rows 12-16: the healthy progression.
+    if n.facts.lease.is_none() {
+        let reason = if n.facts.ambiguous_create {
+            "re-issue the ambiguous create so the executor adopts what it made"
+        } else {
+            "no lease yet: create one"
+        };
+        return decision(
+            n,
+            Rule::CreateLease,
+            Action::Dispatch(Effect::CreateLease),
+            reason,
+        );
+    }
+    if n.facts.endpoint.is_none() {
+        return decision(
+            n,
+            Rule::LookupEndpoint,
+            Action::Dispatch(Effect::LookupEndpoint),
+            "lease created: look up its endpoint",
+        );
+    }
+    if n.facts.session.is_some() {
+        if n.facts.bootstrap_converged() {
+            return decision(
+                n,
+                Rule::ObserveConvergence,
+                Action::ObserveConvergence,
+                "bootstrap converged: the node is ready",
+            );
+        }
+        return wait(
+            n,
+            Rule::AwaitBootstrap,
+            n.stage_deadline,
+            "bootstrap running: awaiting its stages",
+        );
+    }
+    decision(
+        n,
+        Rule::StartBootstrap,
+        Action::Dispatch(Effect::StartBootstrap),
+        "endpoint known: start the bootstrap",
+    )
+}
+
+/// An `Insert` for every desired slot that the run does not hold, in group
+/// order then ascending index.
+pub fn inserts<'s>(
+    desired: &'s DesiredView<'_>,
+    existing: &'s SlotSet,
+) -> impl Iterator<Item = Decision> + 's {
+    desired.groups().flat_map(move |g| {
+        let held = existing.indices(&g.id);
+        let mut p = 0usize;
+        (0..g.count).filter_map(move |i| {
+            while p < held.len() && held[p] < i {
+                p += 1;
+            }
+            if p < held.len() && held[p] == i {
+                return None;
+            }
+            Some(Decision {
+                node: LogicalNodeId::new(g.id.clone(), i),
+                attempt: None,
+                rule: Rule::Insert,
+                action: Action::Insert,
+                reason: Cow::Borrowed("desired slot has no node"),
+            })
+        })
+    })
+}
+
+/// Folds a decision into a running `requeue_at`: the earliest wait deadline
+/// strictly after `now` (a deadline already past is the driver's to fold, and
+/// requeueing for it would spin).
+pub fn fold_requeue(acc: Option<UnixMillis>, d: &Decision, now: UnixMillis) -> Option<UnixMillis> {
+    match d.action {
+        Action::Wait { until: Some(t) } if t > now => Some(acc.map_or(t, |a| a.min(t))),
+        _ => acc,
+    }
+}
+
+/// One whole pass: a decision per given node, inserts for missing slots, and
+/// `requeue_at`. `existing` must hold every slot of the run (finished), not only
+/// the nodes passed in.
+pub fn decide<'n>(
+    desired: &DesiredView<'_>,
+    nodes: impl IntoIterator<Item = &'n ManagedNode>,
+    existing: &SlotSet,
+    now: UnixMillis,
+) -> DecideOutput {
+    let mut out = DecideOutput::default();
+    for n in nodes {
+        let d = decide_node(desired, n, now);
+        out.requeue_at = fold_requeue(out.requeue_at, &d, now);
+        out.decisions.push(d);
+    }
+    out.decisions.extend(inserts(desired, existing));
+    out
+}

@@ -1,0 +1,1325 @@
+//! One run's state machine: the sans-IO heart of the driver.
+//!
+//! Inputs arrive as method calls with `now` as an argument (shape updates, pass
+//! decisions, executor results, bootstrap observations, deadlines); outputs are
+//! values (operations to submit, acknowledgements to send, the next deadline).
+//! The async shell owns one `RunState` per run in a single task, so this type is
+//! the only writer of the run's state.
+//!
+//! A pass is two calls: [`RunState::begin_pass`] folds expired deadlines and
+//! names the nodes that need a decision; [`RunState::apply_decisions`] applies
+//! the decider's answer to exactly the state it was computed from (a node that
+//! changed meanwhile is skipped and queued for the next pass), records every
+//! operation pending with its deadline, commits the pass's writes to the store in
+//! one batch, and only then returns the operations to submit.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+    time::Duration,
+};
+
+use contract::{
+    Action, AttemptId, BootstrapProgress, BootstrapStage, ClockSaturated, ClusterShape, DecideOutput,
+    Decision, Effect, Epoch, Failure, FieldError, Generation, Intent, LogicalNodeId, ManagedNode, NodeStage,
+    NodeTemplate, Observation, Operation, OperationId, OperationInput, OperationResult, Outcome, PendingOp,
+    PermanentFailure, Rejection, RetryState, Rule, RunId, RunUid, TraceContext, UnixMillis, backoff_delay,
+};
+use decider::{DesiredView, SlotSet};
+
+use super::{
+    policy::Policy,
+    store::{NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun},
+};
+
+/// Why a shape update was refused. Nothing changes when one is returned.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ApplyError {
+    #[error("invalid shape: {0}")]
+    Invalid(#[from] FieldError),
+    #[error("run_id {given} does not match the run's id {current}; a run's id is fixed for its life")]
+    RunIdChanged { current: RunId, given: RunId },
+    #[error("generation {given} is lower than the current generation {current}")]
+    GenerationRegressed { current: Generation, given: Generation },
+    #[error("generation {0} was already applied with other content; bump the generation to change the shape")]
+    SameGenerationOtherContent(Generation),
+    #[error("run {0} is being deleted; apply again once it is gone")]
+    Deleting(RunId),
+}
+
+/// What an accepted shape update did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    Changed,
+    /// Same generation, same content: an idempotent no-op.
+    Unchanged,
+}
+
+/// Errors of the state machine itself. None of them panics or loops: each is
+/// returned and the state is left consistent.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error(transparent)]
+    Clock(#[from] ClockSaturated),
+    #[error("attempt id allocator exhausted")]
+    AttemptsExhausted,
+    #[error("operation sequence exhausted for {0}")]
+    SequenceExhausted(LogicalNodeId),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("a pass is already in progress")]
+    PassInProgress,
+    #[error("no pass is in progress")]
+    NoPass,
+}
+
+/// Why a result or observation was not folded. Each is counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Discard {
+    OtherRun,
+    UnknownNode,
+    SupersededAttempt,
+    /// No pending operation with that id: unknown, or already expired.
+    UnknownOperation,
+    EffectMismatch,
+    /// A completion after the executor abandoned the operation.
+    Late,
+    /// An observation of a session the attempt does not hold.
+    StaleSession,
+    /// An observation at or below the last folded sequence number.
+    Duplicate,
+}
+
+impl Discard {
+    pub fn name(self) -> &'static str {
+        match self {
+            Discard::OtherRun => "other-run",
+            Discard::UnknownNode => "unknown-node",
+            Discard::SupersededAttempt => "superseded-attempt",
+            Discard::UnknownOperation => "unknown-operation",
+            Discard::EffectMismatch => "effect-mismatch",
+            Discard::Late => "late",
+            Discard::StaleSession => "stale-session",
+            Discard::Duplicate => "duplicate",
+        }
+    }
+}
+
+/// The outcome of folding one result or observation.
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fold {
+    Folded,
+    Discarded(Discard),
+}
+
+/// Something to acknowledge to the executor once the fold is committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AckRef {
+    Result(OperationId),
+    Observation { session: contract::SessionId, seq: u64 },
+}
+
+/// The nodes a pass asks the decider about, and the state it asked about.
+#[must_use]
+#[derive(Debug, Clone)]
+pub struct PassPlan {
+    pub now: UnixMillis,
+    pub generation: Generation,
+    pub deleting: bool,
+    /// Nodes to decide, with the version each had when the plan was made.
+    pub nodes: Vec<(LogicalNodeId, u64)>,
+    /// Whether every node is in `nodes` (after a shape change, a restart or a
+    /// safety tick) rather than only those that changed or are due.
+    pub full: bool,
+}
+
+/// What applying a pass's decisions produced.
+#[must_use]
+#[derive(Debug, Clone, Default)]
+pub struct PassOutcome {
+    /// Recorded pending and committed: submit these.
+    pub operations: Vec<Operation>,
+    /// Folds committed with this pass: acknowledge these.
+    pub acks: Vec<AckRef>,
+    pub transitions: u32,
+    /// Decisions skipped because their node changed while the decider ran.
+    pub stale: u32,
+    /// Actions (not waits) by rule number.
+    pub actions_by_rule: [u32; 17],
+    /// Another pass is needed at once (a driver transition happened, or a
+    /// decision was stale).
+    pub follow_up: bool,
+    pub converged: bool,
+}
+
+/// The last decision recorded for a node, for explanations.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LastDecision {
+    pub decision: Decision,
+    pub at: UnixMillis,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    rec: NodeRecord,
+    /// Bumped on every change, so a decision computed from an older state is
+    /// recognised and skipped.
+    version: u64,
+    /// Changed since the last decision.
+    dirty: bool,
+    /// When the last decision asked for another look on its own.
+    wake_at: Option<UnixMillis>,
+    last: Option<LastDecision>,
+    trace: TraceContext,
+}
+
+impl Entry {
+    fn new(rec: NodeRecord) -> Self {
+        Self {
+            rec,
+            version: 0,
+            dirty: true,
+            wake_at: None,
+            last: None,
+            trace: TraceContext::default(),
+        }
+    }
+}
+
+/// Counters a run keeps for metrics and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunCounters {
+    pub passes: u64,
+    pub operations: u64,
+    pub folded_results: u64,
+    pub folded_observations: u64,
+    pub discarded: BTreeMap<&'static str, u64>,
+    pub deadline_folds: u64,
+    pub stage_timeouts: u64,
+}
+
+/// One run's state and the machine that changes it.
+#[derive(Debug, Clone)]
+pub struct RunState {
+    meta: RunMeta,
+    policy: Arc<Policy>,
+    nodes: BTreeMap<LogicalNodeId, Entry>,
+    /// The next pass must decide every node.
+    full: bool,
+    in_pass: bool,
+    meta_dirty: bool,
+    changed: BTreeSet<LogicalNodeId>,
+    removed: BTreeSet<LogicalNodeId>,
+    unacked: Vec<AckRef>,
+    counters: RunCounters,
+    pass_trace: TraceContext,
+}
+
+impl RunState {
+    /// A new run from its first shape. The caller supplies a fresh uid and the
+    /// epoch it holds for the run.
+    pub fn create(
+        shape: ClusterShape,
+        uid: RunUid,
+        epoch: Epoch,
+        policy: Arc<Policy>,
+        now: UnixMillis,
+    ) -> Result<Self, ApplyError> {
+        shape.validate(&policy.limits)?;
+        let meta = RunMeta {
+            run_id: shape.run_id.clone(),
+            uid,
+            epoch,
+            shape,
+            deleting: false,
+            paused: false,
+            observed_generation: Generation::new(0),
+            next_attempt: 1,
+            created_at: now,
+            converged_at: None,
+        };
+        Ok(Self::from_parts(meta, Vec::new(), policy))
+    }
+
+    /// A run rebuilt from the store, under a new epoch.
+    pub fn restore(stored: StoredRun, epoch: Epoch, policy: Arc<Policy>) -> Self {
+        let mut meta = stored.meta;
+        meta.epoch = epoch;
+        let mut run = Self::from_parts(meta, stored.nodes, policy);
+        run.meta_dirty = true;
+        run
+    }
+
+    fn from_parts(meta: RunMeta, nodes: Vec<NodeRecord>, policy: Arc<Policy>) -> Self {
+        let nodes = nodes
+            .into_iter()
+            .map(|r| (r.node.id.clone(), Entry::new(r)))
+            .collect();
+        Self {
+            meta,
+            policy,
+            nodes,
+            full: true,
+            in_pass: false,
+            meta_dirty: true,
+            changed: BTreeSet::new(),
+            removed: BTreeSet::new(),
+            unacked: Vec::new(),
+            counters: RunCounters::default(),
+            pass_trace: TraceContext::default(),
+        }
+    }
+
+    // ----- reads ---------------------------------------------------------
+
+    pub fn run_id(&self) -> &RunId {
+        &self.meta.run_id
+    }
+
+    pub fn uid(&self) -> RunUid {
+        self.meta.uid
+    }
+
+    pub fn epoch(&self) -> Epoch {
+        self.meta.epoch
+    }
+
+    pub fn meta(&self) -> &RunMeta {
+        &self.meta
+    }
+
+    pub fn shape(&self) -> &ClusterShape {
+        &self.meta.shape
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub fn is_deleting(&self) -> bool {
+        self.meta.deleting
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.meta.paused
+    }
+
+    /// Deleted and every node reaped: the run can be forgotten.
+    pub fn is_gone(&self) -> bool {
+        self.meta.deleting && self.nodes.is_empty()
+    }
+
+    pub fn counters(&self) -> &RunCounters {
+        &self.counters
+    }
+
+    pub fn nodes(&self) -> impl Iterator<Item = &ManagedNode> {
+        self.nodes.values().map(|e| &e.rec.node)
+    }
+
+    pub fn node(&self, id: &LogicalNodeId) -> Option<&ManagedNode> {
+        self.nodes.get(id).map(|e| &e.rec.node)
+    }
+
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn last_decision(&self, id: &LogicalNodeId) -> Option<&LastDecision> {
+        self.nodes.get(id).and_then(|e| e.last.as_ref())
+    }
+
+    pub fn desired_view(&self) -> DesiredView<'_> {
+        DesiredView::new(&self.meta.shape, self.meta.deleting)
+    }
+
+    /// Every slot the run holds.
+    pub fn slot_set(&self) -> SlotSet {
+        let mut s = SlotSet::new();
+        for id in self.nodes.keys() {
+            s.insert(id);
+        }
+        s.finish();
+        s
+    }
+
+    /// The operations recorded pending, exactly as first submitted, for a
+    /// resubmission after the executor link reconnects or the driver restarts.
+    pub fn inflight_operations(&self) -> Vec<Operation> {
+        self.nodes
+            .values()
+            .filter_map(|e| e.rec.inflight.clone())
+            .collect()
+    }
+
+    pub fn pending_count(&self) -> usize {
+        self.nodes
+            .values()
+            .filter(|e| e.rec.node.pending.is_some())
+            .count()
+    }
+
+    /// Converged for the current generation: every desired slot holds the exact
+    /// desired spec, ready, active, with nothing pending, and nothing else remains.
+    pub fn is_converged(&self) -> bool {
+        if self.meta.deleting {
+            return false;
+        }
+        let desired = self.desired_view();
+        let mut count = 0u64;
+        for e in self.nodes.values() {
+            let n = &e.rec.node;
+            let Some(t) = desired.template_for(&n.id) else {
+                return false;
+            };
+            if !(NodeTemplate::same(t, &n.spec)
+                && n.is_ready()
+                && n.intent == Intent::Active
+                && n.pending.is_none())
+            {
+                return false;
+            }
+            count += 1;
+        }
+        count == self.meta.shape.total_nodes()
+    }
+
+    /// When the run next needs attention on its own: a decision's wake time, an
+    /// operation's deadline plus grace, or a stage deadline.
+    pub fn poll_timeout(&self) -> Option<UnixMillis> {
+        let grace = self.policy.result_grace;
+        self.nodes
+            .values()
+            .flat_map(|e| {
+                let n = &e.rec.node;
+                let op = n.pending.and_then(|p| p.deadline.checked_add(grace).ok());
+                let stage = n.stage_deadline.filter(|_| n.intent == Intent::Active);
+                [e.wake_at, op, stage]
+            })
+            .flatten()
+            .min()
+    }
+
+    // ----- desired state -------------------------------------------------
+
+    /// Applies a shape update under the revision contract. On error nothing
+    /// changes.
+    pub fn apply_shape(&mut self, shape: ClusterShape) -> Result<Applied, ApplyError> {
+        if shape.run_id != self.meta.run_id {
+            return Err(ApplyError::RunIdChanged {
+                current: self.meta.run_id.clone(),
+                given: shape.run_id,
+            });
+        }
+        if self.meta.deleting {
+            return Err(ApplyError::Deleting(self.meta.run_id.clone()));
+        }
+        shape.validate(&self.policy.limits)?;
+        let current = self.meta.shape.generation;
+        if shape.generation < current {
+            return Err(ApplyError::GenerationRegressed {
+                current,
+                given: shape.generation,
+            });
+        }
+        if shape.generation == current {
+            return if shape.same_content(&self.meta.shape) {
+                Ok(Applied::Unchanged)
+            } else {
+                Err(ApplyError::SameGenerationOtherContent(current))
+            };
+        }
+        // Nodes whose spec equals their group's new template share its Arc, so
+        // the common drift check is a pointer compare and memory is shared.
+        for g in &shape.groups {
+            for e in self.nodes.values_mut() {
+                if e.rec.node.id.group() == &g.id
+                    && !Arc::ptr_eq(&e.rec.node.spec, &g.template)
+                    && *e.rec.node.spec == *g.template
+                {
+                    e.rec.node.spec = g.template.clone();
+                }
+            }
+        }
+        self.meta.shape = shape;
+        self.meta.converged_at = None;
+        self.meta_dirty = true;
+        self.full = true;
+        Ok(Applied::Changed)
+    }
+
+    /// Marks the run deleting: its desired shape becomes empty.
+    pub fn delete(&mut self) -> bool {
+        if self.meta.deleting {
+            return false;
+        }
+        self.meta.deleting = true;
+        self.meta.converged_at = None;
+        self.meta_dirty = true;
+        self.full = true;
+        true
+    }
+
+    pub fn set_paused(&mut self, paused: bool) -> bool {
+        if self.meta.paused == paused {
+            return false;
+        }
+        self.meta.paused = paused;
+        self.meta_dirty = true;
+        self.full = true;
+        true
+    }
+
+    /// Asks for a pass over every node (the safety tick).
+    pub fn mark_all_dirty(&mut self) {
+        self.full = true;
+    }
+
+    /// Sets the trace context that operations dispatched by the next pass carry.
+    pub fn set_pass_trace(&mut self, trace: TraceContext) {
+        self.pass_trace = trace;
+    }
+
+    // ----- passes --------------------------------------------------------
+
+    /// Whether a pass would have anything to decide at `now`.
+    pub fn needs_pass(&self, now: UnixMillis) -> bool {
+        self.full
+            || self
+                .nodes
+                .values()
+                .any(|e| e.dirty || e.wake_at.is_some_and(|t| t <= now))
+            || self.missing_slots()
+    }
+
+    fn missing_slots(&self) -> bool {
+        if self.meta.deleting {
+            return false;
+        }
+        let held = |g: &contract::GroupId| {
+            self.nodes
+                .range(LogicalNodeId::new(g.clone(), 0)..)
+                .take_while(|(id, _)| id.group() == g)
+                .count() as u64
+        };
+        self.meta
+            .shape
+            .groups
+            .iter()
+            .any(|g| held(&g.id) < u64::from(g.count))
+    }
+
+    /// Starts a pass: folds expired deadlines, then names the nodes to decide.
+    pub fn begin_pass(&mut self, now: UnixMillis) -> Result<PassPlan, CoreError> {
+        if self.in_pass {
+            return Err(CoreError::PassInProgress);
+        }
+        self.handle_timeout(now)?;
+        let full = self.full;
+        let nodes = self
+            .nodes
+            .iter()
+            .filter(|(_, e)| full || e.dirty || e.wake_at.is_some_and(|t| t <= now))
+            .map(|(id, e)| (id.clone(), e.version))
+            .collect();
+        self.full = false;
+        self.in_pass = true;
+        self.counters.passes += 1;
+        Ok(PassPlan {
+            now,
+            generation: self.meta.shape.generation,
+            deleting: self.meta.deleting,
+            nodes,
+            full,
+        })
+    }
+
+    /// The nodes a plan names, as they are now (for building the request).
+    pub fn plan_nodes<'a>(&'a self, plan: &'a PassPlan) -> impl Iterator<Item = &'a ManagedNode> + 'a {
+        plan.nodes
+            .iter()
+            .filter_map(|(id, _)| self.nodes.get(id).map(|e| &e.rec.node))
+    }
+
+    /// Abandons a pass whose decision never came (decider unreachable): nothing
+    /// changes, and the nodes it named are decided by the next pass.
+    pub fn abort_pass(&mut self, plan: PassPlan) {
+        self.in_pass = false;
+        if plan.full {
+            self.full = true;
+        }
+    }
+
+    /// Applies the decider's answer for `plan`, records every operation pending,
+    /// commits, and returns the operations to submit.
+    pub fn apply_decisions(
+        &mut self,
+        plan: PassPlan,
+        output: DecideOutput,
+        now: UnixMillis,
+        store: &mut dyn RunStore,
+    ) -> Result<PassOutcome, CoreError> {
+        if !self.in_pass {
+            return Err(CoreError::NoPass);
+        }
+        self.in_pass = false;
+        let mut out = PassOutcome::default();
+        // A shape change while the decider ran invalidates the whole answer.
+        if plan.generation != self.meta.shape.generation || plan.deleting != self.meta.deleting {
+            self.full = true;
+            out.follow_up = true;
+            out.stale = u32::try_from(output.decisions.len()).unwrap_or(u32::MAX);
+            out.acks = self.commit(store)?;
+            return Ok(out);
+        }
+        let versions: BTreeMap<&LogicalNodeId, u64> = plan.nodes.iter().map(|(id, v)| (id, *v)).collect();
+        for (id, _) in &plan.nodes {
+            if let Some(e) = self.nodes.get_mut(id)
+                && versions.get(id) == Some(&e.version)
+            {
+                e.dirty = false;
+                e.wake_at = None;
+            }
+        }
+        let mut ops = Vec::new();
+        for d in output.decisions {
+            let fresh = match d.action {
+                Action::Insert => !self.nodes.contains_key(&d.node),
+                _ => match (self.nodes.get(&d.node), versions.get(&d.node)) {
+                    (Some(e), Some(v)) => *v == e.version && Some(e.rec.node.attempt) == d.attempt,
+                    _ => false,
+                },
+            };
+            if !fresh {
+                out.stale += 1;
+                out.follow_up = true;
+                if let Some(e) = self.nodes.get_mut(&d.node) {
+                    e.dirty = true;
+                }
+                continue;
+            }
+            if !matches!(d.action, Action::Wait { .. }) {
+                out.actions_by_rule[d.rule as usize] += 1;
+            }
+            if d.action.is_transition() {
+                out.transitions += 1;
+            }
+            if self.meta.paused && !matches!(d.action, Action::Wait { .. }) {
+                // Paused: nothing new happens; the decision is kept for explain.
+                self.record_decision(&d, now, None);
+                continue;
+            }
+            self.apply_one(d, now, &mut ops)?;
+        }
+        if out.transitions > 0 && !self.meta.paused {
+            out.follow_up = true;
+        }
+        if self.meta.observed_generation != self.meta.shape.generation {
+            self.meta.observed_generation = self.meta.shape.generation;
+            self.meta_dirty = true;
+        }
+        out.converged = self.is_converged();
+        if out.converged && self.meta.converged_at.is_none() {
+            self.meta.converged_at = Some(now);
+            self.meta_dirty = true;
+        }
+        out.acks = self.commit(store)?;
+        self.counters.operations += ops.len() as u64;
+        out.operations = ops;
+        Ok(out)
+    }
+
+    fn record_decision(&mut self, d: &Decision, now: UnixMillis, wake: Option<UnixMillis>) {
+        if let Some(e) = self.nodes.get_mut(&d.node) {
+            e.wake_at = wake;
+            e.last = Some(LastDecision {
+                decision: d.clone(),
+                at: now,
+            });
+        }
+    }
+
+    fn apply_one(&mut self, d: Decision, now: UnixMillis, ops: &mut Vec<Operation>) -> Result<(), CoreError> {
+        match d.action {
+            Action::Wait { until } => {
+                let wake = until.filter(|t| *t > now);
+                self.record_decision(&d, now, wake);
+            }
+            Action::Insert => {
+                let Some(template) = self.meta.shape.desired_group(&d.node).map(|g| g.template.clone())
+                else {
+                    return Ok(());
+                };
+                let attempt = self.allocate_attempt()?;
+                let node = ManagedNode::new(d.node.clone(), attempt, template, RetryState::default());
+                let mut e = Entry::new(NodeRecord {
+                    node,
+                    next_seq: 1,
+                    inflight: None,
+                });
+                e.last = Some(LastDecision {
+                    decision: d.clone(),
+                    at: now,
+                });
+                self.removed.remove(&d.node);
+                self.changed.insert(d.node.clone());
+                self.nodes.insert(d.node, e);
+            }
+            Action::Reap => {
+                self.nodes.remove(&d.node);
+                self.changed.remove(&d.node);
+                self.removed.insert(d.node);
+            }
+            Action::Restart => {
+                let Some(template) = self.meta.shape.desired_group(&d.node).map(|g| g.template.clone())
+                else {
+                    return Ok(());
+                };
+                let attempt = self.allocate_attempt()?;
+                self.change(&d.node, now, &d, |rec| {
+                    let carried = RetryState {
+                        consecutive_failures: rec.node.retry.consecutive_failures,
+                        ..RetryState::default()
+                    };
+                    rec.node = ManagedNode::new(rec.node.id.clone(), attempt, template, carried);
+                    rec.next_seq = 1;
+                    rec.inflight = None;
+                });
+            }
+            Action::BeginDelete => {
+                self.change(&d.node, now, &d, |rec| {
+                    rec.node.intent = Intent::Deleting;
+                    // Cleanup starts at once; backoff delays only a restart.
+                    rec.node.retry.next_effect_at = None;
+                    rec.node.stage_deadline = None;
+                });
+            }
+            Action::MarkDestroyed => {
+                self.change(&d.node, now, &d, |rec| {
+                    let n = &mut rec.node;
+                    n.stage = NodeStage::Destroyed;
+                    n.stage_deadline = None;
+                    n.facts.lease = None;
+                    n.facts.endpoint = None;
+                    n.facts.session = None;
+                    n.retry.next_effect_at = None;
+                });
+            }
+            Action::ObserveConvergence => {
+                self.change(&d.node, now, &d, |rec| {
+                    let n = &mut rec.node;
+                    n.stage = NodeStage::Dormant;
+                    // The session completed with convergence; nothing to cancel.
+                    n.facts.session = None;
+                    n.facts.failure = None;
+                    n.stage_deadline = None;
+                    // Reaching ready resets the failure count.
+                    n.retry = RetryState::default();
+                });
+            }
+            Action::Dispatch(effect) => {
+                if let Some(op) = self.dispatch(&d, effect, now)? {
+                    ops.push(op);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn allocate_attempt(&mut self) -> Result<AttemptId, CoreError> {
+        let id = self.meta.next_attempt;
+        self.meta.next_attempt = id.checked_add(1).ok_or(CoreError::AttemptsExhausted)?;
+        self.meta_dirty = true;
+        Ok(AttemptId::new(id))
+    }
+
+    /// Applies a change to a node and records the decision that made it.
+    fn change(&mut self, id: &LogicalNodeId, now: UnixMillis, d: &Decision, f: impl FnOnce(&mut NodeRecord)) {
+        if let Some(e) = self.nodes.get_mut(id) {
+            f(&mut e.rec);
+            e.version += 1;
+            e.dirty = true;
+            e.wake_at = None;
+            e.last = Some(LastDecision {
+                decision: d.clone(),
+                at: now,
+            });
+            self.changed.insert(id.clone());
+        }
+    }
+
+    fn dispatch(
+        &mut self,
+        d: &Decision,
+        effect: Effect,
+        now: UnixMillis,
+    ) -> Result<Option<Operation>, CoreError> {
+        let deadline = now.checked_add(self.policy.operation_timeout(effect))?;
+        let (run_uid, run_id, epoch) = (self.meta.uid, self.meta.run_id.clone(), self.meta.epoch);
+        let trace = self.pass_trace.clone();
+        let Some(e) = self.nodes.get_mut(&d.node) else {
+            return Ok(None);
+        };
+        let n = &e.rec.node;
+        if n.pending.is_some() {
+            // One pending operation per node, ever; the decider never asks for a
+            // second, and this keeps it so even if one did.
+            return Ok(None);
+        }
+        let input = match effect {
+            Effect::CreateLease => OperationInput::CreateLease {
+                template: n.spec.clone(),
+            },
+            Effect::LookupEndpoint => match &n.facts.lease {
+                Some(lease) => OperationInput::LookupEndpoint { lease: lease.clone() },
+                None => return Ok(None),
+            },
+            Effect::StartBootstrap => match (&n.facts.lease, &n.facts.endpoint) {
+                (Some(lease), Some(endpoint)) => OperationInput::StartBootstrap {
+                    lease: lease.clone(),
+                    endpoint: endpoint.clone(),
+                    boot: n.spec.boot.clone(),
+                    join: n.spec.join.clone(),
+                },
+                _ => return Ok(None),
+            },
+            Effect::CancelBootstrap => OperationInput::CancelBootstrap {
+                session: n.facts.session.clone(),
+            },
+            Effect::DestroyLease => OperationInput::DestroyLease {
+                lease: n.facts.lease.clone(),
+            },
+        };
+        let seq = e.rec.next_seq;
+        let next_seq = seq
+            .checked_add(1)
+            .ok_or_else(|| CoreError::SequenceExhausted(d.node.clone()))?;
+        let id = OperationId::new(n.attempt, seq);
+        let op = Operation {
+            run_uid,
+            run_id,
+            node: d.node.clone(),
+            id,
+            epoch,
+            deadline,
+            input,
+            trace: trace.clone(),
+        };
+        let rec = &mut e.rec;
+        rec.next_seq = next_seq;
+        rec.node.pending = Some(PendingOp {
+            id,
+            effect,
+            deadline,
+            dispatched_at: now,
+        });
+        if effect == Effect::CreateLease
+            && rec.node.intent == Intent::Active
+            && rec.node.stage == NodeStage::New
+        {
+            rec.node.stage = NodeStage::LeaseRequested;
+        }
+        rec.inflight = Some(op.clone());
+        e.trace = trace;
+        e.version += 1;
+        e.wake_at = None;
+        e.last = Some(LastDecision {
+            decision: d.clone(),
+            at: now,
+        });
+        self.changed.insert(d.node.clone());
+        Ok(Some(op))
+    }
+
+    /// Writes every change since the last commit as one delta, and releases the
+    /// acknowledgements of the folds it holds.
+    pub fn commit(&mut self, store: &mut dyn RunStore) -> Result<Vec<AckRef>, CoreError> {
+        let mut delta = RunDelta::new(self.meta.uid);
+        if self.is_gone() {
+            delta.drop_run = true;
+        } else {
+            if self.meta_dirty {
+                delta.meta = Some(self.meta.clone());
+            }
+            delta.upserts = self
+                .changed
+                .iter()
+                .filter_map(|id| self.nodes.get(id).map(|e| e.rec.clone()))
+                .collect();
+            delta.removals = self.removed.iter().cloned().collect();
+        }
+        if !delta.is_empty() {
+            store.commit(&delta)?;
+        }
+        self.meta_dirty = false;
+        self.changed.clear();
+        self.removed.clear();
+        Ok(std::mem::take(&mut self.unacked))
+    }
+
+    // ----- folding -------------------------------------------------------
+
+    fn backoff_at(
+        &self,
+        attempt: AttemptId,
+        failures: u32,
+        now: UnixMillis,
+    ) -> Result<UnixMillis, ClockSaturated> {
+        now.checked_add(backoff_delay(
+            &self.policy.backoff,
+            self.meta.uid,
+            attempt,
+            failures,
+        ))
+    }
+
+    /// Folds an operation result into the attempt and operation it names.
+    pub fn fold_result(&mut self, r: &OperationResult, now: UnixMillis) -> Result<Fold, CoreError> {
+        let fold = self.check_result(r);
+        if let Fold::Discarded(why) = fold {
+            if why != Discard::OtherRun {
+                // The executor keeps a result until it is acknowledged; a
+                // discarded one is acknowledged too, or it would come back forever.
+                self.unacked.push(AckRef::Result(r.id));
+            }
+            *self.counters.discarded.entry(why.name()).or_default() += 1;
+            return Ok(fold);
+        }
+        self.fold_outcome(&r.node, r.effect, &r.outcome, now)?;
+        self.unacked.push(AckRef::Result(r.id));
+        self.counters.folded_results += 1;
+        Ok(Fold::Folded)
+    }
+
+    fn check_result(&self, r: &OperationResult) -> Fold {
+        if r.run_uid != self.meta.uid {
+            return Fold::Discarded(Discard::OtherRun);
+        }
+        let Some(e) = self.nodes.get(&r.node) else {
+            return Fold::Discarded(Discard::UnknownNode);
+        };
+        let n = &e.rec.node;
+        if n.attempt != r.id.attempt() {
+            return Fold::Discarded(Discard::SupersededAttempt);
+        }
+        if r.late {
+            return Fold::Discarded(Discard::Late);
+        }
+        match n.pending {
+            Some(p) if p.id == r.id && p.effect == r.effect => Fold::Folded,
+            Some(p) if p.id == r.id => Fold::Discarded(Discard::EffectMismatch),
+            _ => Fold::Discarded(Discard::UnknownOperation),
+        }
+    }
+
+    /// Folds the outcome of the node's pending operation. Every deadline is
+    /// computed before anything changes, so an error leaves the node as it was.
+    fn fold_outcome(
+        &mut self,
+        id: &LogicalNodeId,
+        effect: Effect,
+        outcome: &Outcome,
+        now: UnixMillis,
+    ) -> Result<(), CoreError> {
+        let Some(e) = self.nodes.get(id) else {
+            return Ok(());
+        };
+        let n = &e.rec.node;
+        let failures = n.retry.consecutive_failures.saturating_add(1);
+        let backoff_at = self.backoff_at(n.attempt, failures, now)?;
+        let probe_at = now.checked_add(self.policy.probe_interval)?;
+        let endpoint_deadline = now.checked_add(self.policy.endpoint_timeout)?;
+        let bootstrap_deadline = now.checked_add(self.policy.bootstrap_timeout)?;
+        let Some(e) = self.nodes.get_mut(id) else {
+            return Ok(());
+        };
+        e.version += 1;
+        e.dirty = true;
+        e.wake_at = None;
+        e.rec.inflight = None;
+        let n = &mut e.rec.node;
+        n.pending = None;
+        let active = n.intent == Intent::Active;
+
+        // Shared shapes of failure handling.
+        let retry_later = |n: &mut ManagedNode, reason: &str| {
+            n.retry.consecutive_failures = failures;
+            n.retry.next_effect_at = Some(backoff_at);
+            n.facts.failure = Some(Failure {
+                reason: format!("{}: {reason}", effect.name()),
+                at: now,
+            });
+        };
+        let attempt_fails = |n: &mut ManagedNode, reason: &str, permanent: bool| {
+            n.retry.consecutive_failures = failures;
+            n.retry.next_effect_at = None;
+            n.retry.restart_at = Some(backoff_at);
+            if permanent {
+                n.retry.permanent = Some(PermanentFailure {
+                    reason: format!("{}: {reason}", effect.name()),
+                    spec: n.spec.clone(),
+                });
+            }
+            n.facts.failure = Some(Failure {
+                reason: format!("{}: {reason}", effect.name()),
+                at: now,
+            });
+            n.stage_deadline = None;
+            if n.intent == Intent::Active {
+                n.stage = NodeStage::Failed;
+            }
+        };
+
+        match (effect, outcome) {
+            (Effect::CreateLease, Outcome::Succeeded(f)) => match &f.lease {
+                Some(lease) => {
+                    n.facts.lease = Some(lease.clone());
+                    n.facts.ambiguous_create = false;
+                    if let Some(ep) = &f.endpoint {
+                        n.facts.endpoint = Some(ep.clone());
+                    }
+                    if active {
+                        if n.facts.endpoint.is_some() {
+                            n.stage = NodeStage::EndpointKnown;
+                            n.stage_deadline = None;
+                        } else {
+                            n.stage = NodeStage::LeaseCreated;
+                            n.stage_deadline = Some(endpoint_deadline);
+                        }
+                    }
+                }
+                // A success that names no lease cannot be trusted either way.
+                None => {
+                    n.facts.ambiguous_create = true;
+                    retry_later(n, "succeeded without naming a lease");
+                }
+            },
+            (Effect::CreateLease, Outcome::NotReady { .. }) => {
+                n.retry.next_effect_at = Some(probe_at);
+            }
+            (Effect::CreateLease, Outcome::Retryable { reason }) => {
+                retry_later(n, reason);
+                if active && n.facts.lease.is_none() {
+                    n.stage = NodeStage::New;
+                }
+            }
+            (Effect::CreateLease, Outcome::Permanent { reason }) => {
+                // A definite "cannot create" after the adoption check: nothing exists.
+                n.facts.ambiguous_create = false;
+                attempt_fails(n, reason, true);
+            }
+            (Effect::CreateLease, Outcome::Ambiguous { reason }) => {
+                n.facts.ambiguous_create = true;
+                retry_later(n, reason);
+            }
+
+            (Effect::LookupEndpoint, Outcome::Succeeded(f)) => match &f.endpoint {
+                Some(ep) => {
+                    n.facts.endpoint = Some(ep.clone());
+                    if active {
+                        n.stage = NodeStage::EndpointKnown;
+                        n.stage_deadline = None;
+                    }
+                }
+                None => retry_later(n, "succeeded without naming an endpoint"),
+            },
+            // Not ready is a probe, never a failure.
+            (Effect::LookupEndpoint, Outcome::NotReady { .. }) => {
+                n.retry.next_effect_at = Some(probe_at);
+            }
+            (Effect::LookupEndpoint, Outcome::Retryable { reason } | Outcome::Ambiguous { reason }) => {
+                retry_later(n, reason);
+            }
+            (Effect::LookupEndpoint, Outcome::Permanent { reason }) => attempt_fails(n, reason, true),
+
+            (Effect::StartBootstrap, Outcome::Succeeded(f)) => match &f.session {
+                Some(session) => {
+                    n.facts.session = Some(session.clone());
+                    n.facts.ambiguous_bootstrap = false;
+                    n.facts.bootstrap = None;
+                    if active {
+                        n.stage = NodeStage::BootstrapRunning;
+                        n.stage_deadline = Some(bootstrap_deadline);
+                    }
+                }
+                None => {
+                    n.facts.ambiguous_bootstrap = true;
+                    attempt_fails(n, "succeeded without naming a session", false);
+                }
+            },
+            (Effect::StartBootstrap, Outcome::NotReady { .. }) => {
+                n.retry.next_effect_at = Some(probe_at);
+            }
+            (Effect::StartBootstrap, Outcome::Retryable { reason }) => attempt_fails(n, reason, false),
+            (Effect::StartBootstrap, Outcome::Permanent { reason }) => attempt_fails(n, reason, true),
+            (Effect::StartBootstrap, Outcome::Ambiguous { reason }) => {
+                n.facts.ambiguous_bootstrap = true;
+                attempt_fails(n, reason, false);
+            }
+
+            (Effect::CancelBootstrap, Outcome::Succeeded(_)) => {
+                n.facts.session = None;
+                n.facts.ambiguous_bootstrap = false;
+            }
+            (Effect::DestroyLease, Outcome::Succeeded(_)) => {
+                n.facts.lease = None;
+                n.facts.endpoint = None;
+            }
+            // Cleanup failures keep every live fact (dead-hold) and retry on the
+            // backoff schedule.
+            (Effect::CancelBootstrap | Effect::DestroyLease, other) => {
+                retry_later(n, other.reason());
+            }
+        }
+        self.changed.insert(id.clone());
+        Ok(())
+    }
+
+    /// Folds a bootstrap observation into the session it names.
+    pub fn fold_observation(&mut self, o: &Observation, now: UnixMillis) -> Result<Fold, CoreError> {
+        let fold = self.check_observation(o);
+        if let Fold::Discarded(why) = fold {
+            if why != Discard::OtherRun {
+                self.unacked.push(AckRef::Observation {
+                    session: o.session.clone(),
+                    seq: o.seq,
+                });
+            }
+            *self.counters.discarded.entry(why.name()).or_default() += 1;
+            return Ok(fold);
+        }
+        let failures = self
+            .nodes
+            .get(&o.node)
+            .map_or(1, |e| e.rec.node.retry.consecutive_failures.saturating_add(1));
+        let restart_at = self.backoff_at(o.attempt, failures, now)?;
+        let Some(e) = self.nodes.get_mut(&o.node) else {
+            return Ok(Fold::Discarded(Discard::UnknownNode));
+        };
+        e.version += 1;
+        e.dirty = true;
+        e.wake_at = None;
+        let n = &mut e.rec.node;
+        n.facts.bootstrap = Some(BootstrapProgress {
+            stage: o.stage,
+            seq: o.seq,
+            at: o.at,
+            detail: o.detail.clone(),
+        });
+        if n.intent == Intent::Active {
+            if o.stage.is_failure() {
+                // The attempt fails; the session stays recorded as live so that
+                // cleanup cancels it ("already absent" is success).
+                n.stage = NodeStage::Failed;
+                n.stage_deadline = None;
+                n.retry.consecutive_failures = failures;
+                n.retry.next_effect_at = None;
+                n.retry.restart_at = Some(restart_at);
+                n.facts.failure = Some(Failure {
+                    reason: format!("bootstrap {}: {}", o.stage.name(), o.detail),
+                    at: o.at,
+                });
+            } else if matches!(o.stage, BootstrapStage::Joined | BootstrapStage::Converged)
+                && n.stage == NodeStage::BootstrapRunning
+            {
+                n.stage = NodeStage::Joined;
+            }
+        }
+        self.changed.insert(o.node.clone());
+        self.unacked.push(AckRef::Observation {
+            session: o.session.clone(),
+            seq: o.seq,
+        });
+        self.counters.folded_observations += 1;
+        Ok(Fold::Folded)
+    }
+
+    fn check_observation(&self, o: &Observation) -> Fold {
+        if o.run_uid != self.meta.uid {
+            return Fold::Discarded(Discard::OtherRun);
+        }
+        let Some(e) = self.nodes.get(&o.node) else {
+            return Fold::Discarded(Discard::UnknownNode);
+        };
+        let n = &e.rec.node;
+        if n.attempt != o.attempt {
+            return Fold::Discarded(Discard::SupersededAttempt);
+        }
+        if n.facts.session.as_ref() != Some(&o.session) {
+            return Fold::Discarded(Discard::StaleSession);
+        }
+        if n.facts.bootstrap.as_ref().is_some_and(|b| o.seq <= b.seq) {
+            return Fold::Discarded(Discard::Duplicate);
+        }
+        Fold::Folded
+    }
+
+    /// The last folded observation sequence per live session, for asking the
+    /// executor to replay what came after.
+    pub fn observation_cursors(&self) -> Vec<(contract::SessionId, u64)> {
+        self.nodes
+            .values()
+            .filter_map(|e| {
+                let n = &e.rec.node;
+                n.facts
+                    .session
+                    .as_ref()
+                    .map(|s| (s.clone(), n.facts.bootstrap.as_ref().map_or(0, |b| b.seq)))
+            })
+            .collect()
+    }
+
+    /// A submission that failed before reaching the executor folds as a
+    /// failure of that operation. Whether it may have happened is unknown, so it
+    /// folds as ambiguous.
+    pub fn fold_submit_failure(
+        &mut self,
+        id: OperationId,
+        node: &LogicalNodeId,
+        reason: &str,
+        now: UnixMillis,
+    ) -> Result<Fold, CoreError> {
+        let effect = match self.nodes.get(node).and_then(|e| e.rec.node.pending) {
+            Some(p) if p.id == id => p.effect,
+            _ => return Ok(Fold::Discarded(Discard::UnknownOperation)),
+        };
+        self.fold_outcome(
+            node,
+            effect,
+            &Outcome::Ambiguous {
+                reason: format!("submission failed: {reason}"),
+            },
+            now,
+        )?;
+        Ok(Fold::Folded)
+    }
+
+    /// A rejection from the executor. A conflicting-input or invalid rejection is
+    /// definite (the operation did not run) and folds as a retryable failure; a
+    /// fenced or unknown-run rejection means this driver must not act, and
+    /// changes nothing (the shell re-claims or stops).
+    pub fn fold_rejection(
+        &mut self,
+        rej: &Rejection,
+        node: &LogicalNodeId,
+        now: UnixMillis,
+    ) -> Result<Fold, CoreError> {
+        use contract::RejectionReason as R;
+        let Some(id) = rej.id else {
+            return Ok(Fold::Discarded(Discard::UnknownOperation));
+        };
+        if matches!(rej.reason, R::Fenced | R::UnknownRun) {
+            return Ok(Fold::Discarded(Discard::UnknownOperation));
+        }
+        let effect = match self.nodes.get(node).and_then(|e| e.rec.node.pending) {
+            Some(p) if p.id == id => p.effect,
+            _ => return Ok(Fold::Discarded(Discard::UnknownOperation)),
+        };
+        self.fold_outcome(
+            node,
+            effect,
+            &Outcome::Retryable {
+                reason: format!("rejected ({}): {}", rej.reason.name(), rej.message),
+            },
+            now,
+        )?;
+        Ok(Fold::Folded)
+    }
+
+    /// Folds every expired deadline: operations past deadline plus grace fold as
+    /// ambiguous failures; expired stage deadlines fail the attempt.
+    pub fn handle_timeout(&mut self, now: UnixMillis) -> Result<u32, CoreError> {
+        let grace = self.policy.result_grace;
+        let mut expired_ops = Vec::new();
+        let mut expired_stages = Vec::new();
+        for (id, e) in &self.nodes {
+            let n = &e.rec.node;
+            if let Some(p) = n.pending
+                && p.deadline.checked_add(grace).is_ok_and(|t| t <= now)
+            {
+                expired_ops.push((id.clone(), p.effect));
+            }
+            if n.intent == Intent::Active && n.stage_deadline.is_some_and(|t| t <= now) {
+                expired_stages.push(id.clone());
+            }
+        }
+        let mut folded = 0;
+        for (id, effect) in expired_ops {
+            self.fold_outcome(
+                &id,
+                effect,
+                &Outcome::Ambiguous {
+                    reason: "no result by the operation's deadline".to_owned(),
+                },
+                now,
+            )?;
+            self.counters.deadline_folds += 1;
+            folded += 1;
+        }
+        for id in expired_stages {
+            let failures = self
+                .nodes
+                .get(&id)
+                .map_or(1, |e| e.rec.node.retry.consecutive_failures.saturating_add(1));
+            let attempt = self
+                .nodes
+                .get(&id)
+                .map_or(AttemptId::new(0), |e| e.rec.node.attempt);
+            let restart_at = self.backoff_at(attempt, failures, now)?;
+            let (endpoint_timeout, bootstrap_timeout) =
+                (self.policy.endpoint_timeout, self.policy.bootstrap_timeout);
+            if let Some(e) = self.nodes.get_mut(&id) {
+                let n = &mut e.rec.node;
+                let reason = match n.stage {
+                    NodeStage::LeaseCreated => format!("no endpoint within {}", human(endpoint_timeout)),
+                    _ => format!("bootstrap did not converge within {}", human(bootstrap_timeout)),
+                };
+                n.stage = NodeStage::Failed;
+                n.stage_deadline = None;
+                n.retry.consecutive_failures = failures;
+                n.retry.next_effect_at = None;
+                n.retry.restart_at = Some(restart_at);
+                n.facts.failure = Some(Failure { reason, at: now });
+                e.version += 1;
+                e.dirty = true;
+                e.wake_at = None;
+                self.changed.insert(id);
+                self.counters.stage_timeouts += 1;
+                folded += 1;
+            }
+        }
+        Ok(folded)
+    }
+
+    /// Whether any node of the run is known to the store's last commit. Used by
+    /// tests to check that writes reach the store.
+    pub fn uncommitted(&self) -> bool {
+        self.meta_dirty || !self.changed.is_empty() || !self.removed.is_empty()
+    }
+
+    /// The rule that applies to a node now, evaluated with the decider library.
+    pub fn explain(&self, id: &LogicalNodeId, now: UnixMillis) -> Option<Decision> {
+        let n = self.node(id)?;
+        Some(decider::decide_node(&self.desired_view(), n, now))
+    }
+
+    /// What the decider would do now under `shape`, without changing anything.
+    pub fn plan(&self, shape: &ClusterShape, now: UnixMillis) -> DecideOutput {
+        let view = DesiredView::new(shape, false);
+        decider::decide(&view, self.nodes(), &self.slot_set(), now)
+    }
+
+    /// Finds whether a decision for `rule` is the last one recorded, for tests.
+    pub fn last_rule(&self, id: &LogicalNodeId) -> Option<Rule> {
+        self.last_decision(id).map(|l| l.decision.rule)
+    }
+}
+
+fn human(d: Duration) -> String {
+    if d.as_millis() % 1000 == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{}ms", d.as_millis())
+    }
+}

@@ -1,0 +1,147 @@
+//! The store interface the run state machine commits to, and the in-memory
+//! implementation (a test double; the durable stores implement the same trait).
+//!
+//! A pass's writes are one [`RunDelta`], committed together; acknowledgements of
+//! folded results are released only after the commit that holds the fold.
+
+use std::collections::BTreeMap;
+
+use contract::{
+    ClusterShape, Epoch, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
+};
+
+/// A run's own fields (everything but its nodes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunMeta {
+    pub run_id: RunId,
+    pub uid: RunUid,
+    pub epoch: Epoch,
+    pub shape: ClusterShape,
+    pub deleting: bool,
+    pub paused: bool,
+    pub observed_generation: Generation,
+    /// The next attempt id to hand out; attempts are never reused.
+    pub next_attempt: u64,
+    pub created_at: UnixMillis,
+    pub converged_at: Option<UnixMillis>,
+}
+
+/// One slot as stored: its node, the op-sequence allocator of its attempt, and
+/// the operation in flight exactly as it was submitted (so a resubmission is
+/// byte-for-byte the same input, which the executor replays).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeRecord {
+    pub node: ManagedNode,
+    pub next_seq: u32,
+    pub inflight: Option<Operation>,
+}
+
+/// The writes of one pass (or one fold batch) for one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunDelta {
+    pub uid: RunUid,
+    pub meta: Option<RunMeta>,
+    pub upserts: Vec<NodeRecord>,
+    pub removals: Vec<LogicalNodeId>,
+    /// The run is gone: drop everything stored for it.
+    pub drop_run: bool,
+}
+
+impl RunDelta {
+    pub fn new(uid: RunUid) -> Self {
+        Self {
+            uid,
+            meta: None,
+            upserts: Vec::new(),
+            removals: Vec::new(),
+            drop_run: false,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.meta.is_none() && self.upserts.is_empty() && self.removals.is_empty() && !self.drop_run
+    }
+}
+
+/// Everything stored for one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredRun {
+    pub meta: RunMeta,
+    pub nodes: Vec<NodeRecord>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error("stored data is corrupt: {0}")]
+    Corrupt(String),
+    #[error("a node delta arrived for run {0}, which has no stored meta")]
+    UnknownRun(RunUid),
+}
+
+/// Where run state is committed. Implementations commit a delta atomically.
+pub trait RunStore: Send + std::fmt::Debug {
+    fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError>;
+    fn load_all(&self) -> Result<Vec<StoredRun>, StoreError>;
+}
+
+/// Keeps state for the process lifetime only.
+#[derive(Debug, Default, Clone)]
+pub struct MemStore {
+    runs: BTreeMap<RunUid, (RunMeta, BTreeMap<LogicalNodeId, NodeRecord>)>,
+    commits: u64,
+}
+
+impl MemStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of successful commits, for tests that count them.
+    pub fn commits(&self) -> u64 {
+        self.commits
+    }
+}
+
+impl RunStore for MemStore {
+    fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError> {
+        let uid = delta.uid;
+        if delta.drop_run {
+            self.runs.remove(&uid);
+            self.commits += 1;
+            return Ok(());
+        }
+        let entry = match (self.runs.get_mut(&uid), &delta.meta) {
+            (Some(e), Some(m)) => {
+                e.0 = m.clone();
+                e
+            }
+            (Some(e), None) => e,
+            (None, Some(m)) => self
+                .runs
+                .entry(uid)
+                .or_insert_with(|| (m.clone(), BTreeMap::new())),
+            (None, None) => return Err(StoreError::UnknownRun(uid)),
+        };
+        for r in &delta.upserts {
+            entry.1.insert(r.node.id.clone(), r.clone());
+        }
+        for id in &delta.removals {
+            entry.1.remove(id);
+        }
+        self.commits += 1;
+        Ok(())
+    }
+
+    fn load_all(&self) -> Result<Vec<StoredRun>, StoreError> {
+        Ok(self
+            .runs
+            .values()
+            .map(|(meta, nodes)| StoredRun {
+                meta: meta.clone(),
+                nodes: nodes.values().cloned().collect(),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,1140 @@
+//! The executor's sans-IO core: fencing, the operation-dedup table, the
+//! one-running-operation-per-attempt rule, deadlines, unacknowledged results and
+//! bootstrap observations.
+//!
+//! [`ExecutorCore`] is a deterministic state machine in the quinn-proto style. It
+//! reads no clock and does no I/O: inputs arrive through methods with `now` as an
+//! argument, outputs leave as [`Output`] values, and [`ExecutorCore::poll_timeout`]
+//! says when [`ExecutorCore::handle_timeout`] must next be called. The tokio shell
+//! around it starts and aborts backend calls as the outputs say and feeds their
+//! outcomes back through [`ExecutorCore::complete`].
+//!
+//! Every map is a `BTreeMap` so that anything iterated into an output comes out in
+//! the same order for the same inputs.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, VecDeque},
+    ops::Bound,
+};
+
+use contract::{
+    AttemptId, BootstrapStage, Claim, Effect, Epoch, Observation, Operation, OperationId, OperationResult,
+    Outcome, Rejection, RejectionReason, ResourceIdentity, RunUid, SessionId, TraceContext, UnixMillis,
+};
+
+/// Reason of the `Retryable` result of an operation whose deadline passed before
+/// it could start: nothing was attempted, so the failure is definite.
+pub const REASON_EXPIRED_BEFORE_START: &str = "deadline passed before the operation started";
+
+/// Reason of the `Ambiguous` result of an operation abandoned at its deadline
+/// while the backend call was still out.
+pub const REASON_ABANDONED: &str = "deadline passed; the effect may or may not have happened";
+
+/// What the core asks of its shell.
+#[must_use]
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// Run this operation against the backend and report its outcome through
+    /// [`ExecutorCore::complete`].
+    Start(Operation),
+    /// Cancel the backend call of an operation the core has abandoned; its outcome
+    /// may still be reported and comes out as a late result.
+    Abort { run_uid: RunUid, id: OperationId },
+    /// Send this result to the driver.
+    Result(OperationResult),
+    /// Send this rejection to the driver.
+    Rejected(Rejection),
+}
+
+/// A completed operation's recorded result.
+#[derive(Debug, Clone)]
+struct Completed {
+    result: OperationResult,
+    acked: bool,
+    /// The core abandoned the operation at its deadline while the backend call was
+    /// out, so one late completion may still arrive; it is reported once.
+    awaiting_late: bool,
+}
+
+#[derive(Debug, Clone)]
+enum OpState {
+    Queued,
+    Running,
+    Completed(Completed),
+}
+
+/// One row of the dedup table.
+#[derive(Debug, Clone)]
+struct OpEntry {
+    op: Operation,
+    state: OpState,
+}
+
+/// The running operation of one attempt and those waiting their turn, FIFO.
+#[derive(Debug, Clone, Default)]
+struct AttemptLane {
+    running: Option<OperationId>,
+    queue: VecDeque<OperationId>,
+}
+
+/// The sequence counter and unacknowledged observations of one bootstrap session.
+#[derive(Debug, Clone)]
+struct SessionLog {
+    attempt: AttemptId,
+    next_seq: u64,
+    unacked: BTreeMap<u64, Observation>,
+}
+
+/// Everything the core knows of one run.
+#[derive(Debug, Clone, Default)]
+struct RunState {
+    /// `None` until the run is claimed. Observations can arrive for a run that no
+    /// driver has claimed yet (after an executor restart), and they are kept.
+    highest_epoch: Option<Epoch>,
+    ops: BTreeMap<OperationId, OpEntry>,
+    /// Only attempts with a running or queued operation have a lane.
+    lanes: BTreeMap<AttemptId, AttemptLane>,
+    /// Deadlines of the queued and running operations, earliest first, so the
+    /// next timeout is found without scanning the dedup table.
+    deadlines: BTreeSet<(UnixMillis, OperationId)>,
+    unacked: BTreeSet<OperationId>,
+    /// Attempts whose lease was destroyed and whose records were pruned.
+    retired: BTreeSet<AttemptId>,
+    sessions: BTreeMap<SessionId, SessionLog>,
+}
+
+impl RunState {
+    fn rejection(
+        &self,
+        run_uid: RunUid,
+        id: Option<OperationId>,
+        reason: RejectionReason,
+        message: String,
+    ) -> Rejection {
+        Rejection {
+            run_uid,
+            id,
+            reason,
+            message,
+            highest_epoch: self.highest_epoch.unwrap_or_default(),
+        }
+    }
+
+    /// Records `outcome` as the result of a queued or running operation and
+    /// returns it. The caller keeps the attempt's lane consistent.
+    fn finish(&mut self, id: OperationId, outcome: Outcome, now: UnixMillis) -> Option<OperationResult> {
+        let entry = self.ops.get_mut(&id)?;
+        let result = OperationResult {
+            run_uid: entry.op.run_uid,
+            node: entry.op.node.clone(),
+            id,
+            effect: entry.op.input.effect(),
+            outcome,
+            completed_at: now,
+            late: false,
+            replayed: false,
+            trace: entry.op.trace.clone(),
+        };
+        self.deadlines.remove(&(entry.op.deadline, id));
+        entry.state = OpState::Completed(Completed {
+            result: result.clone(),
+            acked: false,
+            awaiting_late: false,
+        });
+        self.unacked.insert(id);
+        Some(result)
+    }
+
+    fn expire_unstarted(&mut self, id: OperationId, now: UnixMillis, out: &mut Vec<Output>) {
+        let outcome = Outcome::Retryable {
+            reason: REASON_EXPIRED_BEFORE_START.to_owned(),
+        };
+        if let Some(result) = self.finish(id, outcome, now) {
+            out.push(Output::Result(result));
+        }
+    }
+
+    /// Starts the next queued operation of an idle attempt. Queued operations
+    /// whose deadline has passed complete as `Retryable` instead: they were never
+    /// attempted, so their failure is definite.
+    fn start_next(&mut self, attempt: AttemptId, now: UnixMillis, out: &mut Vec<Output>) {
+        loop {
+            let Some(lane) = self.lanes.get_mut(&attempt) else {
+                return;
+            };
+            if lane.running.is_some() {
+                return;
+            }
+            let Some(next) = lane.queue.pop_front() else {
+                // An idle lane holds nothing worth keeping.
+                self.lanes.remove(&attempt);
+                return;
+            };
+            let Some(entry) = self.ops.get_mut(&next) else {
+                continue;
+            };
+            if entry.op.deadline <= now {
+                self.expire_unstarted(next, now, out);
+                continue;
+            }
+            entry.state = OpState::Running;
+            lane.running = Some(next);
+            out.push(Output::Start(entry.op.clone()));
+            return;
+        }
+    }
+
+    /// Frees the attempt of `id` if `id` is its running operation.
+    fn release(&mut self, attempt: AttemptId, id: OperationId) {
+        if let Some(lane) = self.lanes.get_mut(&attempt)
+            && lane.running == Some(id)
+        {
+            lane.running = None;
+        }
+    }
+
+    /// Drops every completed and acknowledged record of a cleaned-up attempt and
+    /// remembers the attempt as retired.
+    ///
+    /// Without this the dedup table would grow with every attempt a run ever had.
+    /// A successful `DestroyLease` whose result the driver has acknowledged is the
+    /// attempt's last effect: the driver marks the node destroyed and never sends
+    /// the attempt another operation, so its records can no longer be replayed
+    /// usefully. The attempt id stays in `retired` (a few bytes per attempt, freed
+    /// by `forget_run`) so that a stray resubmitted create for it is refused
+    /// instead of making a lease nobody will ever destroy. Records not yet
+    /// acknowledged stay until they are, and are dropped then.
+    fn retire(&mut self, attempt: AttemptId) {
+        self.retired.insert(attempt);
+        let range = OperationId::new(attempt, 0)..=OperationId::new(attempt, u32::MAX);
+        let done: Vec<OperationId> = self
+            .ops
+            .range(range)
+            .filter(|(_, e)| matches!(&e.state, OpState::Completed(c) if c.acked))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in done {
+            self.ops.remove(&id);
+        }
+        // Sessions of the attempt with nothing left to acknowledge go too. A late
+        // observation of a retired attempt would then restart its session's
+        // sequence at 1, which is harmless: the driver discards every fact of a
+        // retired attempt.
+        self.sessions
+            .retain(|_, log| log.attempt != attempt || !log.unacked.is_empty());
+    }
+
+    fn is_empty(&self) -> bool {
+        self.highest_epoch.is_none() && self.ops.is_empty() && self.sessions.is_empty()
+    }
+}
+
+/// The executor's deterministic state machine; see the module documentation.
+#[derive(Debug, Clone, Default)]
+pub struct ExecutorCore {
+    runs: BTreeMap<RunUid, RunState>,
+}
+
+impl ExecutorCore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A driver takes ownership of a run at `claim.epoch`. The highest epoch seen
+    /// per run wins; a lower one is fenced. An equal one is accepted, so a driver
+    /// that reconnects re-claims its own epoch.
+    pub fn claim(&mut self, claim: &Claim) -> Result<(), Rejection> {
+        let run = self.runs.entry(claim.run_uid).or_default();
+        match run.highest_epoch {
+            Some(highest) if claim.epoch < highest => Err(run.rejection(
+                claim.run_uid,
+                None,
+                RejectionReason::Fenced,
+                format!(
+                    "claim at epoch {} for run {} is fenced: epoch {highest} has claimed it",
+                    claim.epoch, claim.run_uid
+                ),
+            )),
+            _ => {
+                run.highest_epoch = Some(claim.epoch);
+                Ok(())
+            }
+        }
+    }
+
+    /// Accepts an operation from the driver: rejects it, replays its recorded
+    /// result, queues it behind its attempt's running operation, or starts it.
+    #[must_use]
+    pub fn submit(&mut self, op: Operation, now: UnixMillis) -> Vec<Output> {
+        let mut out = Vec::new();
+        let run_uid = op.run_uid;
+        let id = op.id;
+        let Some(run) = self.runs.get_mut(&run_uid) else {
+            let rejection = Rejection {
+                run_uid,
+                id: Some(id),
+                reason: RejectionReason::UnknownRun,
+                message: format!("run {run_uid} has not been claimed"),
+                highest_epoch: Epoch::default(),
+            };
+            out.push(Output::Rejected(rejection));
+            return out;
+        };
+        let fence = match run.highest_epoch {
+            None => Some((
+                RejectionReason::UnknownRun,
+                format!("run {run_uid} has not been claimed"),
+            )),
+            Some(highest) if op.epoch > highest => Some((
+                RejectionReason::UnknownRun,
+                format!(
+                    "run {run_uid} has not been claimed at epoch {}; the highest claim is {highest}",
+                    op.epoch
+                ),
+            )),
+            Some(highest) if op.epoch < highest => Some((
+                RejectionReason::Fenced,
+                format!(
+                    "operation {id} of run {run_uid} carries epoch {}, fenced by epoch {highest}",
+                    op.epoch
+                ),
+            )),
+            Some(_) => None,
+        };
+        if let Some((reason, message)) = fence {
+            out.push(Output::Rejected(run.rejection(
+                run_uid,
+                Some(id),
+                reason,
+                message,
+            )));
+            return out;
+        }
+
+        if let Some(existing) = run.ops.get_mut(&id) {
+            if !op.same_input(&existing.op) {
+                let message = format!(
+                    "operation {id} of run {run_uid} was already submitted with another node or input"
+                );
+                let rejection = Rejection {
+                    run_uid,
+                    id: Some(id),
+                    reason: RejectionReason::ConflictingInput,
+                    message,
+                    highest_epoch: run.highest_epoch.unwrap_or_default(),
+                };
+                out.push(Output::Rejected(rejection));
+                return out;
+            }
+            if let OpState::Completed(done) = &mut existing.state {
+                // The driver did not see the result, or saw it and restarted
+                // before folding it: it is owed again until acknowledged.
+                done.acked = false;
+                run.unacked.insert(id);
+                let mut replay = done.result.clone();
+                replay.replayed = true;
+                replay.late = false;
+                // The replay answers the resubmission, so it joins that trace.
+                replay.trace = op.trace;
+                out.push(Output::Result(replay));
+            }
+            // A queued or running operation's result is still to come.
+            return out;
+        }
+
+        let attempt = id.attempt();
+        if run.retired.contains(&attempt) {
+            let message = format!(
+                "attempt {attempt} of run {run_uid} was cleaned up (its lease was destroyed); \
+                 operation {id} is refused"
+            );
+            out.push(Output::Rejected(run.rejection(
+                run_uid,
+                Some(id),
+                RejectionReason::Invalid,
+                message,
+            )));
+            return out;
+        }
+
+        let deadline = op.deadline;
+        run.ops.insert(
+            id,
+            OpEntry {
+                op,
+                state: OpState::Queued,
+            },
+        );
+        if deadline <= now {
+            run.expire_unstarted(id, now, &mut out);
+            return out;
+        }
+        run.deadlines.insert((deadline, id));
+        let lane = run.lanes.entry(attempt).or_default();
+        lane.queue.push_back(id);
+        run.start_next(attempt, now, &mut out);
+        out
+    }
+
+    /// The backend finished an operation the core started.
+    #[must_use]
+    pub fn complete(
+        &mut self,
+        run_uid: RunUid,
+        id: OperationId,
+        outcome: Outcome,
+        now: UnixMillis,
+    ) -> Vec<Output> {
+        let mut out = Vec::new();
+        let Some(run) = self.runs.get_mut(&run_uid) else {
+            return out;
+        };
+        let Some(entry) = run.ops.get_mut(&id) else {
+            return out;
+        };
+        match &mut entry.state {
+            OpState::Running => {
+                if let Some(result) = run.finish(id, outcome, now) {
+                    out.push(Output::Result(result));
+                }
+                run.release(id.attempt(), id);
+                run.start_next(id.attempt(), now, &mut out);
+            }
+            OpState::Completed(done) if done.awaiting_late => {
+                // The recorded ambiguous result stays the dedup record: the driver
+                // may already have acted on it, and a replay must not change.
+                done.awaiting_late = false;
+                out.push(Output::Result(OperationResult {
+                    run_uid,
+                    node: entry.op.node.clone(),
+                    id,
+                    effect: entry.op.input.effect(),
+                    outcome,
+                    completed_at: now,
+                    late: true,
+                    replayed: false,
+                    trace: entry.op.trace.clone(),
+                }));
+            }
+            // A queued operation was never started, and a completed one has
+            // already been reported: either is a confused shell, and ignored.
+            OpState::Queued | OpState::Completed(_) => {}
+        }
+        out
+    }
+
+    /// The earliest deadline among running and queued operations: when
+    /// [`ExecutorCore::handle_timeout`] must next be called.
+    pub fn poll_timeout(&self) -> Option<UnixMillis> {
+        self.runs
+            .values()
+            .filter_map(|run| run.deadlines.first().map(|(at, _)| *at))
+            .min()
+    }
+
+    /// Abandons every running operation whose deadline has passed (reported
+    /// `Ambiguous`, with an `Abort` for the shell) and completes every queued one
+    /// past its deadline as `Retryable`; freed attempts start their next operation.
+    #[must_use]
+    pub fn handle_timeout(&mut self, now: UnixMillis) -> Vec<Output> {
+        let mut out = Vec::new();
+        for (&run_uid, run) in &mut self.runs {
+            while let Some(&(deadline, id)) = run.deadlines.first() {
+                if deadline > now {
+                    break;
+                }
+                let attempt = id.attempt();
+                let state = run.ops.get(&id).map(|e| &e.state);
+                match state {
+                    Some(OpState::Running) => {
+                        out.push(Output::Abort { run_uid, id });
+                        let outcome = Outcome::Ambiguous {
+                            reason: REASON_ABANDONED.to_owned(),
+                        };
+                        if let Some(result) = run.finish(id, outcome, now) {
+                            out.push(Output::Result(result));
+                        }
+                        if let Some(OpEntry {
+                            state: OpState::Completed(done),
+                            ..
+                        }) = run.ops.get_mut(&id)
+                        {
+                            done.awaiting_late = true;
+                        }
+                        run.release(attempt, id);
+                        run.start_next(attempt, now, &mut out);
+                    }
+                    Some(OpState::Queued) => {
+                        if let Some(lane) = run.lanes.get_mut(&attempt) {
+                            lane.queue.retain(|q| *q != id);
+                            if lane.running.is_none() && lane.queue.is_empty() {
+                                run.lanes.remove(&attempt);
+                            }
+                        }
+                        run.expire_unstarted(id, now, &mut out);
+                    }
+                    // A stale index entry; `finish` removes them, so this only
+                    // guards against looping forever.
+                    Some(OpState::Completed(_)) | None => {
+                        run.deadlines.remove(&(deadline, id));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The driver has received a result; it is no longer re-sent. Acknowledging a
+    /// successful `DestroyLease` retires its attempt (see `RunState::retire`).
+    pub fn ack_result(&mut self, run_uid: RunUid, id: OperationId) {
+        let Some(run) = self.runs.get_mut(&run_uid) else {
+            return;
+        };
+        let Some(OpEntry {
+            state: OpState::Completed(done),
+            ..
+        }) = run.ops.get_mut(&id)
+        else {
+            return;
+        };
+        done.acked = true;
+        let destroyed = done.result.effect == Effect::DestroyLease
+            && matches!(done.result.outcome, Outcome::Succeeded(_));
+        run.unacked.remove(&id);
+        let attempt = id.attempt();
+        if run.retired.contains(&attempt) {
+            run.ops.remove(&id);
+        } else if destroyed {
+            run.retire(attempt);
+        }
+    }
+
+    /// Completed results the driver has not acknowledged, by run then operation:
+    /// what to re-send after the stream reconnects.
+    pub fn unacked_results(&self) -> Vec<OperationResult> {
+        self.runs
+            .values()
+            .flat_map(|run| {
+                run.unacked.iter().filter_map(|id| match &run.ops.get(id)?.state {
+                    OpState::Completed(done) => Some(done.result.clone()),
+                    OpState::Queued | OpState::Running => None,
+                })
+            })
+            .collect()
+    }
+
+    /// Sequences a bootstrap stage reported by the backend and keeps it until the
+    /// driver acknowledges it. Sequence numbers count from 1 per session.
+    pub fn record_observation(
+        &mut self,
+        identity: &ResourceIdentity,
+        session: SessionId,
+        stage: BootstrapStage,
+        detail: String,
+        at: UnixMillis,
+        trace: TraceContext,
+    ) -> Observation {
+        let run = self.runs.entry(identity.run_uid).or_default();
+        let log = run.sessions.entry(session.clone()).or_insert_with(|| SessionLog {
+            attempt: identity.attempt,
+            next_seq: 1,
+            unacked: BTreeMap::new(),
+        });
+        let seq = log.next_seq;
+        log.next_seq = seq.saturating_add(1);
+        let observation = Observation {
+            run_uid: identity.run_uid,
+            node: identity.node.clone(),
+            attempt: identity.attempt,
+            session,
+            seq,
+            stage,
+            detail,
+            at,
+            trace,
+        };
+        log.unacked.insert(seq, observation.clone());
+        observation
+    }
+
+    /// The driver has folded a session's observations up to `upto_seq`.
+    pub fn ack_observations(&mut self, run_uid: RunUid, session: &SessionId, upto_seq: u64) {
+        let Some(run) = self.runs.get_mut(&run_uid) else {
+            return;
+        };
+        let Some(log) = run.sessions.get_mut(session) else {
+            return;
+        };
+        log.unacked = match upto_seq.checked_add(1) {
+            Some(first_kept) => log.unacked.split_off(&first_kept),
+            None => BTreeMap::new(),
+        };
+        if log.unacked.is_empty() && run.retired.contains(&log.attempt) {
+            run.sessions.remove(session);
+        }
+    }
+
+    /// A session's unacknowledged observations after `after_seq`, in order. Only
+    /// unacknowledged ones are kept, which covers every sequence the driver can
+    /// ask for: it acknowledges only what it has folded.
+    pub fn observations_after(
+        &self,
+        run_uid: RunUid,
+        session: &SessionId,
+        after_seq: u64,
+    ) -> Vec<Observation> {
+        self.runs
+            .get(&run_uid)
+            .and_then(|run| run.sessions.get(session))
+            .map(|log| {
+                log.unacked
+                    .range((Bound::Excluded(after_seq), Bound::Unbounded))
+                    .map(|(_, o)| o.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Every unacknowledged observation, by run, then session, then sequence.
+    pub fn unacked_observations(&self) -> Vec<Observation> {
+        self.runs
+            .values()
+            .flat_map(|run| run.sessions.values())
+            .flat_map(|log| log.unacked.values().cloned())
+            .collect()
+    }
+
+    /// Drops every record of a run (its dedup entries, queues and observations)
+    /// but keeps its highest epoch, so fencing survives the forgetting. Running
+    /// operations come out as `Abort`s for the shell to cancel; their results are
+    /// no longer wanted. A stale epoch is fenced and changes nothing.
+    #[must_use]
+    pub fn forget_run(&mut self, run_uid: RunUid, epoch: Epoch) -> Vec<Output> {
+        let mut out = Vec::new();
+        let Some(run) = self.runs.get_mut(&run_uid) else {
+            return out;
+        };
+        if let Some(highest) = run.highest_epoch
+            && epoch < highest
+        {
+            let message = format!("forgetting run {run_uid} at epoch {epoch} is fenced by epoch {highest}");
+            out.push(Output::Rejected(run.rejection(
+                run_uid,
+                None,
+                RejectionReason::Fenced,
+                message,
+            )));
+            return out;
+        }
+        for lane in run.lanes.values() {
+            if let Some(id) = lane.running {
+                out.push(Output::Abort { run_uid, id });
+            }
+        }
+        let highest_epoch = run.highest_epoch;
+        *run = RunState {
+            highest_epoch,
+            ..RunState::default()
+        };
+        if run.is_empty() {
+            self.runs.remove(&run_uid);
+        }
+        out
+    }
+
+    /// Operations currently running, across all runs.
+    pub fn running_count(&self) -> usize {
+        self.runs
+            .values()
+            .flat_map(|run| run.lanes.values())
+            .filter(|lane| lane.running.is_some())
+            .count()
+    }
+
+    /// Operations waiting for their attempt to become free, across all runs.
+    pub fn queued_count(&self) -> usize {
+        self.runs
+            .values()
+            .flat_map(|run| run.lanes.values())
+            .map(|lane| lane.queue.len())
+            .sum()
+    }
+
+    /// Rows of the dedup table, across all runs.
+    pub fn entry_count(&self) -> usize {
+        self.runs.values().map(|run| run.ops.len()).sum()
+    }
+
+    pub fn highest_epoch(&self, run_uid: RunUid) -> Option<Epoch> {
+        self.runs.get(&run_uid).and_then(|run| run.highest_epoch)
+    }
+
+    pub fn is_running(&self, run_uid: RunUid, attempt: AttemptId) -> bool {
+        self.runs
+            .get(&run_uid)
+            .and_then(|run| run.lanes.get(&attempt))
+            .is_some_and(|lane| lane.running.is_some())
+    }
+
+    pub fn is_retired(&self, run_uid: RunUid, attempt: AttemptId) -> bool {
+        self.runs
+            .get(&run_uid)
+            .is_some_and(|run| run.retired.contains(&attempt))
+    }
+}
+
+// Tests panic on purpose when a fixture is malformed or an expectation fails.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::Arc;
+
+    use contract::{LeaseId, LogicalNodeId, OperationInput, ResultFacts, RunId, shape::example_template};
+
+    use super::*;
+
+    const RUN: RunUid = RunUid::from_u128(7);
+
+    fn t(ms: u64) -> UnixMillis {
+        UnixMillis::new(ms)
+    }
+
+    fn claim(core: &mut ExecutorCore, epoch: u64) -> Result<(), Rejection> {
+        core.claim(&Claim {
+            run_uid: RUN,
+            run_id: RunId::parse("run_id", "train").unwrap(),
+            epoch: Epoch::new(epoch),
+        })
+    }
+
+    fn create() -> OperationInput {
+        OperationInput::CreateLease {
+            template: Arc::new(example_template("fake", "img:1")),
+        }
+    }
+
+    fn lease(s: &str) -> LeaseId {
+        LeaseId::new("lease", s).unwrap()
+    }
+
+    fn op(attempt: u64, seq: u32, epoch: u64, deadline: u64, input: OperationInput) -> Operation {
+        Operation {
+            run_uid: RUN,
+            run_id: RunId::parse("run_id", "train").unwrap(),
+            node: LogicalNodeId::parse("node", &format!("workers-{attempt}")).unwrap(),
+            id: OperationId::new(AttemptId::new(attempt), seq),
+            epoch: Epoch::new(epoch),
+            deadline: t(deadline),
+            input,
+            trace: TraceContext::default(),
+        }
+    }
+
+    fn claimed() -> ExecutorCore {
+        let mut core = ExecutorCore::new();
+        claim(&mut core, 1).unwrap();
+        core
+    }
+
+    fn succeeded() -> Outcome {
+        Outcome::Succeeded(ResultFacts {
+            lease: Some(lease("lease-1")),
+            ..ResultFacts::default()
+        })
+    }
+
+    fn starts(out: &[Output]) -> Vec<OperationId> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Start(op) => Some(op.id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn results(out: &[Output]) -> Vec<OperationResult> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Result(r) => Some(r.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn rejection(out: &[Output]) -> Rejection {
+        match out {
+            [Output::Rejected(r)] => r.clone(),
+            other => panic!("expected one rejection, got {other:?}"),
+        }
+    }
+
+    fn id(attempt: u64, seq: u32) -> OperationId {
+        OperationId::new(AttemptId::new(attempt), seq)
+    }
+
+    #[test]
+    fn claims_fence_lower_epochs_and_ops_need_a_claim() {
+        let mut core = ExecutorCore::new();
+        let out = core.submit(op(1, 0, 1, 100, create()), t(0));
+        assert_eq!(rejection(&out).reason, RejectionReason::UnknownRun);
+
+        claim(&mut core, 5).unwrap();
+        assert_eq!(core.highest_epoch(RUN), Some(Epoch::new(5)));
+        let err = claim(&mut core, 4).unwrap_err();
+        assert_eq!(err.reason, RejectionReason::Fenced);
+        assert_eq!(err.highest_epoch, Epoch::new(5));
+        assert_eq!(err.id, None);
+        claim(&mut core, 5).unwrap();
+        assert_eq!(core.highest_epoch(RUN), Some(Epoch::new(5)));
+
+        let stale = core.submit(op(1, 0, 4, 100, create()), t(0));
+        let r = rejection(&stale);
+        assert_eq!(r.reason, RejectionReason::Fenced);
+        assert_eq!(r.id, Some(id(1, 0)));
+        let ahead = core.submit(op(1, 0, 6, 100, create()), t(0));
+        assert_eq!(rejection(&ahead).reason, RejectionReason::UnknownRun);
+        assert_eq!(core.running_count(), 0);
+
+        let ok = core.submit(op(1, 0, 5, 100, create()), t(0));
+        assert_eq!(starts(&ok), [id(1, 0)]);
+
+        claim(&mut core, 6).unwrap();
+        let fenced = core.submit(op(1, 1, 5, 100, create()), t(0));
+        assert_eq!(rejection(&fenced).reason, RejectionReason::Fenced);
+    }
+
+    #[test]
+    fn a_completed_operation_replays_without_starting_again() {
+        let mut core = claimed();
+        let first = op(1, 0, 1, 100, create());
+        assert_eq!(starts(&core.submit(first.clone(), t(0))), [id(1, 0)]);
+        let done = core.complete(RUN, id(1, 0), succeeded(), t(10));
+        let recorded = results(&done);
+        assert_eq!(recorded.len(), 1);
+        assert!(!recorded[0].replayed);
+        assert_eq!(recorded[0].completed_at, t(10));
+        core.ack_result(RUN, id(1, 0));
+
+        // A new driver epoch resubmits with another deadline: still a replay.
+        claim(&mut core, 2).unwrap();
+        let mut again = first;
+        again.epoch = Epoch::new(2);
+        again.deadline = t(500);
+        let out = core.submit(again, t(20));
+        assert!(starts(&out).is_empty());
+        let replay = results(&out);
+        assert_eq!(replay.len(), 1);
+        assert!(replay[0].replayed);
+        assert_eq!(replay[0].outcome, succeeded());
+        assert_eq!(replay[0].completed_at, t(10));
+        assert_eq!(core.running_count(), 0);
+        // The replay is owed again until acknowledged.
+        assert_eq!(core.unacked_results().len(), 1);
+    }
+
+    #[test]
+    fn same_id_with_other_input_is_rejected() {
+        let mut core = claimed();
+        let _ = core.submit(op(1, 0, 1, 100, create()), t(0));
+        let other = op(
+            1,
+            0,
+            1,
+            100,
+            OperationInput::DestroyLease {
+                lease: Some(lease("lease-9")),
+            },
+        );
+        let r = rejection(&core.submit(other, t(1)));
+        assert_eq!(r.reason, RejectionReason::ConflictingInput);
+        assert_eq!(r.id, Some(id(1, 0)));
+        assert_eq!(core.running_count(), 1);
+        // A resubmission of the running operation waits for its result.
+        assert!(core.submit(op(1, 0, 1, 100, create()), t(2)).is_empty());
+    }
+
+    #[test]
+    fn a_busy_attempt_queues_its_next_operation() {
+        let mut core = claimed();
+        let a1 = AttemptId::new(1);
+        assert_eq!(starts(&core.submit(op(1, 0, 1, 100, create()), t(0))), [id(1, 0)]);
+        let lookup = OperationInput::LookupEndpoint {
+            lease: lease("lease-1"),
+        };
+        let out = core.submit(op(1, 1, 1, 100, lookup), t(1));
+        assert!(out.is_empty(), "{out:?}");
+        assert!(core.is_running(RUN, a1));
+        assert_eq!((core.running_count(), core.queued_count()), (1, 1));
+        assert_eq!(core.poll_timeout(), Some(t(100)));
+
+        // Completing the second one before it started is ignored.
+        assert!(core.complete(RUN, id(1, 1), succeeded(), t(2)).is_empty());
+        assert_eq!((core.running_count(), core.queued_count()), (1, 1));
+
+        let out = core.complete(RUN, id(1, 0), succeeded(), t(3));
+        assert_eq!(results(&out)[0].id, id(1, 0));
+        assert_eq!(starts(&out), [id(1, 1)]);
+        assert_eq!((core.running_count(), core.queued_count()), (1, 0));
+
+        let out = core.complete(RUN, id(1, 1), succeeded(), t(4));
+        assert_eq!(results(&out).len(), 1);
+        assert!(starts(&out).is_empty());
+        assert!(!core.is_running(RUN, a1));
+        assert_eq!(core.poll_timeout(), None);
+    }
+
+    #[test]
+    fn different_attempts_run_concurrently() {
+        let mut core = claimed();
+        assert_eq!(starts(&core.submit(op(1, 0, 1, 100, create()), t(0))), [id(1, 0)]);
+        assert_eq!(starts(&core.submit(op(2, 0, 1, 100, create()), t(0))), [id(2, 0)]);
+        assert!(core.is_running(RUN, AttemptId::new(1)));
+        assert!(core.is_running(RUN, AttemptId::new(2)));
+        assert_eq!(core.running_count(), 2);
+    }
+
+    #[test]
+    fn an_abandoned_operation_is_ambiguous_and_its_late_result_is_marked() {
+        let mut core = claimed();
+        let create_op = op(1, 0, 1, 100, create());
+        let _ = core.submit(create_op.clone(), t(0));
+        let lookup = OperationInput::LookupEndpoint {
+            lease: lease("lease-1"),
+        };
+        let _ = core.submit(op(1, 1, 1, 300, lookup), t(0));
+        assert!(core.handle_timeout(t(99)).is_empty());
+
+        let out = core.handle_timeout(t(100));
+        assert_eq!(
+            out[0],
+            Output::Abort {
+                run_uid: RUN,
+                id: id(1, 0)
+            }
+        );
+        let abandoned = results(&out);
+        assert_eq!(abandoned.len(), 1);
+        assert_eq!(
+            abandoned[0].outcome,
+            Outcome::Ambiguous {
+                reason: REASON_ABANDONED.to_owned()
+            }
+        );
+        // The attempt is free again, so its queued operation starts.
+        assert_eq!(starts(&out), [id(1, 1)]);
+        assert_eq!(core.running_count(), 1);
+
+        let late = results(&core.complete(RUN, id(1, 0), succeeded(), t(150)));
+        assert_eq!(late.len(), 1);
+        assert!(late[0].late);
+        assert_eq!(late[0].outcome, succeeded());
+        // Only one late result is reported.
+        assert!(core.complete(RUN, id(1, 0), succeeded(), t(151)).is_empty());
+
+        let replay = results(&core.submit(create_op, t(200)));
+        assert_eq!(replay.len(), 1);
+        assert!(replay[0].replayed && !replay[0].late);
+        assert!(matches!(replay[0].outcome, Outcome::Ambiguous { .. }));
+    }
+
+    #[test]
+    fn a_queued_operation_past_its_deadline_fails_without_starting() {
+        let mut core = claimed();
+        let _ = core.submit(op(1, 0, 1, 500, create()), t(0));
+        let lookup = OperationInput::LookupEndpoint {
+            lease: lease("lease-1"),
+        };
+        let _ = core.submit(op(1, 1, 1, 50, lookup.clone()), t(0));
+        assert_eq!(core.poll_timeout(), Some(t(50)));
+
+        let out = core.handle_timeout(t(60));
+        assert!(starts(&out).is_empty());
+        let expired = results(&out);
+        assert_eq!(expired.len(), 1);
+        assert_eq!(expired[0].id, id(1, 1));
+        assert_eq!(
+            expired[0].outcome,
+            Outcome::Retryable {
+                reason: REASON_EXPIRED_BEFORE_START.to_owned()
+            }
+        );
+        assert_eq!((core.running_count(), core.queued_count()), (1, 0));
+        assert_eq!(core.poll_timeout(), Some(t(500)));
+
+        // One that expires while queued is skipped when its turn comes.
+        let _ = core.submit(op(1, 2, 1, 70, lookup.clone()), t(60));
+        let out = core.complete(RUN, id(1, 0), succeeded(), t(80));
+        assert!(starts(&out).is_empty());
+        let rs = results(&out);
+        assert_eq!(rs.iter().map(|r| r.id).collect::<Vec<_>>(), [id(1, 0), id(1, 2)]);
+        assert!(matches!(rs[1].outcome, Outcome::Retryable { .. }));
+
+        // And one submitted already past its deadline never starts.
+        let out = core.submit(op(2, 0, 1, 80, create()), t(80));
+        assert!(starts(&out).is_empty());
+        assert!(matches!(results(&out)[0].outcome, Outcome::Retryable { .. }));
+        assert_eq!(core.running_count(), 0);
+    }
+
+    #[test]
+    fn results_stay_unacked_until_acknowledged() {
+        let mut core = claimed();
+        for attempt in [2, 1] {
+            let _ = core.submit(op(attempt, 0, 1, 100, create()), t(0));
+            let _ = core.complete(RUN, id(attempt, 0), succeeded(), t(5));
+        }
+        let ids: Vec<_> = core.unacked_results().iter().map(|r| r.id).collect();
+        assert_eq!(ids, [id(1, 0), id(2, 0)]);
+        core.ack_result(RUN, id(1, 0));
+        let ids: Vec<_> = core.unacked_results().iter().map(|r| r.id).collect();
+        assert_eq!(ids, [id(2, 0)]);
+        core.ack_result(RUN, id(2, 0));
+        assert!(core.unacked_results().is_empty());
+    }
+
+    fn identity(attempt: u64) -> ResourceIdentity {
+        ResourceIdentity {
+            run_uid: RUN,
+            run_id: RunId::parse("run_id", "train").unwrap(),
+            node: LogicalNodeId::parse("node", "workers-0").unwrap(),
+            attempt: AttemptId::new(attempt),
+        }
+    }
+
+    fn session(s: &str) -> SessionId {
+        SessionId::new("session", s).unwrap()
+    }
+
+    fn observe(core: &mut ExecutorCore, attempt: u64, s: &str, stage: BootstrapStage) -> Observation {
+        core.record_observation(
+            &identity(attempt),
+            session(s),
+            stage,
+            String::new(),
+            t(1),
+            TraceContext::default(),
+        )
+    }
+
+    #[test]
+    fn observations_are_sequenced_replayed_and_dropped_on_ack() {
+        let mut core = claimed();
+        let stages = [
+            BootstrapStage::Connected,
+            BootstrapStage::BootCheck,
+            BootstrapStage::AgentStarted,
+        ];
+        let seqs: Vec<u64> = stages
+            .iter()
+            .map(|st| observe(&mut core, 1, "sess-a", *st).seq)
+            .collect();
+        assert_eq!(seqs, [1, 2, 3]);
+        assert_eq!(observe(&mut core, 1, "sess-b", BootstrapStage::Connected).seq, 1);
+
+        let after: Vec<_> = core
+            .observations_after(RUN, &session("sess-a"), 1)
+            .iter()
+            .map(|o| (o.seq, o.stage))
+            .collect();
+        assert_eq!(
+            after,
+            [(2, BootstrapStage::BootCheck), (3, BootstrapStage::AgentStarted)]
+        );
+
+        core.ack_observations(RUN, &session("sess-a"), 2);
+        let left: Vec<_> = core
+            .unacked_observations()
+            .iter()
+            .map(|o| (o.session.as_str().to_owned(), o.seq))
+            .collect();
+        assert_eq!(left, [("sess-a".to_owned(), 3), ("sess-b".to_owned(), 1)]);
+        assert!(core.observations_after(RUN, &session("sess-a"), 0).len() == 1);
+        // Numbering continues after an acknowledgement.
+        assert_eq!(observe(&mut core, 1, "sess-a", BootstrapStage::Joined).seq, 4);
+        core.ack_observations(RUN, &session("sess-a"), u64::MAX);
+        assert!(core.observations_after(RUN, &session("sess-a"), 0).is_empty());
+    }
+
+    #[test]
+    fn forget_run_keeps_fencing() {
+        let mut core = ExecutorCore::new();
+        claim(&mut core, 3).unwrap();
+        let _ = core.submit(op(1, 0, 3, 100, create()), t(0));
+        let _ = core.submit(op(2, 0, 3, 100, create()), t(0));
+        let _ = core.complete(RUN, id(2, 0), succeeded(), t(1));
+        let _ = observe(&mut core, 1, "sess-a", BootstrapStage::Connected);
+
+        let fenced = core.forget_run(RUN, Epoch::new(2));
+        assert_eq!(rejection(&fenced).reason, RejectionReason::Fenced);
+        assert_eq!(core.entry_count(), 2);
+
+        let out = core.forget_run(RUN, Epoch::new(3));
+        assert_eq!(
+            out,
+            [Output::Abort {
+                run_uid: RUN,
+                id: id(1, 0)
+            }]
+        );
+        assert_eq!(core.entry_count(), 0);
+        assert_eq!(core.running_count(), 0);
+        assert!(core.unacked_results().is_empty());
+        assert!(core.unacked_observations().is_empty());
+        assert_eq!(core.poll_timeout(), None);
+        assert_eq!(core.highest_epoch(RUN), Some(Epoch::new(3)));
+        assert_eq!(claim(&mut core, 2).unwrap_err().reason, RejectionReason::Fenced);
+        let stale = core.submit(op(3, 0, 2, 100, create()), t(2));
+        assert_eq!(rejection(&stale).reason, RejectionReason::Fenced);
+    }
+
+    #[test]
+    fn a_retired_attempt_refuses_a_resubmitted_create() {
+        let mut core = claimed();
+        let create_op = op(1, 0, 1, 100, create());
+        let _ = core.submit(create_op.clone(), t(0));
+        let _ = core.complete(RUN, id(1, 0), succeeded(), t(1));
+        core.ack_result(RUN, id(1, 0));
+        let _ = observe(&mut core, 1, "sess-a", BootstrapStage::Connected);
+        core.ack_observations(RUN, &session("sess-a"), 1);
+
+        let destroy = op(
+            1,
+            1,
+            1,
+            100,
+            OperationInput::DestroyLease {
+                lease: Some(lease("lease-1")),
+            },
+        );
+        let _ = core.submit(destroy, t(2));
+        let _ = core.complete(RUN, id(1, 1), Outcome::Succeeded(ResultFacts::default()), t(3));
+        // Unacknowledged, the destroy retires nothing yet.
+        assert!(!core.is_retired(RUN, AttemptId::new(1)));
+        assert_eq!(core.entry_count(), 2);
+        core.ack_result(RUN, id(1, 1));
+        assert!(core.is_retired(RUN, AttemptId::new(1)));
+        assert_eq!(core.entry_count(), 0);
+
+        let out = core.submit(create_op, t(4));
+        let r = rejection(&out);
+        assert_eq!(r.reason, RejectionReason::Invalid);
+        assert!(r.message.contains("cleaned up"), "{}", r.message);
+        assert_eq!(core.running_count(), 0);
+        // Other attempts are unaffected.
+        assert_eq!(starts(&core.submit(op(2, 0, 1, 100, create()), t(4))), [id(2, 0)]);
+    }
+
+    #[test]
+    fn a_failed_destroy_does_not_retire_its_attempt() {
+        let mut core = claimed();
+        let destroy = op(1, 0, 1, 100, OperationInput::DestroyLease { lease: None });
+        let _ = core.submit(destroy, t(0));
+        let fail = Outcome::Retryable {
+            reason: "provider said no".to_owned(),
+        };
+        let _ = core.complete(RUN, id(1, 0), fail, t(1));
+        core.ack_result(RUN, id(1, 0));
+        assert!(!core.is_retired(RUN, AttemptId::new(1)));
+        assert_eq!(starts(&core.submit(op(1, 1, 1, 100, create()), t(2))), [id(1, 1)]);
+    }
+}

@@ -1,0 +1,1046 @@
+//! The fake provider: a synchronous, in-memory model of a provider backend with
+//! seeded fault injection and virtual latency.
+//!
+//! [`FakeProvider::execute`] applies an operation's effect to the model at call
+//! time and says how long the call takes; the caller (an in-memory simulation, or
+//! the async backend that wraps this) delivers the outcome after that latency.
+//! Bootstrap sessions are schedules of stages; [`FakeProvider::due_observations`]
+//! hands out the stages whose time has come. Nothing here reads a clock or uses a
+//! global random source: `now` is an argument and every random choice comes from a
+//! SplitMix64 stream seeded by [`FakeConfig::seed`], so one seed and one sequence
+//! of calls always give the same outcomes.
+//!
+//! The model follows the backend rules of SPEC.md section 5: every request is
+//! keyed on the resource identity, a create adopts an existing lease for its
+//! identity before making one, and cancel and destroy treat "already absent" as
+//! success. Ambiguous faults are real ambiguity: the effect happens with
+//! probability one half, and the caller cannot tell which.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, VecDeque},
+    time::Duration,
+};
+
+use contract::{
+    BootstrapStage, Endpoint, FieldError, LeaseId, NodeTemplate, Operation, OperationInput, Outcome,
+    ResourceIdentity, ResultFacts, RunUid, SessionId, UnixMillis, backoff::mix64,
+};
+
+/// Probabilities, each in `[0, 1]`, of the faults the fake injects. Rates of the
+/// same call are exclusive alternatives (a create is retryable, permanent,
+/// ambiguous or fine), so their sum should not exceed 1; values outside `[0, 1]`
+/// are clamped and NaN counts as 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FaultRates {
+    pub create_retryable: f64,
+    pub create_permanent: f64,
+    pub create_ambiguous: f64,
+    pub lookup_error: f64,
+    pub start_fail: f64,
+    pub start_ambiguous: f64,
+    /// A started session fails at a random stage.
+    pub bootstrap_fail: f64,
+    /// A started session stops emitting after a random stage and never converges.
+    pub bootstrap_hang: f64,
+    pub cancel_fail: f64,
+    pub destroy_fail: f64,
+    pub destroy_ambiguous: f64,
+}
+
+impl FaultRates {
+    /// No faults at all.
+    pub const fn none() -> Self {
+        Self {
+            create_retryable: 0.0,
+            create_permanent: 0.0,
+            create_ambiguous: 0.0,
+            lookup_error: 0.0,
+            start_fail: 0.0,
+            start_ambiguous: 0.0,
+            bootstrap_fail: 0.0,
+            bootstrap_hang: 0.0,
+            cancel_fail: 0.0,
+            destroy_fail: 0.0,
+            destroy_ambiguous: 0.0,
+        }
+    }
+
+    /// Frequent faults of every recoverable kind.
+    ///
+    /// `create_permanent` stays 0: a permanent failure holds a node until its
+    /// shape changes, so a simulation that stops faults and expects convergence
+    /// (SPEC.md section 6, guarantee 18) could never get there. Tests of permanent
+    /// failures set it, or use an image starting with `invalid`.
+    pub const fn chaos() -> Self {
+        Self {
+            create_retryable: 0.1,
+            create_permanent: 0.0,
+            create_ambiguous: 0.1,
+            lookup_error: 0.1,
+            start_fail: 0.1,
+            start_ambiguous: 0.1,
+            bootstrap_fail: 0.1,
+            bootstrap_hang: 0.05,
+            cancel_fail: 0.1,
+            destroy_fail: 0.1,
+            destroy_ambiguous: 0.1,
+        }
+    }
+}
+
+impl Default for FaultRates {
+    fn default() -> Self {
+        Self::none()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FakeConfig {
+    pub seed: u64,
+    pub faults: FaultRates,
+    /// Minimum and maximum latency of one call, in milliseconds, uniform.
+    pub latency_ms: (u64, u64),
+    /// A lease's endpoint becomes ready this long after the lease is created.
+    pub endpoint_delay_ms: u64,
+    /// Time between consecutive bootstrap stages, and before the first.
+    pub stage_interval_ms: u64,
+}
+
+impl Default for FakeConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            faults: FaultRates::none(),
+            latency_ms: (1, 5),
+            endpoint_delay_ms: 0,
+            stage_interval_ms: 10,
+        }
+    }
+}
+
+/// What a call did: its outcome is due `latency` after the call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FakeCall {
+    pub latency: Duration,
+    pub outcome: Outcome,
+}
+
+/// One bootstrap stage reached by a session.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FakeObservation {
+    pub identity: ResourceIdentity,
+    pub session: SessionId,
+    pub stage: BootstrapStage,
+    pub detail: String,
+    pub at: UnixMillis,
+}
+
+/// A live resource, as [`FakeProvider::inventory`] lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FakeResource {
+    pub identity: ResourceIdentity,
+    pub lease: LeaseId,
+    /// Known once the endpoint is ready, as of the latest time the provider was
+    /// told (see [`FakeProvider::inventory`]).
+    pub endpoint: Option<Endpoint>,
+    /// A bootstrap session exists on the lease (running or finished, but neither
+    /// cancelled nor destroyed).
+    pub session_live: bool,
+}
+
+/// SplitMix64: tiny, fast and good enough for fault injection; the fake owns its
+/// stream, so no global or thread-local random state leaks in.
+#[derive(Debug, Clone)]
+struct SplitMix64 {
+    state: u64,
+}
+
+impl SplitMix64 {
+    const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+    fn new(seed: u64) -> Self {
+        Self { state: seed }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        // `mix64` adds the golden gamma before finalising, so this is the
+        // textbook SplitMix64 sequence.
+        let out = mix64(self.state);
+        self.state = self.state.wrapping_add(Self::GAMMA);
+        out
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `0..n` (0 when `n == 0`), by multiply-high to avoid modulo bias.
+    fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+
+    /// Uniform in `lo..=hi`, in either order.
+    fn between(&mut self, a: u64, b: u64) -> u64 {
+        let (lo, hi) = if a <= b { (a, b) } else { (b, a) };
+        match (hi - lo).checked_add(1) {
+            Some(span) => lo + self.below(span),
+            None => self.next_u64(),
+        }
+    }
+
+    fn coin(&mut self) -> bool {
+        self.next_u64() & 1 == 1
+    }
+
+    /// Picks one of exclusive alternatives with the given probabilities, or `None`
+    /// (no fault) with the remaining probability. Always one draw, so the stream
+    /// advances the same way whatever the rates.
+    fn pick(&mut self, rates: &[f64]) -> Option<usize> {
+        let u = self.unit();
+        let mut acc = 0.0;
+        for (i, rate) in rates.iter().enumerate() {
+            acc += if rate.is_nan() { 0.0 } else { rate.clamp(0.0, 1.0) };
+            if u < acc {
+                return Some(i);
+            }
+        }
+        None
+    }
+}
+
+#[derive(Debug, Clone)]
+struct FakeLease {
+    id: LeaseId,
+    endpoint: Endpoint,
+    ready_at: UnixMillis,
+}
+
+#[derive(Debug, Clone)]
+struct FakeSession {
+    id: SessionId,
+    /// Stages not yet emitted, in time order.
+    pending: VecDeque<(UnixMillis, BootstrapStage)>,
+}
+
+#[derive(Debug, Clone)]
+struct FakeNode {
+    lease: FakeLease,
+    session: Option<FakeSession>,
+}
+
+/// The in-memory provider; see the module documentation.
+#[derive(Debug, Clone)]
+pub struct FakeProvider {
+    config: FakeConfig,
+    rng: SplitMix64,
+    nodes: BTreeMap<ResourceIdentity, FakeNode>,
+    /// The time of each session's next stage, so the next observation is found
+    /// without scanning every node. One entry per session with stages left.
+    agenda: BTreeSet<(UnixMillis, ResourceIdentity)>,
+    /// The latest `now` the provider has been given; inventory reports endpoints
+    /// ready as of then.
+    latest: UnixMillis,
+    lease_counter: u64,
+    session_counter: u64,
+    creates: u64,
+    adoptions: u64,
+    calls: u64,
+}
+
+const NO_SUCH_LEASE: &str = "no such lease";
+
+/// Turns a failure to build an id (which a well-formed counter never causes) into
+/// a definite failure: nothing was created.
+fn id_error(e: FieldError) -> Outcome {
+    Outcome::Permanent {
+        reason: format!("fake provider built an invalid id: {e}"),
+    }
+}
+
+fn lease_facts(lease: &FakeLease, now: UnixMillis) -> ResultFacts {
+    ResultFacts {
+        lease: Some(lease.id.clone()),
+        endpoint: (lease.ready_at <= now).then(|| lease.endpoint.clone()),
+        session: None,
+    }
+}
+
+fn session_facts(session: SessionId) -> ResultFacts {
+    ResultFacts {
+        session: Some(session),
+        ..ResultFacts::default()
+    }
+}
+
+/// The failure stage that replaces a stage when a bootstrap fails there.
+fn failed_at(stage: BootstrapStage) -> BootstrapStage {
+    match stage {
+        BootstrapStage::Connected => BootstrapStage::FailedConnect,
+        BootstrapStage::BootCheck => BootstrapStage::FailedBootCheck,
+        BootstrapStage::AgentStarted => BootstrapStage::FailedAgentStart,
+        BootstrapStage::Joined => BootstrapStage::FailedJoin,
+        _ => BootstrapStage::FailedClosed,
+    }
+}
+
+impl FakeProvider {
+    pub fn new(config: FakeConfig) -> Self {
+        Self {
+            rng: SplitMix64::new(config.seed),
+            config,
+            nodes: BTreeMap::new(),
+            agenda: BTreeSet::new(),
+            latest: UnixMillis::ZERO,
+            lease_counter: 0,
+            session_counter: 0,
+            creates: 0,
+            adoptions: 0,
+            calls: 0,
+        }
+    }
+
+    pub fn config(&self) -> &FakeConfig {
+        &self.config
+    }
+
+    /// Changes the fault rates from the next call on, e.g. to stop faults and
+    /// check that a run converges.
+    pub fn set_faults(&mut self, faults: FaultRates) {
+        self.config.faults = faults;
+    }
+
+    /// Applies `op`'s effect to the model now; the outcome is due after the
+    /// returned latency.
+    pub fn execute(&mut self, op: &Operation, now: UnixMillis) -> FakeCall {
+        self.calls += 1;
+        self.latest = self.latest.max(now);
+        let (lo, hi) = self.config.latency_ms;
+        let latency = Duration::from_millis(self.rng.between(lo, hi));
+        let identity = op.identity();
+        let outcome = match &op.input {
+            OperationInput::CreateLease { template } => self.create(identity, template, now),
+            OperationInput::LookupEndpoint { lease } => self.lookup(&identity, lease, now),
+            OperationInput::StartBootstrap { lease, .. } => self.start(identity, lease, now),
+            OperationInput::CancelBootstrap { .. } => self.cancel(&identity),
+            OperationInput::DestroyLease { .. } => self.destroy(&identity),
+        };
+        FakeCall {
+            latency,
+            outcome: outcome.unwrap_or_else(|definite| definite),
+        }
+    }
+
+    fn create(
+        &mut self,
+        identity: ResourceIdentity,
+        template: &NodeTemplate,
+        now: UnixMillis,
+    ) -> Result<Outcome, Outcome> {
+        if let Some(node) = self.nodes.get(&identity) {
+            self.adoptions += 1;
+            return Ok(Outcome::Succeeded(lease_facts(&node.lease, now)));
+        }
+        if template.image.starts_with("invalid") {
+            return Ok(Outcome::Permanent {
+                reason: format!("invalid image {:?}", template.image),
+            });
+        }
+        let f = self.config.faults;
+        match self
+            .rng
+            .pick(&[f.create_retryable, f.create_permanent, f.create_ambiguous])
+        {
+            Some(0) => Ok(Outcome::Retryable {
+                reason: "injected: capacity temporarily unavailable".to_owned(),
+            }),
+            Some(1) => Ok(Outcome::Permanent {
+                reason: "injected: quota refused".to_owned(),
+            }),
+            Some(_) => {
+                if self.rng.coin() {
+                    self.make_lease(identity, now)?;
+                }
+                Ok(Outcome::Ambiguous {
+                    reason: "injected: the create timed out; the lease may exist".to_owned(),
+                })
+            }
+            None => {
+                let lease = self.make_lease(identity, now)?;
+                Ok(Outcome::Succeeded(lease_facts(&lease, now)))
+            }
+        }
+    }
+
+    fn make_lease(&mut self, identity: ResourceIdentity, now: UnixMillis) -> Result<FakeLease, Outcome> {
+        let n = self.lease_counter + 1;
+        let id = LeaseId::new("lease", &format!("lease-{n}")).map_err(id_error)?;
+        let address = format!("10.{}.{}.{}:22", (n >> 16) & 0xff, (n >> 8) & 0xff, n & 0xff);
+        let endpoint = Endpoint::new("endpoint", &address).map_err(id_error)?;
+        // A saturated clock means "never": such an endpoint is simply never ready.
+        let ready_at = now
+            .checked_add(Duration::from_millis(self.config.endpoint_delay_ms))
+            .unwrap_or(UnixMillis::MAX);
+        let lease = FakeLease {
+            id,
+            endpoint,
+            ready_at,
+        };
+        self.lease_counter = n;
+        self.creates += 1;
+        self.nodes.insert(
+            identity,
+            FakeNode {
+                lease: lease.clone(),
+                session: None,
+            },
+        );
+        Ok(lease)
+    }
+
+    fn lookup(
+        &mut self,
+        identity: &ResourceIdentity,
+        lease: &LeaseId,
+        now: UnixMillis,
+    ) -> Result<Outcome, Outcome> {
+        let no_such_lease = || Outcome::Retryable {
+            reason: NO_SUCH_LEASE.to_owned(),
+        };
+        let Some(node) = self.nodes.get(identity) else {
+            return Ok(no_such_lease());
+        };
+        // Requests are keyed on identity; a lease id that does not match the
+        // identity's lease names something this provider does not hold.
+        if node.lease.id != *lease {
+            return Ok(no_such_lease());
+        }
+        let ready_at = node.lease.ready_at;
+        let endpoint = node.lease.endpoint.clone();
+        if self.rng.pick(&[self.config.faults.lookup_error]).is_some() {
+            return Ok(Outcome::Retryable {
+                reason: "injected: the provider API returned an error".to_owned(),
+            });
+        }
+        if now < ready_at {
+            return Ok(Outcome::NotReady {
+                reason: "the endpoint is not bound yet".to_owned(),
+            });
+        }
+        Ok(Outcome::Succeeded(ResultFacts {
+            lease: Some(lease.clone()),
+            endpoint: Some(endpoint),
+            session: None,
+        }))
+    }
+
+    fn start(
+        &mut self,
+        identity: ResourceIdentity,
+        lease: &LeaseId,
+        now: UnixMillis,
+    ) -> Result<Outcome, Outcome> {
+        // As in `lookup`, a lease id other than the identity's names nothing here.
+        let Some(node) = self.nodes.get(&identity).filter(|n| n.lease.id == *lease) else {
+            return Ok(Outcome::Retryable {
+                reason: NO_SUCH_LEASE.to_owned(),
+            });
+        };
+        if let Some(session) = &node.session {
+            self.adoptions += 1;
+            return Ok(Outcome::Succeeded(session_facts(session.id.clone())));
+        }
+        let f = self.config.faults;
+        match self.rng.pick(&[f.start_fail, f.start_ambiguous]) {
+            Some(0) => Ok(Outcome::Retryable {
+                reason: "injected: could not reach the node to start the bootstrap".to_owned(),
+            }),
+            Some(_) => {
+                if self.rng.coin() {
+                    self.start_session(identity, now)?;
+                }
+                Ok(Outcome::Ambiguous {
+                    reason: "injected: the start timed out; the session may be running".to_owned(),
+                })
+            }
+            None => {
+                let session = self.start_session(identity, now)?;
+                Ok(Outcome::Succeeded(session_facts(session)))
+            }
+        }
+    }
+
+    /// Creates a session and schedules its stages. The fail roll comes first; a
+    /// session that fails does not also roll for a hang.
+    fn start_session(&mut self, identity: ResourceIdentity, now: UnixMillis) -> Result<SessionId, Outcome> {
+        let n = self.session_counter + 1;
+        let id = SessionId::new("session", &format!("sess-{n}")).map_err(id_error)?;
+        let mut stages = vec![
+            BootstrapStage::Connected,
+            BootstrapStage::BootCheck,
+            BootstrapStage::AgentStarted,
+            BootstrapStage::Joined,
+            BootstrapStage::Converged,
+        ];
+        let f = self.config.faults;
+        if self.rng.pick(&[f.bootstrap_fail]).is_some() {
+            // Any stage before convergence can fail; the failure ends the session.
+            let at = self.rng.below(4) as usize;
+            stages[at] = failed_at(stages[at]);
+            stages.truncate(at + 1);
+        } else if self.rng.pick(&[f.bootstrap_hang]).is_some() {
+            // A hung session gets at least as far as connecting, never converges.
+            let last = self.rng.below(4) as usize;
+            stages.truncate(last + 1);
+        }
+        let interval = self.config.stage_interval_ms;
+        let mut pending = VecDeque::with_capacity(stages.len());
+        for (k, stage) in (1u64..).zip(stages) {
+            // A stage whose time does not fit the clock never comes: the schedule
+            // ends there rather than wrapping.
+            let Ok(at) = now.checked_add(Duration::from_millis(interval.saturating_mul(k))) else {
+                break;
+            };
+            pending.push_back((at, stage));
+        }
+        let Some(node) = self.nodes.get_mut(&identity) else {
+            return Err(Outcome::Retryable {
+                reason: NO_SUCH_LEASE.to_owned(),
+            });
+        };
+        if let Some(&(first, _)) = pending.front() {
+            self.agenda.insert((first, identity));
+        }
+        node.session = Some(FakeSession {
+            id: id.clone(),
+            pending,
+        });
+        self.session_counter = n;
+        Ok(id)
+    }
+
+    fn cancel(&mut self, identity: &ResourceIdentity) -> Result<Outcome, Outcome> {
+        if self.rng.pick(&[self.config.faults.cancel_fail]).is_some() {
+            return Ok(Outcome::Retryable {
+                reason: "injected: the cancel request failed".to_owned(),
+            });
+        }
+        self.remove_session(identity);
+        Ok(Outcome::Succeeded(ResultFacts::default()))
+    }
+
+    fn destroy(&mut self, identity: &ResourceIdentity) -> Result<Outcome, Outcome> {
+        let f = self.config.faults;
+        match self.rng.pick(&[f.destroy_fail, f.destroy_ambiguous]) {
+            Some(0) => Ok(Outcome::Retryable {
+                reason: "injected: the destroy request failed".to_owned(),
+            }),
+            Some(_) => {
+                if self.rng.coin() {
+                    self.remove_node(identity);
+                }
+                Ok(Outcome::Ambiguous {
+                    reason: "injected: the destroy timed out; the lease may still exist".to_owned(),
+                })
+            }
+            None => {
+                self.remove_node(identity);
+                Ok(Outcome::Succeeded(ResultFacts::default()))
+            }
+        }
+    }
+
+    fn remove_session(&mut self, identity: &ResourceIdentity) {
+        let Some(session) = self.nodes.get_mut(identity).and_then(|n| n.session.take()) else {
+            return;
+        };
+        if let Some(&(at, _)) = session.pending.front() {
+            self.agenda.remove(&(at, identity.clone()));
+        }
+    }
+
+    fn remove_node(&mut self, identity: &ResourceIdentity) {
+        self.remove_session(identity);
+        self.nodes.remove(identity);
+    }
+
+    /// When the next bootstrap stage is due, if any session has one left.
+    pub fn next_observation_at(&self) -> Option<UnixMillis> {
+        self.agenda.first().map(|(at, _)| *at)
+    }
+
+    /// Every bootstrap stage due at or before `now`, by time then identity, each
+    /// session's stages in order.
+    pub fn due_observations(&mut self, now: UnixMillis) -> Vec<FakeObservation> {
+        self.latest = self.latest.max(now);
+        let mut out = Vec::new();
+        while let Some((at, identity)) = self.agenda.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.agenda.pop_first();
+            let Some(session) = self.nodes.get_mut(&identity).and_then(|n| n.session.as_mut()) else {
+                continue;
+            };
+            let Some((at, stage)) = session.pending.pop_front() else {
+                continue;
+            };
+            if let Some(&(next, _)) = session.pending.front() {
+                self.agenda.insert((next, identity.clone()));
+            }
+            out.push(FakeObservation {
+                session: session.id.clone(),
+                detail: format!("fake: {} on {}", stage.name(), identity.node),
+                identity,
+                stage,
+                at,
+            });
+        }
+        out
+    }
+
+    /// Every live resource, by identity. Endpoints are reported ready as of the
+    /// latest `now` the provider was given, since listing takes no time argument.
+    pub fn inventory(&self) -> Vec<FakeResource> {
+        self.nodes
+            .iter()
+            .map(|(identity, node)| FakeResource {
+                identity: identity.clone(),
+                lease: node.lease.id.clone(),
+                endpoint: (node.lease.ready_at <= self.latest).then(|| node.lease.endpoint.clone()),
+                session_live: node.session.is_some(),
+            })
+            .collect()
+    }
+
+    /// Live leases of one run: zero after a run is scaled to zero or deleted, or
+    /// something leaked.
+    pub fn live_resources(&self, run_uid: RunUid) -> usize {
+        self.nodes.keys().filter(|id| id.run_uid == run_uid).count()
+    }
+
+    /// Leases actually made (adoptions excluded).
+    pub fn creates(&self) -> u64 {
+        self.creates
+    }
+
+    /// Creates and starts that found an existing resource and returned it.
+    pub fn adoptions(&self) -> u64 {
+        self.adoptions
+    }
+
+    /// Calls to [`FakeProvider::execute`].
+    pub fn calls(&self) -> u64 {
+        self.calls
+    }
+}
+
+// Tests panic on purpose when a fixture is malformed or an expectation fails.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::Arc;
+
+    use contract::{
+        AttemptId, Epoch, LogicalNodeId, OperationId, Params, RunId, TraceContext, shape::example_template,
+    };
+
+    use super::*;
+
+    const RUN: RunUid = RunUid::from_u128(9);
+
+    fn t(ms: u64) -> UnixMillis {
+        UnixMillis::new(ms)
+    }
+
+    fn op(attempt: u64, seq: u32, input: OperationInput) -> Operation {
+        Operation {
+            run_uid: RUN,
+            run_id: RunId::parse("run_id", "train").unwrap(),
+            node: LogicalNodeId::parse("node", &format!("workers-{attempt}")).unwrap(),
+            id: OperationId::new(AttemptId::new(attempt), seq),
+            epoch: Epoch::new(1),
+            deadline: t(1_000_000),
+            input,
+            trace: TraceContext::default(),
+        }
+    }
+
+    fn create_image(attempt: u64, image: &str) -> Operation {
+        op(
+            attempt,
+            0,
+            OperationInput::CreateLease {
+                template: Arc::new(example_template("fake", image)),
+            },
+        )
+    }
+
+    fn create(attempt: u64) -> Operation {
+        create_image(attempt, "img:1")
+    }
+
+    fn lookup(attempt: u64, lease: &LeaseId) -> Operation {
+        op(
+            attempt,
+            1,
+            OperationInput::LookupEndpoint { lease: lease.clone() },
+        )
+    }
+
+    fn start(attempt: u64, lease: &LeaseId) -> Operation {
+        op(
+            attempt,
+            2,
+            OperationInput::StartBootstrap {
+                lease: lease.clone(),
+                endpoint: Endpoint::new("endpoint", "10.0.0.1:22").unwrap(),
+                boot: Params::new(),
+                join: Params::new(),
+            },
+        )
+    }
+
+    fn cancel(attempt: u64) -> Operation {
+        op(attempt, 3, OperationInput::CancelBootstrap { session: None })
+    }
+
+    fn destroy(attempt: u64) -> Operation {
+        op(attempt, 4, OperationInput::DestroyLease { lease: None })
+    }
+
+    fn facts(call: &FakeCall) -> &ResultFacts {
+        match &call.outcome {
+            Outcome::Succeeded(f) => f,
+            other => panic!("expected success, got {other:?}"),
+        }
+    }
+
+    fn provider(config: FakeConfig) -> FakeProvider {
+        FakeProvider::new(config)
+    }
+
+    /// Creates and starts a bootstrap on a fresh identity, without faults.
+    fn started(p: &mut FakeProvider, attempt: u64, now: UnixMillis) -> SessionId {
+        let created = p.execute(&create(attempt), now);
+        let lease = facts(&created).lease.clone().unwrap();
+        let call = p.execute(&start(attempt, &lease), now);
+        facts(&call).session.clone().unwrap()
+    }
+
+    #[test]
+    fn an_ambiguous_create_is_adopted_by_the_next_one() {
+        let mut p = provider(FakeConfig {
+            faults: FaultRates {
+                create_ambiguous: 1.0,
+                ..FaultRates::none()
+            },
+            ..FakeConfig::default()
+        });
+        for attempt in 1..=20 {
+            let call = p.execute(&create(attempt), t(0));
+            assert!(matches!(call.outcome, Outcome::Ambiguous { .. }), "{call:?}");
+        }
+        let made: BTreeMap<u64, LeaseId> = p
+            .inventory()
+            .into_iter()
+            .map(|r| (r.identity.attempt.get(), r.lease))
+            .collect();
+        // Half-done creates really are half done: some made a lease, some did not.
+        assert!(!made.is_empty() && made.len() < 20, "{made:?}");
+        assert_eq!(p.creates(), made.len() as u64);
+
+        p.set_faults(FaultRates::none());
+        for attempt in 1..=20 {
+            let creates = p.creates();
+            let call = p.execute(&create(attempt), t(1));
+            let lease = facts(&call).lease.clone().unwrap();
+            match made.get(&attempt) {
+                Some(existing) => {
+                    assert_eq!(&lease, existing);
+                    assert_eq!(p.creates(), creates);
+                }
+                None => assert_eq!(p.creates(), creates + 1),
+            }
+        }
+        assert_eq!(p.adoptions(), made.len() as u64);
+        // Never two resources for one identity.
+        assert_eq!(p.live_resources(RUN), 20);
+    }
+
+    #[test]
+    fn destroying_or_cancelling_what_is_absent_succeeds() {
+        let mut p = provider(FakeConfig::default());
+        assert!(matches!(
+            p.execute(&destroy(1), t(0)).outcome,
+            Outcome::Succeeded(_)
+        ));
+        assert!(matches!(
+            p.execute(&cancel(1), t(0)).outcome,
+            Outcome::Succeeded(_)
+        ));
+
+        let _ = started(&mut p, 2, t(0));
+        assert!(p.inventory()[0].session_live);
+        assert!(matches!(
+            p.execute(&destroy(2), t(1)).outcome,
+            Outcome::Succeeded(_)
+        ));
+        assert_eq!(p.live_resources(RUN), 0);
+        assert!(matches!(
+            p.execute(&destroy(2), t(2)).outcome,
+            Outcome::Succeeded(_)
+        ));
+        // The destroyed session emits nothing more.
+        assert_eq!(p.next_observation_at(), None);
+        assert!(p.due_observations(t(1_000)).is_empty());
+    }
+
+    #[test]
+    fn the_endpoint_is_not_ready_until_its_delay_passes() {
+        let mut p = provider(FakeConfig {
+            endpoint_delay_ms: 100,
+            ..FakeConfig::default()
+        });
+        let created = p.execute(&create(1), t(1_000));
+        let lease = facts(&created).lease.clone().unwrap();
+        assert_eq!(facts(&created).endpoint, None);
+        assert!(matches!(
+            p.execute(&lookup(1, &lease), t(1_099)).outcome,
+            Outcome::NotReady { .. }
+        ));
+        assert_eq!(p.inventory()[0].endpoint, None);
+        let ready = p.execute(&lookup(1, &lease), t(1_100));
+        let endpoint = facts(&ready).endpoint.clone().unwrap();
+        assert!(endpoint.as_str().starts_with("10."), "{endpoint}");
+        assert_eq!(p.inventory()[0].endpoint, Some(endpoint));
+        // With no delay the create reports the endpoint itself.
+        let mut quick = provider(FakeConfig::default());
+        assert!(facts(&quick.execute(&create(1), t(0))).endpoint.is_some());
+        // A lookup for an identity without a lease is a retryable failure.
+        assert!(matches!(
+            p.execute(&lookup(2, &lease), t(2_000)).outcome,
+            Outcome::Retryable { .. }
+        ));
+    }
+
+    #[test]
+    fn bootstrap_stages_come_out_in_order_at_their_times() {
+        let mut p = provider(FakeConfig {
+            stage_interval_ms: 10,
+            ..FakeConfig::default()
+        });
+        let session = started(&mut p, 1, t(1_000));
+        assert_eq!(p.next_observation_at(), Some(t(1_010)));
+        assert!(p.due_observations(t(1_009)).is_empty());
+
+        let first = p.due_observations(t(1_020));
+        let second = p.due_observations(t(5_000));
+        let got: Vec<_> = first
+            .iter()
+            .chain(&second)
+            .map(|o| (o.at.as_millis(), o.stage))
+            .collect();
+        assert_eq!(first.len(), 2);
+        assert_eq!(
+            got,
+            [
+                (1_010, BootstrapStage::Connected),
+                (1_020, BootstrapStage::BootCheck),
+                (1_030, BootstrapStage::AgentStarted),
+                (1_040, BootstrapStage::Joined),
+                (1_050, BootstrapStage::Converged),
+            ]
+        );
+        assert!(first.iter().chain(&second).all(|o| o.session == session));
+        assert_eq!(p.next_observation_at(), None);
+
+        // Starting again adopts the session rather than making another.
+        let lease = p.inventory()[0].lease.clone();
+        let again = p.execute(&start(1, &lease), t(6_000));
+        assert_eq!(facts(&again).session.as_ref(), Some(&session));
+        assert_eq!(p.adoptions(), 1);
+    }
+
+    #[test]
+    fn a_failure_stage_ends_the_session() {
+        let mut p = provider(FakeConfig {
+            faults: FaultRates {
+                bootstrap_fail: 1.0,
+                ..FaultRates::none()
+            },
+            ..FakeConfig::default()
+        });
+        let mut failed_stages = BTreeSet::new();
+        for attempt in 1..=30 {
+            let _ = started(&mut p, attempt, t(0));
+        }
+        let all = p.due_observations(t(10_000));
+        for attempt in 1..=30 {
+            let stages: Vec<_> = all
+                .iter()
+                .filter(|o| o.identity.attempt.get() == attempt)
+                .map(|o| o.stage)
+                .collect();
+            let (last, before) = stages.split_last().unwrap();
+            assert!(last.is_failure(), "{stages:?}");
+            assert!(
+                !before
+                    .iter()
+                    .any(|s| s.is_failure() || *s == BootstrapStage::Converged)
+            );
+            failed_stages.insert(*last);
+        }
+        assert!(failed_stages.len() > 1, "failures should land on several stages");
+        assert_eq!(p.next_observation_at(), None);
+    }
+
+    #[test]
+    fn a_hung_session_never_converges() {
+        let mut p = provider(FakeConfig {
+            faults: FaultRates {
+                bootstrap_hang: 1.0,
+                ..FaultRates::none()
+            },
+            ..FakeConfig::default()
+        });
+        for attempt in 1..=10 {
+            let _ = started(&mut p, attempt, t(0));
+        }
+        let all = p.due_observations(UnixMillis::MAX);
+        assert!(!all.is_empty());
+        assert!(
+            all.iter()
+                .all(|o| !o.stage.is_failure() && o.stage != BootstrapStage::Converged)
+        );
+        assert_eq!(p.next_observation_at(), None);
+    }
+
+    #[test]
+    fn a_cancelled_session_emits_nothing_more() {
+        let mut p = provider(FakeConfig::default());
+        let _ = started(&mut p, 1, t(0));
+        assert_eq!(p.due_observations(t(10)).len(), 1);
+        assert!(matches!(
+            p.execute(&cancel(1), t(11)).outcome,
+            Outcome::Succeeded(_)
+        ));
+        assert_eq!(p.next_observation_at(), None);
+        assert!(p.due_observations(t(1_000)).is_empty());
+        assert!(!p.inventory()[0].session_live);
+        assert_eq!(p.live_resources(RUN), 1);
+    }
+
+    #[test]
+    fn an_invalid_image_fails_permanently_and_creates_nothing() {
+        let mut p = provider(FakeConfig::default());
+        let call = p.execute(&create_image(1, "invalid:latest"), t(0));
+        assert!(matches!(call.outcome, Outcome::Permanent { .. }), "{call:?}");
+        assert_eq!(p.creates(), 0);
+        assert_eq!(p.live_resources(RUN), 0);
+    }
+
+    /// Drives a full lifecycle on several identities and records everything seen.
+    fn script(config: FakeConfig) -> (Vec<FakeCall>, Vec<FakeObservation>, Vec<FakeResource>) {
+        let mut p = provider(config);
+        let mut calls = Vec::new();
+        let mut now = 0;
+        for attempt in 1..=40 {
+            let created = p.execute(&create(attempt), t(now));
+            let lease = match &created.outcome {
+                Outcome::Succeeded(f) => f.lease.clone(),
+                _ => None,
+            };
+            calls.push(created);
+            if let Some(lease) = lease {
+                calls.push(p.execute(&lookup(attempt, &lease), t(now + 1)));
+                calls.push(p.execute(&start(attempt, &lease), t(now + 2)));
+            }
+            if attempt % 3 == 0 {
+                calls.push(p.execute(&cancel(attempt), t(now + 3)));
+                calls.push(p.execute(&destroy(attempt), t(now + 4)));
+            }
+            now += 7;
+        }
+        let observations = p.due_observations(t(now + 1_000));
+        (calls, observations, p.inventory())
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_outcomes() {
+        let config = FakeConfig {
+            seed: 42,
+            faults: FaultRates::chaos(),
+            latency_ms: (1, 50),
+            ..FakeConfig::default()
+        };
+        let a = script(config);
+        let b = script(config);
+        assert_eq!(a, b);
+        // Chaos really injects faults, and another seed really differs.
+        assert!(a.0.iter().any(|c| !matches!(c.outcome, Outcome::Succeeded(_))));
+        let other = script(FakeConfig { seed: 43, ..config });
+        assert_ne!(a.0, other.0);
+        assert!(a.0.iter().all(|c| (1..=50).contains(&c.latency.as_millis())));
+    }
+
+    #[test]
+    fn set_faults_none_stops_faults() {
+        let everything = FaultRates {
+            create_retryable: 0.5,
+            create_ambiguous: 0.5,
+            lookup_error: 1.0,
+            start_fail: 0.5,
+            start_ambiguous: 0.5,
+            bootstrap_fail: 1.0,
+            cancel_fail: 1.0,
+            destroy_fail: 0.5,
+            destroy_ambiguous: 0.5,
+            ..FaultRates::none()
+        };
+        let mut p = provider(FakeConfig {
+            faults: everything,
+            ..FakeConfig::default()
+        });
+        let faulty: Vec<_> = (1..=10).map(|a| p.execute(&create(a), t(0)).outcome).collect();
+        assert!(
+            faulty.iter().all(|o| !matches!(o, Outcome::Succeeded(_))),
+            "{faulty:?}"
+        );
+
+        p.set_faults(FaultRates::none());
+        for attempt in 100..130 {
+            let session = started(&mut p, attempt, t(10));
+            let lease = p
+                .inventory()
+                .into_iter()
+                .find(|r| r.identity.attempt.get() == attempt)
+                .unwrap()
+                .lease;
+            assert!(matches!(
+                p.execute(&lookup(attempt, &lease), t(11)).outcome,
+                Outcome::Succeeded(_)
+            ));
+            assert!(!session.as_str().is_empty());
+        }
+        let stages = p.due_observations(t(10_000));
+        assert_eq!(
+            stages
+                .iter()
+                .filter(|o| o.stage == BootstrapStage::Converged)
+                .count(),
+            30
+        );
+        assert!(stages.iter().all(|o| !o.stage.is_failure()));
+        for attempt in 100..130 {
+            assert!(matches!(
+                p.execute(&cancel(attempt), t(20_000)).outcome,
+                Outcome::Succeeded(_)
+            ));
+            assert!(matches!(
+                p.execute(&destroy(attempt), t(20_000)).outcome,
+                Outcome::Succeeded(_)
+            ));
+        }
+    }
+}
