@@ -23,6 +23,9 @@ pub mod time;
 #[cfg(feature = "wire")]
 pub mod wire;
 
+#[cfg(feature = "runtime")]
+pub mod runtime;
+
 /// Generated code for `provisioning.v1`.
 #[cfg(feature = "wire")]
 #[allow(clippy::all, missing_debug_implementations, missing_docs)]
@@ -51,4 +54,4 @@ pub use state::{
     BootstrapProgress, BootstrapStage, Effect, Failure, Intent, ManagedNode, NodeFacts, NodeStage, PendingOp,
     PermanentFailure, RetryState,
 };
-pub use time::{ClockSaturated, UnixMillis};
+pub use time::{Clock, ClockSaturated, ManualClock, SystemClock, UnixMillis};

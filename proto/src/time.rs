@@ -2,7 +2,14 @@
 //! a stored deadline keeps its meaning across a driver restart; nothing in this
 //! crate reads a clock.
 
-use std::{fmt, time::Duration};
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 /// A wall-clock instant in milliseconds since the Unix epoch.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -62,6 +69,49 @@ impl fmt::Display for UnixMillis {
 impl fmt::Debug for UnixMillis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "t{}", self.0)
+    }
+}
+
+/// The one way services read time, so that tests drive a virtual clock and
+/// stored deadlines stay wall-clock values across restarts.
+pub trait Clock: Send + Sync + fmt::Debug + 'static {
+    fn now(&self) -> UnixMillis;
+}
+
+/// Wall-clock time.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> UnixMillis {
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        UnixMillis::new(ms)
+    }
+}
+
+/// A clock that moves only when told to.
+#[derive(Debug, Clone, Default)]
+pub struct ManualClock(Arc<AtomicU64>);
+
+impl ManualClock {
+    pub fn new(start: UnixMillis) -> Self {
+        Self(Arc::new(AtomicU64::new(start.as_millis())))
+    }
+
+    pub fn set(&self, t: UnixMillis) {
+        self.0.store(t.as_millis(), Ordering::SeqCst);
+    }
+
+    pub fn advance(&self, ms: u64) {
+        self.0.fetch_add(ms, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> UnixMillis {
+        UnixMillis::new(self.0.load(Ordering::SeqCst))
     }
 }
 

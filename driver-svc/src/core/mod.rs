@@ -1,12 +1,11 @@
 //! The driver's sans-IO core: the run state machine, its policy, the store
 //! interface and the clock. Nothing here spawns, sleeps or does network I/O.
 
-pub mod clock;
 pub mod policy;
 pub mod run;
 pub mod store;
 
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use contract::{Clock, ManualClock, SystemClock};
 pub use policy::Policy;
 pub use run::{
     AckRef, Applied, ApplyError, CoreError, Discard, Fold, LastDecision, PassOutcome, PassPlan, RunState,

@@ -1,0 +1,114 @@
+//! What every service binary does the same way: flags shared by all three,
+//! logging setup, the bound-address announcement (a log line and an optional
+//! ready file), gRPC health and reflection, and the shutdown signal.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use tokio::net::TcpListener;
+
+/// Flags every service takes; each has an environment-variable equivalent.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CommonArgs {
+    /// Address to listen on; port 0 picks a free port, announced once bound.
+    #[arg(long, env = "PROVISIONING_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Write the bound address to this file once listening (written atomically).
+    #[arg(long, env = "PROVISIONING_READY_FILE")]
+    pub ready_file: Option<PathBuf>,
+    /// Log as JSON lines instead of text.
+    #[arg(long, env = "PROVISIONING_LOG_JSON", default_value_t = false)]
+    pub log_json: bool,
+    /// How long in-flight work may take to drain after SIGTERM/SIGINT.
+    #[arg(long, env = "PROVISIONING_SHUTDOWN_GRACE_MS", default_value_t = 5000)]
+    pub shutdown_grace_ms: u64,
+}
+
+impl CommonArgs {
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shutdown_grace_ms)
+    }
+}
+
+/// Sets up logging: `RUST_LOG` filters (default `info`), text or JSON lines.
+pub fn init_logging(json: bool) {
+    use tracing_subscriber::{EnvFilter, fmt};
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // A second initialisation (tests that start several services in one
+    // process) keeps the first subscriber.
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// Binds, then announces the bound address in a log line and, if asked, in a
+/// ready file that appears whole (written to a temporary name, then renamed).
+pub async fn bind_and_announce(
+    service: &str,
+    listen: SocketAddr,
+    ready_file: Option<&Path>,
+) -> std::io::Result<TcpListener> {
+    let listener = TcpListener::bind(listen).await?;
+    let addr = listener.local_addr()?;
+    tracing::info!(service, %addr, "listening");
+    if let Some(path) = ready_file {
+        write_ready_file(path, addr)?;
+    }
+    Ok(listener)
+}
+
+pub fn write_ready_file(path: &Path, addr: SocketAddr) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{addr}\n"))?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+                    _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The standard gRPC health service (with `service` marked serving) and the
+/// reflection service over the whole `provisioning.v1` descriptor set.
+pub async fn health_and_reflection<S: tonic::server::NamedService>() -> Result<
+    (
+        tonic_health::server::HealthReporter,
+        tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+        tonic_reflection::server::v1::ServerReflectionServer<
+            impl tonic_reflection::server::v1::ServerReflection,
+        >,
+    ),
+    tonic_reflection::server::Error,
+> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<S>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    Ok((reporter, health, reflection))
+}
