@@ -1,10 +1,19 @@
-//! The driver: the sole writer of every run's state.
+//! The driver: the sole writer of every run's state, and the public API.
 //!
 //! [`core`] is the sans-IO state machine of one run ([`core::RunState`]): shape
 //! updates under the revision contract, passes (plan → decide → record →
-//! commit → submit), folding of results, observations and deadlines. The async
-//! shell that drives it over gRPC builds on it.
+//! commit → submit), folding of results, observations and deadlines. Around it:
+//! [`actor`] runs one single-writer task per run; [`driver`] is the registry of
+//! runs; [`link`] keeps the stream to the executor; [`api`] serves clients;
+//! [`status`] builds what clients read; [`server`] assembles it all.
 
 #![forbid(unsafe_code)]
 
+pub mod actor;
+pub mod api;
 pub mod core;
+pub mod driver;
+pub mod link;
+pub mod server;
+pub mod shapefile;
+pub mod status;

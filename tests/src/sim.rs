@@ -35,7 +35,7 @@ pub enum Delivery {
 pub enum ToDriver {
     Result(OperationResult),
     Observation(Observation),
-    Rejection(Rejection, LogicalNodeId),
+    Rejection(Rejection),
 }
 
 /// Something that happened, for checks over the whole trace.
@@ -206,10 +206,10 @@ impl Sim {
             recorded,
         });
         let outputs = self.exec.submit(op.clone(), self.now);
-        self.handle_outputs(outputs, &op.node);
+        self.handle_outputs(outputs);
     }
 
-    fn handle_outputs(&mut self, outputs: Vec<Output>, node_hint: &LogicalNodeId) {
+    fn handle_outputs(&mut self, outputs: Vec<Output>) {
         for o in outputs {
             match o {
                 Output::Start(op) => {
@@ -226,7 +226,7 @@ impl Sim {
                     }
                 }
                 Output::Result(r) => self.send(ToDriver::Result(r)),
-                Output::Rejected(rej) => self.send(ToDriver::Rejection(rej, node_hint.clone())),
+                Output::Rejected(rej) => self.send(ToDriver::Rejection(rej)),
             }
         }
     }
@@ -275,8 +275,8 @@ impl Sim {
                 ToDriver::Observation(o) => {
                     let _ = self.run.fold_observation(&o, self.now)?;
                 }
-                ToDriver::Rejection(rej, node) => {
-                    let _ = self.run.fold_rejection(&rej, &node, self.now)?;
+                ToDriver::Rejection(rej) => {
+                    let _ = self.run.fold_rejection(&rej, self.now)?;
                 }
             }
         }
@@ -308,7 +308,7 @@ impl Sim {
                     outcome: outcome.clone(),
                 });
                 let outputs = self.exec.complete(op.run_uid, op.id, outcome, self.now);
-                self.handle_outputs(outputs, &op.node);
+                self.handle_outputs(outputs);
             }
         }
         for fo in self.fake.due_observations(self.now) {
@@ -323,11 +323,7 @@ impl Sim {
             self.send(ToDriver::Observation(o));
         }
         let outputs = self.exec.handle_timeout(self.now);
-        let hint = LogicalNodeId::new(
-            contract::GroupId::parse("g", "unknown").unwrap_or_else(|_| unreachable!()),
-            0,
-        );
-        self.handle_outputs(outputs, &hint);
+        self.handle_outputs(outputs);
     }
 
     /// The next time anything is due, if anything is.

@@ -1775,6 +1775,9 @@ fn expected_rule(n: &ManagedNode, wanted: Option<&NodeTemplate>, now: UnixMillis
     if f.endpoint.is_none() {
         return Rule::LookupEndpoint;
     }
+    // Row 14 is read as SPEC.md's clarification states it: a live session whose
+    // bootstrap reached the converged class. The reference table also names the
+    // stage (`SwactorJoined`); neither this oracle nor the decider checks it.
     if f.session.is_some() {
         if f.bootstrap
             .as_ref()

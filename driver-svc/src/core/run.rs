@@ -525,7 +525,6 @@ impl RunState {
             .collect();
         self.full = false;
         self.in_pass = true;
-        self.counters.passes += 1;
         Ok(PassPlan {
             now,
             generation: self.meta.shape.generation,
@@ -564,6 +563,7 @@ impl RunState {
             return Err(CoreError::NoPass);
         }
         self.in_pass = false;
+        self.counters.passes += 1;
         let mut out = PassOutcome::default();
         // A shape change while the decider ran invalidates the whole answer.
         if plan.generation != self.meta.shape.generation || plan.deleting != self.meta.deleting {
@@ -1199,25 +1199,26 @@ impl RunState {
     /// definite (the operation did not run) and folds as a retryable failure; a
     /// fenced or unknown-run rejection means this driver must not act, and
     /// changes nothing (the shell re-claims or stops).
-    pub fn fold_rejection(
-        &mut self,
-        rej: &Rejection,
-        node: &LogicalNodeId,
-        now: UnixMillis,
-    ) -> Result<Fold, CoreError> {
+    pub fn fold_rejection(&mut self, rej: &Rejection, now: UnixMillis) -> Result<Fold, CoreError> {
         use contract::RejectionReason as R;
         let Some(id) = rej.id else {
             return Ok(Fold::Discarded(Discard::UnknownOperation));
         };
+        if rej.run_uid != self.meta.uid {
+            return Ok(Fold::Discarded(Discard::OtherRun));
+        }
         if matches!(rej.reason, R::Fenced | R::UnknownRun) {
             return Ok(Fold::Discarded(Discard::UnknownOperation));
         }
-        let effect = match self.nodes.get(node).and_then(|e| e.rec.node.pending) {
-            Some(p) if p.id == id => p.effect,
-            _ => return Ok(Fold::Discarded(Discard::UnknownOperation)),
+        // Rejections are rare; finding the node by its pending id is a scan.
+        let Some((node, effect)) = self.nodes.iter().find_map(|(nid, e)| match e.rec.node.pending {
+            Some(p) if p.id == id => Some((nid.clone(), p.effect)),
+            _ => None,
+        }) else {
+            return Ok(Fold::Discarded(Discard::UnknownOperation));
         };
         self.fold_outcome(
-            node,
+            &node,
             effect,
             &Outcome::Retryable {
                 reason: format!("rejected ({}): {}", rej.reason.name(), rej.message),
@@ -1317,7 +1318,7 @@ impl RunState {
 }
 
 fn human(d: Duration) -> String {
-    if d.as_millis() % 1000 == 0 {
+    if d.as_millis().is_multiple_of(1000) {
         format!("{}s", d.as_secs())
     } else {
         format!("{}ms", d.as_millis())

@@ -1,0 +1,182 @@
+//! The public gRPC API served to provisioning clients, and the one function
+//! that maps the driver's errors to gRPC statuses.
+
+use std::pin::Pin;
+
+use contract::{
+    ClusterShape, FieldError, pb,
+    pb::provisioning_server::Provisioning,
+    wire::shape_from_wire,
+};
+use futures::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::{
+    core::{Applied, ApplyError},
+    driver::{Driver, DriverError},
+};
+
+/// Maps a driver error to its gRPC status. A rejected request changes nothing.
+pub fn to_status(e: DriverError) -> Status {
+    match e {
+        DriverError::Apply(ApplyError::Invalid(f)) => invalid(&f),
+        DriverError::Apply(e @ ApplyError::RunIdChanged { .. })
+        | DriverError::Apply(e @ ApplyError::GenerationRegressed { .. })
+        | DriverError::Apply(e @ ApplyError::SameGenerationOtherContent(_))
+        | DriverError::Apply(e @ ApplyError::Deleting(_)) => Status::failed_precondition(e.to_string()),
+        e @ (DriverError::NotFound(_) | DriverError::NodeNotFound { .. }) => Status::not_found(e.to_string()),
+        e @ DriverError::Store(_) => Status::unavailable(e.to_string()),
+        e @ DriverError::ActorGone => Status::unavailable(e.to_string()),
+    }
+}
+
+/// `INVALID_ARGUMENT` naming the field, with the field path also in the
+/// message so plain clients show it.
+fn invalid(f: &FieldError) -> Status {
+    Status::invalid_argument(f.to_string())
+}
+
+fn shape_arg(shape: Option<pb::ClusterShape>) -> Result<ClusterShape, Status> {
+    let shape = shape.ok_or_else(|| invalid(&FieldError::new("shape", contract::Problem::Missing)))?;
+    shape_from_wire(shape).map_err(|e| invalid(&e.within("shape")))
+}
+
+fn run_id_arg(run_id: &str) -> Result<&str, Status> {
+    contract::RunId::parse("run_id", run_id).map_err(|e| invalid(&e))?;
+    Ok(run_id)
+}
+
+/// The `Provisioning` service over a [`Driver`].
+#[derive(Debug, Clone)]
+pub struct Api {
+    driver: Driver,
+}
+
+impl Api {
+    pub fn new(driver: Driver) -> Self {
+        Self { driver }
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::RunStatus, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Provisioning for Api {
+    async fn apply(&self, req: Request<pb::ApplyRequest>) -> Result<Response<pb::ApplyResponse>, Status> {
+        let shape = shape_arg(req.into_inner().shape)?;
+        let generation = shape.generation.get();
+        let out = self.driver.apply(shape).await.map_err(to_status)?;
+        Ok(Response::new(pb::ApplyResponse {
+            run_uid: out.uid.to_string(),
+            generation,
+            changed: out.applied == Applied::Changed,
+            created: out.created,
+        }))
+    }
+
+    async fn plan(&self, req: Request<pb::PlanRequest>) -> Result<Response<pb::PlanResponse>, Status> {
+        let shape = shape_arg(req.into_inner().shape)?;
+        Ok(Response::new(self.driver.plan(shape).await.map_err(to_status)?))
+    }
+
+    async fn get_run(&self, req: Request<pb::GetRunRequest>) -> Result<Response<pb::RunStatus>, Status> {
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        Ok(Response::new(self.driver.get(id, r.include_nodes).await.map_err(to_status)?))
+    }
+
+    async fn list_runs(&self, _req: Request<pb::ListRunsRequest>) -> Result<Response<pb::ListRunsResponse>, Status> {
+        Ok(Response::new(pb::ListRunsResponse {
+            runs: self.driver.list().await,
+        }))
+    }
+
+    type WatchRunStream = WatchStream;
+
+    async fn watch_run(&self, req: Request<pb::WatchRunRequest>) -> Result<Response<Self::WatchRunStream>, Status> {
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?.to_owned();
+        let driver = self.driver.clone();
+        let mut rx = driver.watch(&id).map_err(to_status)?;
+        let include_nodes = r.include_nodes;
+        let stream = async_stream(move |tx| async move {
+            loop {
+                let status = if include_nodes {
+                    match driver.get(&id, true).await {
+                        Ok(s) => s,
+                        Err(_) => (**rx.borrow_and_update()).clone(),
+                    }
+                } else {
+                    (**rx.borrow_and_update()).clone()
+                };
+                let last = status.phase == pb::RunPhase::Deleted as i32;
+                if tx.send(Ok(status)).await.is_err() || last {
+                    break;
+                }
+                if rx.changed().await.is_err() {
+                    // The actor finished (the run is gone): send its final status.
+                    let final_status = (**rx.borrow()).clone();
+                    if final_status.phase == pb::RunPhase::Deleted as i32 {
+                        let _ = tx.send(Ok(final_status)).await;
+                    }
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn explain_node(
+        &self,
+        req: Request<pb::ExplainNodeRequest>,
+    ) -> Result<Response<pb::NodeExplanation>, Status> {
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        Ok(Response::new(self.driver.explain(id, &r.node_id).await.map_err(to_status)?))
+    }
+
+    async fn delete_run(&self, req: Request<pb::DeleteRunRequest>) -> Result<Response<pb::RunStatus>, Status> {
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        Ok(Response::new(self.driver.delete(id).await.map_err(to_status)?))
+    }
+
+    async fn pause_run(&self, req: Request<pb::RunRef>) -> Result<Response<pb::RunStatus>, Status> {
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        Ok(Response::new(self.driver.set_paused(id, true).await.map_err(to_status)?))
+    }
+
+    async fn resume_run(&self, req: Request<pb::RunRef>) -> Result<Response<pb::RunStatus>, Status> {
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        Ok(Response::new(self.driver.set_paused(id, false).await.map_err(to_status)?))
+    }
+
+    async fn abandon_node(
+        &self,
+        _req: Request<pb::AbandonNodeRequest>,
+    ) -> Result<Response<pb::AbandonNodeResponse>, Status> {
+        Err(Status::unimplemented("abandoning a node is not available yet"))
+    }
+
+    async fn list_orphans(
+        &self,
+        _req: Request<pb::ListOrphansRequest>,
+    ) -> Result<Response<pb::ListOrphansResponse>, Status> {
+        Err(Status::unimplemented("the orphan report is not available yet"))
+    }
+}
+
+/// A stream fed by a task through a bounded channel, so a slow client applies
+/// backpressure instead of growing a buffer.
+fn async_stream<T, F, Fut>(f: F) -> impl Stream<Item = T> + Send
+where
+    T: Send + 'static,
+    F: FnOnce(tokio::sync::mpsc::Sender<T>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(f(tx));
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}

@@ -1,0 +1,232 @@
+//! The driver's end of the executor link: one long-lived bidirectional stream
+//! per driver, reconnected with backoff when it breaks.
+//!
+//! Run actors send through [`Link::send`]; what the executor sends is routed to
+//! the actor of the run it names. Each (re)connection gets a new generation
+//! number and every actor is told (`LinkUp`), so it claims its epoch, resubmits
+//! its pending operations and asks for the observations after the last sequence
+//! it folded. A message sent while the link is down is dropped: pending
+//! operations stay recorded and are resubmitted on the next `LinkUp`.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, RwLock},
+    time::Duration,
+};
+
+use contract::{
+    Observation, OperationResult, Rejection, RunUid, pb,
+    pb::{executor_client::ExecutorClient, executor_message::Kind},
+};
+use tokio::sync::mpsc;
+use tokio_stream::{StreamExt, wrappers::UnboundedReceiverStream};
+use tonic::transport::Endpoint;
+
+use crate::actor::RunEvent;
+
+/// A message from the executor for one run.
+#[derive(Debug, Clone)]
+pub enum FromExecutor {
+    Claimed(contract::Epoch),
+    Result(OperationResult),
+    Observation(Observation),
+    Rejection(Rejection),
+}
+
+type Outbound = mpsc::UnboundedSender<pb::DriverMessage>;
+
+#[derive(Debug, Default)]
+struct Inner {
+    current: Mutex<Option<(u64, Outbound)>>,
+    routes: RwLock<HashMap<RunUid, mpsc::UnboundedSender<RunEvent>>>,
+    counters: Mutex<LinkCounters>,
+}
+
+/// Link health counters, for metrics and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LinkCounters {
+    pub connects: u64,
+    pub disconnects: u64,
+    pub sent: u64,
+    pub dropped: u64,
+    pub received: u64,
+    pub undecodable: u64,
+    pub unrouted: u64,
+}
+
+/// A cheap handle to the link.
+#[derive(Debug, Clone, Default)]
+pub struct Link {
+    inner: Arc<Inner>,
+}
+
+impl Link {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The generation of the stream that is up, if one is.
+    pub fn generation(&self) -> Option<u64> {
+        self.inner.current.lock().ok().and_then(|c| c.as_ref().map(|(g, _)| *g))
+    }
+
+    /// Sends on the current stream if it is `generation` (so a message meant
+    /// for a stream that has since been replaced is not sent on the new one
+    /// before its claim). Returns whether it was sent.
+    pub fn send(&self, generation: u64, msg: pb::DriverMessage) -> bool {
+        let sent = self.inner.current.lock().ok().is_some_and(|c| match c.as_ref() {
+            Some((g, tx)) if *g == generation => tx.send(msg).is_ok(),
+            _ => false,
+        });
+        if let Ok(mut c) = self.inner.counters.lock() {
+            if sent {
+                c.sent += 1;
+            } else {
+                c.dropped += 1;
+            }
+        }
+        sent
+    }
+
+    pub fn counters(&self) -> LinkCounters {
+        self.inner.counters.lock().map(|c| c.clone()).unwrap_or_default()
+    }
+
+    /// Routes the run's messages to its actor; tells it at once if the link is up.
+    pub fn register(&self, uid: RunUid, tx: mpsc::UnboundedSender<RunEvent>) {
+        if let Some(g) = self.generation() {
+            let _ = tx.send(RunEvent::LinkUp(g));
+        }
+        if let Ok(mut r) = self.inner.routes.write() {
+            r.insert(uid, tx);
+        }
+    }
+
+    pub fn unregister(&self, uid: RunUid) {
+        if let Ok(mut r) = self.inner.routes.write() {
+            r.remove(&uid);
+        }
+    }
+
+    fn broadcast(&self, ev: impl Fn() -> RunEvent) {
+        if let Ok(r) = self.inner.routes.read() {
+            for tx in r.values() {
+                let _ = tx.send(ev());
+            }
+        }
+    }
+
+    fn route(&self, uid: RunUid, msg: FromExecutor) {
+        let routed = self
+            .inner
+            .routes
+            .read()
+            .ok()
+            .and_then(|r| r.get(&uid).map(|tx| tx.send(RunEvent::FromExecutor(msg)).is_ok()))
+            .unwrap_or(false);
+        if !routed && let Ok(mut c) = self.inner.counters.lock() {
+            c.unrouted += 1;
+        }
+    }
+
+    fn count(&self, f: impl FnOnce(&mut LinkCounters)) {
+        if let Ok(mut c) = self.inner.counters.lock() {
+            f(&mut c);
+        }
+    }
+
+    /// Keeps the stream up until `shutdown` resolves.
+    pub async fn run(self, endpoint: Endpoint, shutdown: impl std::future::Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        let mut generation = 0u64;
+        let mut delay = Duration::from_millis(100);
+        loop {
+            generation += 1;
+            let attempt = self.connect_once(endpoint.clone(), generation);
+            tokio::select! {
+                () = &mut shutdown => break,
+                connected = attempt => {
+                    if connected {
+                        delay = Duration::from_millis(100);
+                    }
+                }
+            }
+            if let Ok(mut c) = self.inner.current.lock() {
+                *c = None;
+            }
+            self.broadcast(|| RunEvent::LinkDown);
+            tokio::select! {
+                () = &mut shutdown => break,
+                () = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+        if let Ok(mut c) = self.inner.current.lock() {
+            *c = None;
+        }
+    }
+
+    /// One stream's life. Returns whether it connected at all.
+    async fn connect_once(&self, endpoint: Endpoint, generation: u64) -> bool {
+        let channel = match endpoint.connect().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "executor not reachable");
+                return false;
+            }
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut client = ExecutorClient::new(channel)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20);
+        // Install the sender before the call: the request stream must carry the
+        // claims that actors send once they hear `LinkUp`.
+        if let Ok(mut c) = self.inner.current.lock() {
+            *c = Some((generation, tx));
+        }
+        let response = client.link(UnboundedReceiverStream::new(rx)).await;
+        let mut inbound = match response {
+            Ok(r) => r.into_inner(),
+            Err(status) => {
+                tracing::warn!(%status, "executor refused the link");
+                return false;
+            }
+        };
+        self.count(|c| c.connects += 1);
+        tracing::info!(generation, "executor link up");
+        self.broadcast(|| RunEvent::LinkUp(generation));
+        while let Some(item) = inbound.next().await {
+            match item {
+                Ok(msg) => self.dispatch(msg),
+                Err(status) => {
+                    tracing::warn!(%status, "executor link broke");
+                    break;
+                }
+            }
+        }
+        self.count(|c| c.disconnects += 1);
+        tracing::info!(generation, "executor link down");
+        true
+    }
+
+    fn dispatch(&self, msg: pb::ExecutorMessage) {
+        self.count(|c| c.received += 1);
+        let decoded = match msg.kind {
+            Some(Kind::Claimed(c)) => RunUid::parse("run_uid", &c.run_uid)
+                .map(|uid| (uid, FromExecutor::Claimed(contract::Epoch::new(c.epoch)))),
+            Some(Kind::Result(r)) => OperationResult::try_from(r).map(|r| (r.run_uid, FromExecutor::Result(r))),
+            Some(Kind::Observation(o)) => {
+                Observation::try_from(o).map(|o| (o.run_uid, FromExecutor::Observation(o)))
+            }
+            Some(Kind::Rejection(r)) => Rejection::try_from(r).map(|r| (r.run_uid, FromExecutor::Rejection(r))),
+            None => return,
+        };
+        match decoded {
+            Ok((uid, m)) => self.route(uid, m),
+            Err(e) => {
+                self.count(|c| c.undecodable += 1);
+                tracing::warn!(error = %e, "undecodable message from the executor");
+            }
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! `driver-svc`: the sole writer of run state, serving the public API.
+
+use std::{sync::Arc, time::Duration};
+
+use anyhow::Context;
+use clap::Parser;
+use contract::{BackoffPolicy, ShapeLimits, runtime};
+use driver_svc::{
+    core::{MemStore, Policy},
+    server::{Config, run},
+};
+
+#[derive(Debug, Parser)]
+#[command(name = "driver-svc", version, about = "The provisioning driver: sole writer of run state")]
+struct Cli {
+    #[command(flatten)]
+    common: runtime::CommonArgs,
+    /// The decider's address, e.g. http://127.0.0.1:7001.
+    #[arg(long, env = "DRIVER_DECIDER")]
+    decider: String,
+    /// The executor's address, e.g. http://127.0.0.1:7002.
+    #[arg(long, env = "DRIVER_EXECUTOR")]
+    executor: String,
+    #[arg(long, env = "DRIVER_BACKOFF_BASE_MS", default_value_t = 1000)]
+    backoff_base_ms: u64,
+    #[arg(long, env = "DRIVER_BACKOFF_CAP_MS", default_value_t = 60_000)]
+    backoff_cap_ms: u64,
+    #[arg(long, env = "DRIVER_BACKOFF_JITTER", default_value_t = 0.2)]
+    backoff_jitter: f64,
+    /// Re-probe interval after "endpoint not ready".
+    #[arg(long, env = "DRIVER_PROBE_INTERVAL_MS", default_value_t = 500)]
+    probe_interval_ms: u64,
+    #[arg(long, env = "DRIVER_ENDPOINT_TIMEOUT_MS", default_value_t = 120_000)]
+    endpoint_timeout_ms: u64,
+    #[arg(long, env = "DRIVER_BOOTSTRAP_TIMEOUT_MS", default_value_t = 600_000)]
+    bootstrap_timeout_ms: u64,
+    #[arg(long, env = "DRIVER_OPERATION_TIMEOUT_MS", default_value_t = 60_000)]
+    operation_timeout_ms: u64,
+    /// How long after an operation's deadline the driver folds it as ambiguous.
+    #[arg(long, env = "DRIVER_RESULT_GRACE_MS", default_value_t = 5_000)]
+    result_grace_ms: u64,
+    /// Every run gets a full pass at least this often (a safety net).
+    #[arg(long, env = "DRIVER_SAFETY_TICK_MS", default_value_t = 30_000)]
+    safety_tick_ms: u64,
+    #[arg(long, env = "DRIVER_MAX_GROUPS", default_value_t = 256)]
+    max_groups: usize,
+    #[arg(long, env = "DRIVER_MAX_NODES_PER_GROUP", default_value_t = 100_000)]
+    max_nodes_per_group: u32,
+    #[arg(long, env = "DRIVER_MAX_NODES_TOTAL", default_value_t = 200_000)]
+    max_nodes_total: u64,
+}
+
+impl Cli {
+    fn policy(&self) -> anyhow::Result<Policy> {
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.backoff_jitter),
+            "--backoff-jitter must be within [0, 1]"
+        );
+        let ms = Duration::from_millis;
+        Ok(Policy {
+            backoff: BackoffPolicy {
+                base: ms(self.backoff_base_ms),
+                cap: ms(self.backoff_cap_ms),
+                jitter: self.backoff_jitter,
+            },
+            probe_interval: ms(self.probe_interval_ms),
+            endpoint_timeout: ms(self.endpoint_timeout_ms),
+            bootstrap_timeout: ms(self.bootstrap_timeout_ms),
+            operation_timeout: ms(self.operation_timeout_ms),
+            result_grace: ms(self.result_grace_ms),
+            limits: ShapeLimits {
+                max_groups: self.max_groups,
+                max_nodes_per_group: self.max_nodes_per_group,
+                max_nodes_total: self.max_nodes_total,
+                ..ShapeLimits::default()
+            },
+        })
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    runtime::init_logging(cli.common.log_json);
+    let policy = cli.policy()?;
+    let listener = runtime::bind_and_announce("driver-svc", cli.common.listen, cli.common.ready_file.as_deref())
+        .await
+        .context("binding the listen address")?;
+    run(
+        listener,
+        runtime::shutdown_signal(),
+        Config {
+            decider: cli.decider,
+            executor: cli.executor,
+            policy,
+            safety_tick: Duration::from_millis(cli.safety_tick_ms),
+            store: Box::new(MemStore::new()),
+            clock: Arc::new(contract::SystemClock),
+        },
+    )
+    .await
+}

@@ -1,0 +1,316 @@
+//! Real binaries as separate processes on loopback, for end-to-end tests.
+//!
+//! Each service starts on port 0 (or a given port, to restart one in place)
+//! and announces its bound address in a ready file; nothing here guesses a
+//! port. Children are killed when their handle drops, so a failing test leaves
+//! no process behind.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use anyhow::Context;
+use contract::pb::{self, executor_client::ExecutorClient, provisioning_client::ProvisioningClient};
+use tokio::process::{Child, Command};
+use tonic::transport::Channel;
+
+/// Where cargo put the workspace's binaries (next to the test executable's
+/// `deps/` directory).
+pub fn bin_dir() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("test executable has no grandparent directory")?;
+    Ok(dir.to_path_buf())
+}
+
+pub fn bin_path(name: &str) -> anyhow::Result<PathBuf> {
+    let p = bin_dir()?.join(name);
+    anyhow::ensure!(
+        p.exists(),
+        "{} not found: build the workspace binaries first (cargo test --workspace builds them)",
+        p.display()
+    );
+    Ok(p)
+}
+
+/// One running service.
+#[derive(Debug)]
+pub struct Service {
+    pub name: String,
+    pub addr: SocketAddr,
+    child: Child,
+    args: Vec<String>,
+    ready_file: PathBuf,
+}
+
+impl Service {
+    /// Starts `name` with `args` plus `--listen` and `--ready-file`, and waits
+    /// for the ready file.
+    pub async fn start(name: &str, dir: &Path, listen: &str, args: &[String]) -> anyhow::Result<Self> {
+        let ready_file = dir.join(format!("{name}.ready"));
+        let _ = std::fs::remove_file(&ready_file);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(format!("{name}.log")))?;
+        let mut cmd = Command::new(bin_path(name)?);
+        cmd.arg("--listen")
+            .arg(listen)
+            .arg("--ready-file")
+            .arg(&ready_file)
+            .args(args)
+            .env("RUST_LOG", std::env::var("TEST_SERVICE_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().with_context(|| format!("spawning {name}"))?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let addr = loop {
+            if let Ok(s) = std::fs::read_to_string(&ready_file)
+                && let Ok(a) = s.trim().parse::<SocketAddr>()
+            {
+                break a;
+            }
+            if let Some(status) = child.try_wait()? {
+                anyhow::bail!("{name} exited early ({status}); see {}", dir.join(format!("{name}.log")).display());
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "{name} did not become ready in 30s");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        Ok(Self {
+            name: name.to_owned(),
+            addr,
+            child,
+            args: args.to_vec(),
+            ready_file,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// SIGKILL: no chance to clean up.
+    pub async fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill().await?;
+        Ok(())
+    }
+
+    /// SIGTERM, then wait for a clean exit.
+    pub async fn terminate(&mut self) -> anyhow::Result<std::process::ExitStatus> {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill")
+                .arg("-TERM")
+                .arg(pid.to_string())
+                .status();
+        }
+        Ok(tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await??)
+    }
+
+    /// Starts the same service again on the same address.
+    pub async fn restart(&mut self, dir: &Path) -> anyhow::Result<()> {
+        let _ = self.child.kill().await;
+        let _ = self.child.wait().await;
+        let _ = std::fs::remove_file(&self.ready_file);
+        let listen = self.addr.to_string();
+        // The port was just freed; retry briefly in case it lingers.
+        let mut last = None;
+        for _ in 0..50 {
+            match Service::start(&self.name, dir, &listen, &self.args).await {
+                Ok(s) => {
+                    *self = s;
+                    return Ok(());
+                }
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("restart failed")))
+    }
+}
+
+/// The three services.
+#[derive(Debug)]
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub decider: Service,
+    pub executor: Service,
+    pub driver: Service,
+}
+
+/// Knobs for a test cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    pub executor_args: Vec<String>,
+    pub driver_args: Vec<String>,
+    /// Put the driver's executor link through this address instead (a proxy).
+    pub executor_via: Option<String>,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        Self {
+            executor_args: vec![
+                "--backend".into(),
+                "fake".into(),
+                "--fake-latency-ms".into(),
+                "1,5".into(),
+                "--fake-stage-interval-ms".into(),
+                "5".into(),
+            ],
+            driver_args: vec![
+                "--backoff-base-ms".into(),
+                "50".into(),
+                "--backoff-cap-ms".into(),
+                "500".into(),
+                "--probe-interval-ms".into(),
+                "20".into(),
+                "--safety-tick-ms".into(),
+                "2000".into(),
+            ],
+            executor_via: None,
+        }
+    }
+}
+
+impl Cluster {
+    pub async fn start(opts: ClusterOptions) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        Self::start_in(dir, opts).await
+    }
+
+    pub async fn start_in(dir: tempfile::TempDir, opts: ClusterOptions) -> anyhow::Result<Self> {
+        let decider = Service::start("decider-svc", dir.path(), "127.0.0.1:0", &[]).await?;
+        let executor = Service::start("executor-svc", dir.path(), "127.0.0.1:0", &opts.executor_args).await?;
+        let executor_url = opts.executor_via.clone().unwrap_or_else(|| executor.url());
+        let mut args = vec!["--decider".into(), decider.url(), "--executor".into(), executor_url];
+        args.extend(opts.driver_args.iter().cloned());
+        let driver = Service::start("driver-svc", dir.path(), "127.0.0.1:0", &args).await?;
+        Ok(Self {
+            dir,
+            decider,
+            executor,
+            driver,
+        })
+    }
+
+    pub async fn client(&self) -> anyhow::Result<ProvisioningClient<Channel>> {
+        Ok(ProvisioningClient::connect(self.driver.url()).await?)
+    }
+
+    pub async fn executor_client(&self) -> anyhow::Result<ExecutorClient<Channel>> {
+        Ok(ExecutorClient::connect(self.executor.url()).await?)
+    }
+
+    /// Every live resource the executor reports.
+    pub async fn inventory(&self) -> anyhow::Result<Vec<pb::Resource>> {
+        let mut c = self.executor_client().await?;
+        Ok(c.inventory(pb::InventoryRequest::default()).await?.into_inner().resources)
+    }
+
+    /// Prints the services' logs (for a failing test).
+    pub fn dump_logs(&self) {
+        for name in ["decider-svc", "executor-svc", "driver-svc"] {
+            if let Ok(s) = std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))) {
+                let tail: Vec<&str> = s.lines().rev().take(60).collect();
+                eprintln!("----- {name} (last lines) -----");
+                for l in tail.iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
+
+/// Follows a run's watch stream until `done` says so, or `timeout` passes.
+pub async fn watch_until(
+    client: &mut ProvisioningClient<Channel>,
+    run_id: &str,
+    timeout: Duration,
+    mut done: impl FnMut(&pb::RunStatus) -> bool,
+) -> anyhow::Result<pb::RunStatus> {
+    let mut stream = client
+        .watch_run(pb::WatchRunRequest {
+            run_id: run_id.to_owned(),
+            include_nodes: false,
+        })
+        .await?
+        .into_inner();
+    let follow = async {
+        let mut last = None;
+        while let Some(s) = stream.message().await? {
+            if done(&s) {
+                return Ok(s);
+            }
+            last = Some(s);
+        }
+        anyhow::bail!("watch ended; last status: {last:?}")
+    };
+    tokio::time::timeout(timeout, follow)
+        .await
+        .map_err(|_| anyhow::anyhow!("timed out after {timeout:?} waiting on {run_id}"))?
+}
+
+/// A TCP proxy whose connections can be cut, to break a stream without
+/// restarting either end. Its target can be set after it starts (so a service
+/// can be told the proxy's address before the proxied service exists);
+/// connections before then are refused.
+#[derive(Debug)]
+pub struct Proxy {
+    pub addr: SocketAddr,
+    target: tokio::sync::watch::Sender<Option<SocketAddr>>,
+    cut: tokio::sync::watch::Sender<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    pub async fn start() -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (cut, cut_rx) = tokio::sync::watch::channel(0u64);
+        let (target, target_rx) = tokio::sync::watch::channel(None::<SocketAddr>);
+        let task = tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Some(to) = *target_rx.borrow() else {
+                    continue;
+                };
+                let mut cut_rx = cut_rx.clone();
+                cut_rx.mark_unchanged();
+                tokio::spawn(async move {
+                    let Ok(outbound) = tokio::net::TcpStream::connect(to).await else {
+                        return;
+                    };
+                    let (mut ri, mut wi) = inbound.into_split();
+                    let (mut ro, mut wo) = outbound.into_split();
+                    tokio::select! {
+                        _ = tokio::io::copy(&mut ri, &mut wo) => {}
+                        _ = tokio::io::copy(&mut ro, &mut wi) => {}
+                        _ = cut_rx.changed() => {}
+                    }
+                });
+            }
+        });
+        Ok(Self { addr, target, cut, task })
+    }
+
+    pub fn set_target(&self, to: SocketAddr) {
+        self.target.send_replace(Some(to));
+    }
+
+    /// Drops every live connection through the proxy.
+    pub fn cut(&self) {
+        self.cut.send_modify(|n| *n += 1);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
