@@ -90,7 +90,9 @@ pub(crate) struct RunActor {
 
 impl std::fmt::Debug for RunActor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RunActor").field("run", &self.run.run_id()).finish_non_exhaustive()
+        f.debug_struct("RunActor")
+            .field("run", &self.run.run_id())
+            .finish_non_exhaustive()
     }
 }
 
@@ -318,7 +320,10 @@ impl RunActor {
         }
         for op in self.run.inflight_operations() {
             let trace = op.trace.clone();
-            link.send(generation, message(Kind::Submit(pb::Operation::from(&op)), &trace));
+            link.send(
+                generation,
+                message(Kind::Submit(pb::Operation::from(&op)), &trace),
+            );
         }
         let uid = self.run.uid().to_string();
         let after = self
@@ -334,7 +339,10 @@ impl RunActor {
         if !after.is_empty() {
             link.send(
                 generation,
-                message(Kind::ObserveFrom(pb::ObserveFrom { run_uid: uid, after }), &TraceContext::default()),
+                message(
+                    Kind::ObserveFrom(pb::ObserveFrom { run_uid: uid, after }),
+                    &TraceContext::default(),
+                ),
             );
         }
     }
@@ -360,7 +368,9 @@ impl RunActor {
                         }
                         self.changed = true;
                     }
-                    Err(e) => tracing::error!(run = %self.run.run_id(), error = %e, "applying decisions failed"),
+                    Err(e) => {
+                        tracing::error!(run = %self.run.run_id(), error = %e, "applying decisions failed")
+                    }
                 }
             }
             Err(e) => {
@@ -407,6 +417,36 @@ impl RunActor {
             }
         }
         self.send_acks();
+        self.send_replays();
+    }
+
+    /// Asks for the stages of newly known sessions from the start: any that
+    /// arrived before the result naming the session were left unacknowledged.
+    fn send_replays(&mut self) {
+        let sessions = self.run.take_replays();
+        let Some(g) = self.link else {
+            // On the next `LinkUp` every live session is asked for anyway.
+            return;
+        };
+        if sessions.is_empty() {
+            return;
+        }
+        let uid = self.run.uid().to_string();
+        let after = sessions
+            .into_iter()
+            .map(|session| pb::ObservationRef {
+                run_uid: uid.clone(),
+                session_id: session.to_string(),
+                seq: 0,
+            })
+            .collect();
+        self.shared.link.send(
+            g,
+            message(
+                Kind::ObserveFrom(pb::ObserveFrom { run_uid: uid, after }),
+                &TraceContext::default(),
+            ),
+        );
     }
 
     fn send_acks(&mut self) {

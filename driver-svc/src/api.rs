@@ -3,11 +3,7 @@
 
 use std::pin::Pin;
 
-use contract::{
-    ClusterShape, FieldError, pb,
-    pb::provisioning_server::Provisioning,
-    wire::shape_from_wire,
-};
+use contract::{ClusterShape, FieldError, pb, pb::provisioning_server::Provisioning, wire::shape_from_wire};
 use futures::Stream;
 use tonic::{Request, Response, Status};
 
@@ -82,10 +78,15 @@ impl Provisioning for Api {
     async fn get_run(&self, req: Request<pb::GetRunRequest>) -> Result<Response<pb::RunStatus>, Status> {
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        Ok(Response::new(self.driver.get(id, r.include_nodes).await.map_err(to_status)?))
+        Ok(Response::new(
+            self.driver.get(id, r.include_nodes).await.map_err(to_status)?,
+        ))
     }
 
-    async fn list_runs(&self, _req: Request<pb::ListRunsRequest>) -> Result<Response<pb::ListRunsResponse>, Status> {
+    async fn list_runs(
+        &self,
+        _req: Request<pb::ListRunsRequest>,
+    ) -> Result<Response<pb::ListRunsResponse>, Status> {
         Ok(Response::new(pb::ListRunsResponse {
             runs: self.driver.list().await,
         }))
@@ -93,7 +94,10 @@ impl Provisioning for Api {
 
     type WatchRunStream = WatchStream;
 
-    async fn watch_run(&self, req: Request<pb::WatchRunRequest>) -> Result<Response<Self::WatchRunStream>, Status> {
+    async fn watch_run(
+        &self,
+        req: Request<pb::WatchRunRequest>,
+    ) -> Result<Response<Self::WatchRunStream>, Status> {
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?.to_owned();
         let driver = self.driver.clone();
@@ -132,10 +136,15 @@ impl Provisioning for Api {
     ) -> Result<Response<pb::NodeExplanation>, Status> {
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        Ok(Response::new(self.driver.explain(id, &r.node_id).await.map_err(to_status)?))
+        Ok(Response::new(
+            self.driver.explain(id, &r.node_id).await.map_err(to_status)?,
+        ))
     }
 
-    async fn delete_run(&self, req: Request<pb::DeleteRunRequest>) -> Result<Response<pb::RunStatus>, Status> {
+    async fn delete_run(
+        &self,
+        req: Request<pb::DeleteRunRequest>,
+    ) -> Result<Response<pb::RunStatus>, Status> {
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
         Ok(Response::new(self.driver.delete(id).await.map_err(to_status)?))
@@ -144,13 +153,17 @@ impl Provisioning for Api {
     async fn pause_run(&self, req: Request<pb::RunRef>) -> Result<Response<pb::RunStatus>, Status> {
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        Ok(Response::new(self.driver.set_paused(id, true).await.map_err(to_status)?))
+        Ok(Response::new(
+            self.driver.set_paused(id, true).await.map_err(to_status)?,
+        ))
     }
 
     async fn resume_run(&self, req: Request<pb::RunRef>) -> Result<Response<pb::RunStatus>, Status> {
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        Ok(Response::new(self.driver.set_paused(id, false).await.map_err(to_status)?))
+        Ok(Response::new(
+            self.driver.set_paused(id, false).await.map_err(to_status)?,
+        ))
     }
 
     async fn abandon_node(

@@ -7,7 +7,9 @@ use std::{
     time::Duration,
 };
 
-use contract::{Clock, ClusterShape, Epoch, LogicalNodeId, RunId, RunUid, pb, pb::decider_client::DeciderClient};
+use contract::{
+    Clock, ClusterShape, Epoch, LogicalNodeId, RunId, RunUid, pb, pb::decider_client::DeciderClient,
+};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
@@ -31,9 +33,12 @@ pub struct Metrics {
 impl Metrics {
     pub(crate) fn pass(&self, o: &PassOutcome) {
         self.passes.fetch_add(1, Ordering::Relaxed);
-        self.operations.fetch_add(o.operations.len() as u64, Ordering::Relaxed);
-        self.transitions.fetch_add(u64::from(o.transitions), Ordering::Relaxed);
-        self.stale_decisions.fetch_add(u64::from(o.stale), Ordering::Relaxed);
+        self.operations
+            .fetch_add(o.operations.len() as u64, Ordering::Relaxed);
+        self.transitions
+            .fetch_add(u64::from(o.transitions), Ordering::Relaxed);
+        self.stale_decisions
+            .fetch_add(u64::from(o.stale), Ordering::Relaxed);
         for (i, n) in o.actions_by_rule.iter().enumerate() {
             self.actions_by_rule[i].fetch_add(u64::from(*n), Ordering::Relaxed);
         }
@@ -57,7 +62,9 @@ pub(crate) struct Shared {
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared").field("policy", &self.policy).finish_non_exhaustive()
+        f.debug_struct("Shared")
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
     }
 }
 
@@ -160,7 +167,11 @@ impl Driver {
             .ok_or_else(|| DriverError::NotFound(run_id.to_owned()))
     }
 
-    async fn ask<T>(&self, run_id: &str, make: impl FnOnce(oneshot::Sender<T>) -> RunEvent) -> Result<T, DriverError> {
+    async fn ask<T>(
+        &self,
+        run_id: &str,
+        make: impl FnOnce(oneshot::Sender<T>) -> RunEvent,
+    ) -> Result<T, DriverError> {
         let h = self.handle(run_id)?;
         let (tx, rx) = oneshot::channel();
         h.tx.send(make(tx)).map_err(|_| DriverError::ActorGone)?;
@@ -192,7 +203,9 @@ impl Driver {
         let mut runs = self.shared.runs.write().map_err(|_| DriverError::ActorGone)?;
         if runs.contains_key(&shape.run_id) {
             // Lost a race with another create: the caller retries as an update.
-            return Err(DriverError::Apply(ApplyError::SameGenerationOtherContent(shape.generation)));
+            return Err(DriverError::Apply(ApplyError::SameGenerationOtherContent(
+                shape.generation,
+            )));
         }
         let now = self.shared.clock.now();
         let uid = fresh_uid();
@@ -215,7 +228,8 @@ impl Driver {
     }
 
     pub async fn get(&self, run_id: &str, include_nodes: bool) -> Result<pb::RunStatus, DriverError> {
-        self.ask(run_id, |reply| RunEvent::Get { include_nodes, reply }).await
+        self.ask(run_id, |reply| RunEvent::Get { include_nodes, reply })
+            .await
     }
 
     pub async fn list(&self) -> Vec<pb::RunStatus> {
@@ -231,12 +245,16 @@ impl Driver {
     }
 
     /// The run's status channel: the current status, then every change.
-    pub fn watch(&self, run_id: &str) -> Result<tokio::sync::watch::Receiver<Arc<pb::RunStatus>>, DriverError> {
+    pub fn watch(
+        &self,
+        run_id: &str,
+    ) -> Result<tokio::sync::watch::Receiver<Arc<pb::RunStatus>>, DriverError> {
         Ok(self.handle(run_id)?.status)
     }
 
     pub async fn explain(&self, run_id: &str, node: &str) -> Result<pb::NodeExplanation, DriverError> {
-        let id = LogicalNodeId::parse("node_id", node).map_err(|e| DriverError::Apply(ApplyError::Invalid(e)))?;
+        let id =
+            LogicalNodeId::parse("node_id", node).map_err(|e| DriverError::Apply(ApplyError::Invalid(e)))?;
         self.ask(run_id, |reply| RunEvent::Explain { node: id, reply })
             .await?
             .ok_or_else(|| DriverError::NodeNotFound {
@@ -249,12 +267,20 @@ impl Driver {
         match self.handle(shape.run_id.as_str()) {
             Ok(_) => {
                 let run_id = shape.run_id.to_string();
-                Ok(self.ask(&run_id, |reply| RunEvent::Plan { shape, reply }).await??)
+                Ok(self
+                    .ask(&run_id, |reply| RunEvent::Plan { shape, reply })
+                    .await??)
             }
             Err(DriverError::NotFound(_)) => {
                 // A new run: plan against an empty state.
                 let now = self.shared.clock.now();
-                let run = RunState::create(shape.clone(), RunUid::from_u128(0), Epoch::new(0), self.shared.policy.clone(), now)?;
+                let run = RunState::create(
+                    shape.clone(),
+                    RunUid::from_u128(0),
+                    Epoch::new(0),
+                    self.shared.policy.clone(),
+                    now,
+                )?;
                 let out = run.plan(&shape, now);
                 Ok(pb::PlanResponse {
                     decisions: out.decisions.iter().map(pb::Decision::from).collect(),
@@ -271,7 +297,8 @@ impl Driver {
     }
 
     pub async fn set_paused(&self, run_id: &str, paused: bool) -> Result<pb::RunStatus, DriverError> {
-        self.ask(run_id, |reply| RunEvent::SetPaused { paused, reply }).await
+        self.ask(run_id, |reply| RunEvent::SetPaused { paused, reply })
+            .await
     }
 }
 

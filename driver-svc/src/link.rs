@@ -67,7 +67,11 @@ impl Link {
 
     /// The generation of the stream that is up, if one is.
     pub fn generation(&self) -> Option<u64> {
-        self.inner.current.lock().ok().and_then(|c| c.as_ref().map(|(g, _)| *g))
+        self.inner
+            .current
+            .lock()
+            .ok()
+            .and_then(|c| c.as_ref().map(|(g, _)| *g))
     }
 
     /// Sends on the current stream if it is `generation` (so a message meant
@@ -214,11 +218,15 @@ impl Link {
         let decoded = match msg.kind {
             Some(Kind::Claimed(c)) => RunUid::parse("run_uid", &c.run_uid)
                 .map(|uid| (uid, FromExecutor::Claimed(contract::Epoch::new(c.epoch)))),
-            Some(Kind::Result(r)) => OperationResult::try_from(r).map(|r| (r.run_uid, FromExecutor::Result(r))),
+            Some(Kind::Result(r)) => {
+                OperationResult::try_from(r).map(|r| (r.run_uid, FromExecutor::Result(r)))
+            }
             Some(Kind::Observation(o)) => {
                 Observation::try_from(o).map(|o| (o.run_uid, FromExecutor::Observation(o)))
             }
-            Some(Kind::Rejection(r)) => Rejection::try_from(r).map(|r| (r.run_uid, FromExecutor::Rejection(r))),
+            Some(Kind::Rejection(r)) => {
+                Rejection::try_from(r).map(|r| (r.run_uid, FromExecutor::Rejection(r)))
+            }
             None => return,
         };
         match decoded {

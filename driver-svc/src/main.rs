@@ -11,7 +11,11 @@ use driver_svc::{
 };
 
 #[derive(Debug, Parser)]
-#[command(name = "driver-svc", version, about = "The provisioning driver: sole writer of run state")]
+#[command(
+    name = "driver-svc",
+    version,
+    about = "The provisioning driver: sole writer of run state"
+)]
 struct Cli {
     #[command(flatten)]
     common: runtime::CommonArgs,
@@ -83,9 +87,10 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     runtime::init_logging(cli.common.log_json);
     let policy = cli.policy()?;
-    let listener = runtime::bind_and_announce("driver-svc", cli.common.listen, cli.common.ready_file.as_deref())
-        .await
-        .context("binding the listen address")?;
+    let listener =
+        runtime::bind_and_announce("driver-svc", cli.common.listen, cli.common.ready_file.as_deref())
+            .await
+            .context("binding the listen address")?;
     run(
         listener,
         runtime::shutdown_signal(),

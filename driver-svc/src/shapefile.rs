@@ -99,7 +99,8 @@ pub enum ShapeFileError {
 /// superset of JSON, but the JSON parser gives better messages for JSON).
 pub fn parse(source_name: &str, text: &str) -> Result<ShapeFile, ShapeFileError> {
     let parsed = if text.trim_start().starts_with('{') {
-        serde_json::from_str::<ShapeFile>(text).map_err(|e| format!("line {} column {}: {e}", e.line(), e.column()))
+        serde_json::from_str::<ShapeFile>(text)
+            .map_err(|e| format!("line {} column {}: {e}", e.line(), e.column()))
     } else {
         serde_yaml::from_str::<ShapeFile>(text).map_err(|e| match e.location() {
             Some(l) => format!("line {} column {}: {e}", l.line(), l.column()),

@@ -32,7 +32,9 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
     for n in run.nodes() {
         let g = groups.entry(n.id.group().clone()).or_default();
         *g.stages.entry(n.stage).or_default() += 1;
-        let current = desired.template_for(&n.id).is_some_and(|t| NodeTemplate::same(t, &n.spec));
+        let current = desired
+            .template_for(&n.id)
+            .is_some_and(|t| NodeTemplate::same(t, &n.spec));
         if n.is_ready() && current {
             g.ready += 1;
             ready_count += 1;

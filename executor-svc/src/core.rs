@@ -44,6 +44,8 @@ pub enum Output {
     Result(OperationResult),
     /// Send this rejection to the driver.
     Rejected(Rejection),
+    /// Send this bootstrap observation to the driver.
+    Observation(Observation),
 }
 
 /// A completed operation's recorded result.
@@ -83,6 +85,11 @@ struct SessionLog {
     attempt: AttemptId,
     next_seq: u64,
     unacked: BTreeMap<u64, Observation>,
+    /// Stages that arrived while the `StartBootstrap` that opened the session
+    /// was still running. They are held until its result has gone out: a
+    /// driver folds observations only into a session it knows, and it learns
+    /// the session from that result.
+    held: bool,
 }
 
 /// Everything the core knows of one run.
@@ -104,6 +111,17 @@ struct RunState {
 }
 
 impl RunState {
+    /// Sends the stages held back while an attempt's `StartBootstrap` ran, now
+    /// that its result has gone out first.
+    fn release_held(&mut self, attempt: AttemptId, out: &mut Vec<Output>) {
+        for log in self.sessions.values_mut() {
+            if log.attempt == attempt && log.held {
+                log.held = false;
+                out.extend(log.unacked.values().cloned().map(Output::Observation));
+            }
+        }
+    }
+
     fn rejection(
         &self,
         run_uid: RunUid,
@@ -397,6 +415,7 @@ impl ExecutorCore {
                 if let Some(result) = run.finish(id, outcome, now) {
                     out.push(Output::Result(result));
                 }
+                run.release_held(id.attempt(), &mut out);
                 run.release(id.attempt(), id);
                 run.start_next(id.attempt(), now, &mut out);
             }
@@ -461,6 +480,7 @@ impl ExecutorCore {
                         {
                             done.awaiting_late = true;
                         }
+                        run.release_held(attempt, &mut out);
                         run.release(attempt, id);
                         run.start_next(attempt, now, &mut out);
                     }
@@ -523,6 +543,21 @@ impl ExecutorCore {
             .collect()
     }
 
+    /// One run's completed results the driver has not acknowledged, by
+    /// operation: what to re-send when a driver claims the run on a new link.
+    pub fn unacked_results_of(&self, run_uid: RunUid) -> Vec<OperationResult> {
+        let Some(run) = self.runs.get(&run_uid) else {
+            return Vec::new();
+        };
+        run.unacked
+            .iter()
+            .filter_map(|id| match &run.ops.get(id)?.state {
+                OpState::Completed(done) => Some(done.result.clone()),
+                OpState::Queued | OpState::Running => None,
+            })
+            .collect()
+    }
+
     /// Sequences a bootstrap stage reported by the backend and keeps it until the
     /// driver acknowledges it. Sequence numbers count from 1 per session.
     pub fn record_observation(
@@ -533,12 +568,19 @@ impl ExecutorCore {
         detail: String,
         at: UnixMillis,
         trace: TraceContext,
-    ) -> Observation {
+    ) -> Vec<Output> {
         let run = self.runs.entry(identity.run_uid).or_default();
+        let starting = run
+            .lanes
+            .get(&identity.attempt)
+            .and_then(|lane| lane.running)
+            .and_then(|id| run.ops.get(&id))
+            .is_some_and(|e| e.op.input.effect() == contract::Effect::StartBootstrap);
         let log = run.sessions.entry(session.clone()).or_insert_with(|| SessionLog {
             attempt: identity.attempt,
             next_seq: 1,
             unacked: BTreeMap::new(),
+            held: false,
         });
         let seq = log.next_seq;
         log.next_seq = seq.saturating_add(1);
@@ -554,7 +596,14 @@ impl ExecutorCore {
             trace,
         };
         log.unacked.insert(seq, observation.clone());
-        observation
+        if starting {
+            log.held = true;
+        }
+        if log.held {
+            Vec::new()
+        } else {
+            vec![Output::Observation(observation)]
+        }
     }
 
     /// The driver has folded a session's observations up to `upto_seq`.
@@ -586,6 +635,7 @@ impl ExecutorCore {
         self.runs
             .get(&run_uid)
             .and_then(|run| run.sessions.get(session))
+            .filter(|log| !log.held)
             .map(|log| {
                 log.unacked
                     .range((Bound::Excluded(after_seq), Bound::Unbounded))
@@ -600,8 +650,23 @@ impl ExecutorCore {
         self.runs
             .values()
             .flat_map(|run| run.sessions.values())
+            .filter(|log| !log.held)
             .flat_map(|log| log.unacked.values().cloned())
             .collect()
+    }
+
+    /// One run's unacknowledged observations, by session then sequence.
+    pub fn unacked_observations_of(&self, run_uid: RunUid) -> Vec<Observation> {
+        self.runs
+            .get(&run_uid)
+            .map(|run| {
+                run.sessions
+                    .values()
+                    .filter(|log| !log.held)
+                    .flat_map(|log| log.unacked.values().cloned())
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Drops every record of a run (its dedup entries, queues and observations)
@@ -1006,14 +1071,72 @@ mod tests {
     }
 
     fn observe(core: &mut ExecutorCore, attempt: u64, s: &str, stage: BootstrapStage) -> Observation {
-        core.record_observation(
+        let out = core.record_observation(
             &identity(attempt),
             session(s),
             stage,
             String::new(),
             t(1),
             TraceContext::default(),
-        )
+        );
+        match out.as_slice() {
+            [Output::Observation(o)] => o.clone(),
+            other => panic!("expected one observation out, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn stages_wait_for_the_result_of_the_start_that_opened_their_session() {
+        let mut core = claimed();
+        let start = op(
+            1,
+            1,
+            1,
+            1000,
+            OperationInput::StartBootstrap {
+                lease: lease("l1"),
+                endpoint: contract::Endpoint::new("endpoint", "127.0.0.1:1").unwrap(),
+                boot: Default::default(),
+                join: Default::default(),
+            },
+        );
+        let out = core.submit(start, t(1));
+        assert!(matches!(out.as_slice(), [Output::Start(_)]));
+        // The backend streams two stages before the call has returned.
+        for stage in [BootstrapStage::Connected, BootstrapStage::BootCheck] {
+            let held = core.record_observation(
+                &identity(1),
+                session("s1"),
+                stage,
+                String::new(),
+                t(2),
+                TraceContext::default(),
+            );
+            assert!(
+                held.is_empty(),
+                "a stage went out before the session's start result"
+            );
+        }
+        assert!(core.unacked_observations().is_empty());
+        assert!(core.observations_after(RUN, &session("s1"), 0).is_empty());
+        let out = core.complete(
+            RUN,
+            OperationId::new(AttemptId::new(1), 1),
+            Outcome::Succeeded(Default::default()),
+            t(3),
+        );
+        let kinds: Vec<&str> = out
+            .iter()
+            .map(|o| match o {
+                Output::Result(_) => "result",
+                Output::Observation(_) => "observation",
+                _ => "other",
+            })
+            .collect();
+        assert_eq!(kinds, ["result", "observation", "observation"]);
+        // Later stages flow at once.
+        let later = observe(&mut core, 1, "s1", BootstrapStage::AgentStarted);
+        assert_eq!(later.seq, 3);
     }
 
     #[test]

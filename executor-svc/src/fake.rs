@@ -148,6 +148,39 @@ pub struct FakeResource {
     pub session_live: bool,
 }
 
+/// One resource of a [`FakeSnapshot`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct FakeSnapshotResource {
+    pub identity: ResourceIdentity,
+    pub lease: LeaseId,
+    pub endpoint: Endpoint,
+    /// When the endpoint is (or was) bound.
+    pub ready_at: UnixMillis,
+    /// The lease's bootstrap session, if one exists.
+    pub session: Option<SessionId>,
+    /// The session's whole stage plan (streamed again from the start after a
+    /// restore, so its sequence numbers match the first streaming).
+    pub stages: Vec<BootstrapStage>,
+}
+
+/// The provider's resources and id counters, as plain values, so that a caller
+/// can keep them somewhere (a state file) and [`FakeProvider::restore`] them
+/// into a new provider: leases and endpoints then outlive the process.
+///
+/// A session's remaining schedule of stages is not part of it: a restored
+/// session is live but emits nothing more, as if its bootstrap hung. The driver
+/// treats that as it treats any hung bootstrap (the stage deadline fails the
+/// attempt and cleanup cancels the session). The random stream is not part of it
+/// either: a restored provider restarts its stream from the seed.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FakeSnapshot {
+    pub resources: Vec<FakeSnapshotResource>,
+    pub lease_counter: u64,
+    pub session_counter: u64,
+    /// The latest time the provider had been told.
+    pub latest: UnixMillis,
+}
+
 /// SplitMix64: tiny, fast and good enough for fault injection; the fake owns its
 /// stream, so no global or thread-local random state leaks in.
 #[derive(Debug, Clone)]
@@ -219,6 +252,9 @@ struct FakeLease {
 #[derive(Debug, Clone)]
 struct FakeSession {
     id: SessionId,
+    /// Every stage the session will stream, emitted or not, so that a restored
+    /// session can stream it again from the start with the same sequence.
+    plan: Vec<BootstrapStage>,
     /// Stages not yet emitted, in time order.
     pending: VecDeque<(UnixMillis, BootstrapStage)>,
 }
@@ -472,6 +508,21 @@ impl FakeProvider {
 
     /// Creates a session and schedules its stages. The fail roll comes first; a
     /// session that fails does not also roll for a hang.
+    /// Times for `stages`, one stage interval apart from `now`.
+    fn schedule(&self, stages: &[BootstrapStage], now: UnixMillis) -> VecDeque<(UnixMillis, BootstrapStage)> {
+        let interval = self.config.stage_interval_ms;
+        let mut pending = VecDeque::with_capacity(stages.len());
+        for (k, stage) in (1u64..).zip(stages.iter().copied()) {
+            // A stage whose time does not fit the clock never comes: the schedule
+            // ends there rather than wrapping.
+            let Ok(at) = now.checked_add(Duration::from_millis(interval.saturating_mul(k))) else {
+                break;
+            };
+            pending.push_back((at, stage));
+        }
+        pending
+    }
+
     fn start_session(&mut self, identity: ResourceIdentity, now: UnixMillis) -> Result<SessionId, Outcome> {
         let n = self.session_counter + 1;
         let id = SessionId::new("session", &format!("sess-{n}")).map_err(id_error)?;
@@ -493,16 +544,7 @@ impl FakeProvider {
             let last = self.rng.below(4) as usize;
             stages.truncate(last + 1);
         }
-        let interval = self.config.stage_interval_ms;
-        let mut pending = VecDeque::with_capacity(stages.len());
-        for (k, stage) in (1u64..).zip(stages) {
-            // A stage whose time does not fit the clock never comes: the schedule
-            // ends there rather than wrapping.
-            let Ok(at) = now.checked_add(Duration::from_millis(interval.saturating_mul(k))) else {
-                break;
-            };
-            pending.push_back((at, stage));
-        }
+        let pending = self.schedule(&stages, now);
         let Some(node) = self.nodes.get_mut(&identity) else {
             return Err(Outcome::Retryable {
                 reason: NO_SUCH_LEASE.to_owned(),
@@ -513,6 +555,7 @@ impl FakeProvider {
         }
         node.session = Some(FakeSession {
             id: id.clone(),
+            plan: stages,
             pending,
         });
         self.session_counter = n;
@@ -611,6 +654,76 @@ impl FakeProvider {
                 session_live: node.session.is_some(),
             })
             .collect()
+    }
+
+    /// Tells the provider the time without doing anything else, so that
+    /// [`FakeProvider::inventory`] reports endpoints ready as of `now`.
+    pub fn advance(&mut self, now: UnixMillis) {
+        self.latest = self.latest.max(now);
+    }
+
+    /// Whether the identity has a session with stages still to come: whoever
+    /// delivers its observations needs to keep a way to deliver them.
+    pub fn is_emitting(&self, identity: &ResourceIdentity) -> bool {
+        self.nodes
+            .get(identity)
+            .and_then(|n| n.session.as_ref())
+            .is_some_and(|s| !s.pending.is_empty())
+    }
+
+    /// The resources and counters, for [`FakeProvider::restore`].
+    pub fn snapshot(&self) -> FakeSnapshot {
+        FakeSnapshot {
+            resources: self
+                .nodes
+                .iter()
+                .map(|(identity, node)| FakeSnapshotResource {
+                    identity: identity.clone(),
+                    lease: node.lease.id.clone(),
+                    endpoint: node.lease.endpoint.clone(),
+                    ready_at: node.lease.ready_at,
+                    session: node.session.as_ref().map(|s| s.id.clone()),
+                    stages: node.session.as_ref().map(|s| s.plan.clone()).unwrap_or_default(),
+                })
+                .collect(),
+            lease_counter: self.lease_counter,
+            session_counter: self.session_counter,
+            latest: self.latest,
+        }
+    }
+
+    /// A provider with `config` holding a snapshot's resources. A restored
+    /// session streams its whole stage plan again from the snapshot's time, as an
+    /// agent that the executor reattaches to would: the driver discards the
+    /// stages it already folded (same sequence numbers) and folds the rest. The
+    /// counters continue from the snapshot's, so new ids do not repeat.
+    pub fn restore(config: FakeConfig, snapshot: FakeSnapshot) -> Self {
+        let mut provider = Self::new(config);
+        provider.lease_counter = snapshot.lease_counter;
+        provider.session_counter = snapshot.session_counter;
+        provider.latest = snapshot.latest;
+        for r in snapshot.resources {
+            let pending = provider.schedule(&r.stages, snapshot.latest);
+            if let (Some(_), Some(&(first, _))) = (&r.session, pending.front()) {
+                provider.agenda.insert((first, r.identity.clone()));
+            }
+            provider.nodes.insert(
+                r.identity,
+                FakeNode {
+                    lease: FakeLease {
+                        id: r.lease,
+                        endpoint: r.endpoint,
+                        ready_at: r.ready_at,
+                    },
+                    session: r.session.map(|id| FakeSession {
+                        id,
+                        plan: r.stages,
+                        pending,
+                    }),
+                },
+            );
+        }
+        provider
     }
 
     /// Live leases of one run: zero after a run is scaled to zero or deleted, or
@@ -929,6 +1042,55 @@ mod tests {
         assert!(p.due_observations(t(1_000)).is_empty());
         assert!(!p.inventory()[0].session_live);
         assert_eq!(p.live_resources(RUN), 1);
+    }
+
+    #[test]
+    fn a_restored_provider_keeps_leases_and_adopts_them() {
+        let mut p = provider(FakeConfig {
+            endpoint_delay_ms: 100,
+            ..FakeConfig::default()
+        });
+        let made = facts(&p.execute(&create(1), t(1_000))).lease.clone().unwrap();
+        let session = started(&mut p, 2, t(1_000));
+        assert!(p.is_emitting(&create(2).identity()));
+        let snapshot = p.snapshot();
+        assert_eq!(snapshot.resources.len(), 2);
+
+        let mut q = FakeProvider::restore(*p.config(), snapshot.clone());
+        assert_eq!(q.snapshot(), snapshot);
+        // A restored session streams its whole plan again, from the start.
+        assert!(q.is_emitting(&create(2).identity()));
+        assert!(q.next_observation_at().is_some());
+        let again: Vec<_> = q
+            .clone()
+            .due_observations(t(1_000_000))
+            .into_iter()
+            .map(|o| o.stage)
+            .collect();
+        assert_eq!(
+            again,
+            [
+                BootstrapStage::Connected,
+                BootstrapStage::BootCheck,
+                BootstrapStage::AgentStarted,
+                BootstrapStage::Joined,
+                BootstrapStage::Converged
+            ]
+        );
+        assert!(q.inventory()[1].session_live);
+        // The endpoint is ready once the provider is told the time.
+        assert_eq!(q.inventory()[0].endpoint, None);
+        q.advance(t(1_100));
+        assert!(q.inventory()[0].endpoint.is_some());
+
+        let adopted = q.execute(&create(1), t(2_000));
+        assert_eq!(facts(&adopted).lease.as_ref(), Some(&made));
+        assert_eq!((q.creates(), q.adoptions()), (0, 1));
+        let fresh = facts(&q.execute(&create(3), t(2_000))).lease.clone().unwrap();
+        assert!(q.inventory().iter().filter(|r| r.lease == fresh).count() == 1);
+        let lease2 = q.inventory()[1].lease.clone();
+        let again = q.execute(&start(2, &lease2), t(2_000));
+        assert_eq!(facts(&again).session.as_ref(), Some(&session));
     }
 
     #[test]

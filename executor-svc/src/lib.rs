@@ -6,10 +6,20 @@
 //! operation per attempt, deadlines, unacknowledged results and sequenced
 //! bootstrap observations); it takes `now` as an argument and returns what to do
 //! as values. [`fake`] is the seeded in-memory provider used by simulations and
-//! tests. Neither reads a clock nor depends on tokio: the async shell, the
-//! backends that do real I/O and the gRPC service wrap them.
+//! tests. Neither reads a clock nor depends on tokio.
+//!
+//! The async shell wraps them: [`backend`] is the trait a provider backend
+//! implements (run one operation, stream bootstrap stages, list resources),
+//! [`fake_backend`] puts the fake provider behind it (with real latency and an
+//! optional state file), and [`server`] is the gRPC service, in which one actor
+//! task owns the core and folds events from driver links, backend calls and
+//! timers. The `executor-svc` binary only parses flags and calls
+//! [`server::run`].
 
 #![forbid(unsafe_code)]
 
+pub mod backend;
 pub mod core;
 pub mod fake;
+pub mod fake_backend;
+pub mod server;

@@ -64,7 +64,10 @@ impl Service {
             .arg("--ready-file")
             .arg(&ready_file)
             .args(args)
-            .env("RUST_LOG", std::env::var("TEST_SERVICE_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("TEST_SERVICE_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
@@ -78,9 +81,15 @@ impl Service {
                 break a;
             }
             if let Some(status) = child.try_wait()? {
-                anyhow::bail!("{name} exited early ({status}); see {}", dir.join(format!("{name}.log")).display());
+                anyhow::bail!(
+                    "{name} exited early ({status}); see {}",
+                    dir.join(format!("{name}.log")).display()
+                );
             }
-            anyhow::ensure!(tokio::time::Instant::now() < deadline, "{name} did not become ready in 30s");
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "{name} did not become ready in 30s"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         Ok(Self {
@@ -179,6 +188,30 @@ impl Default for ClusterOptions {
     }
 }
 
+fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
+    match args.iter().position(|a| a == flag) {
+        Some(i) if i + 1 < args.len() => args[i + 1] = value.to_owned(),
+        _ => {
+            args.push(flag.to_owned());
+            args.push(value.to_owned());
+        }
+    }
+}
+
+impl ClusterOptions {
+    /// Sets (or replaces) an executor flag.
+    pub fn executor(mut self, flag: &str, value: &str) -> Self {
+        set_flag(&mut self.executor_args, flag, value);
+        self
+    }
+
+    /// Sets (or replaces) a driver flag.
+    pub fn driver(mut self, flag: &str, value: &str) -> Self {
+        set_flag(&mut self.driver_args, flag, value);
+        self
+    }
+}
+
 impl Cluster {
     pub async fn start(opts: ClusterOptions) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
@@ -189,7 +222,12 @@ impl Cluster {
         let decider = Service::start("decider-svc", dir.path(), "127.0.0.1:0", &[]).await?;
         let executor = Service::start("executor-svc", dir.path(), "127.0.0.1:0", &opts.executor_args).await?;
         let executor_url = opts.executor_via.clone().unwrap_or_else(|| executor.url());
-        let mut args = vec!["--decider".into(), decider.url(), "--executor".into(), executor_url];
+        let mut args = vec![
+            "--decider".into(),
+            decider.url(),
+            "--executor".into(),
+            executor_url,
+        ];
         args.extend(opts.driver_args.iter().cloned());
         let driver = Service::start("driver-svc", dir.path(), "127.0.0.1:0", &args).await?;
         Ok(Self {
@@ -211,7 +249,10 @@ impl Cluster {
     /// Every live resource the executor reports.
     pub async fn inventory(&self) -> anyhow::Result<Vec<pb::Resource>> {
         let mut c = self.executor_client().await?;
-        Ok(c.inventory(pb::InventoryRequest::default()).await?.into_inner().resources)
+        Ok(c.inventory(pb::InventoryRequest::default())
+            .await?
+            .into_inner()
+            .resources)
     }
 
     /// Prints the services' logs (for a failing test).
@@ -296,7 +337,12 @@ impl Proxy {
                 });
             }
         });
-        Ok(Self { addr, target, cut, task })
+        Ok(Self {
+            addr,
+            target,
+            cut,
+            task,
+        })
     }
 
     pub fn set_target(&self, to: SocketAddr) {

@@ -227,6 +227,7 @@ impl Sim {
                 }
                 Output::Result(r) => self.send(ToDriver::Result(r)),
                 Output::Rejected(rej) => self.send(ToDriver::Rejection(rej)),
+                Output::Observation(o) => self.send(ToDriver::Observation(o)),
             }
         }
     }
@@ -284,6 +285,12 @@ impl Sim {
         let acks = self.run.commit(&mut self.store)?;
         self.acks.extend(acks);
         self.flush_acks();
+        let uid = self.run.uid();
+        for session in self.run.take_replays() {
+            for o in self.exec.observations_after(uid, &session, 0) {
+                self.send(ToDriver::Observation(o));
+            }
+        }
         Ok(n)
     }
 
@@ -312,7 +319,7 @@ impl Sim {
             }
         }
         for fo in self.fake.due_observations(self.now) {
-            let o = self.exec.record_observation(
+            let out = self.exec.record_observation(
                 &fo.identity,
                 fo.session,
                 fo.stage,
@@ -320,7 +327,7 @@ impl Sim {
                 fo.at,
                 contract::TraceContext::default(),
             );
-            self.send(ToDriver::Observation(o));
+            self.handle_outputs(out);
         }
         let outputs = self.exec.handle_timeout(self.now);
         self.handle_outputs(outputs);
@@ -350,10 +357,11 @@ impl Sim {
             && !self.run.needs_pass(self.now)
             && self.transit.is_empty()
             && self.backend.range(..=self.now).next().is_none();
-        if idle && let Some(t) = self.next_event_at() {
-            if t > self.now {
-                self.now = t;
-            }
+        if idle
+            && let Some(t) = self.next_event_at()
+            && t > self.now
+        {
+            self.now = t;
         }
         Ok(())
     }

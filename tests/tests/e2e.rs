@@ -19,7 +19,16 @@ fn wire(s: &contract::ClusterShape) -> pb::ClusterShape {
 }
 
 fn groups(workers: u32, gpu: u32, image: &str) -> contract::ClusterShape {
-    shape("e2e", 1, "fake", &[("ctrl", 3, "img:1"), ("workers", workers, "img:1"), ("gpu", gpu, image)])
+    shape(
+        "e2e",
+        1,
+        "fake",
+        &[
+            ("ctrl", 3, "img:1"),
+            ("workers", workers, "img:1"),
+            ("gpu", gpu, image),
+        ],
+    )
 }
 
 fn at(mut s: contract::ClusterShape, generation: u64) -> contract::ClusterShape {
@@ -28,7 +37,10 @@ fn at(mut s: contract::ClusterShape, generation: u64) -> contract::ClusterShape 
 }
 
 async fn apply(c: &mut ProvisioningClient<Channel>, s: &contract::ClusterShape) -> pb::ApplyResponse {
-    c.apply(pb::ApplyRequest { shape: Some(wire(s)) }).await.unwrap().into_inner()
+    c.apply(pb::ApplyRequest { shape: Some(wire(s)) })
+        .await
+        .unwrap()
+        .into_inner()
 }
 
 async fn converged(cluster: &Cluster, c: &mut ProvisioningClient<Channel>, generation: u64) -> pb::RunStatus {
@@ -36,6 +48,17 @@ async fn converged(cluster: &Cluster, c: &mut ProvisioningClient<Channel>, gener
         Ok(s) => s,
         Err(e) => {
             cluster.dump_logs();
+            let s = c
+                .get_run(pb::GetRunRequest {
+                    run_id: "e2e".into(),
+                    include_nodes: true,
+                })
+                .await;
+            if let Ok(s) = s {
+                for n in &s.get_ref().nodes {
+                    eprintln!("{:?} last={:?}", n.state, n.last_decision);
+                }
+            }
             panic!("{e}");
         }
     }
@@ -113,10 +136,14 @@ async fn converge_scale_replace_and_delete_across_three_processes() {
     }
 
     // Delete: the run goes away and the inventory is empty.
-    c.delete_run(pb::DeleteRunRequest { run_id: "e2e".into() }).await.unwrap();
-    watch_until(&mut c, "e2e", CONVERGE, |s| s.phase == pb::RunPhase::Deleted as i32)
+    c.delete_run(pb::DeleteRunRequest { run_id: "e2e".into() })
         .await
         .unwrap();
+    watch_until(&mut c, "e2e", CONVERGE, |s| {
+        s.phase == pb::RunPhase::Deleted as i32
+    })
+    .await
+    .unwrap();
     let inv = cluster.inventory().await.unwrap();
     assert!(inv.is_empty(), "leaked after delete: {inv:?}");
     let gone = c
@@ -131,13 +158,14 @@ async fn converge_scale_replace_and_delete_across_three_processes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decider_outage_stops_decisions_until_it_returns() {
-    let mut opts = ClusterOptions::default();
     // Slow stages so the run is mid-way when the decider goes.
-    opts.executor_args.extend(["--fake-stage-interval-ms".into(), "300".into()]);
+    let opts = ClusterOptions::default().executor("--fake-stage-interval-ms", "300");
     let mut cluster = Cluster::start(opts).await.unwrap();
     let mut c = cluster.client().await.unwrap();
     apply(&mut c, &groups(12, 6, "img:1")).await;
-    watch_until(&mut c, "e2e", CONVERGE, |s| s.pending_operations > 0).await.unwrap();
+    watch_until(&mut c, "e2e", CONVERGE, |s| s.pending_operations > 0)
+        .await
+        .unwrap();
 
     cluster.decider.kill().await.unwrap();
     // Let in-flight results arrive and fold.
@@ -159,11 +187,15 @@ async fn a_decider_outage_stops_decisions_until_it_returns() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(during.passes, later.passes, "a pass was applied while the decider was down");
+    assert_eq!(
+        during.passes, later.passes,
+        "a pass was applied while the decider was down"
+    );
     assert!(!later.converged);
     // Folding went on: observations kept arriving while no decision was made.
     assert!(
-        later.folded_observations > during.folded_observations || later.folded_results >= during.folded_results,
+        later.folded_observations > during.folded_observations
+            || later.folded_results >= during.folded_results,
         "nothing was folded during the outage"
     );
 
@@ -177,17 +209,15 @@ async fn a_decider_outage_stops_decisions_until_it_returns() {
 async fn an_executor_restart_resubmits_and_adopts() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("fake-state.json");
-    let mut opts = ClusterOptions::default();
-    opts.executor_args.extend([
-        "--fake-state-file".into(),
-        state.display().to_string(),
-        "--fake-latency-ms".into(),
-        "50,200".into(),
-    ]);
+    let opts = ClusterOptions::default()
+        .executor("--fake-state-file", &state.display().to_string())
+        .executor("--fake-latency-ms", "50,200");
     let mut cluster = Cluster::start_in(dir, opts).await.unwrap();
     let mut c = cluster.client().await.unwrap();
     apply(&mut c, &groups(12, 6, "img:1")).await;
-    watch_until(&mut c, "e2e", CONVERGE, |s| s.ready_count >= 3).await.unwrap();
+    watch_until(&mut c, "e2e", CONVERGE, |s| s.ready_count >= 3)
+        .await
+        .unwrap();
 
     cluster.executor.kill().await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -199,24 +229,24 @@ async fn an_executor_restart_resubmits_and_adopts() {
     assert_eq!(by_slot.len(), 21, "{by_slot:?}");
     let states = nodes(&mut c).await;
     for (slot, attempts) in by_slot {
-        assert_eq!(attempts, vec![states[&slot].attempt], "{slot}: resources of other attempts");
+        assert_eq!(
+            attempts,
+            vec![states[&slot].attempt],
+            "{slot}: resources of other attempts"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_stream_loses_no_result_or_observation() {
     let proxy = Proxy::start().await.unwrap();
-    let mut opts = ClusterOptions::default();
-    opts.executor_via = Some(format!("http://{}", proxy.addr));
     // Long deadlines: a lost message would stall the run past the test's limit
     // instead of being papered over by a deadline fold or a safety tick.
-    opts.driver_args.extend([
-        "--operation-timeout-ms".into(),
-        "600000".into(),
-        "--safety-tick-ms".into(),
-        "600000".into(),
-    ]);
-    opts.executor_args.extend(["--fake-stage-interval-ms".into(), "40".into()]);
+    let mut opts = ClusterOptions::default()
+        .driver("--operation-timeout-ms", "600000")
+        .driver("--safety-tick-ms", "600000")
+        .executor("--fake-stage-interval-ms", "40");
+    opts.executor_via = Some(format!("http://{}", proxy.addr));
     let cluster = Cluster::start(opts).await.unwrap();
     proxy.set_target(cluster.executor.addr);
     let mut c = cluster.client().await.unwrap();
@@ -261,37 +291,103 @@ async fn bad_input_gets_its_status_and_changes_nothing() {
     cases.push(("malformed run id", s, Code::InvalidArgument, "shape.run_id"));
     let mut s = good.clone();
     s.groups[1].id = "Workers".into();
-    cases.push(("malformed group id", s, Code::InvalidArgument, "shape.groups[1].id"));
+    cases.push((
+        "malformed group id",
+        s,
+        Code::InvalidArgument,
+        "shape.groups[1].id",
+    ));
     let mut s = good.clone();
     s.groups[1].id = "ctrl".into();
-    cases.push(("duplicate group id", s, Code::InvalidArgument, "shape.groups[1].id"));
+    cases.push((
+        "duplicate group id",
+        s,
+        Code::InvalidArgument,
+        "shape.groups[1].id",
+    ));
     let mut s = good.clone();
-    s.groups[0].template.as_mut().unwrap().provider.as_mut().unwrap().cpu = f64::NAN;
-    cases.push(("non-finite cpu", s, Code::InvalidArgument, "shape.groups[0].template.provider.cpu"));
+    s.groups[0]
+        .template
+        .as_mut()
+        .unwrap()
+        .provider
+        .as_mut()
+        .unwrap()
+        .cpu = f64::NAN;
+    cases.push((
+        "non-finite cpu",
+        s,
+        Code::InvalidArgument,
+        "shape.groups[0].template.provider.cpu",
+    ));
     let mut s = good.clone();
-    s.groups[0].template.as_mut().unwrap().provider.as_mut().unwrap().memory_gib = -2.0;
-    cases.push(("negative memory", s, Code::InvalidArgument, "shape.groups[0].template.provider.memory_gib"));
+    s.groups[0]
+        .template
+        .as_mut()
+        .unwrap()
+        .provider
+        .as_mut()
+        .unwrap()
+        .memory_gib = -2.0;
+    cases.push((
+        "negative memory",
+        s,
+        Code::InvalidArgument,
+        "shape.groups[0].template.provider.memory_gib",
+    ));
     let mut s = good.clone();
     s.groups[0].count = -1;
-    cases.push(("negative count", s, Code::InvalidArgument, "shape.groups[0].count"));
+    cases.push((
+        "negative count",
+        s,
+        Code::InvalidArgument,
+        "shape.groups[0].count",
+    ));
     let mut s = good.clone();
     s.groups[0].count = 1_000_000;
-    cases.push(("count over the limit", s, Code::InvalidArgument, "groups[0].count"));
+    cases.push((
+        "count over the limit",
+        s,
+        Code::InvalidArgument,
+        "groups[0].count",
+    ));
     let mut s = good.clone();
     s.groups[0].run_id = "other".into();
-    cases.push(("foreign-run group", s, Code::InvalidArgument, "shape.groups[0].run_id"));
+    cases.push((
+        "foreign-run group",
+        s,
+        Code::InvalidArgument,
+        "shape.groups[0].run_id",
+    ));
     let mut s = good.clone();
     s.generation = 4;
-    cases.push(("generation regression", s, Code::FailedPrecondition, "generation 4"));
+    cases.push((
+        "generation regression",
+        s,
+        Code::FailedPrecondition,
+        "generation 4",
+    ));
     let mut s = good.clone();
     s.generation = 5;
     s.groups[0].count = 7;
-    cases.push(("same generation, other content", s, Code::FailedPrecondition, "generation 5"));
+    cases.push((
+        "same generation, other content",
+        s,
+        Code::FailedPrecondition,
+        "generation 5",
+    ));
 
     for (what, shape, code, needle) in cases {
-        let err = c.apply(pb::ApplyRequest { shape: Some(shape) }).await.unwrap_err();
+        let err = c
+            .apply(pb::ApplyRequest { shape: Some(shape) })
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), code, "{what}: {err:?}");
-        assert!(err.message().contains(needle), "{what}: {:?} does not name {needle}", err.message());
+        assert!(
+            err.message().contains(needle),
+            "{what}: {:?} does not name {needle}",
+            err.message()
+        );
         let now = get(&mut c).await;
         assert_eq!(now.generation, before.generation, "{what} changed the generation");
         assert_eq!(now.shape, before.shape, "{what} changed the shape");
@@ -308,7 +404,9 @@ async fn bad_input_gets_its_status_and_changes_nothing() {
     assert!(!same.changed);
 
     // Apply to a deleting run is refused.
-    c.delete_run(pb::DeleteRunRequest { run_id: "e2e".into() }).await.unwrap();
+    c.delete_run(pb::DeleteRunRequest { run_id: "e2e".into() })
+        .await
+        .unwrap();
     let err = c.apply(pb::ApplyRequest { shape: Some(good) }).await;
     if let Err(err) = err {
         assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
@@ -342,7 +440,9 @@ async fn bad_input_gets_its_status_and_changes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_service_answers_health_and_reflection() {
-    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
     use tonic_reflection::pb::v1::{
         ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
         server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
@@ -353,7 +453,11 @@ async fn every_service_answers_health_and_reflection() {
         (&cluster.executor, "provisioning.v1.Executor"),
         (&cluster.driver, "provisioning.v1.Provisioning"),
     ] {
-        let ch = tonic::transport::Endpoint::from_shared(svc.url()).unwrap().connect().await.unwrap();
+        let ch = tonic::transport::Endpoint::from_shared(svc.url())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
         let mut health = HealthClient::new(ch.clone());
         let r = health
             .check(HealthCheckRequest { service: name.into() })
@@ -376,6 +480,10 @@ async fn every_service_answers_health_and_reflection() {
         let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
             panic!("unexpected reflection answer from {name}");
         };
-        assert!(list.service.iter().any(|s| s.name == name), "{name} not listed: {:?}", list.service);
+        assert!(
+            list.service.iter().any(|s| s.name == name),
+            "{name} not listed: {:?}",
+            list.service
+        );
     }
 }

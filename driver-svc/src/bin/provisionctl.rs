@@ -15,7 +15,12 @@ use tonic::transport::Channel;
 #[command(name = "provisionctl", version, about = "Provisioning client")]
 struct Cli {
     /// The driver's address.
-    #[arg(long, global = true, env = "PROVISIONCTL_SERVER", default_value = "http://127.0.0.1:7000")]
+    #[arg(
+        long,
+        global = true,
+        env = "PROVISIONCTL_SERVER",
+        default_value = "http://127.0.0.1:7000"
+    )]
     server: String,
     #[command(subcommand)]
     command: Command,
@@ -272,7 +277,9 @@ async fn watch(server: &str, run: &str, timeout: Option<u64>) -> anyhow::Result<
 async fn delete(server: &str, run: &str) -> anyhow::Result<()> {
     let mut client = connect(server).await?;
     let s = client
-        .delete_run(pb::DeleteRunRequest { run_id: run.to_owned() })
+        .delete_run(pb::DeleteRunRequest {
+            run_id: run.to_owned(),
+        })
         .await
         .map_err(status_error)?
         .into_inner();

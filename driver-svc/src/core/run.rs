@@ -88,6 +88,10 @@ pub enum Discard {
     StaleSession,
     /// An observation at or below the last folded sequence number.
     Duplicate,
+    /// An observation of a session whose `StartBootstrap` result has not been
+    /// folded yet. It is not acknowledged: the executor keeps it, and the
+    /// driver asks for it again once the result names the session.
+    SessionNotYetKnown,
 }
 
 impl Discard {
@@ -101,6 +105,7 @@ impl Discard {
             Discard::Late => "late",
             Discard::StaleSession => "stale-session",
             Discard::Duplicate => "duplicate",
+            Discard::SessionNotYetKnown => "session-not-yet-known",
         }
     }
 }
@@ -212,6 +217,8 @@ pub struct RunState {
     changed: BTreeSet<LogicalNodeId>,
     removed: BTreeSet<LogicalNodeId>,
     unacked: Vec<AckRef>,
+    /// Sessions whose observations to ask the executor for again.
+    replays: Vec<contract::SessionId>,
     counters: RunCounters,
     pass_trace: TraceContext,
 }
@@ -266,6 +273,7 @@ impl RunState {
             changed: BTreeSet::new(),
             removed: BTreeSet::new(),
             unacked: Vec::new(),
+            replays: Vec::new(),
             counters: RunCounters::default(),
             pass_trace: TraceContext::default(),
         }
@@ -1035,6 +1043,9 @@ impl RunState {
 
             (Effect::StartBootstrap, Outcome::Succeeded(f)) => match &f.session {
                 Some(session) => {
+                    // Stages may have arrived before this result; they were
+                    // left unacknowledged, so ask for the session from the start.
+                    self.replays.push(session.clone());
                     n.facts.session = Some(session.clone());
                     n.facts.ambiguous_bootstrap = false;
                     n.facts.bootstrap = None;
@@ -1080,7 +1091,7 @@ impl RunState {
     pub fn fold_observation(&mut self, o: &Observation, now: UnixMillis) -> Result<Fold, CoreError> {
         let fold = self.check_observation(o);
         if let Fold::Discarded(why) = fold {
-            if why != Discard::OtherRun {
+            if !matches!(why, Discard::OtherRun | Discard::SessionNotYetKnown) {
                 self.unacked.push(AckRef::Observation {
                     session: o.session.clone(),
                     seq: o.seq,
@@ -1147,12 +1158,24 @@ impl RunState {
             return Fold::Discarded(Discard::SupersededAttempt);
         }
         if n.facts.session.as_ref() != Some(&o.session) {
-            return Fold::Discarded(Discard::StaleSession);
+            let starting =
+                n.facts.session.is_none() && n.pending.is_some_and(|p| p.effect == Effect::StartBootstrap);
+            return Fold::Discarded(if starting {
+                Discard::SessionNotYetKnown
+            } else {
+                Discard::StaleSession
+            });
         }
         if n.facts.bootstrap.as_ref().is_some_and(|b| o.seq <= b.seq) {
             return Fold::Discarded(Discard::Duplicate);
         }
         Fold::Folded
+    }
+
+    /// Sessions to ask the executor to replay from the start (their first
+    /// stages may have arrived before the result that named them).
+    pub fn take_replays(&mut self) -> Vec<contract::SessionId> {
+        std::mem::take(&mut self.replays)
     }
 
     /// The last folded observation sequence per live session, for asking the

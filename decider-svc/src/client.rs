@@ -1,0 +1,198 @@
+//! Calling a remote decider: what the driver uses in place of an in-process
+//! [`decider::decide`].
+//!
+//! [`encode_request`] is pure, so the driver can build the messages while it
+//! holds its state and send them after letting go; [`decide`] streams them and
+//! collects the answer. Every message is bounded in size whatever the run's
+//! size: node batches by count and by encoded bytes, slot batches by count, and
+//! templates travel once, in the header's table.
+
+use contract::{
+    ClusterShape, DecideOutput, Decision, FieldError, ManagedNode, Problem, TraceContext, UnixMillis,
+    pb::{self, decide_request::Part, decider_client::DeciderClient},
+    wire::{TemplateTable, node_to_wire, shape_to_wire_with_table, trace_to_wire},
+};
+use decider::SlotSet;
+use prost::Message as _;
+use tonic::{Code, Status, transport::Channel};
+
+/// The most nodes in one `NodeBatch`.
+pub const NODE_BATCH: usize = 1024;
+
+/// A node batch is also cut before its encoded size passes this, because a
+/// node's failure reasons are free text and 1024 long ones could otherwise
+/// pass the decider's 4 MiB decoding limit.
+pub const NODE_BATCH_BYTES: usize = 1 << 20;
+
+/// The most slot indices in one `SlotBatch` (at most 5 bytes each, packed).
+pub const SLOT_BATCH: usize = 65_536;
+
+/// Why a remote decide failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    /// The decider could not be reached or did not finish its answer; a later
+    /// pass may succeed. Transport errors, `UNAVAILABLE`, `DEADLINE_EXCEEDED`,
+    /// and a response stream that ends without a summary land here.
+    #[error("the decider is unavailable: {}: {}", .0.code(), .0.message())]
+    Unavailable(Status),
+    /// The decider refused the input (`INVALID_ARGUMENT`, `RESOURCE_EXHAUSTED`
+    /// and the like): sending the same input again gets the same answer.
+    #[error("the decider rejected the request: {}: {}", .0.code(), .0.message())]
+    Rejected(Status),
+    /// The decider sent a decision that does not decode; the field path starts
+    /// at the decision's index in the whole answer (`decisions[7].rule`).
+    #[error("the decider sent an undecodable decision: {0}")]
+    Decode(FieldError),
+}
+
+impl DecideError {
+    /// Sorts a status from the call into refused input and everything else.
+    /// Only codes that say "this input is wrong or too big for this decider"
+    /// are rejections; every other code (including `UNKNOWN` and `INTERNAL`,
+    /// which is what a broken connection often surfaces as) is treated as the
+    /// decider being unavailable, so the driver retries instead of giving up.
+    pub fn from_status(status: Status) -> Self {
+        match status.code() {
+            Code::InvalidArgument
+            | Code::ResourceExhausted
+            | Code::FailedPrecondition
+            | Code::OutOfRange
+            | Code::Unimplemented
+            | Code::PermissionDenied
+            | Code::Unauthenticated
+            | Code::NotFound
+            | Code::AlreadyExists => DecideError::Rejected(status),
+            _ => DecideError::Unavailable(status),
+        }
+    }
+}
+
+/// The request messages for one pass: a header, node batches, slot batches,
+/// then `end`, each carrying `trace`.
+///
+/// The header's template table holds every distinct template among the
+/// shape's groups and the nodes' specs (including the specs a permanent
+/// failure names), so a template shared by many nodes is encoded once. `slots`
+/// must hold every slot the run has, not only `nodes`, as for
+/// [`decider::decide`]; its groups are sent in id order.
+pub fn encode_request<'a>(
+    shape: &ClusterShape,
+    deleting: bool,
+    nodes: impl IntoIterator<Item = &'a ManagedNode>,
+    slots: &SlotSet,
+    now: UnixMillis,
+    trace: &TraceContext,
+) -> Vec<pb::DecideRequest> {
+    let trace = trace_to_wire(trace);
+    let message = |part: Part| pb::DecideRequest {
+        part: Some(part),
+        trace: trace.clone(),
+    };
+
+    // The shape is interned first so that its templates get the first indices;
+    // the header itself is built last, once the nodes have added theirs.
+    let mut table = TemplateTable::default();
+    let (desired, group_template_refs) = shape_to_wire_with_table(shape, &mut table);
+
+    let mut body = Vec::new();
+    let mut batch = Vec::new();
+    let mut bytes = 0;
+    for node in nodes {
+        let wire = node_to_wire(node, &mut table);
+        // Tag and length prefix of the repeated field: 8 bytes covers any length.
+        let len = wire.encoded_len() + 8;
+        if !batch.is_empty() && (batch.len() >= NODE_BATCH || bytes + len > NODE_BATCH_BYTES) {
+            body.push(message(Part::Nodes(pb::NodeBatch {
+                nodes: std::mem::take(&mut batch),
+            })));
+            bytes = 0;
+        }
+        batch.push(wire);
+        bytes += len;
+    }
+    if !batch.is_empty() {
+        body.push(message(Part::Nodes(pb::NodeBatch { nodes: batch })));
+    }
+
+    let mut groups: Vec<_> = slots.iter_groups().collect();
+    groups.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    for (group, indices) in groups {
+        for chunk in indices.chunks(SLOT_BATCH) {
+            body.push(message(Part::Slots(pb::SlotBatch {
+                group_id: group.as_str().to_owned(),
+                indices: chunk.to_vec(),
+            })));
+        }
+    }
+    body.push(message(Part::End(pb::DecideEnd {})));
+
+    let header = message(Part::Header(pb::DecideHeader {
+        desired: Some(desired),
+        now_ms: now.as_millis(),
+        templates: table.into_wire(),
+        group_template_refs,
+        deleting,
+    }));
+    let mut messages = Vec::with_capacity(body.len() + 1);
+    messages.push(header);
+    messages.extend(body);
+    messages
+}
+
+/// Sends `requests` (from [`encode_request`]) to the decider and collects its
+/// answer: the decisions in the order they arrive (the nodes' in the order
+/// sent, then the inserts) and `requeue_at` from the summary.
+///
+/// The summary's counts are checked against the decisions received and the
+/// nodes sent, so an answer that lost a batch is never taken for a whole one.
+pub async fn decide(
+    client: &mut DeciderClient<Channel>,
+    requests: Vec<pb::DecideRequest>,
+) -> Result<DecideOutput, DecideError> {
+    let nodes_sent: usize = requests
+        .iter()
+        .map(|r| match &r.part {
+            Some(Part::Nodes(b)) => b.nodes.len(),
+            _ => 0,
+        })
+        .sum();
+    let mut responses = client
+        .decide(tokio_stream::iter(requests))
+        .await
+        .map_err(DecideError::from_status)?
+        .into_inner();
+    let mut out = DecideOutput::default();
+    loop {
+        let Some(response) = responses.message().await.map_err(DecideError::from_status)? else {
+            return Err(DecideError::Unavailable(Status::unavailable(
+                "the decider's response stream ended without a summary",
+            )));
+        };
+        match response.part {
+            Some(pb::decide_response::Part::Decisions(batch)) => {
+                out.decisions.reserve(batch.decisions.len());
+                for wire in batch.decisions {
+                    let i = out.decisions.len();
+                    let d = Decision::try_from(wire)
+                        .map_err(|e| DecideError::Decode(e.within(&format!("decisions[{i}]"))))?;
+                    out.decisions.push(d);
+                }
+            }
+            Some(pb::decide_response::Part::Summary(summary)) => {
+                let announced = u64::from(summary.decided_nodes) + u64::from(summary.inserts);
+                let received = u64::try_from(out.decisions.len()).unwrap_or(u64::MAX);
+                let sent = u64::try_from(nodes_sent).unwrap_or(u64::MAX);
+                if announced != received || u64::from(summary.decided_nodes) != sent {
+                    return Err(DecideError::Unavailable(Status::data_loss(format!(
+                        "the decider's summary announces {} node decisions and {} inserts, but {received} \
+                         decisions arrived for {sent} nodes sent",
+                        summary.decided_nodes, summary.inserts
+                    ))));
+                }
+                out.requeue_at = UnixMillis::from_wire(summary.requeue_at_ms);
+                return Ok(out);
+            }
+            None => return Err(DecideError::Decode(FieldError::new("part", Problem::Missing))),
+        }
+    }
+}

@@ -1,0 +1,366 @@
+//! The `Decider` gRPC service.
+//!
+//! Each `Decide` call runs in its own task, which reads the request stream and
+//! writes responses into a small bounded channel: a slow reader holds the task
+//! back instead of letting decisions pile up, so a call's memory is one node
+//! batch, one decision batch and the slot set, whatever the run's size.
+//!
+//! The protocol, in order: exactly one `header` first; then `nodes` and `slots`
+//! batches in any order; then `end`. Each node is decided as soon as it is
+//! decoded; `end` releases the inserts (which need every slot) and the summary,
+//! after which the response stream ends. Any deviation fails the call with
+//! `INVALID_ARGUMENT` naming the field, and a call over the configured size with
+//! `RESOURCE_EXHAUSTED`; [`to_status`] is the one place that maps errors to codes.
+
+use std::future::Future;
+
+use contract::{
+    FieldError, GroupId, UnixMillis,
+    pb::{
+        self, DecideRequest, DecideResponse,
+        decide_request::Part,
+        decider_server::{Decider, DeciderServer},
+    },
+    runtime::health_and_reflection,
+    wire::{TemplateTable, node_from_wire, shape_from_wire_with_table, trace_from_wire},
+};
+use decider::{DesiredView, SlotSet};
+use prost::Message as _;
+use tokio::{net::TcpListener, sync::mpsc};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument as _;
+
+/// The most decisions in one `DecisionBatch`.
+pub const MAX_BATCH: usize = 2048;
+
+/// A decision batch is also cut once its encoded size reaches this, so that
+/// long reasons (a permanent failure quotes the provider's message) cannot push
+/// a batch of [`MAX_BATCH`] decisions past the client's 4 MiB decoding limit.
+pub const MAX_BATCH_BYTES: usize = 1 << 20;
+
+/// The default for [`Config::max_nodes`].
+pub const DEFAULT_MAX_NODES: u32 = 1_000_000;
+
+/// Responses buffered per call before the task waits for the client to read.
+const RESPONSE_BUFFER: usize = 4;
+
+/// What a decider instance is configured with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// The most nodes, the most slot indices and the most desired slots one call
+    /// may carry; each is counted separately.
+    pub max_nodes: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            max_nodes: DEFAULT_MAX_NODES,
+        }
+    }
+}
+
+/// Why a `Decide` call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The first message was not a header.
+    #[error("the first message must be a `header`, got {got}")]
+    NoHeader { got: &'static str },
+    #[error("`header` was sent twice; a call carries exactly one")]
+    SecondHeader,
+    #[error("`part` is required: each message is a `header`, `nodes`, `slots` or `end`")]
+    NoPart,
+    /// A field failed to decode; the error names its path in the call
+    /// (`header.desired.groups[0].id`, `nodes[3].node_id`, `slots.group_id`).
+    #[error(transparent)]
+    Field(#[from] FieldError),
+    #[error("the request stream ended before `end`")]
+    NoEnd,
+    #[error("the call carries {count} {what}; the limit is {limit}")]
+    TooMany {
+        what: &'static str,
+        count: u64,
+        limit: u32,
+    },
+    /// Reading the request stream failed (the client reset it, or sent bytes
+    /// that are not a `DecideRequest`).
+    #[error("reading the request stream failed: {}", .0.message())]
+    Receive(Status),
+    /// The client stopped reading the responses; there is no one to tell.
+    #[error("the client went away")]
+    ClientGone,
+}
+
+/// The one mapping from a failed call to the status the client sees.
+pub fn to_status(e: &CallError) -> Status {
+    match e {
+        CallError::NoHeader { .. }
+        | CallError::SecondHeader
+        | CallError::NoPart
+        | CallError::Field(_)
+        | CallError::NoEnd => Status::invalid_argument(e.to_string()),
+        CallError::TooMany { .. } => Status::resource_exhausted(e.to_string()),
+        // The receive error already carries the code that describes it (for
+        // example a message over the decoding limit, or a cancelled stream).
+        CallError::Receive(s) => Status::new(s.code(), e.to_string()),
+        CallError::ClientGone => Status::cancelled(e.to_string()),
+    }
+}
+
+/// The `Decider` service. Stateless: every call stands alone.
+#[derive(Debug, Clone, Default)]
+pub struct DeciderService {
+    config: Config,
+}
+
+impl DeciderService {
+    pub fn new(config: Config) -> Self {
+        Self { config }
+    }
+}
+
+#[tonic::async_trait]
+impl Decider for DeciderService {
+    type DecideStream = ReceiverStream<Result<DecideResponse, Status>>;
+
+    async fn decide(
+        &self,
+        request: Request<Streaming<DecideRequest>>,
+    ) -> Result<Response<Self::DecideStream>, Status> {
+        let mut requests = request.into_inner();
+        let (tx, rx) = mpsc::channel(RESPONSE_BUFFER);
+        let config = self.config;
+        let span = tracing::debug_span!(
+            "decide",
+            run_id = tracing::field::Empty,
+            traceparent = tracing::field::Empty,
+        );
+        tokio::spawn(
+            async move {
+                let out = Responses(tx);
+                match serve_call(&mut requests, &out, config).await {
+                    Ok(summary) => tracing::debug!(
+                        decided = summary.decided_nodes,
+                        inserts = summary.inserts,
+                        "decided"
+                    ),
+                    Err(CallError::ClientGone) => tracing::debug!("the client went away mid-call"),
+                    Err(e) => {
+                        tracing::info!(error = %e, "decide call refused");
+                        // If the client is already gone, no one is left to tell.
+                        let _ = out.0.send(Err(to_status(&e))).await;
+                    }
+                }
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// The sending half of a call's response stream.
+struct Responses(mpsc::Sender<Result<DecideResponse, Status>>);
+
+impl Responses {
+    async fn send(&self, part: pb::decide_response::Part) -> Result<(), CallError> {
+        self.0
+            .send(Ok(DecideResponse { part: Some(part) }))
+            .await
+            .map_err(|_| CallError::ClientGone)
+    }
+}
+
+/// Decisions waiting to be sent, cut into batches by count and by size.
+struct Batcher<'a> {
+    out: &'a Responses,
+    decisions: Vec<pb::Decision>,
+    bytes: usize,
+}
+
+impl<'a> Batcher<'a> {
+    fn new(out: &'a Responses) -> Self {
+        Self {
+            out,
+            decisions: Vec::new(),
+            bytes: 0,
+        }
+    }
+
+    async fn push(&mut self, d: &contract::Decision) -> Result<(), CallError> {
+        let wire = pb::Decision::from(d);
+        // The field tag and length prefix of a repeated message take a few bytes
+        // on top of the message itself; 8 covers any length under 4 GiB.
+        self.bytes += wire.encoded_len() + 8;
+        self.decisions.push(wire);
+        if self.decisions.len() >= MAX_BATCH || self.bytes >= MAX_BATCH_BYTES {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<(), CallError> {
+        if self.decisions.is_empty() {
+            return Ok(());
+        }
+        let decisions = std::mem::take(&mut self.decisions);
+        self.bytes = 0;
+        self.out
+            .send(pb::decide_response::Part::Decisions(pb::DecisionBatch {
+                decisions,
+            }))
+            .await
+    }
+}
+
+/// The next message's part; `None` when the client closed its stream.
+async fn next_part(requests: &mut Streaming<DecideRequest>) -> Result<Option<Part>, CallError> {
+    match requests.message().await.map_err(CallError::Receive)? {
+        None => Ok(None),
+        Some(DecideRequest { part: None, .. }) => Err(CallError::NoPart),
+        Some(DecideRequest { part: Some(part), .. }) => Ok(Some(part)),
+    }
+}
+
+/// How a refusal names what arrived instead of the header.
+fn part_name(part: Option<&Part>) -> &'static str {
+    match part {
+        None => "the end of the stream",
+        Some(Part::Header(_)) => "`header`",
+        Some(Part::Nodes(_)) => "`nodes`",
+        Some(Part::Slots(_)) => "`slots`",
+        Some(Part::End(_)) => "`end`",
+    }
+}
+
+/// Checks that adding `adding` items to `so_far` stays within `limit`.
+fn within_limit(what: &'static str, so_far: u32, adding: usize, limit: u32) -> Result<u32, CallError> {
+    let count = u64::from(so_far).saturating_add(u64::try_from(adding).unwrap_or(u64::MAX));
+    match u32::try_from(count) {
+        Ok(c) if c <= limit => Ok(c),
+        _ => Err(CallError::TooMany { what, count, limit }),
+    }
+}
+
+/// One whole call; returns the summary it sent.
+async fn serve_call(
+    requests: &mut Streaming<DecideRequest>,
+    out: &Responses,
+    config: Config,
+) -> Result<pb::DecideSummary, CallError> {
+    // The header is read by hand rather than through `next_part`, because its
+    // message also carries the call's trace context.
+    let (header, trace) = match requests.message().await.map_err(CallError::Receive)? {
+        Some(DecideRequest {
+            part: Some(Part::Header(h)),
+            trace,
+        }) => (h, trace_from_wire(trace)),
+        Some(DecideRequest { part: None, .. }) => {
+            return Err(CallError::NoHeader {
+                got: "a message with no part",
+            });
+        }
+        other => {
+            return Err(CallError::NoHeader {
+                got: part_name(other.and_then(|m| m.part).as_ref()),
+            });
+        }
+    };
+    let templates = TemplateTable::from_wire(header.templates).map_err(|e| e.within("header"))?;
+    let shape = shape_from_wire_with_table(header.desired, &header.group_template_refs, &templates)
+        .map_err(|e| e.within("header"))?;
+    let now = UnixMillis::new(header.now_ms);
+    let deleting = header.deleting;
+    let span = tracing::Span::current();
+    span.record("run_id", shape.run_id.as_str());
+    span.record("traceparent", trace.traceparent.as_str());
+
+    // Inserts are generated from the shape at `end`, so a shape with absurd
+    // counts would make this call stream without bound: refuse it up front.
+    if !deleting {
+        let total = shape.total_nodes();
+        if total > u64::from(config.max_nodes) {
+            return Err(CallError::TooMany {
+                what: "desired slots",
+                count: total,
+                limit: config.max_nodes,
+            });
+        }
+    }
+
+    let desired = DesiredView::new(&shape, deleting);
+    let mut batcher = Batcher::new(out);
+    let mut slots = SlotSet::new();
+    let mut decided: u32 = 0;
+    let mut slot_count: u32 = 0;
+    let mut requeue_at = None;
+    loop {
+        match next_part(requests).await? {
+            None => return Err(CallError::NoEnd),
+            Some(Part::Header(_)) => return Err(CallError::SecondHeader),
+            Some(Part::Nodes(batch)) => {
+                within_limit("nodes", decided, batch.nodes.len(), config.max_nodes)?;
+                for wire in batch.nodes {
+                    // The index counts nodes across the whole call, so it names
+                    // one node even though the client chose the batch boundaries.
+                    let node = node_from_wire(wire, &templates)
+                        .map_err(|e| e.within(&format!("nodes[{decided}]")))?;
+                    let d = decider::decide_node(&desired, &node, now);
+                    requeue_at = decider::fold_requeue(requeue_at, &d, now);
+                    batcher.push(&d).await?;
+                    decided += 1;
+                }
+                // Flushing here rather than waiting to fill a batch keeps the
+                // answer flowing while the client is still sending, so neither
+                // side holds more than a batch of it.
+                batcher.flush().await?;
+            }
+            Some(Part::Slots(batch)) => {
+                let group = GroupId::parse("slots.group_id", &batch.group_id)?;
+                slot_count = within_limit("slot indices", slot_count, batch.indices.len(), config.max_nodes)?;
+                for index in batch.indices {
+                    slots.insert_index(&group, index);
+                }
+            }
+            Some(Part::End(_)) => break,
+        }
+    }
+
+    slots.finish();
+    let mut inserts: u32 = 0;
+    for d in decider::inserts(&desired, &slots) {
+        batcher.push(&d).await?;
+        inserts += 1;
+    }
+    batcher.flush().await?;
+    let summary = pb::DecideSummary {
+        requeue_at_ms: UnixMillis::to_wire(requeue_at),
+        decided_nodes: decided,
+        inserts,
+    };
+    out.send(pb::decide_response::Part::Summary(summary)).await?;
+    Ok(summary)
+}
+
+/// Serves the `Decider` service, standard gRPC health checking (the decider
+/// reported `SERVING` until `shutdown` resolves) and server reflection on
+/// `listener`, until `shutdown` resolves and the calls in flight finish.
+pub async fn run(
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    config: Config,
+) -> anyhow::Result<()> {
+    let (reporter, health, reflection) = health_and_reflection::<DeciderServer<DeciderService>>().await?;
+    let shutdown = async move {
+        shutdown.await;
+        // Health checkers see the decider leave before its port closes.
+        reporter.set_not_serving::<DeciderServer<DeciderService>>().await;
+    };
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(DeciderServer::new(DeciderService::new(config)))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The main job: builds the workspace, starts the decider, the executor and the
+# driver as three separate processes on loopback (ports chosen by the OS and
+# read from ready files), applies deploy/examples/shape.yaml and follows the run
+# until it converges. Exits 0 when it converges, non-zero with the reason when
+# it does not within DEMO_TIMEOUT seconds (default 120).
+#
+# Usage: deploy/demo.sh [shape-file]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+shape=${1:-deploy/examples/shape.yaml}
+timeout=${DEMO_TIMEOUT:-120}
+
+cargo build --workspace --bins --locked
+bin=target/debug
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+wait_ready() {
+    local file=$1 name=$2 pid=$3
+    for _ in $(seq 1 300); do
+        if [ -s "$file" ]; then cat "$file"; return 0; fi
+        if ! kill -0 "$pid" 2>/dev/null; then
+            echo "demo: $name exited before it was ready; its log:" >&2
+            cat "$work/$name.log" >&2
+            return 1
+        fi
+        sleep 0.1
+    done
+    echo "demo: $name did not become ready" >&2
+    return 1
+}
+
+"$bin/decider-svc" --listen 127.0.0.1:0 --ready-file "$work/decider.ready" 2>"$work/decider-svc.log" &
+pids+=($!)
+decider=$(wait_ready "$work/decider.ready" decider-svc $!)
+
+"$bin/executor-svc" --listen 127.0.0.1:0 --ready-file "$work/executor.ready" \
+    --backend fake --fake-latency-ms 20,200 --fake-stage-interval-ms 150 \
+    2>"$work/executor-svc.log" &
+pids+=($!)
+executor=$(wait_ready "$work/executor.ready" executor-svc $!)
+
+"$bin/driver-svc" --listen 127.0.0.1:0 --ready-file "$work/driver.ready" \
+    --decider "http://$decider" --executor "http://$executor" \
+    2>"$work/driver-svc.log" &
+pids+=($!)
+driver=$(wait_ready "$work/driver.ready" driver-svc $!)
+
+echo "demo: decider $decider, executor $executor, driver $driver"
+ctl() { "$bin/provisionctl" --server "http://$driver" "$@"; }
+ctl apply -f "$shape"
+run_id=$(sed -n 's/^run_id:[[:space:]]*//p' "$shape" | head -n 1)
+if ctl watch "$run_id" --timeout "$timeout"; then
+    ctl get "$run_id"
+    echo "demo: converged"
+else
+    code=$?
+    echo "demo: run $run_id did not converge (exit $code); driver log tail:" >&2
+    tail -n 30 "$work/driver-svc.log" >&2
+    exit "$code"
+fi

@@ -1,0 +1,571 @@
+//! The fake provider as an async [`Backend`]: [`FakeProvider`] behind a mutex,
+//! real (tokio) latency, a background task that delivers bootstrap stages when
+//! they are due, and an optional state file so that leases outlive the process.
+//!
+//! The mutex is a `std` one and is never held across an await: every use is a
+//! short synchronous step (apply an effect, hand out due stages, list).
+//!
+//! The state file holds the provider's resources (identity → lease, endpoint,
+//! session) and id counters as JSON. It is rewritten after every change, under
+//! the provider's lock so that writes happen in the order of the changes, to a
+//! temporary name and then renamed, so a crash leaves the old file or the new
+//! one, never half of one. Writing synchronously on the calling task is a
+//! deliberate simplification for a test backend whose file is small. Sessions
+//! restored from a file are live but emit no further stages (see
+//! [`crate::fake::FakeSnapshot`]).
+
+use std::{
+    collections::BTreeMap,
+    io,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::Duration,
+};
+
+use contract::{
+    AttemptId, BootstrapStage, Clock, Endpoint, FieldError, LeaseId, LogicalNodeId, Operation,
+    OperationInput, Outcome, ResourceIdentity, RunId, RunUid, SessionId, UnixMillis,
+};
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use tokio::{sync::Notify, task::AbortHandle};
+
+use crate::{
+    backend::{Backend, BackendError, InventoryItem, ObservationSink, RawObservation},
+    fake::{FakeCall, FakeConfig, FakeProvider, FakeSnapshot, FakeSnapshotResource, FaultRates},
+};
+
+/// The longest the stage emitter sleeps before it looks at the clock again, so
+/// that a clock that jumps (or a virtual one moved by a test) is noticed.
+const MAX_EMITTER_SLEEP: Duration = Duration::from_secs(1);
+
+/// The state file's format version.
+const STATE_FILE_VERSION: u32 = 1;
+
+/// Failures of the fake backend's state file.
+#[derive(Debug, thiserror::Error)]
+pub enum FakeBackendError {
+    #[error("cannot read the fake backend's state file {path}: {source}")]
+    ReadState {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the fake backend's state file {path} is malformed: {reason}")]
+    MalformedState { path: PathBuf, reason: String },
+    #[error("cannot write the fake backend's state file {path}: {source}")]
+    WriteState {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The in-memory fake provider behind the [`Backend`] trait; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct FakeBackend {
+    shared: Arc<Shared>,
+    /// Stops the stage emitter when the last handle goes. Futures returned by
+    /// `execute` hold only `shared`, so they do not keep the emitter alive.
+    _emitter: Arc<AbortOnDrop>,
+}
+
+#[derive(Debug)]
+struct AbortOnDrop(AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    /// Wakes the emitter when a new session may have moved the next stage earlier.
+    wake: Notify,
+    clock: Arc<dyn Clock>,
+    state_file: Option<PathBuf>,
+}
+
+#[derive(Debug)]
+struct State {
+    provider: FakeProvider,
+    /// The sink of every session with stages still to come, from the latest
+    /// `StartBootstrap` of its identity (an adopting start replaces it).
+    sinks: BTreeMap<ResourceIdentity, ObservationSink>,
+    /// Where sessions restored from the state file stream, once the executor
+    /// hands it over (see [`Backend::resume`]).
+    resumed: Option<ObservationSink>,
+}
+
+impl FakeBackend {
+    /// Starts the backend: loads the state file if one is configured and exists,
+    /// writes it once (so an unwritable path fails here, not on the first
+    /// create), and spawns the stage emitter. Must run inside a tokio runtime.
+    pub fn start(
+        config: FakeConfig,
+        state_file: Option<PathBuf>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, FakeBackendError> {
+        let provider = match &state_file {
+            Some(path) => match load_state(path)? {
+                Some(snapshot) => FakeProvider::restore(config, snapshot),
+                None => FakeProvider::new(config),
+            },
+            None => FakeProvider::new(config),
+        };
+        if let Some(path) = &state_file {
+            write_state(path, &provider.snapshot())?;
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                provider,
+                sinks: BTreeMap::new(),
+                resumed: None,
+            }),
+            wake: Notify::new(),
+            clock,
+            state_file,
+        });
+        let emitter = tokio::spawn(emit_stages(Arc::clone(&shared)));
+        Ok(Self {
+            shared,
+            _emitter: Arc::new(AbortOnDrop(emitter.abort_handle())),
+        })
+    }
+
+    /// Changes the fault rates from the next call on.
+    pub fn set_faults(&self, faults: FaultRates) {
+        self.shared.lock().provider.set_faults(faults);
+    }
+
+    /// Reads the provider (counters, live resources) for checks and metrics.
+    pub fn with_provider<R>(&self, f: impl FnOnce(&FakeProvider) -> R) -> R {
+        f(&self.shared.lock().provider)
+    }
+}
+
+impl Shared {
+    /// A poisoned lock only means another task panicked mid-step; the model is
+    /// still a consistent value (each step is one method call), so it is used.
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Applies an operation's effect now and returns when its outcome is due.
+    fn apply(&self, op: &Operation, sink: ObservationSink) -> FakeCall {
+        let mut state = self.lock();
+        let call = state.provider.execute(op, self.clock.now());
+        let identity = op.identity();
+        if state.provider.is_emitting(&identity) {
+            if matches!(op.input, OperationInput::StartBootstrap { .. }) {
+                state.sinks.insert(identity, sink);
+                self.wake.notify_one();
+            }
+        } else {
+            state.sinks.remove(&identity);
+        }
+        if !matches!(op.input, OperationInput::LookupEndpoint { .. }) {
+            self.persist(&state.provider);
+        }
+        call
+    }
+
+    /// Writes the state file, if configured. A failed write is logged, not
+    /// reported as the operation's outcome: the effect did happen in the running
+    /// provider, and only a restart would lose it.
+    fn persist(&self, provider: &FakeProvider) {
+        if let Some(path) = &self.state_file
+            && let Err(e) = write_state(path, &provider.snapshot())
+        {
+            tracing::error!(error = %e, "the fake backend could not persist its state");
+        }
+    }
+
+    /// Sends every stage due now to its session's sink and returns when the next
+    /// one is due.
+    fn emit_due(&self) -> Option<UnixMillis> {
+        let mut state = self.lock();
+        if state.resumed.is_none() && state.sinks.is_empty() {
+            // Nothing can receive a stage yet (the executor has not handed over
+            // its sink for restored sessions): leave them scheduled.
+            return None;
+        }
+        let now = self.clock.now();
+        let due = state.provider.due_observations(now);
+        for o in due {
+            if let Some(sink) = state.sinks.get(&o.identity).or(state.resumed.as_ref()) {
+                let raw = RawObservation::new(o.identity.clone(), o.session, o.stage, o.detail, o.at);
+                // A closed sink means the executor is shutting down; the stage is
+                // dropped with it.
+                let _ = sink.send(raw);
+            }
+            if !state.provider.is_emitting(&o.identity) {
+                state.sinks.remove(&o.identity);
+            }
+        }
+        state.provider.next_observation_at()
+    }
+}
+
+/// The stage emitter: one task for the whole backend, sleeping until the next
+/// stage is due or a new session is scheduled.
+async fn emit_stages(shared: Arc<Shared>) {
+    loop {
+        match shared.emit_due() {
+            None => shared.wake.notified().await,
+            Some(at) => {
+                let delay = at.saturating_since(shared.clock.now()).min(MAX_EMITTER_SLEEP);
+                tokio::select! {
+                    () = shared.wake.notified() => {}
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+impl Backend for FakeBackend {
+    fn resume(&self, observations: ObservationSink) {
+        self.shared.lock().resumed = Some(observations);
+        self.shared.wake.notify_one();
+    }
+
+    fn execute(&self, op: Operation, observations: ObservationSink) -> BoxFuture<'static, Outcome> {
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move {
+            let call = shared.apply(&op, observations);
+            tokio::time::sleep(call.latency).await;
+            call.outcome
+        })
+    }
+
+    fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move {
+            let mut state = shared.lock();
+            state.provider.advance(shared.clock.now());
+            let items = state
+                .provider
+                .inventory()
+                .into_iter()
+                .map(|r| InventoryItem {
+                    identity: r.identity,
+                    lease: Some(r.lease),
+                    endpoint: r.endpoint,
+                    session_live: r.session_live,
+                })
+                .collect();
+            Ok(items)
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The state file
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Serialize, Deserialize)]
+struct StateFileDto {
+    version: u32,
+    lease_counter: u64,
+    session_counter: u64,
+    latest_ms: u64,
+    resources: Vec<ResourceDto>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct ResourceDto {
+    run_uid: String,
+    run_id: String,
+    node_id: String,
+    attempt: u64,
+    lease_id: String,
+    endpoint: String,
+    ready_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    session_id: Option<String>,
+    /// The session's stage plan, by stage name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    stages: Vec<String>,
+}
+
+impl From<&FakeSnapshot> for StateFileDto {
+    fn from(s: &FakeSnapshot) -> Self {
+        Self {
+            version: STATE_FILE_VERSION,
+            lease_counter: s.lease_counter,
+            session_counter: s.session_counter,
+            latest_ms: s.latest.as_millis(),
+            resources: s
+                .resources
+                .iter()
+                .map(|r| ResourceDto {
+                    run_uid: r.identity.run_uid.to_string(),
+                    run_id: r.identity.run_id.as_str().to_owned(),
+                    node_id: r.identity.node.to_string(),
+                    attempt: r.identity.attempt.get(),
+                    lease_id: r.lease.as_str().to_owned(),
+                    endpoint: r.endpoint.as_str().to_owned(),
+                    ready_at_ms: r.ready_at.as_millis(),
+                    session_id: r.session.as_ref().map(|s| s.as_str().to_owned()),
+                    stages: r.stages.iter().map(|st| st.name().to_owned()).collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+impl TryFrom<ResourceDto> for FakeSnapshotResource {
+    type Error = FieldError;
+
+    fn try_from(r: ResourceDto) -> Result<Self, FieldError> {
+        Ok(Self {
+            identity: ResourceIdentity {
+                run_uid: RunUid::parse("run_uid", &r.run_uid)?,
+                run_id: RunId::parse("run_id", &r.run_id)?,
+                node: LogicalNodeId::parse("node_id", &r.node_id)?,
+                attempt: AttemptId::new(r.attempt),
+            },
+            lease: LeaseId::new("lease_id", &r.lease_id)?,
+            endpoint: Endpoint::new("endpoint", &r.endpoint)?,
+            ready_at: UnixMillis::new(r.ready_at_ms),
+            session: r
+                .session_id
+                .map(|s| SessionId::new("session_id", &s))
+                .transpose()?,
+            stages: r
+                .stages
+                .iter()
+                .enumerate()
+                .map(|(i, name)| {
+                    BootstrapStage::from_name(name).ok_or_else(|| {
+                        FieldError::new(
+                            format!("stages[{i}]"),
+                            contract::Problem::Malformed("an unknown bootstrap stage"),
+                        )
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+        })
+    }
+}
+
+fn snapshot_from_dto(path: &Path, dto: StateFileDto) -> Result<FakeSnapshot, FakeBackendError> {
+    let malformed = |reason: String| FakeBackendError::MalformedState {
+        path: path.to_owned(),
+        reason,
+    };
+    if dto.version != STATE_FILE_VERSION {
+        return Err(malformed(format!(
+            "version {} is not the supported version {STATE_FILE_VERSION}",
+            dto.version
+        )));
+    }
+    let resources = dto
+        .resources
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| FakeSnapshotResource::try_from(r).map_err(|e| e.within(&format!("resources[{i}]"))))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| malformed(e.to_string()))?;
+    Ok(FakeSnapshot {
+        resources,
+        lease_counter: dto.lease_counter,
+        session_counter: dto.session_counter,
+        latest: UnixMillis::new(dto.latest_ms),
+    })
+}
+
+/// Loads the state file; `None` when it does not exist yet (a first start).
+fn load_state(path: &Path) -> Result<Option<FakeSnapshot>, FakeBackendError> {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(FakeBackendError::ReadState {
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    let dto: StateFileDto = serde_json::from_slice(&bytes).map_err(|e| FakeBackendError::MalformedState {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    snapshot_from_dto(path, dto).map(Some)
+}
+
+/// Writes the state file whole: to `<path>.tmp`, flushed to disk, then renamed
+/// over `path`.
+fn write_state(path: &Path, snapshot: &FakeSnapshot) -> Result<(), FakeBackendError> {
+    let write_error = |source| FakeBackendError::WriteState {
+        path: path.to_owned(),
+        source,
+    };
+    let bytes =
+        serde_json::to_vec(&StateFileDto::from(snapshot)).map_err(|e| write_error(io::Error::other(e)))?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let write = || -> io::Result<()> {
+        use std::io::Write as _;
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(&bytes)?;
+        // No fsync: the file must outlive a process restart, which the rename
+        // gives, not a power cut. An fsync per operation, taken under the
+        // provider's lock, would serialise every call behind the disk.
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(write_error)
+}
+
+// Tests panic on purpose when a fixture is malformed or an expectation fails.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use contract::{
+        BootstrapStage, Epoch, OperationId, Params, SystemClock, TraceContext, shape::example_template,
+    };
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    fn temp_path(name: &str) -> PathBuf {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "executor-svc-fake-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join(name)
+    }
+
+    fn op(attempt: u64, seq: u32, input: OperationInput) -> Operation {
+        Operation {
+            run_uid: RunUid::from_u128(0xabc),
+            run_id: RunId::parse("run_id", "train").unwrap(),
+            node: LogicalNodeId::parse("node", "workers-0").unwrap(),
+            id: OperationId::new(AttemptId::new(attempt), seq),
+            epoch: Epoch::new(1),
+            deadline: UnixMillis::MAX,
+            input,
+            trace: TraceContext {
+                traceparent: format!("00-{:032x}-{:016x}-01", 7, 9),
+                tracestate: String::new(),
+            },
+        }
+    }
+
+    fn create() -> Operation {
+        op(
+            1,
+            0,
+            OperationInput::CreateLease {
+                template: Arc::new(example_template("fake", "img:1")),
+            },
+        )
+    }
+
+    fn facts(outcome: Outcome) -> contract::ResultFacts {
+        match outcome {
+            Outcome::Succeeded(f) => f,
+            other => panic!("expected success, got {other:?}"),
+        }
+    }
+
+    fn quick() -> FakeConfig {
+        FakeConfig {
+            latency_ms: (0, 0),
+            stage_interval_ms: 5,
+            ..FakeConfig::default()
+        }
+    }
+
+    fn sink() -> (ObservationSink, mpsc::UnboundedReceiver<RawObservation>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (ObservationSink::new(tx, create().trace), rx)
+    }
+
+    #[tokio::test]
+    async fn stages_reach_the_sink_of_the_start_with_its_trace() {
+        let backend = FakeBackend::start(quick(), None, Arc::new(SystemClock)).unwrap();
+        let (s, mut rx) = sink();
+        let lease = facts(backend.execute(create(), s.clone()).await).lease.unwrap();
+        let start = op(
+            1,
+            1,
+            OperationInput::StartBootstrap {
+                lease,
+                endpoint: Endpoint::new("endpoint", "10.0.0.1:22").unwrap(),
+                boot: Params::new(),
+                join: Params::new(),
+            },
+        );
+        let session = facts(backend.execute(start, s).await).session.unwrap();
+        let mut stages = Vec::new();
+        while let Some(o) = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .unwrap()
+        {
+            assert_eq!(o.session, session);
+            assert_eq!(o.trace, create().trace);
+            stages.push(o.stage);
+            if o.stage == BootstrapStage::Converged {
+                break;
+            }
+        }
+        assert_eq!(stages.len(), 5, "{stages:?}");
+        // The finished session no longer holds a sink.
+        assert!(backend.shared.lock().sinks.is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_state_file_keeps_leases_across_restarts() {
+        let path = temp_path("fake-state.json");
+        let first = FakeBackend::start(quick(), Some(path.clone()), Arc::new(SystemClock)).unwrap();
+        let made = facts(first.execute(create(), sink().0).await);
+        drop(first);
+
+        let second = FakeBackend::start(quick(), Some(path.clone()), Arc::new(SystemClock)).unwrap();
+        let listed = second.inventory().await.unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].lease, made.lease);
+        assert_eq!(listed[0].endpoint, made.endpoint);
+        let adopted = facts(second.execute(create(), sink().0).await);
+        assert_eq!(adopted.lease, made.lease);
+        assert_eq!(second.with_provider(|p| (p.creates(), p.adoptions())), (0, 1));
+
+        // A new identity gets a new lease id, not a restored one's.
+        let mut other = create();
+        other.id = OperationId::new(AttemptId::new(2), 0);
+        let fresh = facts(second.execute(other, sink().0).await);
+        assert_ne!(fresh.lease, made.lease);
+
+        // Destroying removes it from the file too.
+        let destroy = op(1, 2, OperationInput::DestroyLease { lease: None });
+        let _ = facts(second.execute(destroy, sink().0).await);
+        let reloaded = load_state(&path).unwrap().unwrap();
+        assert_eq!(reloaded.resources.len(), 1);
+        assert_eq!(reloaded.resources[0].identity.attempt, AttemptId::new(2));
+    }
+
+    #[tokio::test]
+    async fn a_malformed_state_file_is_refused_with_the_field() {
+        let path = temp_path("bad.json");
+        std::fs::write(&path, "{not json").unwrap();
+        let err = FakeBackend::start(quick(), Some(path.clone()), Arc::new(SystemClock)).unwrap_err();
+        assert!(matches!(err, FakeBackendError::MalformedState { .. }), "{err}");
+
+        let bad_uid = r#"{"version":1,"lease_counter":1,"session_counter":0,"latest_ms":0,
+            "resources":[{"run_uid":"xyz","run_id":"r","node_id":"w-0","attempt":1,
+            "lease_id":"lease-1","endpoint":"10.0.0.1:22","ready_at_ms":0}]}"#;
+        std::fs::write(&path, bad_uid).unwrap();
+        let err = FakeBackend::start(quick(), Some(path), Arc::new(SystemClock)).unwrap_err();
+        assert!(err.to_string().contains("resources[0].run_uid"), "{err}");
+    }
+}

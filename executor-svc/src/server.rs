@@ -1,0 +1,792 @@
+//! The executor's gRPC service: the driver link and the inventory.
+//!
+//! **Architecture Invariant:** one actor task owns the [`ExecutorCore`]; nothing
+//! else reads or writes it. Link handlers, backend calls and the bootstrap stage
+//! sink only send the actor an `Event`, and the actor folds events one at a
+//! time in `Actor::fold`. The actor never awaits anything but its next event:
+//! backend calls run on tasks of their own, and messages to a driver are queued
+//! with `try_send` (a link whose queue is full is closed; nothing is lost,
+//! because results stay in the core until acknowledged and are re-sent when the
+//! driver claims the run again).
+//!
+//! Routing: the latest link to claim a run receives the run's results and
+//! observations; a rejection goes to the link whose message caused it. Results
+//! produced while no link routes the run stay in the core until a driver claims
+//! it. Acknowledgements and replays are honoured only from the link that routes
+//! the run, so a fenced driver cannot acknowledge away what its successor needs.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use contract::{
+    Claim, Clock, Epoch, FieldError, Observation, Operation, OperationId, OperationResult, Outcome,
+    Rejection, RejectionReason, RunUid, SessionId, TraceContext,
+    pb::{
+        self,
+        executor_server::{Executor, ExecutorServer},
+    },
+    runtime::health_and_reflection,
+    wire::{trace_from_wire, trace_to_wire},
+};
+use tokio::{
+    net::TcpListener,
+    sync::{
+        mpsc::{self, error::TrySendError},
+        oneshot, watch,
+    },
+    task::AbortHandle,
+};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming, transport::Server};
+
+use crate::{
+    backend::{Backend, BackendError, ObservationSink, RawObservation},
+    core::{ExecutorCore, Output},
+};
+
+/// The longest the actor sleeps before it reads the clock again while a
+/// deadline is armed, so that a clock that jumps (or a virtual clock moved by a
+/// test) is noticed within this much.
+const MAX_TIMER_SLEEP: Duration = Duration::from_secs(1);
+
+/// Tunables of the service.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Messages queued for one driver before the link counts as stuck and is
+    /// closed.
+    pub link_buffer: usize,
+    /// Events queued for the actor before link readers and backend calls wait.
+    pub event_buffer: usize,
+    /// How long open links and calls may take to finish after shutdown starts.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            link_buffer: 4096,
+            event_buffer: 1024,
+            shutdown_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What can stop the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot set up gRPC reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("the gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Why a request failed; [`to_status`] maps it to a gRPC status.
+#[derive(Debug, thiserror::Error)]
+enum RequestError {
+    #[error("{0}")]
+    Invalid(#[from] FieldError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("the executor is shutting down")]
+    ShuttingDown,
+}
+
+/// The one place where the service's errors become gRPC statuses.
+fn to_status(e: RequestError) -> Status {
+    match &e {
+        RequestError::Invalid(_) => Status::invalid_argument(e.to_string()),
+        RequestError::Backend(BackendError::Unavailable(_)) | RequestError::ShuttingDown => {
+            Status::unavailable(e.to_string())
+        }
+        RequestError::Backend(BackendError::Internal(_)) => Status::internal(e.to_string()),
+    }
+}
+
+/// Serves the executor (link and inventory), gRPC health and reflection on
+/// `listener` until `shutdown` resolves, then drains: health turns
+/// `NOT_SERVING`, every link is closed with `UNAVAILABLE`, and the server gets
+/// `config.shutdown_grace` to finish before backend calls are aborted.
+pub async fn run(
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    config: Config,
+    backend: Arc<dyn Backend>,
+    clock: Arc<dyn Clock>,
+) -> Result<(), ServerError> {
+    let (reporter, health, reflection) = health_and_reflection::<ExecutorServer<ExecutorService>>().await?;
+
+    let (events_tx, events_rx) = mpsc::channel(config.event_buffer.max(1));
+    let (observations_tx, observations_rx) = mpsc::unbounded_channel();
+    let (lifecycle, lifecycle_rx) = watch::channel(Lifecycle::Serving);
+    backend.resume(ObservationSink::new(
+        observations_tx.clone(),
+        TraceContext::default(),
+    ));
+    let actor = Actor::new(Arc::clone(&backend), clock, events_tx.clone(), observations_tx);
+    let actor = tokio::spawn(actor.run(events_rx, observations_rx, lifecycle_rx));
+
+    let service = ExecutorService {
+        events: events_tx,
+        backend,
+        next_link: Arc::new(AtomicU64::new(1)),
+        link_buffer: config.link_buffer.max(1),
+    };
+    let (drain_started, drain_started_rx) = oneshot::channel::<()>();
+    let drain = lifecycle.clone();
+    let signal = async move {
+        shutdown.await;
+        tracing::info!("shutting down: draining links");
+        reporter
+            .set_not_serving::<ExecutorServer<ExecutorService>>()
+            .await;
+        drain.send_replace(Lifecycle::Draining);
+        let _ = drain_started.send(());
+    };
+    let serve = Server::builder()
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(ExecutorServer::new(service))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal);
+    let grace = config.shutdown_grace;
+    let grace_elapsed = async move {
+        match drain_started_rx.await {
+            Ok(()) => tokio::time::sleep(grace).await,
+            // The signal future was dropped without firing: the server ended on
+            // its own, and `serve` has the answer.
+            Err(_) => std::future::pending().await,
+        }
+    };
+    let result = tokio::select! {
+        r = serve => r.map_err(ServerError::from),
+        () = grace_elapsed => {
+            tracing::warn!(?grace, "shutdown grace elapsed; closing what is left");
+            Ok(())
+        }
+    };
+    lifecycle.send_replace(Lifecycle::Stopped);
+    if let Err(e) = actor.await {
+        tracing::error!(error = %e, "the executor actor ended abnormally");
+    }
+    result
+}
+
+// ---------------------------------------------------------------------------
+// The gRPC service
+// ---------------------------------------------------------------------------
+
+/// Identifies one driver link for routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct LinkId(u64);
+
+/// Identifies one backend call, so that a completion from an aborted call is not
+/// mistaken for one of a later call of the same operation id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TaskId(u64);
+
+type Outbound = mpsc::Sender<Result<pb::ExecutorMessage, Status>>;
+
+struct ExecutorService {
+    events: mpsc::Sender<Event>,
+    backend: Arc<dyn Backend>,
+    next_link: Arc<AtomicU64>,
+    link_buffer: usize,
+}
+
+impl std::fmt::Debug for ExecutorService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutorService")
+            .field("link_buffer", &self.link_buffer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExecutorService {
+    async fn inventory_of(&self, req: pb::InventoryRequest) -> Result<pb::InventoryResponse, RequestError> {
+        let only = if req.run_uid.is_empty() {
+            None
+        } else {
+            Some(RunUid::parse("run_uid", &req.run_uid)?)
+        };
+        let items = self.backend.inventory().await?;
+        let resources = items
+            .into_iter()
+            .filter(|item| only.is_none_or(|uid| item.identity.run_uid == uid))
+            .map(|item| pb::Resource {
+                lease_id: item
+                    .lease
+                    .as_ref()
+                    .map_or_else(String::new, |l| l.as_str().to_owned()),
+                endpoint: item
+                    .endpoint
+                    .as_ref()
+                    .map_or_else(String::new, |e| e.as_str().to_owned()),
+                session_live: item.session_live,
+                ..pb::Resource::from(&item.identity)
+            })
+            .collect();
+        Ok(pb::InventoryResponse { resources })
+    }
+}
+
+/// Forwards a link's inbound messages to the actor until the driver closes its
+/// side, the stream fails, or the actor drops the link (`closed` resolves).
+async fn read_link(
+    link: LinkId,
+    mut inbound: Streaming<pb::DriverMessage>,
+    events: mpsc::Sender<Event>,
+    mut closed: oneshot::Receiver<()>,
+) {
+    loop {
+        tokio::select! {
+            _ = &mut closed => break,
+            message = inbound.message() => match message {
+                Ok(Some(msg)) => {
+                    let event = Event::FromDriver {
+                        link,
+                        msg: Box::new(msg),
+                    };
+                    if events.send(event).await.is_err() {
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(status) => {
+                    tracing::debug!(link = link.0, %status, "driver link failed");
+                    break;
+                }
+            },
+        }
+    }
+    let _ = events.send(Event::LinkClosed { link }).await;
+}
+
+#[tonic::async_trait]
+impl Executor for ExecutorService {
+    type LinkStream = ReceiverStream<Result<pb::ExecutorMessage, Status>>;
+
+    async fn link(
+        &self,
+        request: Request<Streaming<pb::DriverMessage>>,
+    ) -> Result<Response<Self::LinkStream>, Status> {
+        let inbound = request.into_inner();
+        let link = LinkId(self.next_link.fetch_add(1, Ordering::Relaxed));
+        let (tx, rx) = mpsc::channel(self.link_buffer);
+        let (closer, closed) = oneshot::channel();
+        // Sent before the reader starts, so the actor knows the link before any
+        // of its messages.
+        self.events
+            .send(Event::LinkOpened { link, tx, closer })
+            .await
+            .map_err(|_| to_status(RequestError::ShuttingDown))?;
+        tokio::spawn(read_link(link, inbound, self.events.clone(), closed));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn inventory(
+        &self,
+        request: Request<pb::InventoryRequest>,
+    ) -> Result<Response<pb::InventoryResponse>, Status> {
+        self.inventory_of(request.into_inner())
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The actor
+// ---------------------------------------------------------------------------
+
+/// Everything the actor reacts to; see `Actor::fold`.
+#[derive(Debug)]
+enum Event {
+    /// A driver opened a link. Dropping `closer` tells the link's reader to stop.
+    LinkOpened {
+        link: LinkId,
+        tx: Outbound,
+        closer: oneshot::Sender<()>,
+    },
+    /// Boxed because a driver message is much larger than any other event.
+    FromDriver {
+        link: LinkId,
+        msg: Box<pb::DriverMessage>,
+    },
+    LinkClosed {
+        link: LinkId,
+    },
+    /// A backend call finished.
+    Completed {
+        run_uid: RunUid,
+        id: OperationId,
+        task: TaskId,
+        outcome: Outcome,
+    },
+    /// A backend reported a bootstrap stage.
+    Observation(RawObservation),
+    /// The earliest deadline may have passed.
+    Tick,
+}
+
+/// Where the server is in its life; the actor watches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lifecycle {
+    Serving,
+    /// Close every link and accept no new one.
+    Draining,
+    /// Abort backend calls and end.
+    Stopped,
+}
+
+#[derive(Debug)]
+struct LinkState {
+    tx: Outbound,
+    /// Held only to be dropped with the link, which stops its reader.
+    _closer: oneshot::Sender<()>,
+}
+
+struct Actor {
+    core: ExecutorCore,
+    backend: Arc<dyn Backend>,
+    clock: Arc<dyn Clock>,
+    /// Handed to backend calls for their completions.
+    events: mpsc::Sender<Event>,
+    /// Handed to backend calls, inside their sinks, for bootstrap stages.
+    observations: mpsc::UnboundedSender<RawObservation>,
+    links: HashMap<LinkId, LinkState>,
+    routes: HashMap<RunUid, LinkId>,
+    tasks: HashMap<(RunUid, OperationId), (TaskId, AbortHandle)>,
+    next_task: u64,
+    draining: bool,
+}
+
+async fn sleep_for(delay: Option<Duration>) {
+    match delay {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Actor {
+    fn new(
+        backend: Arc<dyn Backend>,
+        clock: Arc<dyn Clock>,
+        events: mpsc::Sender<Event>,
+        observations: mpsc::UnboundedSender<RawObservation>,
+    ) -> Self {
+        Self {
+            core: ExecutorCore::new(),
+            backend,
+            clock,
+            events,
+            observations,
+            links: HashMap::new(),
+            routes: HashMap::new(),
+            tasks: HashMap::new(),
+            next_task: 0,
+            draining: false,
+        }
+    }
+
+    async fn run(
+        mut self,
+        mut events: mpsc::Receiver<Event>,
+        mut observations: mpsc::UnboundedReceiver<RawObservation>,
+        mut lifecycle: watch::Receiver<Lifecycle>,
+    ) {
+        loop {
+            // Armed afresh after every event: any event can move the earliest
+            // deadline.
+            let timer = self
+                .core
+                .poll_timeout()
+                .map(|at| at.saturating_since(self.clock.now()).min(MAX_TIMER_SLEEP));
+            let event = tokio::select! {
+                changed = lifecycle.changed() => {
+                    let state = *lifecycle.borrow_and_update();
+                    match (changed, state) {
+                        (Err(_), _) | (Ok(()), Lifecycle::Stopped) => break,
+                        (Ok(()), Lifecycle::Draining) => {
+                            self.drain();
+                            continue;
+                        }
+                        (Ok(()), Lifecycle::Serving) => continue,
+                    }
+                }
+                event = events.recv() => match event {
+                    Some(event) => event,
+                    None => break,
+                },
+                Some(raw) = observations.recv() => Event::Observation(raw),
+                () = sleep_for(timer) => Event::Tick,
+            };
+            self.fold(event);
+        }
+        self.stop();
+    }
+
+    /// Folds one event into the core and carries out what the core asks.
+    fn fold(&mut self, event: Event) {
+        match event {
+            Event::LinkOpened { link, tx, closer } => {
+                if self.draining {
+                    let _ = tx.try_send(Err(to_status(RequestError::ShuttingDown)));
+                    return;
+                }
+                self.links.insert(link, LinkState { tx, _closer: closer });
+            }
+            Event::FromDriver { link, msg } => {
+                // Messages still queued from a link that was closed (stuck, or
+                // drained at shutdown) have no one to answer and are dropped.
+                if self.links.contains_key(&link) {
+                    self.on_driver_message(link, *msg);
+                }
+            }
+            Event::LinkClosed { link } => self.close_link(link),
+            Event::Completed {
+                run_uid,
+                id,
+                task,
+                outcome,
+            } => {
+                let key = (run_uid, id);
+                match self.tasks.get(&key) {
+                    Some((current, _)) if *current == task => {
+                        self.tasks.remove(&key);
+                    }
+                    // A newer call of the same id runs (the run was forgotten and
+                    // the operation resubmitted): this one's outcome is stale.
+                    Some(_) => return,
+                    // Aborted after it finished: the core reports it as late.
+                    None => {}
+                }
+                let out = self.core.complete(run_uid, id, outcome, self.clock.now());
+                self.apply(out, None, &TraceContext::default());
+            }
+            Event::Observation(raw) => {
+                let out = self.core.record_observation(
+                    &raw.identity,
+                    raw.session,
+                    raw.stage,
+                    raw.detail,
+                    raw.at,
+                    raw.trace,
+                );
+                self.apply(out, None, &TraceContext::default());
+            }
+            Event::Tick => {
+                let out = self.core.handle_timeout(self.clock.now());
+                self.apply(out, None, &TraceContext::default());
+            }
+        }
+    }
+
+    fn on_driver_message(&mut self, link: LinkId, msg: pb::DriverMessage) {
+        use pb::driver_message::Kind;
+        let trace = trace_from_wire(msg.trace);
+        match msg.kind {
+            None => {
+                let e = FieldError::new("kind", contract::Problem::Missing);
+                self.reject_invalid(link, String::new(), None, "driver message", &e, &trace);
+            }
+            Some(Kind::Claim(c)) => self.on_claim(link, c, &trace),
+            Some(Kind::Submit(op)) => self.on_submit(link, op, &trace),
+            Some(Kind::Ack(ack)) => self.on_ack(link, ack, &trace),
+            Some(Kind::ObserveFrom(from)) => self.on_observe_from(link, from, &trace),
+            Some(Kind::Forget(forget)) => self.on_forget(link, forget, &trace),
+        }
+    }
+
+    fn on_claim(&mut self, link: LinkId, claim: pb::Claim, trace: &TraceContext) {
+        let raw_uid = claim.run_uid.clone();
+        let claim = match Claim::try_from(claim) {
+            Ok(claim) => claim,
+            Err(e) => return self.reject_invalid(link, raw_uid, None, "claim", &e, trace),
+        };
+        match self.core.claim(&claim) {
+            Ok(()) => {
+                let run_uid = claim.run_uid;
+                self.routes.insert(run_uid, link);
+                let accepted = pb::executor_message::Kind::Claimed(pb::ClaimAccepted {
+                    run_uid: run_uid.to_string(),
+                    epoch: claim.epoch.get(),
+                });
+                self.send(link, message(accepted, trace));
+                // A new link may be a reconnect: whatever the driver has not
+                // acknowledged may never have reached it.
+                for result in self.core.unacked_results_of(run_uid) {
+                    self.send(link, result_message(&result));
+                }
+                for observation in self.core.unacked_observations_of(run_uid) {
+                    self.send(link, observation_message(&observation));
+                }
+            }
+            Err(rejection) => self.send(link, rejection_message(&rejection, trace)),
+        }
+    }
+
+    fn on_submit(&mut self, link: LinkId, op: pb::Operation, trace: &TraceContext) {
+        let (raw_uid, raw_id) = (op.run_uid.clone(), op.id);
+        let op = match Operation::try_from(op) {
+            Ok(op) => op,
+            Err(e) => return self.reject_invalid(link, raw_uid, raw_id, "operation", &e, trace),
+        };
+        // A rejection answers the operation, so it joins the operation's trace,
+        // or the message's when the operation carries none.
+        let trace = if op.trace == TraceContext::default() {
+            trace.clone()
+        } else {
+            op.trace.clone()
+        };
+        let out = self.core.submit(op, self.clock.now());
+        self.apply(out, Some(link), &trace);
+    }
+
+    fn on_ack(&mut self, link: LinkId, ack: pb::Ack, trace: &TraceContext) {
+        for r in ack.results {
+            let raw_uid = r.run_uid.clone();
+            let parsed = RunUid::parse("run_uid", &r.run_uid).and_then(|uid| {
+                let id =
+                    r.id.ok_or_else(|| FieldError::new("id", contract::Problem::Missing))
+                        .and_then(|id| OperationId::try_from(id).map_err(|e| e.within("id")))?;
+                Ok((uid, id))
+            });
+            match parsed {
+                Ok((run_uid, id)) => {
+                    if self.routed_here(link, run_uid, Some(id), "acknowledge", trace) {
+                        self.core.ack_result(run_uid, id);
+                    }
+                }
+                Err(e) => self.reject_invalid(link, raw_uid, r.id, "result acknowledgement", &e, trace),
+            }
+        }
+        for o in ack.observations {
+            let raw_uid = o.run_uid.clone();
+            let parsed = RunUid::parse("run_uid", &o.run_uid)
+                .and_then(|uid| Ok((uid, SessionId::new("session_id", &o.session_id)?)));
+            match parsed {
+                Ok((run_uid, session)) => {
+                    if self.routed_here(link, run_uid, None, "acknowledge", trace) {
+                        self.core.ack_observations(run_uid, &session, o.seq);
+                    }
+                }
+                Err(e) => self.reject_invalid(link, raw_uid, None, "observation acknowledgement", &e, trace),
+            }
+        }
+    }
+
+    fn on_observe_from(&mut self, link: LinkId, from: pb::ObserveFrom, trace: &TraceContext) {
+        for cursor in from.after {
+            // A cursor may leave its run uid empty to mean the request's.
+            let raw_uid = if cursor.run_uid.is_empty() {
+                from.run_uid.clone()
+            } else {
+                cursor.run_uid.clone()
+            };
+            let parsed = RunUid::parse("run_uid", &raw_uid)
+                .and_then(|uid| Ok((uid, SessionId::new("session_id", &cursor.session_id)?)));
+            let (run_uid, session) = match parsed {
+                Ok(parsed) => parsed,
+                Err(e) => {
+                    self.reject_invalid(link, raw_uid, None, "observe-from cursor", &e, trace);
+                    continue;
+                }
+            };
+            if !self.routed_here(link, run_uid, None, "replay observations of", trace) {
+                continue;
+            }
+            for observation in self.core.observations_after(run_uid, &session, cursor.seq) {
+                self.send(link, observation_message(&observation));
+            }
+        }
+    }
+
+    fn on_forget(&mut self, link: LinkId, forget: pb::ForgetRun, trace: &TraceContext) {
+        let run_uid = match RunUid::parse("run_uid", &forget.run_uid) {
+            Ok(uid) => uid,
+            Err(e) => return self.reject_invalid(link, forget.run_uid, None, "forget", &e, trace),
+        };
+        let out = self.core.forget_run(run_uid, Epoch::new(forget.epoch));
+        if !out.iter().any(|o| matches!(o, Output::Rejected(_))) {
+            self.routes.remove(&run_uid);
+        }
+        self.apply(out, Some(link), trace);
+    }
+
+    /// Whether `link` routes `run_uid`; if not, tells the driver so.
+    fn routed_here(
+        &mut self,
+        link: LinkId,
+        run_uid: RunUid,
+        id: Option<OperationId>,
+        action: &str,
+        trace: &TraceContext,
+    ) -> bool {
+        if self.routes.get(&run_uid) == Some(&link) {
+            return true;
+        }
+        let rejection = Rejection {
+            run_uid,
+            id,
+            reason: RejectionReason::UnknownRun,
+            message: format!("cannot {action} run {run_uid}: it is not claimed on this link"),
+            highest_epoch: self.core.highest_epoch(run_uid).unwrap_or_default(),
+        };
+        self.send(link, rejection_message(&rejection, trace));
+        false
+    }
+
+    /// Carries out the core's outputs. Rejections go to `origin`, the link whose
+    /// message caused them; the core makes none without one.
+    fn apply(&mut self, out: Vec<Output>, origin: Option<LinkId>, trace: &TraceContext) {
+        for output in out {
+            match output {
+                Output::Start(op) => self.start(op),
+                Output::Abort { run_uid, id } => {
+                    if let Some((_, handle)) = self.tasks.remove(&(run_uid, id)) {
+                        handle.abort();
+                    }
+                }
+                Output::Result(result) => self.route(result.run_uid, result_message(&result)),
+                Output::Observation(o) => self.route(o.run_uid, observation_message(&o)),
+                Output::Rejected(rejection) => match origin {
+                    Some(link) => self.send(link, rejection_message(&rejection, trace)),
+                    None => tracing::warn!(?rejection, "a rejection with no link to send it to"),
+                },
+            }
+        }
+    }
+
+    /// Runs a backend call on a task of its own; its outcome comes back as
+    /// `Event::Completed`.
+    fn start(&mut self, op: Operation) {
+        let (run_uid, id) = (op.run_uid, op.id);
+        let task = TaskId(self.next_task);
+        self.next_task = self.next_task.wrapping_add(1);
+        let sink = ObservationSink::new(self.observations.clone(), op.trace.clone());
+        let call = self.backend.execute(op, sink);
+        let events = self.events.clone();
+        let handle = tokio::spawn(async move {
+            let outcome = call.await;
+            let _ = events
+                .send(Event::Completed {
+                    run_uid,
+                    id,
+                    task,
+                    outcome,
+                })
+                .await;
+        });
+        if let Some((_, stale)) = self.tasks.insert((run_uid, id), (task, handle.abort_handle())) {
+            stale.abort();
+        }
+    }
+
+    /// Sends to the link that routes the run; without one the message waits in
+    /// the core (results until acknowledged, observations until replayed).
+    fn route(&mut self, run_uid: RunUid, msg: pb::ExecutorMessage) {
+        if let Some(&link) = self.routes.get(&run_uid) {
+            self.send(link, msg);
+        }
+    }
+
+    fn send(&mut self, link: LinkId, msg: pb::ExecutorMessage) {
+        let Some(state) = self.links.get(&link) else {
+            return;
+        };
+        match state.tx.try_send(Ok(msg)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                tracing::warn!(
+                    link = link.0,
+                    "the driver is not reading its link; closing it (unacknowledged results are \
+                     re-sent when the driver claims again)"
+                );
+                self.close_link(link);
+            }
+            Err(TrySendError::Closed(_)) => self.close_link(link),
+        }
+    }
+
+    fn close_link(&mut self, link: LinkId) {
+        if self.links.remove(&link).is_some() {
+            self.routes.retain(|_, l| *l != link);
+        }
+    }
+
+    fn reject_invalid(
+        &mut self,
+        link: LinkId,
+        run_uid: String,
+        id: Option<pb::OperationId>,
+        what: &str,
+        error: &FieldError,
+        trace: &TraceContext,
+    ) {
+        let highest_epoch = RunUid::parse("run_uid", &run_uid)
+            .ok()
+            .and_then(|uid| self.core.highest_epoch(uid))
+            .map_or(0, Epoch::get);
+        let rejection = pb::Rejection {
+            run_uid,
+            id,
+            reason: pb::RejectionReason::Invalid as i32,
+            message: format!("invalid {what}: {error}"),
+            highest_epoch,
+        };
+        self.send(
+            link,
+            message(pb::executor_message::Kind::Rejection(rejection), trace),
+        );
+    }
+
+    fn drain(&mut self) {
+        self.draining = true;
+        for (_, state) in self.links.drain() {
+            let _ = state.tx.try_send(Err(to_status(RequestError::ShuttingDown)));
+        }
+        self.routes.clear();
+    }
+
+    fn stop(&mut self) {
+        for (_, (_, handle)) in self.tasks.drain() {
+            handle.abort();
+        }
+        self.links.clear();
+        self.routes.clear();
+    }
+}
+
+fn message(kind: pb::executor_message::Kind, trace: &TraceContext) -> pb::ExecutorMessage {
+    pb::ExecutorMessage {
+        kind: Some(kind),
+        trace: trace_to_wire(trace),
+    }
+}
+
+fn result_message(result: &OperationResult) -> pb::ExecutorMessage {
+    message(
+        pb::executor_message::Kind::Result(pb::OperationResult::from(result)),
+        &result.trace,
+    )
+}
+
+fn observation_message(observation: &Observation) -> pb::ExecutorMessage {
+    message(
+        pb::executor_message::Kind::Observation(pb::BootstrapObservation::from(observation)),
+        &observation.trace,
+    )
+}
+
+fn rejection_message(rejection: &Rejection, trace: &TraceContext) -> pb::ExecutorMessage {
+    message(
+        pb::executor_message::Kind::Rejection(pb::Rejection::from(rejection)),
+        trace,
+    )
+}

@@ -1,0 +1,622 @@
+//! The executor through its gRPC surface: a real server on 127.0.0.1:0 with the
+//! fake backend, driven through `ExecutorClient` as a driver would.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail, ensure};
+use contract::{
+    Clock, RunUid, SystemClock,
+    pb::{self, executor_client::ExecutorClient, executor_message::Kind},
+    shape::example_template,
+};
+use executor_svc::{
+    fake::FakeConfig,
+    fake_backend::FakeBackend,
+    server::{self, Config, ServerError},
+};
+use tokio::{
+    net::TcpListener,
+    sync::{mpsc, oneshot},
+    task::JoinHandle,
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Streaming, transport::Channel};
+
+type TestResult = anyhow::Result<()>;
+
+const RUN: RunUid = RunUid::from_u128(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+/// How long a test waits for a message it expects.
+const PATIENCE: Duration = Duration::from_secs(5);
+
+fn temp_dir() -> anyhow::Result<PathBuf> {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "executor-svc-grpc-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn fake(latency_ms: u64) -> FakeConfig {
+    FakeConfig {
+        latency_ms: (latency_ms, latency_ms),
+        stage_interval_ms: 20,
+        ..FakeConfig::default()
+    }
+}
+
+struct Harness {
+    addr: SocketAddr,
+    backend: FakeBackend,
+    stop: Option<oneshot::Sender<()>>,
+    server: JoinHandle<Result<(), ServerError>>,
+}
+
+impl Harness {
+    async fn start(config: FakeConfig, state_file: Option<PathBuf>) -> anyhow::Result<Self> {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let backend = FakeBackend::start(config, state_file, Arc::clone(&clock))?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let shutdown = async move {
+            let _ = stopped.await;
+        };
+        let config = Config {
+            shutdown_grace: Duration::from_secs(3),
+            ..Config::default()
+        };
+        let server = tokio::spawn(server::run(
+            listener,
+            shutdown,
+            config,
+            Arc::new(backend.clone()),
+            clock,
+        ));
+        Ok(Self {
+            addr,
+            backend,
+            stop: Some(stop),
+            server,
+        })
+    }
+
+    async fn channel(&self) -> anyhow::Result<Channel> {
+        Ok(Channel::from_shared(format!("http://{}", self.addr))?
+            .connect()
+            .await?)
+    }
+
+    async fn client(&self) -> anyhow::Result<ExecutorClient<Channel>> {
+        Ok(ExecutorClient::new(self.channel().await?))
+    }
+
+    async fn link(&self) -> anyhow::Result<Link> {
+        let (tx, rx) = mpsc::channel(64);
+        let inbound = self
+            .client()
+            .await?
+            .link(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok(Link { tx, inbound })
+    }
+
+    /// Triggers shutdown and waits for the server to finish.
+    async fn shutdown(mut self) -> TestResult {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(Duration::from_secs(10), &mut self.server)
+            .await
+            .context("the server did not stop")???;
+        Ok(())
+    }
+}
+
+/// One driver link.
+struct Link {
+    tx: mpsc::Sender<pb::DriverMessage>,
+    inbound: Streaming<pb::ExecutorMessage>,
+}
+
+impl Link {
+    async fn send(&self, kind: pb::driver_message::Kind) -> TestResult {
+        let msg = pb::DriverMessage {
+            kind: Some(kind),
+            trace: None,
+        };
+        self.tx.send(msg).await.context("the link is closed")
+    }
+
+    async fn claim(&self, epoch: u64) -> TestResult {
+        self.send(pb::driver_message::Kind::Claim(pb::Claim {
+            run_uid: RUN.to_string(),
+            run_id: "train".to_owned(),
+            epoch,
+        }))
+        .await
+    }
+
+    async fn submit(&self, op: pb::Operation) -> TestResult {
+        self.send(pb::driver_message::Kind::Submit(op)).await
+    }
+
+    async fn ack_result(&self, id: pb::OperationId) -> TestResult {
+        self.send(pb::driver_message::Kind::Ack(pb::Ack {
+            results: vec![pb::ResultRef {
+                run_uid: RUN.to_string(),
+                id: Some(id),
+            }],
+            observations: Vec::new(),
+        }))
+        .await
+    }
+
+    async fn next_message(&mut self) -> anyhow::Result<pb::ExecutorMessage> {
+        match tokio::time::timeout(PATIENCE, self.inbound.message()).await {
+            Err(_) => bail!("no message within {PATIENCE:?}"),
+            Ok(Err(status)) => bail!("the link failed: {status}"),
+            Ok(Ok(None)) => bail!("the link ended"),
+            Ok(Ok(Some(msg))) => Ok(msg),
+        }
+    }
+
+    async fn next(&mut self) -> anyhow::Result<Kind> {
+        self.next_message()
+            .await?
+            .kind
+            .context("a message without a kind")
+    }
+
+    async fn claimed(&mut self, epoch: u64) -> TestResult {
+        match self.next().await? {
+            Kind::Claimed(c) => {
+                ensure!(c.epoch == epoch && c.run_uid == RUN.to_string(), "{c:?}");
+                Ok(())
+            }
+            other => bail!("expected a claim acceptance, got {other:?}"),
+        }
+    }
+
+    /// The next result, skipping observations.
+    async fn result(&mut self) -> anyhow::Result<pb::OperationResult> {
+        loop {
+            match self.next().await? {
+                Kind::Result(r) => return Ok(r),
+                Kind::Observation(_) => {}
+                other => bail!("expected a result, got {other:?}"),
+            }
+        }
+    }
+
+    async fn rejection(&mut self) -> anyhow::Result<pb::Rejection> {
+        match self.next().await? {
+            Kind::Rejection(r) => Ok(r),
+            other => bail!("expected a rejection, got {other:?}"),
+        }
+    }
+
+    /// Nothing arrives for `quiet`.
+    async fn silent_for(&mut self, quiet: Duration) -> TestResult {
+        match tokio::time::timeout(quiet, self.inbound.message()).await {
+            Err(_) => Ok(()),
+            Ok(got) => bail!("expected silence, got {got:?}"),
+        }
+    }
+}
+
+fn deadline_in(ms: u64) -> u64 {
+    SystemClock.now().as_millis() + ms
+}
+
+fn op_id(attempt: u64, seq: u32) -> pb::OperationId {
+    pb::OperationId { attempt, seq }
+}
+
+fn op(id: pb::OperationId, epoch: u64, deadline_ms: u64, input: pb::operation::Input) -> pb::Operation {
+    pb::Operation {
+        run_uid: RUN.to_string(),
+        run_id: "train".to_owned(),
+        node_id: "workers-0".to_owned(),
+        id: Some(id),
+        epoch,
+        deadline_ms,
+        input: Some(input),
+        trace: Some(pb::TraceContext {
+            traceparent: TRACEPARENT.to_owned(),
+            tracestate: String::new(),
+        }),
+    }
+}
+
+fn create_input() -> pb::operation::Input {
+    pb::operation::Input::CreateLease(pb::CreateLeaseInput {
+        template: Some(pb::NodeTemplate::from(&example_template("fake", "img:1"))),
+    })
+}
+
+fn create(epoch: u64, deadline_ms: u64) -> pb::Operation {
+    op(op_id(1, 0), epoch, deadline_ms, create_input())
+}
+
+fn outcome(r: &pb::OperationResult) -> pb::OutcomeClass {
+    pb::OutcomeClass::try_from(r.outcome).unwrap_or(pb::OutcomeClass::Unspecified)
+}
+
+fn reason(r: &pb::Rejection) -> pb::RejectionReason {
+    pb::RejectionReason::try_from(r.reason).unwrap_or(pb::RejectionReason::Unspecified)
+}
+
+fn lease_of(r: &pb::OperationResult) -> anyhow::Result<String> {
+    let lease = r.facts.as_ref().map(|f| f.lease_id.clone()).unwrap_or_default();
+    ensure!(!lease.is_empty(), "no lease in {r:?}");
+    Ok(lease)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resubmitted_operation_replays_and_conflicting_input_is_rejected() -> TestResult {
+    let h = Harness::start(fake(5), None).await?;
+    let mut link = h.link().await?;
+    link.claim(1).await?;
+    link.claimed(1).await?;
+
+    let first = create(1, deadline_in(30_000));
+    link.submit(first.clone()).await?;
+    let result = link.result().await?;
+    ensure!(outcome(&result) == pb::OutcomeClass::Succeeded, "{result:?}");
+    ensure!(!result.replayed && !result.late, "{result:?}");
+    ensure!(result.id == Some(op_id(1, 0)), "{result:?}");
+    let lease = lease_of(&result)?;
+    ensure!(
+        result.trace.as_ref().map(|t| t.traceparent.as_str()) == Some(TRACEPARENT),
+        "the result carries the operation's trace: {result:?}"
+    );
+    link.ack_result(op_id(1, 0)).await?;
+
+    // Another deadline is not another input: a replay of the recorded result.
+    let mut again = first;
+    again.deadline_ms = deadline_in(60_000);
+    link.submit(again).await?;
+    let replay = link.result().await?;
+    ensure!(replay.replayed, "{replay:?}");
+    ensure!(outcome(&replay) == pb::OutcomeClass::Succeeded, "{replay:?}");
+    ensure!(lease_of(&replay)? == lease);
+    ensure!(
+        h.backend.with_provider(|p| p.calls()) == 1,
+        "a replay does not call the backend"
+    );
+
+    let other = op(
+        op_id(1, 0),
+        1,
+        deadline_in(30_000),
+        pb::operation::Input::DestroyLease(pb::DestroyLeaseInput { lease_id: lease }),
+    );
+    link.submit(other).await?;
+    let rejected = link.rejection().await?;
+    ensure!(
+        reason(&rejected) == pb::RejectionReason::ConflictingInput,
+        "{rejected:?}"
+    );
+    ensure!(rejected.id == Some(op_id(1, 0)), "{rejected:?}");
+
+    // An undecodable operation is rejected as invalid, naming the field.
+    let mut broken = create(1, 0);
+    broken.id = Some(op_id(1, 1));
+    link.submit(broken).await?;
+    let invalid = link.rejection().await?;
+    ensure!(reason(&invalid) == pb::RejectionReason::Invalid, "{invalid:?}");
+    ensure!(invalid.message.contains("deadline_ms"), "{invalid:?}");
+    ensure!(invalid.id == Some(op_id(1, 1)), "{invalid:?}");
+    h.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_epoch_is_fenced() -> TestResult {
+    let h = Harness::start(fake(1), None).await?;
+    let mut current = h.link().await?;
+    current.claim(2).await?;
+    current.claimed(2).await?;
+
+    let mut stale = h.link().await?;
+    stale.claim(1).await?;
+    let fenced = stale.rejection().await?;
+    ensure!(reason(&fenced) == pb::RejectionReason::Fenced, "{fenced:?}");
+    ensure!(fenced.highest_epoch == 2 && fenced.id.is_none(), "{fenced:?}");
+
+    stale.submit(create(1, deadline_in(30_000))).await?;
+    let fenced = stale.rejection().await?;
+    ensure!(reason(&fenced) == pb::RejectionReason::Fenced, "{fenced:?}");
+    ensure!(fenced.id == Some(op_id(1, 0)), "{fenced:?}");
+    ensure!(
+        h.backend.with_provider(|p| p.calls()) == 0,
+        "nothing fenced reaches the backend"
+    );
+
+    // The fenced driver cannot acknowledge on the current driver's behalf.
+    stale.ack_result(op_id(1, 0)).await?;
+    let refused = stale.rejection().await?;
+    ensure!(reason(&refused) == pb::RejectionReason::UnknownRun, "{refused:?}");
+    current.silent_for(Duration::from_millis(100)).await?;
+    h.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_stages_stream_in_sequence_and_replay_from_a_cursor() -> TestResult {
+    let h = Harness::start(fake(1), None).await?;
+    let mut link = h.link().await?;
+    link.claim(1).await?;
+    link.claimed(1).await?;
+
+    link.submit(create(1, deadline_in(30_000))).await?;
+    let created = link.result().await?;
+    let lease = lease_of(&created)?;
+    let endpoint = created
+        .facts
+        .as_ref()
+        .map(|f| f.endpoint.clone())
+        .unwrap_or_default();
+    ensure!(!endpoint.is_empty(), "{created:?}");
+    link.ack_result(op_id(1, 0)).await?;
+
+    let start = pb::operation::Input::StartBootstrap(pb::StartBootstrapInput {
+        lease_id: lease,
+        endpoint,
+        boot: Default::default(),
+        join: Default::default(),
+    });
+    link.submit(op(op_id(1, 1), 1, deadline_in(30_000), start))
+        .await?;
+
+    let mut session = None;
+    let mut observations = Vec::new();
+    loop {
+        match link.next().await? {
+            Kind::Result(r) => {
+                ensure!(outcome(&r) == pb::OutcomeClass::Succeeded, "{r:?}");
+                session = r.facts.map(|f| f.session_id);
+            }
+            Kind::Observation(o) => {
+                let converged = o.stage == pb::BootstrapStage::Converged as i32;
+                observations.push(o);
+                if converged {
+                    break;
+                }
+            }
+            other => bail!("unexpected {other:?}"),
+        }
+    }
+    if session.is_none() {
+        session = link.result().await?.facts.map(|f| f.session_id);
+    }
+    let session = session.context("the start reports its session")?;
+    let seqs: Vec<u64> = observations.iter().map(|o| o.seq).collect();
+    ensure!(seqs == [1, 2, 3, 4, 5], "{observations:?}");
+    for o in &observations {
+        ensure!(
+            o.session_id == session && o.attempt == 1 && o.node_id == "workers-0",
+            "{o:?}"
+        );
+        ensure!(
+            o.trace.as_ref().map(|t| t.traceparent.as_str()) == Some(TRACEPARENT),
+            "an observation joins the trace of the start: {o:?}"
+        );
+    }
+
+    link.send(pb::driver_message::Kind::ObserveFrom(pb::ObserveFrom {
+        run_uid: RUN.to_string(),
+        after: vec![pb::ObservationRef {
+            run_uid: String::new(),
+            session_id: session.clone(),
+            seq: 2,
+        }],
+    }))
+    .await?;
+    let mut replayed = Vec::new();
+    for _ in 0..3 {
+        match link.next().await? {
+            Kind::Observation(o) => replayed.push((o.seq, o.stage)),
+            other => bail!("expected a replayed observation, got {other:?}"),
+        }
+    }
+    let expected = [
+        (3, pb::BootstrapStage::AgentStarted as i32),
+        (4, pb::BootstrapStage::Joined as i32),
+        (5, pb::BootstrapStage::Converged as i32),
+    ];
+    ensure!(replayed == expected, "{replayed:?}");
+    link.silent_for(Duration::from_millis(200)).await?;
+    h.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_is_kept_until_acknowledged_across_links() -> TestResult {
+    let h = Harness::start(fake(200), None).await?;
+    let mut first = h.link().await?;
+    first.claim(1).await?;
+    first.claimed(1).await?;
+    first.submit(create(1, deadline_in(30_000))).await?;
+    // Once the backend has the call, the driver goes away before the result exists.
+    let started = async {
+        while h.backend.with_provider(|p| p.calls()) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(PATIENCE, started).await?;
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+
+    let mut second = h.link().await?;
+    second.claim(1).await?;
+    second.claimed(1).await?;
+    let result = second.result().await?;
+    ensure!(result.id == Some(op_id(1, 0)), "{result:?}");
+    ensure!(outcome(&result) == pb::OutcomeClass::Succeeded, "{result:?}");
+    ensure!(!result.replayed, "{result:?}");
+    second.ack_result(op_id(1, 0)).await?;
+
+    // Acknowledged, it is not sent to the next claimant.
+    let mut third = h.link().await?;
+    third.claim(1).await?;
+    third.claimed(1).await?;
+    third.silent_for(Duration::from_millis(200)).await?;
+    h.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_past_its_deadline_is_ambiguous() -> TestResult {
+    let h = Harness::start(fake(1_500), None).await?;
+    let mut link = h.link().await?;
+    link.claim(1).await?;
+    link.claimed(1).await?;
+    link.submit(create(1, deadline_in(300))).await?;
+
+    let abandoned = link.result().await?;
+    ensure!(
+        outcome(&abandoned) == pb::OutcomeClass::Ambiguous,
+        "{abandoned:?}"
+    );
+    ensure!(!abandoned.late, "{abandoned:?}");
+    // The backend call was aborted, so no late completion follows; a resubmission
+    // replays the ambiguous result rather than running again.
+    link.silent_for(Duration::from_millis(1_700)).await?;
+    link.submit(create(1, deadline_in(30_000))).await?;
+    let replay = link.result().await?;
+    ensure!(
+        replay.replayed && outcome(&replay) == pb::OutcomeClass::Ambiguous,
+        "{replay:?}"
+    );
+    h.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_in_the_state_file_outlive_the_executor() -> TestResult {
+    let state_file = temp_dir()?.join("fake-state.json");
+    let first = Harness::start(fake(1), Some(state_file.clone())).await?;
+    let mut link = first.link().await?;
+    link.claim(1).await?;
+    link.claimed(1).await?;
+    link.submit(create(1, deadline_in(30_000))).await?;
+    let lease = lease_of(&link.result().await?)?;
+    link.ack_result(op_id(1, 0)).await?;
+
+    // Shutting down closes the open link with UNAVAILABLE.
+    first.shutdown().await?;
+    match tokio::time::timeout(PATIENCE, link.inbound.message()).await? {
+        Err(status) => ensure!(status.code() == tonic::Code::Unavailable, "{status}"),
+        Ok(other) => bail!("expected the link to fail, got {other:?}"),
+    }
+
+    let second = Harness::start(fake(1), Some(state_file)).await?;
+    let inventory = second
+        .client()
+        .await?
+        .inventory(pb::InventoryRequest {
+            run_uid: RUN.to_string(),
+        })
+        .await?
+        .into_inner();
+    ensure!(inventory.resources.len() == 1, "{inventory:?}");
+    let resource = &inventory.resources[0];
+    ensure!(resource.lease_id == lease, "{resource:?}");
+    ensure!(
+        resource.node_id == "workers-0" && resource.attempt == 1,
+        "{resource:?}"
+    );
+    ensure!(!resource.endpoint.is_empty(), "{resource:?}");
+
+    // Another run's filter lists nothing.
+    let none = second
+        .client()
+        .await?
+        .inventory(pb::InventoryRequest {
+            run_uid: RunUid::from_u128(1).to_string(),
+        })
+        .await?
+        .into_inner();
+    ensure!(none.resources.is_empty(), "{none:?}");
+
+    // A new executor knows no claim; after one, the same create adopts the lease.
+    let mut link = second.link().await?;
+    link.submit(create(1, deadline_in(30_000))).await?;
+    let unknown = link.rejection().await?;
+    ensure!(reason(&unknown) == pb::RejectionReason::UnknownRun, "{unknown:?}");
+    link.claim(1).await?;
+    link.claimed(1).await?;
+    link.submit(create(1, deadline_in(30_000))).await?;
+    let adopted = link.result().await?;
+    ensure!(outcome(&adopted) == pb::OutcomeClass::Succeeded, "{adopted:?}");
+    ensure!(!adopted.replayed, "the new executor ran it: {adopted:?}");
+    ensure!(lease_of(&adopted)? == lease);
+    let counts = second
+        .backend
+        .with_provider(|p| (p.creates(), p.adoptions(), p.live_resources(RUN)));
+    ensure!(counts == (0, 1, 1), "creates, adoptions, live: {counts:?}");
+    second.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inventory_filter_must_be_a_run_uid() -> TestResult {
+    let h = Harness::start(fake(1), None).await?;
+    let err = h
+        .client()
+        .await?
+        .inventory(pb::InventoryRequest {
+            run_uid: "not-a-uid".to_owned(),
+        })
+        .await
+        .err()
+        .context("a malformed filter is refused")?;
+    ensure!(err.code() == tonic::Code::InvalidArgument, "{err}");
+    ensure!(err.message().contains("run_uid"), "{err}");
+    h.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_reflection_are_served() -> TestResult {
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+
+    let h = Harness::start(fake(1), None).await?;
+    let channel = h.channel().await?;
+    let health = HealthClient::new(channel.clone())
+        .check(HealthCheckRequest {
+            service: "provisioning.v1.Executor".to_owned(),
+        })
+        .await?
+        .into_inner();
+    ensure!(health.status == ServingStatus::Serving as i32, "{health:?}");
+
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = ServerReflectionClient::new(channel)
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await?
+        .into_inner();
+    let response = responses.message().await?.context("a reflection response")?;
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        bail!("expected a service list, got {response:?}");
+    };
+    let names: Vec<&str> = list.service.iter().map(|s| s.name.as_str()).collect();
+    ensure!(names.contains(&"provisioning.v1.Executor"), "{names:?}");
+    h.shutdown().await
+}
