@@ -81,10 +81,16 @@ impl<'a> DesiredView<'a> {
 
 /// The slots a run holds, decided this pass or not, so that the decider can
 /// see which desired slots have no node.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotSet {
     groups: HashMap<GroupId, Vec<u32>>,
     sorted: bool,
+}
+
+impl Default for SlotSet {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl SlotSet {

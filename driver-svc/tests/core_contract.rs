@@ -1,0 +1,582 @@
+//! The driver core's contract: the bad-input matrix (each class gets its typed
+//! error naming the field, and the state is unchanged), the revision contract,
+//! folding rules, deadlines and the errors that replace panics and spins.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{sync::Arc, time::Duration};
+
+use contract::{
+    ClusterShape, Effect, Epoch, FieldError, Generation, LogicalNodeId, NodeStage, Observation,
+    OperationResult, Outcome, Problem, ResultFacts, RunId, RunUid, TraceContext, UnixMillis, pb,
+    wire::shape_from_wire,
+};
+use driver_svc::core::{
+    Applied, ApplyError, CoreError, Discard, Fold, MemStore, PassOutcome, Policy, RunState, RunStore,
+};
+
+const T0: UnixMillis = UnixMillis::new(1_700_000_000_000);
+const UID: RunUid = RunUid::from_u128(0xabc);
+
+fn pb_shape(generation: u64) -> pb::ClusterShape {
+    let s = contract::ClusterShape {
+        run_id: RunId::parse("run_id", "train").unwrap(),
+        generation: Generation::new(generation),
+        groups: vec![
+            contract::NodeGroup {
+                id: contract::GroupId::parse("id", "ctrl").unwrap(),
+                count: 2,
+                template: Arc::new(contract::shape::example_template("fake", "img:1")),
+            },
+            contract::NodeGroup {
+                id: contract::GroupId::parse("id", "workers").unwrap(),
+                count: 3,
+                template: Arc::new(contract::shape::example_template("fake", "img:1")),
+            },
+        ],
+    };
+    pb::ClusterShape::from(&s)
+}
+
+fn shape(generation: u64) -> ClusterShape {
+    shape_from_wire(pb_shape(generation)).unwrap()
+}
+
+fn policy() -> Arc<Policy> {
+    Arc::new(Policy {
+        limits: contract::ShapeLimits {
+            max_nodes_per_group: 50,
+            ..contract::ShapeLimits::default()
+        },
+        ..Policy::default()
+    })
+}
+
+/// A run with nodes, one pass in (so there is state to keep unchanged).
+fn run_with_nodes() -> (RunState, MemStore) {
+    let mut run = RunState::create(shape(3), UID, Epoch::new(1), policy(), T0).unwrap();
+    let mut store = MemStore::new();
+    let _ = pass(&mut run, &mut store, T0);
+    let _ = pass(&mut run, &mut store, T0);
+    (run, store)
+}
+
+fn pass(run: &mut RunState, store: &mut MemStore, now: UnixMillis) -> PassOutcome {
+    let plan = run.begin_pass(now).unwrap();
+    let out = {
+        let view = run.desired_view();
+        decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
+    };
+    run.apply_decisions(plan, out, now, store).unwrap()
+}
+
+/// What must not change: the shape, the meta, every node.
+fn fingerprint(run: &RunState) -> String {
+    format!("{:?}|{:?}", run.meta(), run.nodes().collect::<Vec<_>>())
+}
+
+/// A bad input either fails wire validation (naming `field`) or core
+/// validation (a typed `ApplyError`); either way the run is unchanged.
+enum Expect {
+    Field(&'static str),
+    Apply(fn(&ApplyError) -> bool),
+}
+
+#[test]
+fn the_bad_input_matrix() {
+    let mut cases: Vec<(&str, pb::ClusterShape, Expect)> = Vec::new();
+    let good = pb_shape(4);
+
+    let mut s = good.clone();
+    s.run_id = "Train".into();
+    cases.push(("malformed run id", s, Expect::Field("run_id")));
+    let mut s = good.clone();
+    s.groups[0].id = "ctrl_1".into();
+    cases.push(("malformed group id", s, Expect::Field("groups[0].id")));
+    let mut s = good.clone();
+    s.groups[1].id = "ctrl".into();
+    cases.push(("duplicate group id", s, Expect::Field("groups[1].id")));
+    let mut s = good.clone();
+    s.groups[1]
+        .template
+        .as_mut()
+        .unwrap()
+        .provider
+        .as_mut()
+        .unwrap()
+        .cpu = f64::INFINITY;
+    cases.push((
+        "infinite cpu",
+        s,
+        Expect::Field("groups[1].template.provider.cpu"),
+    ));
+    let mut s = good.clone();
+    s.groups[1]
+        .template
+        .as_mut()
+        .unwrap()
+        .provider
+        .as_mut()
+        .unwrap()
+        .memory_gib = f64::NAN;
+    cases.push((
+        "NaN memory",
+        s,
+        Expect::Field("groups[1].template.provider.memory_gib"),
+    ));
+    let mut s = good.clone();
+    s.groups[0]
+        .template
+        .as_mut()
+        .unwrap()
+        .provider
+        .as_mut()
+        .unwrap()
+        .cpu = -1.0;
+    cases.push((
+        "negative cpu",
+        s,
+        Expect::Field("groups[0].template.provider.cpu"),
+    ));
+    let mut s = good.clone();
+    s.groups[0].count = -3;
+    cases.push(("negative count", s, Expect::Field("groups[0].count")));
+    let mut s = good.clone();
+    s.groups[0].count = 51;
+    cases.push((
+        "count over the limit",
+        s,
+        Expect::Apply(|e| matches!(e, ApplyError::Invalid(f) if f.field == "groups[0].count")),
+    ));
+    let mut s = good.clone();
+    s.groups[1].run_id = "other-run".into();
+    cases.push(("foreign-run group", s, Expect::Field("groups[1].run_id")));
+    let mut s = good.clone();
+    s.generation = 2;
+    cases.push((
+        "generation regression",
+        s,
+        Expect::Apply(|e| matches!(e, ApplyError::GenerationRegressed { .. })),
+    ));
+    let mut s = good.clone();
+    s.generation = 3;
+    s.groups[1].count = 1;
+    cases.push((
+        "same generation, other content",
+        s,
+        Expect::Apply(|e| matches!(e, ApplyError::SameGenerationOtherContent(_))),
+    ));
+    let mut s = good.clone();
+    s.run_id = "another".into();
+    cases.push((
+        "run id change",
+        s,
+        Expect::Apply(|e| matches!(e, ApplyError::RunIdChanged { .. })),
+    ));
+
+    for (what, input, expect) in cases {
+        let (mut run, _store) = run_with_nodes();
+        let before = fingerprint(&run);
+        match (shape_from_wire(input), expect) {
+            (Err(e), Expect::Field(field)) => assert_eq!(e.field, field, "{what}: {e}"),
+            (Ok(s), Expect::Apply(check)) => {
+                let err = run.apply_shape(s).unwrap_err();
+                assert!(check(&err), "{what}: unexpected {err:?}");
+            }
+            (Ok(_), Expect::Field(f)) => panic!("{what}: accepted at the wire, expected an error on {f}"),
+            (Err(e), Expect::Apply(_)) => panic!("{what}: rejected at the wire ({e}), expected a core error"),
+        }
+        assert_eq!(fingerprint(&run), before, "{what} changed the run");
+    }
+}
+
+#[test]
+fn apply_to_a_deleting_run_is_refused_and_changes_nothing() {
+    let (mut run, _store) = run_with_nodes();
+    assert!(run.delete());
+    let before = fingerprint(&run);
+    let err = run.apply_shape(shape(9)).unwrap_err();
+    assert!(matches!(err, ApplyError::Deleting(_)), "{err:?}");
+    assert_eq!(fingerprint(&run), before);
+}
+
+#[test]
+fn the_revision_contract() {
+    let (mut run, _store) = run_with_nodes();
+    assert_eq!(run.apply_shape(shape(3)).unwrap(), Applied::Unchanged);
+    assert_eq!(run.apply_shape(shape(4)).unwrap(), Applied::Changed);
+    assert_eq!(run.shape().generation, Generation::new(4));
+    // Generation may skip ahead.
+    assert_eq!(run.apply_shape(shape(40)).unwrap(), Applied::Changed);
+    // A shape that fails validation at create time is refused too.
+    let mut bad = shape(1);
+    bad.groups[0].count = 51;
+    let err = RunState::create(bad, UID, Epoch::new(1), policy(), T0).unwrap_err();
+    assert!(
+        matches!(err, ApplyError::Invalid(FieldError { ref field, problem: Problem::OverLimit { .. } }) if field == "groups[0].count")
+    );
+}
+
+fn node(id: &str) -> LogicalNodeId {
+    LogicalNodeId::parse("node", id).unwrap()
+}
+
+fn result(run: &RunState, id: &str, outcome: Outcome) -> OperationResult {
+    let n = run.node(&node(id)).unwrap();
+    let p = n.pending.unwrap();
+    OperationResult {
+        run_uid: UID,
+        node: n.id.clone(),
+        id: p.id,
+        effect: p.effect,
+        outcome,
+        completed_at: T0,
+        late: false,
+        replayed: false,
+        trace: TraceContext::default(),
+    }
+}
+
+#[test]
+fn operations_are_recorded_and_committed_before_they_are_returned() {
+    let mut run = RunState::create(shape(1), UID, Epoch::new(7), policy(), T0).unwrap();
+    let mut store = MemStore::new();
+    let first = pass(&mut run, &mut store, T0);
+    assert_eq!(first.transitions, 5, "five inserts");
+    assert!(first.follow_up);
+    let second = pass(&mut run, &mut store, T0);
+    assert_eq!(second.operations.len(), 5);
+    let stored = store.load_all().unwrap();
+    for op in &second.operations {
+        assert_eq!(op.epoch, Epoch::new(7));
+        assert_eq!(
+            op.deadline,
+            T0.checked_add(Policy::default().operation_timeout).unwrap()
+        );
+        let rec = stored[0].nodes.iter().find(|r| r.node.id == op.node).unwrap();
+        assert_eq!(
+            rec.node.pending.unwrap().id,
+            op.id,
+            "not recorded pending in the store"
+        );
+        assert_eq!(rec.inflight.as_ref(), Some(op));
+    }
+    // One pending operation per node: another pass dispatches nothing new.
+    let third = pass(&mut run, &mut store, T0);
+    assert!(third.operations.is_empty());
+}
+
+#[test]
+fn folding_discards_what_it_must() {
+    let (mut run, mut store) = run_with_nodes();
+    let ok = result(
+        &run,
+        "workers-0",
+        Outcome::Succeeded(ResultFacts {
+            lease: Some(contract::LeaseId::new("l", "lease-1").unwrap()),
+            endpoint: None,
+            session: None,
+        }),
+    );
+
+    // Another run's result.
+    let mut other = ok.clone();
+    other.run_uid = RunUid::from_u128(1);
+    assert_eq!(
+        run.fold_result(&other, T0).unwrap(),
+        Fold::Discarded(Discard::OtherRun)
+    );
+    // A superseded attempt.
+    let mut old = ok.clone();
+    old.id = contract::OperationId::new(contract::AttemptId::new(ok.id.attempt().get() + 100), 1);
+    assert_eq!(
+        run.fold_result(&old, T0).unwrap(),
+        Fold::Discarded(Discard::SupersededAttempt)
+    );
+    // An unknown operation of the right attempt.
+    let mut unknown = ok.clone();
+    unknown.id = contract::OperationId::new(ok.id.attempt(), 99);
+    assert_eq!(
+        run.fold_result(&unknown, T0).unwrap(),
+        Fold::Discarded(Discard::UnknownOperation)
+    );
+    // A late completion.
+    let mut late = ok.clone();
+    late.late = true;
+    assert_eq!(
+        run.fold_result(&late, T0).unwrap(),
+        Fold::Discarded(Discard::Late)
+    );
+    // None of that changed the node.
+    assert!(run.node(&node("workers-0")).unwrap().pending.is_some());
+
+    assert_eq!(run.fold_result(&ok, T0).unwrap(), Fold::Folded);
+    let n = run.node(&node("workers-0")).unwrap();
+    assert_eq!(n.stage, NodeStage::LeaseCreated);
+    assert!(n.pending.is_none());
+    assert!(
+        n.stage_deadline.is_some(),
+        "entering LeaseCreated stores the endpoint deadline"
+    );
+    // The same result again is an unknown operation now.
+    assert_eq!(
+        run.fold_result(&ok, T0).unwrap(),
+        Fold::Discarded(Discard::UnknownOperation)
+    );
+    // Acknowledgements are released only by a commit.
+    let acks = run.commit(&mut store).unwrap();
+    assert!(!acks.is_empty());
+}
+
+#[test]
+fn not_ready_is_a_probe_and_failures_back_off() {
+    let (mut run, mut store) = run_with_nodes();
+    let lease = contract::LeaseId::new("l", "lease-1").unwrap();
+    let created = result(
+        &run,
+        "workers-1",
+        Outcome::Succeeded(ResultFacts {
+            lease: Some(lease),
+            ..ResultFacts::default()
+        }),
+    );
+    let _ = run.fold_result(&created, T0).unwrap();
+    let _ = pass(&mut run, &mut store, T0);
+    let n = run.node(&node("workers-1")).unwrap();
+    assert_eq!(n.pending.unwrap().effect, Effect::LookupEndpoint);
+    let not_ready = result(
+        &run,
+        "workers-1",
+        Outcome::NotReady {
+            reason: "not bound".into(),
+        },
+    );
+    let _ = run.fold_result(&not_ready, T0).unwrap();
+    let n = run.node(&node("workers-1")).unwrap();
+    assert_eq!(n.retry.consecutive_failures, 0, "not-ready is not a failure");
+    assert_eq!(
+        n.retry.next_effect_at,
+        T0.checked_add(Policy::default().probe_interval).ok()
+    );
+
+    // A definite create failure backs off per the policy.
+    let failed = result(
+        &run,
+        "workers-2",
+        Outcome::Retryable {
+            reason: "quota".into(),
+        },
+    );
+    let _ = run.fold_result(&failed, T0).unwrap();
+    let n = run.node(&node("workers-2")).unwrap();
+    assert_eq!(n.retry.consecutive_failures, 1);
+    let expected = contract::backoff_delay(&Policy::default().backoff, UID, n.attempt, 1);
+    assert_eq!(n.retry.next_effect_at, T0.checked_add(expected).ok());
+    assert_eq!(n.stage, NodeStage::New);
+}
+
+#[test]
+fn an_operation_past_its_deadline_and_grace_folds_as_ambiguous() {
+    let (mut run, mut store) = run_with_nodes();
+    let p = run.node(&node("ctrl-0")).unwrap().pending.unwrap();
+    let grace = Policy::default().result_grace;
+    let just_before = UnixMillis::new(p.deadline.as_millis() + grace.as_millis() as u64 - 1);
+    assert_eq!(run.handle_timeout(just_before).unwrap(), 0);
+    let at = p.deadline.checked_add(grace).unwrap();
+    assert_eq!(
+        run.poll_timeout(),
+        Some(at),
+        "the earliest deadline is the pending op's plus grace"
+    );
+    assert!(run.handle_timeout(at).unwrap() >= 1);
+    let n = run.node(&node("ctrl-0")).unwrap();
+    assert!(n.pending.is_none());
+    assert!(
+        n.facts.ambiguous_create,
+        "an expired create is remembered as ambiguous"
+    );
+    // The result arriving after that is discarded.
+    let late = OperationResult {
+        run_uid: UID,
+        node: node("ctrl-0"),
+        id: p.id,
+        effect: p.effect,
+        outcome: Outcome::Succeeded(ResultFacts::default()),
+        completed_at: at,
+        late: false,
+        replayed: false,
+        trace: TraceContext::default(),
+    };
+    assert_eq!(
+        run.fold_result(&late, at).unwrap(),
+        Fold::Discarded(Discard::UnknownOperation)
+    );
+    // The next pass re-issues the create (so the executor adopts).
+    let n = run.node(&node("ctrl-0")).unwrap();
+    let retry_at = n.retry.next_effect_at.unwrap();
+    let out = pass(&mut run, &mut store, retry_at);
+    assert!(
+        out.operations
+            .iter()
+            .any(|o| o.node == node("ctrl-0") && o.input.effect() == Effect::CreateLease)
+    );
+}
+
+#[test]
+fn a_stage_deadline_fails_the_attempt() {
+    let policy = Arc::new(Policy {
+        endpoint_timeout: Duration::from_secs(10),
+        ..Policy::default()
+    });
+    let mut run = RunState::create(shape(1), UID, Epoch::new(1), policy, T0).unwrap();
+    let mut store = MemStore::new();
+    let _ = pass(&mut run, &mut store, T0);
+    let _ = pass(&mut run, &mut store, T0);
+    let created = result(
+        &run,
+        "ctrl-0",
+        Outcome::Succeeded(ResultFacts {
+            lease: Some(contract::LeaseId::new("l", "lease-9").unwrap()),
+            ..ResultFacts::default()
+        }),
+    );
+    let _ = run.fold_result(&created, T0).unwrap();
+    let later = T0.checked_add(Duration::from_secs(10)).unwrap();
+    run.handle_timeout(later).unwrap();
+    let n = run.node(&node("ctrl-0")).unwrap();
+    assert_eq!(n.stage, NodeStage::Failed);
+    assert!(n.facts.failure.as_ref().unwrap().reason.contains("no endpoint"));
+    assert!(n.retry.restart_at.is_some());
+    assert!(n.retry.next_effect_at.is_none(), "cleanup is not delayed");
+    assert!(
+        n.facts.lease.is_some(),
+        "the lease stays recorded until it is destroyed"
+    );
+}
+
+#[test]
+fn observations_fold_only_into_the_session_they_name() {
+    let (mut run, mut store) = run_with_nodes();
+    let id = "workers-0";
+    let created = result(
+        &run,
+        id,
+        Outcome::Succeeded(ResultFacts {
+            lease: Some(contract::LeaseId::new("l", "lease-1").unwrap()),
+            endpoint: Some(contract::Endpoint::new("e", "10.0.0.1:22").unwrap()),
+            session: None,
+        }),
+    );
+    let _ = run.fold_result(&created, T0).unwrap();
+    let _ = pass(&mut run, &mut store, T0);
+    let attempt = run.node(&node(id)).unwrap().attempt;
+    let session = contract::SessionId::new("s", "sess-1").unwrap();
+    let obs = |seq, stage| Observation {
+        run_uid: UID,
+        node: node(id),
+        attempt,
+        session: session.clone(),
+        seq,
+        stage,
+        detail: String::new(),
+        at: T0,
+        trace: TraceContext::default(),
+    };
+    // Before the start result names the session: kept for a replay, not acked.
+    assert_eq!(
+        run.fold_observation(&obs(1, contract::BootstrapStage::Connected), T0)
+            .unwrap(),
+        Fold::Discarded(Discard::SessionNotYetKnown)
+    );
+    let started = result(
+        &run,
+        id,
+        Outcome::Succeeded(ResultFacts {
+            session: Some(session.clone()),
+            ..ResultFacts::default()
+        }),
+    );
+    let _ = run.fold_result(&started, T0).unwrap();
+    assert_eq!(run.take_replays(), vec![session.clone()]);
+    assert_eq!(
+        run.fold_observation(&obs(1, contract::BootstrapStage::Connected), T0)
+            .unwrap(),
+        Fold::Folded
+    );
+    assert_eq!(
+        run.fold_observation(&obs(1, contract::BootstrapStage::Connected), T0)
+            .unwrap(),
+        Fold::Discarded(Discard::Duplicate)
+    );
+    let mut other = obs(2, contract::BootstrapStage::BootCheck);
+    other.session = contract::SessionId::new("s", "sess-old").unwrap();
+    assert_eq!(
+        run.fold_observation(&other, T0).unwrap(),
+        Fold::Discarded(Discard::StaleSession)
+    );
+    assert_eq!(
+        run.fold_observation(&obs(4, contract::BootstrapStage::Converged), T0)
+            .unwrap(),
+        Fold::Folded
+    );
+    assert_eq!(run.node(&node(id)).unwrap().stage, NodeStage::Joined);
+    // Convergence is a driver transition: the node becomes ready.
+    let _ = pass(&mut run, &mut store, T0);
+    let n = run.node(&node(id)).unwrap();
+    assert_eq!(n.stage, NodeStage::Dormant);
+    assert_eq!(n.retry.consecutive_failures, 0);
+    assert!(n.facts.session.is_none());
+}
+
+#[test]
+fn clock_saturation_is_an_error_not_a_panic_or_a_spin() {
+    let mut run = RunState::create(shape(1), UID, Epoch::new(1), policy(), T0).unwrap();
+    let mut store = MemStore::new();
+    let near_end = UnixMillis::new(u64::MAX - 10);
+    let _ = pass(&mut run, &mut store, near_end);
+    let before = fingerprint(&run);
+    // Dispatching needs a deadline that does not fit: the pass errors.
+    let plan = run.begin_pass(near_end).unwrap();
+    let out = {
+        let view = run.desired_view();
+        decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), near_end)
+    };
+    let err = run.apply_decisions(plan, out, near_end, &mut store).unwrap_err();
+    assert!(matches!(err, CoreError::Clock(_)), "{err:?}");
+    // No operation was recorded for the node whose deadline overflowed.
+    assert!(run.nodes().all(|n| n.pending.is_none()), "{before}");
+    // And a second pass is not left wedged in progress.
+    assert!(run.begin_pass(near_end).is_ok());
+}
+
+#[test]
+fn a_pass_applies_decisions_only_to_the_state_they_were_made_from() {
+    let (mut run, mut store) = run_with_nodes();
+    run.mark_all_dirty();
+    let plan = run.begin_pass(T0).unwrap();
+    // A result folds while the decider is deciding.
+    let created = result(
+        &run,
+        "workers-2",
+        Outcome::Succeeded(ResultFacts {
+            lease: Some(contract::LeaseId::new("l", "lease-7").unwrap()),
+            ..ResultFacts::default()
+        }),
+    );
+    let out = {
+        let view = run.desired_view();
+        decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), T0)
+    };
+    let _ = run.fold_result(&created, T0).unwrap();
+    let outcome = run.apply_decisions(plan, out, T0, &mut store).unwrap();
+    // The decision for workers-2 was made before the fold: skipped, and a
+    // follow-up pass is requested.
+    assert!(outcome.stale >= 1 && outcome.follow_up, "{outcome:?}");
+    assert!(run.needs_pass(T0));
+    let next = pass(&mut run, &mut store, T0);
+    assert!(
+        next.operations
+            .iter()
+            .any(|o| o.node == node("workers-2") && o.input.effect() == Effect::LookupEndpoint)
+    );
+}
