@@ -50,7 +50,7 @@ pids+=($!)
 executor=$(wait_ready "$work/executor.ready" executor-svc $!)
 
 "$bin/driver-svc" --listen 127.0.0.1:0 --ready-file "$work/driver.ready" \
-    --decider "http://$decider" --executor "http://$executor" \
+    --decider "http://$decider" --executor "http://$executor" --data-dir "$work/driver-data" \
     2>"$work/driver-svc.log" &
 pids+=($!)
 driver=$(wait_ready "$work/driver.ready" driver-svc $!)

@@ -12,7 +12,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
-    let fds = protox::compile(["provisioning/v1/provisioning.proto"], [&root])?;
+    let fds = protox::compile(
+        [
+            "provisioning/v1/provisioning.proto",
+            "provisioning/v1/store.proto",
+        ],
+        [&root],
+    )?;
     fs::write(out_dir.join("descriptor.bin"), fds.encode_to_vec())?;
     tonic_prost_build::configure()
         .build_client(true)

@@ -23,7 +23,7 @@ use tokio::{
 
 use crate::{
     core::{AckRef, Applied, ApplyError, PassPlan, RunState},
-    driver::Shared,
+    driver::{DriverError, Shared},
     link::FromExecutor,
     status::run_status,
 };
@@ -33,14 +33,14 @@ use crate::{
 pub enum RunEvent {
     Apply {
         shape: ClusterShape,
-        reply: oneshot::Sender<Result<Applied, ApplyError>>,
+        reply: oneshot::Sender<Result<Applied, DriverError>>,
     },
     Delete {
-        reply: oneshot::Sender<pb::RunStatus>,
+        reply: oneshot::Sender<Result<pb::RunStatus, DriverError>>,
     },
     SetPaused {
         paused: bool,
-        reply: oneshot::Sender<pb::RunStatus>,
+        reply: oneshot::Sender<Result<pb::RunStatus, DriverError>>,
     },
     Get {
         include_nodes: bool,
@@ -86,6 +86,8 @@ pub(crate) struct RunActor {
     next_safety_tick: Instant,
     changed: bool,
     acks: Vec<AckRef>,
+    /// Set when the store refused a write: the run does nothing more.
+    halted: Option<String>,
 }
 
 impl std::fmt::Debug for RunActor {
@@ -117,6 +119,7 @@ impl RunActor {
             decider_retry_at: None,
             changed: true,
             acks: Vec::new(),
+            halted: None,
         };
         shared.link.register(uid, tx.clone());
         tokio::spawn(actor.run());
@@ -145,7 +148,7 @@ impl RunActor {
                 }
                 () = tokio::time::sleep_until(wake) => self.on_timer(),
             }
-            self.commit();
+            let _ = self.commit();
             self.maybe_pass();
             self.publish();
             if self.run.is_gone() {
@@ -192,27 +195,36 @@ impl RunActor {
         let now = self.now();
         match ev {
             RunEvent::Apply { shape, reply } => {
-                let result = self.run.apply_shape(shape);
-                if matches!(result, Ok(Applied::Changed)) {
-                    // The accepted shape is stored before the client hears so.
-                    self.commit();
-                    self.changed = true;
+                if let Some(why) = &self.halted {
+                    let _ = reply.send(Err(DriverError::Halted(why.clone())));
+                    return;
                 }
+                let result = self.run.apply_shape(shape).map_err(DriverError::from);
+                let result = match result {
+                    // The accepted shape is stored before the client hears so.
+                    Ok(Applied::Changed) => self.commit().map(|()| Applied::Changed),
+                    other => other,
+                };
+                self.changed = true;
                 let _ = reply.send(result);
             }
             RunEvent::Delete { reply } => {
-                if self.run.delete() {
-                    self.commit();
-                    self.changed = true;
-                }
-                let _ = reply.send(run_status(&self.run, false, now));
+                let result = match &self.halted {
+                    Some(why) => Err(DriverError::Halted(why.clone())),
+                    None if self.run.delete() => self.commit(),
+                    None => Ok(()),
+                };
+                self.changed = true;
+                let _ = reply.send(result.map(|()| run_status(&self.run, false, now)));
             }
             RunEvent::SetPaused { paused, reply } => {
-                if self.run.set_paused(paused) {
-                    self.commit();
-                    self.changed = true;
-                }
-                let _ = reply.send(run_status(&self.run, false, now));
+                let result = match &self.halted {
+                    Some(why) => Err(DriverError::Halted(why.clone())),
+                    None if self.run.set_paused(paused) => self.commit(),
+                    None => Ok(()),
+                };
+                self.changed = true;
+                let _ = reply.send(result.map(|()| run_status(&self.run, false, now)));
             }
             RunEvent::Get { include_nodes, reply } => {
                 let _ = reply.send(run_status(&self.run, include_nodes, now));
@@ -388,7 +400,7 @@ impl RunActor {
     }
 
     fn submit(&self, op: &contract::Operation) {
-        if self.fenced {
+        if self.fenced || self.halted.is_some() {
             return;
         }
         if let Some(g) = self.link {
@@ -401,7 +413,13 @@ impl RunActor {
         // resubmitted when the link comes back, or folds at its deadline.
     }
 
-    fn commit(&mut self) {
+    /// Commits what changed. A failed commit halts the run: its in-memory
+    /// state is ahead of the store, so nothing more is dispatched, acknowledged
+    /// or accepted for it until the driver restarts from the store.
+    fn commit(&mut self) -> Result<(), DriverError> {
+        if let Some(why) = &self.halted {
+            return Err(DriverError::Halted(why.clone()));
+        }
         let acks = {
             let mut store = match self.shared.store.lock() {
                 Ok(s) => s,
@@ -412,12 +430,21 @@ impl RunActor {
         match acks {
             Ok(acks) => self.acks.extend(acks),
             Err(e) => {
-                tracing::error!(run = %self.run.run_id(), error = %e, "commit failed; folds stay unacknowledged");
-                return;
+                self.halt(format!("the store refused a write: {e}"));
+                return Err(DriverError::Halted(e.to_string()));
             }
         }
         self.send_acks();
         self.send_replays();
+        Ok(())
+    }
+
+    fn halt(&mut self, why: String) {
+        tracing::error!(run = %self.run.run_id(), reason = %why,
+            "run halted: no further work until the driver restarts from its store");
+        self.halted = Some(why);
+        self.acks.clear();
+        self.changed = true;
     }
 
     /// Asks for the stages of newly known sessions from the start: any that
@@ -480,7 +507,7 @@ impl RunActor {
     }
 
     fn maybe_pass(&mut self) {
-        if self.pass_in_flight || self.decider_retry_at.is_some() || self.fenced {
+        if self.pass_in_flight || self.decider_retry_at.is_some() || self.fenced || self.halted.is_some() {
             return;
         }
         let now = self.now();
@@ -525,7 +552,7 @@ impl RunActor {
 
     fn finish(&mut self) {
         let uid = self.run.uid();
-        self.commit();
+        let _ = self.commit();
         if let Some(g) = self.link {
             self.shared.link.send(
                 g,

@@ -22,7 +22,7 @@ pub fn to_status(e: DriverError) -> Status {
         | DriverError::Apply(e @ ApplyError::Deleting(_)) => Status::failed_precondition(e.to_string()),
         e @ (DriverError::NotFound(_) | DriverError::NodeNotFound { .. }) => Status::not_found(e.to_string()),
         e @ DriverError::Store(_) => Status::unavailable(e.to_string()),
-        e @ DriverError::ActorGone => Status::unavailable(e.to_string()),
+        e @ (DriverError::ActorGone | DriverError::Halted(_)) => Status::unavailable(e.to_string()),
     }
 }
 

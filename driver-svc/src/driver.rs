@@ -93,6 +93,8 @@ pub enum DriverError {
     Store(#[from] StoreError),
     #[error("the run's actor is gone")]
     ActorGone,
+    #[error("the run is halted after a store failure ({0}); restart the driver")]
+    Halted(String),
 }
 
 /// What an apply did.
@@ -136,8 +138,23 @@ impl Driver {
         });
         let driver = Self { shared };
         for s in stored {
-            let epoch = s.meta.epoch.next().unwrap_or(s.meta.epoch);
-            let run = RunState::restore(s, epoch, driver.shared.policy.clone());
+            // A new, strictly larger epoch per run, made durable before the run
+            // can claim it at the executor.
+            let epoch = s.meta.epoch.next().ok_or_else(|| {
+                DriverError::Store(StoreError::Corrupt(format!(
+                    "epoch of run {} exhausted",
+                    s.meta.run_id
+                )))
+            })?;
+            let mut run = RunState::restore(s, epoch, driver.shared.policy.clone());
+            {
+                let mut store = driver.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
+                run.commit(&mut **store).map_err(|e| match e {
+                    crate::core::CoreError::Store(s) => DriverError::Store(s),
+                    other => DriverError::Store(StoreError::Unavailable(other.to_string())),
+                })?;
+            }
+            tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(), "run restored");
             let id = run.run_id().clone();
             let handle = RunActor::spawn(run, driver.shared.clone());
             if let Ok(mut runs) = driver.shared.runs.write() {
@@ -293,12 +310,12 @@ impl Driver {
     }
 
     pub async fn delete(&self, run_id: &str) -> Result<pb::RunStatus, DriverError> {
-        self.ask(run_id, |reply| RunEvent::Delete { reply }).await
+        self.ask(run_id, |reply| RunEvent::Delete { reply }).await?
     }
 
     pub async fn set_paused(&self, run_id: &str, paused: bool) -> Result<pb::RunStatus, DriverError> {
         self.ask(run_id, |reply| RunEvent::SetPaused { paused, reply })
-            .await
+            .await?
     }
 }
 

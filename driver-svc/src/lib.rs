@@ -13,6 +13,7 @@ pub mod actor;
 pub mod api;
 pub mod core;
 pub mod driver;
+pub mod durable;
 pub mod link;
 pub mod server;
 pub mod shapefile;

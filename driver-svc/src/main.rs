@@ -52,6 +52,19 @@ struct Cli {
     max_nodes_per_group: u32,
     #[arg(long, env = "DRIVER_MAX_NODES_TOTAL", default_value_t = 200_000)]
     max_nodes_total: u64,
+    /// Where run state is kept: `redb` (durable, in --data-dir) or `memory`
+    /// (lost when the process ends).
+    #[arg(long, env = "DRIVER_STORE", value_enum, default_value_t = StoreKind::Redb)]
+    store: StoreKind,
+    /// The durable store's directory.
+    #[arg(long, env = "DRIVER_DATA_DIR", default_value = "driver-data")]
+    data_dir: std::path::PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum StoreKind {
+    Redb,
+    Memory,
 }
 
 impl Cli {
@@ -87,6 +100,18 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     runtime::init_logging(cli.common.log_json);
     let policy = cli.policy()?;
+    // The store is opened before anything listens: a store that cannot be
+    // opened (or is damaged) stops the driver here, loudly.
+    let store: Box<dyn driver_svc::core::RunStore> = match cli.store {
+        StoreKind::Redb => Box::new(
+            driver_svc::durable::RedbStore::open(&cli.data_dir)
+                .with_context(|| format!("opening the store in {}", cli.data_dir.display()))?,
+        ),
+        StoreKind::Memory => {
+            tracing::warn!("--store memory: run state is lost when this process ends");
+            Box::new(MemStore::new())
+        }
+    };
     let listener =
         runtime::bind_and_announce("driver-svc", cli.common.listen, cli.common.ready_file.as_deref())
             .await
@@ -99,7 +124,7 @@ async fn main() -> anyhow::Result<()> {
             executor: cli.executor,
             policy,
             safety_tick: Duration::from_millis(cli.safety_tick_ms),
-            store: Box::new(MemStore::new()),
+            store,
             clock: Arc::new(contract::SystemClock),
         },
     )

@@ -32,6 +32,20 @@ pub mod runtime;
 pub mod pb {
     tonic::include_proto!("provisioning.v1");
 
+    /// The driver's durable records (`provisioning.store.v1`). The generated
+    /// code names `provisioning.v1` types as `super::super::v1`.
+    pub mod store {
+        pub mod v1 {
+            tonic::include_proto!("provisioning.store.v1");
+        }
+    }
+
+    /// `provisioning.v1` under its package path, for generated code in sibling
+    /// packages.
+    pub mod v1 {
+        pub use super::*;
+    }
+
     /// The encoded descriptor set, for gRPC server reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptor.bin"));
 }

@@ -222,11 +222,14 @@ impl Cluster {
         let decider = Service::start("decider-svc", dir.path(), "127.0.0.1:0", &[]).await?;
         let executor = Service::start("executor-svc", dir.path(), "127.0.0.1:0", &opts.executor_args).await?;
         let executor_url = opts.executor_via.clone().unwrap_or_else(|| executor.url());
+        let data_dir = dir.path().join("driver-data").display().to_string();
         let mut args = vec![
             "--decider".into(),
             decider.url(),
             "--executor".into(),
             executor_url,
+            "--data-dir".into(),
+            data_dir,
         ];
         args.extend(opts.driver_args.iter().cloned());
         let driver = Service::start("driver-svc", dir.path(), "127.0.0.1:0", &args).await?;

@@ -487,3 +487,48 @@ async fn every_service_answers_health_and_reflection() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_restart_loses_no_accepted_work() {
+    let opts = ClusterOptions::default()
+        .executor("--fake-latency-ms", "30,150")
+        .executor("--fake-stage-interval-ms", "60");
+    let mut cluster = Cluster::start(opts).await.unwrap();
+    let mut c = cluster.client().await.unwrap();
+    apply(&mut c, &groups(12, 6, "img:1")).await;
+    watch_until(&mut c, "e2e", CONVERGE, |s| s.ready_count >= 2)
+        .await
+        .unwrap();
+    let before = nodes(&mut c).await;
+    // Accepted, then the driver dies before it can act on it.
+    let accepted = apply(&mut c, &at(groups(16, 6, "img:1"), 2)).await;
+    assert!(accepted.changed);
+    cluster.driver.kill().await.unwrap();
+    cluster.driver.restart(cluster.dir.path()).await.unwrap();
+
+    let mut c = cluster.client().await.unwrap();
+    let s = c
+        .get_run(pb::GetRunRequest {
+            run_id: "e2e".into(),
+            include_nodes: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(s.generation, 2, "the accepted apply was lost");
+    assert_eq!(s.epoch, 2, "a restarted driver takes a new, larger epoch");
+    let s = converged(&cluster, &mut c, 2).await;
+    assert_eq!(s.ready_count, 25);
+    let after = nodes(&mut c).await;
+    for (id, n) in &before {
+        assert!(after[id].attempt >= n.attempt, "{id}: attempt went backwards");
+    }
+    let states = nodes(&mut c).await;
+    for (slot, attempts) in resources_by_slot(&cluster).await {
+        assert_eq!(
+            attempts,
+            vec![states[&slot].attempt],
+            "{slot}: resources of other attempts"
+        );
+    }
+}

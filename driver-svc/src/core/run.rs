@@ -250,11 +250,23 @@ impl RunState {
     }
 
     /// A run rebuilt from the store, under a new epoch.
+    /// Operations in flight are carried over under the new epoch (the epoch is
+    /// not part of the executor's dedup comparison, so a resubmission replays or
+    /// adopts), and every stored deadline keeps its wall-clock meaning.
     pub fn restore(stored: StoredRun, epoch: Epoch, policy: Arc<Policy>) -> Self {
         let mut meta = stored.meta;
         meta.epoch = epoch;
-        let mut run = Self::from_parts(meta, stored.nodes, policy);
+        let mut nodes = stored.nodes;
+        for n in &mut nodes {
+            if let Some(op) = n.inflight.as_mut() {
+                op.epoch = epoch;
+            }
+        }
+        let mut run = Self::from_parts(meta, nodes, policy);
         run.meta_dirty = true;
+        // Every node is written back once, so the new epoch on the in-flight
+        // operations is durable before any of them is resubmitted.
+        run.changed = run.nodes.keys().cloned().collect();
         run
     }
 

@@ -1,0 +1,388 @@
+//! The embedded durable store: [`RedbStore`], a `RunStore` over one redb file.
+//!
+//! redb because it is pure Rust (no C toolchain, nothing to install), gives
+//! atomic, durable write transactions (copy-on-write pages with checksums, so a
+//! torn write is detected and rolled back to the last commit at open), and
+//! takes a delta of one pass as one transaction: durability costs one fsync per
+//! pass, not one per node.
+//!
+//! Records are protobuf messages (`provisioning.store.v1`), each carrying the
+//! schema version, so the format can evolve; a store written by a newer schema
+//! is refused rather than misread.
+//!
+//! Tables: `meta` (run uid → `StoredMeta`), `nodes` ((run uid, node id) →
+//! `StoredNode`), `schema` ("version" → u32).
+
+use std::{collections::BTreeMap, path::Path};
+
+use contract::{
+    ClusterShape, Epoch, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
+    pb::{self, store::v1 as rec},
+    wire::{TemplateTable, node_from_wire, node_to_wire, shape_from_wire},
+};
+use prost::Message;
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+
+use crate::core::{NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};
+
+/// The schema this code writes.
+pub const SCHEMA_VERSION: u32 = 1;
+
+const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+const NODES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("nodes");
+const SCHEMA: TableDefinition<&str, u32> = TableDefinition::new("schema");
+
+/// The store file inside the data directory.
+pub const FILE_NAME: &str = "driver.redb";
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+fn corrupt(what: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(what.to_string())
+}
+
+/// A `RunStore` over a redb file.
+#[derive(Debug)]
+pub struct RedbStore {
+    db: Database,
+}
+
+impl RedbStore {
+    /// Opens (or creates) the store in `dir`. A file that is not a valid
+    /// database, or one written by a newer schema, is an error: the driver
+    /// refuses to start rather than run on partial state.
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(dir).map_err(|e| unavailable(format!("creating {}: {e}", dir.display())))?;
+        let path = dir.join(FILE_NAME);
+        let db = Database::create(&path).map_err(|e| corrupt(format!("opening {}: {e}", path.display())))?;
+        let store = Self { db };
+        store.check_schema()?;
+        Ok(store)
+    }
+
+    fn check_schema(&self) -> Result<(), StoreError> {
+        let txn = self.db.begin_write().map_err(unavailable)?;
+        {
+            let mut schema = txn.open_table(SCHEMA).map_err(unavailable)?;
+            let found = schema.get("version").map_err(unavailable)?.map(|v| v.value());
+            match found {
+                None => {
+                    schema.insert("version", SCHEMA_VERSION).map_err(unavailable)?;
+                }
+                Some(v) if v == SCHEMA_VERSION => {}
+                Some(v) if v > SCHEMA_VERSION => {
+                    return Err(corrupt(format!(
+                        "the store was written by schema version {v}; this driver reads up to {SCHEMA_VERSION}"
+                    )));
+                }
+                Some(v) => {
+                    // Older schemas are migrated here, one version at a time.
+                    return Err(corrupt(format!("no migration from schema version {v}")));
+                }
+            }
+            txn.open_table(META).map_err(unavailable)?;
+            txn.open_table(NODES).map_err(unavailable)?;
+        }
+        txn.commit().map_err(unavailable)
+    }
+}
+
+fn encode_meta(m: &RunMeta) -> Vec<u8> {
+    rec::StoredMeta {
+        schema: SCHEMA_VERSION,
+        run_id: m.run_id.to_string(),
+        run_uid: m.uid.to_string(),
+        epoch: m.epoch.get(),
+        shape: Some(pb::ClusterShape::from(&m.shape)),
+        deleting: m.deleting,
+        paused: m.paused,
+        observed_generation: m.observed_generation.get(),
+        next_attempt: m.next_attempt,
+        created_at_ms: m.created_at.as_millis(),
+        converged_at_ms: UnixMillis::to_wire(m.converged_at),
+    }
+    .encode_to_vec()
+}
+
+fn decode_meta(bytes: &[u8]) -> Result<RunMeta, StoreError> {
+    let m = rec::StoredMeta::decode(bytes).map_err(|e| corrupt(format!("run record: {e}")))?;
+    if m.schema != SCHEMA_VERSION {
+        return Err(corrupt(format!("run record of schema {}", m.schema)));
+    }
+    let shape: ClusterShape = m
+        .shape
+        .ok_or_else(|| corrupt("run record without a shape"))
+        .and_then(|s| shape_from_wire(s).map_err(|e| corrupt(format!("stored shape: {e}"))))?;
+    Ok(RunMeta {
+        run_id: RunId::parse("run_id", &m.run_id).map_err(corrupt)?,
+        uid: RunUid::parse("run_uid", &m.run_uid).map_err(corrupt)?,
+        epoch: Epoch::new(m.epoch),
+        shape,
+        deleting: m.deleting,
+        paused: m.paused,
+        observed_generation: Generation::new(m.observed_generation),
+        next_attempt: m.next_attempt,
+        created_at: UnixMillis::new(m.created_at_ms),
+        converged_at: UnixMillis::from_wire(m.converged_at_ms),
+    })
+}
+
+fn encode_node(r: &NodeRecord) -> Vec<u8> {
+    let mut table = TemplateTable::default();
+    let state = node_to_wire(&r.node, &mut table);
+    rec::StoredNode {
+        schema: SCHEMA_VERSION,
+        state: Some(state),
+        templates: table.into_wire(),
+        next_seq: r.next_seq,
+        inflight: r.inflight.as_ref().map(pb::Operation::from),
+        bootstrap_detail: r
+            .node
+            .facts
+            .bootstrap
+            .as_ref()
+            .map(|b| b.detail.clone())
+            .unwrap_or_default(),
+    }
+    .encode_to_vec()
+}
+
+fn decode_node(bytes: &[u8]) -> Result<NodeRecord, StoreError> {
+    let n = rec::StoredNode::decode(bytes).map_err(|e| corrupt(format!("node record: {e}")))?;
+    if n.schema != SCHEMA_VERSION {
+        return Err(corrupt(format!("node record of schema {}", n.schema)));
+    }
+    let templates =
+        TemplateTable::from_wire(n.templates).map_err(|e| corrupt(format!("node templates: {e}")))?;
+    let state = n.state.ok_or_else(|| corrupt("node record without a state"))?;
+    let mut node: ManagedNode =
+        node_from_wire(state, &templates).map_err(|e| corrupt(format!("node: {e}")))?;
+    if let Some(b) = node.facts.bootstrap.as_mut() {
+        b.detail = n.bootstrap_detail;
+    }
+    let inflight = n
+        .inflight
+        .map(Operation::try_from)
+        .transpose()
+        .map_err(|e| corrupt(format!("in-flight operation: {e}")))?;
+    Ok(NodeRecord {
+        node,
+        next_seq: n.next_seq,
+        inflight,
+    })
+}
+
+impl RunStore for RedbStore {
+    fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError> {
+        let uid = delta.uid.to_string();
+        let txn = self.db.begin_write().map_err(unavailable)?;
+        {
+            let mut meta = txn.open_table(META).map_err(unavailable)?;
+            let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
+            if delta.drop_run {
+                meta.remove(uid.as_str()).map_err(unavailable)?;
+                let mut keys: Vec<String> = Vec::new();
+                for item in nodes.range((uid.as_str(), "")..).map_err(unavailable)? {
+                    let (k, _) = item.map_err(unavailable)?;
+                    let (u, n) = k.value();
+                    if u != uid.as_str() {
+                        break;
+                    }
+                    keys.push(n.to_owned());
+                }
+                for k in keys {
+                    nodes.remove((uid.as_str(), k.as_str())).map_err(unavailable)?;
+                }
+            } else {
+                if let Some(m) = &delta.meta {
+                    meta.insert(uid.as_str(), encode_meta(m).as_slice())
+                        .map_err(unavailable)?;
+                } else if meta.get(uid.as_str()).map_err(unavailable)?.is_none() {
+                    return Err(StoreError::UnknownRun(delta.uid));
+                }
+                for r in &delta.upserts {
+                    let id = r.node.id.to_string();
+                    nodes
+                        .insert((uid.as_str(), id.as_str()), encode_node(r).as_slice())
+                        .map_err(unavailable)?;
+                }
+                for id in &delta.removals {
+                    let id = id.to_string();
+                    nodes.remove((uid.as_str(), id.as_str())).map_err(unavailable)?;
+                }
+            }
+        }
+        txn.commit().map_err(unavailable)
+    }
+
+    fn load_all(&self) -> Result<Vec<StoredRun>, StoreError> {
+        let txn = self.db.begin_read().map_err(unavailable)?;
+        let meta = txn.open_table(META).map_err(unavailable)?;
+        let nodes = txn.open_table(NODES).map_err(unavailable)?;
+        let mut runs: BTreeMap<String, StoredRun> = BTreeMap::new();
+        for item in meta.iter().map_err(unavailable)? {
+            let (k, v) = item.map_err(unavailable)?;
+            let m = decode_meta(v.value())?;
+            if m.uid.to_string() != k.value() {
+                return Err(corrupt(format!("run record under the wrong key {}", k.value())));
+            }
+            runs.insert(
+                k.value().to_owned(),
+                StoredRun {
+                    meta: m,
+                    nodes: Vec::new(),
+                },
+            );
+        }
+        for item in nodes.iter().map_err(unavailable)? {
+            let (k, v) = item.map_err(unavailable)?;
+            let (uid, id) = k.value();
+            let rec = decode_node(v.value())?;
+            if rec.node.id != LogicalNodeId::parse("node_id", id).map_err(corrupt)? {
+                return Err(corrupt(format!("node record under the wrong key {id}")));
+            }
+            let run = runs
+                .get_mut(uid)
+                .ok_or_else(|| corrupt(format!("node {id} of run {uid}, which has no run record")))?;
+            run.nodes.push(rec);
+        }
+        Ok(runs.into_values().collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::core::{MemStore, Policy, RunState};
+
+    fn shape(generation: u64) -> ClusterShape {
+        let mut s = ClusterShape {
+            run_id: RunId::parse("r", "train").unwrap(),
+            generation: Generation::new(generation),
+            groups: vec![contract::NodeGroup {
+                id: contract::GroupId::parse("g", "workers").unwrap(),
+                count: 4,
+                template: Arc::new(contract::shape::example_template("fake", "img:1")),
+            }],
+        };
+        Arc::make_mut(&mut s.groups[0].template).boot.insert(
+            "token".into(),
+            contract::Param {
+                value: "s3cret".into(),
+                secret: true,
+            },
+        );
+        s
+    }
+
+    fn drive(run: &mut RunState, store: &mut dyn RunStore, now: UnixMillis) {
+        for _ in 0..2 {
+            let plan = run.begin_pass(now).unwrap();
+            let out = {
+                let view = run.desired_view();
+                decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
+            };
+            let _ = run.apply_decisions(plan, out, now, store).unwrap();
+        }
+    }
+
+    #[test]
+    fn what_is_committed_is_what_is_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = UnixMillis::new(1_700_000_000_000);
+        let policy = Arc::new(Policy::default());
+        let mut durable = RedbStore::open(dir.path()).unwrap();
+        let mut mem = MemStore::new();
+        let mut a =
+            RunState::create(shape(1), RunUid::from_u128(9), Epoch::new(3), policy.clone(), now).unwrap();
+        let mut b = a.clone();
+        drive(&mut a, &mut durable, now);
+        drive(&mut b, &mut mem, now);
+        assert_eq!(durable.load_all().unwrap(), mem.load_all().unwrap());
+        drop(durable);
+
+        // Reopened: the same runs, pending operations included.
+        let reopened = RedbStore::open(dir.path()).unwrap();
+        let loaded = reopened.load_all().unwrap();
+        assert_eq!(loaded, mem.load_all().unwrap());
+        assert_eq!(loaded[0].nodes.len(), 4);
+        assert!(
+            loaded[0]
+                .nodes
+                .iter()
+                .all(|n| n.inflight.is_some() && n.node.pending.is_some())
+        );
+    }
+
+    #[test]
+    fn a_dropped_run_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = UnixMillis::new(1_700_000_000_000);
+        let mut store = RedbStore::open(dir.path()).unwrap();
+        let mut run = RunState::create(
+            shape(1),
+            RunUid::from_u128(5),
+            Epoch::new(1),
+            Arc::new(Policy::default()),
+            now,
+        )
+        .unwrap();
+        drive(&mut run, &mut store, now);
+        let mut delta = RunDelta::new(RunUid::from_u128(5));
+        delta.drop_run = true;
+        store.commit(&delta).unwrap();
+        assert!(store.load_all().unwrap().is_empty());
+        let txn = store.db.begin_read().unwrap();
+        assert_eq!(txn.open_table(NODES).unwrap().iter().unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_damaged_file_is_refused_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = UnixMillis::new(1_700_000_000_000);
+        {
+            let mut store = RedbStore::open(dir.path()).unwrap();
+            let mut run = RunState::create(
+                shape(1),
+                RunUid::from_u128(5),
+                Epoch::new(1),
+                Arc::new(Policy::default()),
+                now,
+            )
+            .unwrap();
+            drive(&mut run, &mut store, now);
+        }
+        let path = dir.path().join(FILE_NAME);
+        let len = std::fs::metadata(&path).unwrap().len();
+        // Truncated: not a database any more.
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(len / 3).unwrap();
+        drop(f);
+        let refused = RedbStore::open(dir.path()).and_then(|s| s.load_all());
+        assert!(refused.is_err(), "a truncated store was accepted");
+
+        // Garbage.
+        std::fs::write(&path, b"definitely not a database").unwrap();
+        assert!(matches!(RedbStore::open(dir.path()), Err(StoreError::Corrupt(_))));
+    }
+
+    #[test]
+    fn a_newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = RedbStore::open(dir.path()).unwrap();
+            let txn = store.db.begin_write().unwrap();
+            txn.open_table(SCHEMA)
+                .unwrap()
+                .insert("version", SCHEMA_VERSION + 1)
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let err = RedbStore::open(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("schema version"), "{err}");
+    }
+}
