@@ -48,6 +48,43 @@ pub enum Output {
     Observation(Observation),
 }
 
+/// A change to what the executor keeps across its own restart, for its shell
+/// to write before it sends the outputs that depend on it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DurableChange {
+    /// A run's fencing epoch and retired attempts.
+    Run {
+        run_uid: RunUid,
+        highest_epoch: Option<Epoch>,
+        retired: Vec<AttemptId>,
+    },
+    /// The completed operations of one attempt: these replace every record
+    /// kept for the attempt.
+    Attempt {
+        run_uid: RunUid,
+        attempt: AttemptId,
+        ops: Vec<DurableOp>,
+    },
+    /// Every operation record of the run is dropped (the run record stays).
+    ForgetOps { run_uid: RunUid },
+}
+
+/// A completed operation as the executor keeps it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DurableOp {
+    pub op: Operation,
+    pub result: OperationResult,
+    pub acked: bool,
+}
+
+/// Everything kept for one run, for [`ExecutorCore::restore`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DurableRun {
+    pub highest_epoch: Option<Epoch>,
+    pub retired: Vec<AttemptId>,
+    pub ops: Vec<DurableOp>,
+}
+
 /// A completed operation's recorded result.
 #[derive(Debug, Clone)]
 struct Completed {
@@ -251,6 +288,11 @@ impl RunState {
 #[derive(Debug, Clone, Default)]
 pub struct ExecutorCore {
     runs: BTreeMap<RunUid, RunState>,
+    /// Runs whose epoch or retired set changed since `take_changes`.
+    dirty_runs: BTreeSet<RunUid>,
+    /// Attempts whose operation records changed since `take_changes`.
+    dirty_attempts: BTreeSet<(RunUid, AttemptId)>,
+    forgotten: BTreeSet<RunUid>,
 }
 
 impl ExecutorCore {
@@ -274,7 +316,10 @@ impl ExecutorCore {
                 ),
             )),
             _ => {
-                run.highest_epoch = Some(claim.epoch);
+                if run.highest_epoch != Some(claim.epoch) {
+                    run.highest_epoch = Some(claim.epoch);
+                    self.dirty_runs.insert(claim.run_uid);
+                }
                 Ok(())
             }
         }
@@ -287,6 +332,7 @@ impl ExecutorCore {
         let mut out = Vec::new();
         let run_uid = op.run_uid;
         let id = op.id;
+        self.dirty_attempts.insert((run_uid, id.attempt()));
         let Some(run) = self.runs.get_mut(&run_uid) else {
             let rejection = Rejection {
                 run_uid,
@@ -410,6 +456,7 @@ impl ExecutorCore {
         let Some(entry) = run.ops.get_mut(&id) else {
             return out;
         };
+        self.dirty_attempts.insert((run_uid, id.attempt()));
         match &mut entry.state {
             OpState::Running => {
                 if let Some(result) = run.finish(id, outcome, now) {
@@ -463,6 +510,7 @@ impl ExecutorCore {
                     break;
                 }
                 let attempt = id.attempt();
+                self.dirty_attempts.insert((run_uid, attempt));
                 let state = run.ops.get(&id).map(|e| &e.state);
                 match state {
                     Some(OpState::Running) => {
@@ -518,6 +566,7 @@ impl ExecutorCore {
             return;
         };
         done.acked = true;
+        self.dirty_attempts.insert((run_uid, id.attempt()));
         let destroyed = done.result.effect == Effect::DestroyLease
             && matches!(done.result.outcome, Outcome::Succeeded(_));
         run.unacked.remove(&id);
@@ -526,6 +575,7 @@ impl ExecutorCore {
             run.ops.remove(&id);
         } else if destroyed {
             run.retire(attempt);
+            self.dirty_runs.insert(run_uid);
         }
     }
 
@@ -701,10 +751,94 @@ impl ExecutorCore {
             highest_epoch,
             ..RunState::default()
         };
+        self.forgotten.insert(run_uid);
+        self.dirty_runs.insert(run_uid);
+        self.dirty_attempts.retain(|(uid, _)| *uid != run_uid);
         if run.is_empty() {
             self.runs.remove(&run_uid);
         }
         out
+    }
+
+    /// What changed in the durable part of the state since the last call: the
+    /// shell writes these before it sends the outputs of the same step, so a
+    /// result the driver may have seen is one a restarted executor replays.
+    pub fn take_changes(&mut self) -> Vec<DurableChange> {
+        let mut changes: Vec<DurableChange> = std::mem::take(&mut self.forgotten)
+            .into_iter()
+            .map(|run_uid| DurableChange::ForgetOps { run_uid })
+            .collect();
+        for run_uid in std::mem::take(&mut self.dirty_runs) {
+            let (highest_epoch, retired) = self
+                .runs
+                .get(&run_uid)
+                .map(|r| (r.highest_epoch, r.retired.iter().copied().collect()))
+                .unwrap_or_default();
+            changes.push(DurableChange::Run {
+                run_uid,
+                highest_epoch,
+                retired,
+            });
+        }
+        for (run_uid, attempt) in std::mem::take(&mut self.dirty_attempts) {
+            let ops = self
+                .runs
+                .get(&run_uid)
+                .map(|run| {
+                    run.ops
+                        .range(OperationId::new(attempt, 0)..=OperationId::new(attempt, u32::MAX))
+                        .filter_map(|(_, e)| match &e.state {
+                            OpState::Completed(c) => Some(DurableOp {
+                                op: e.op.clone(),
+                                result: c.result.clone(),
+                                acked: c.acked,
+                            }),
+                            OpState::Queued | OpState::Running => None,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            changes.push(DurableChange::Attempt {
+                run_uid,
+                attempt,
+                ops,
+            });
+        }
+        changes
+    }
+
+    /// A core rebuilt from what a previous incarnation kept: fencing epochs,
+    /// retired attempts and completed operations (replayed on resubmission).
+    /// Nothing is running after a restart; a resubmitted operation that had not
+    /// completed runs again, and the backend adopts what the first run made.
+    pub fn restore(runs: impl IntoIterator<Item = (RunUid, DurableRun)>) -> Self {
+        let mut core = Self::default();
+        for (run_uid, d) in runs {
+            let mut run = RunState {
+                highest_epoch: d.highest_epoch,
+                retired: d.retired.into_iter().collect(),
+                ..RunState::default()
+            };
+            for o in d.ops {
+                let id = o.op.id;
+                if !o.acked {
+                    run.unacked.insert(id);
+                }
+                run.ops.insert(
+                    id,
+                    OpEntry {
+                        op: o.op,
+                        state: OpState::Completed(Completed {
+                            result: o.result,
+                            acked: o.acked,
+                            awaiting_late: false,
+                        }),
+                    },
+                );
+            }
+            core.runs.insert(run_uid, run);
+        }
+        core
     }
 
     /// Operations currently running, across all runs.

@@ -13,13 +13,15 @@
 //! [`fake_backend`] puts the fake provider behind it (with real latency and an
 //! optional state file), and [`server`] is the gRPC service, in which one actor
 //! task owns the core and folds events from driver links, backend calls and
-//! timers. The `executor-svc` binary only parses flags and calls
+//! timers; [`durable`] keeps what must survive an executor restart (fencing
+//! epochs, retired attempts, completed results). The `executor-svc` binary only parses flags and calls
 //! [`server::run`].
 
 #![forbid(unsafe_code)]
 
 pub mod backend;
 pub mod core;
+pub mod durable;
 pub mod fake;
 pub mod fake_backend;
 pub mod server;

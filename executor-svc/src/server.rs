@@ -66,6 +66,9 @@ pub struct Config {
     pub event_buffer: usize,
     /// How long open links and calls may take to finish after shutdown starts.
     pub shutdown_grace: Duration,
+    /// Where the executor keeps fencing epochs and completed results across its
+    /// own restarts; `None` keeps them in memory only.
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -74,6 +77,7 @@ impl Default for Config {
             link_buffer: 4096,
             event_buffer: 1024,
             shutdown_grace: Duration::from_secs(5),
+            state_dir: None,
         }
     }
 }
@@ -85,6 +89,8 @@ pub enum ServerError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("the gRPC server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Store(#[from] crate::durable::StoreError),
 }
 
 /// Why a request failed; [`to_status`] maps it to a gRPC status.
@@ -129,7 +135,12 @@ pub async fn run(
         observations_tx.clone(),
         TraceContext::default(),
     ));
-    let actor = Actor::new(Arc::clone(&backend), clock, events_tx.clone(), observations_tx);
+    let mut actor = Actor::new(Arc::clone(&backend), clock, events_tx.clone(), observations_tx);
+    if let Some(dir) = &config.state_dir {
+        let store = crate::durable::ExecutorStore::open(dir)?;
+        actor.core = ExecutorCore::restore(store.load()?);
+        actor.store = Some(store);
+    }
     let actor = tokio::spawn(actor.run(events_rx, observations_rx, lifecycle_rx));
 
     let service = ExecutorService {
@@ -364,6 +375,9 @@ struct Actor {
     tasks: HashMap<(RunUid, OperationId), (TaskId, AbortHandle)>,
     next_task: u64,
     draining: bool,
+    store: Option<crate::durable::ExecutorStore>,
+    /// Set when the store refused a write: nothing more is accepted.
+    store_failed: bool,
 }
 
 async fn sleep_for(delay: Option<Duration>) {
@@ -391,6 +405,8 @@ impl Actor {
             tasks: HashMap::new(),
             next_task: 0,
             draining: false,
+            store: None,
+            store_failed: false,
         }
     }
 
@@ -509,8 +525,17 @@ impl Actor {
             Ok(claim) => claim,
             Err(e) => return self.reject_invalid(link, raw_uid, None, "claim", &e, trace),
         };
+        if self.store_failed {
+            let e = FieldError::new(
+                "claim",
+                contract::Problem::Malformed("the executor's store failed; it accepts no work"),
+            );
+            return self.reject_invalid(link, raw_uid, None, "claim", &e, trace);
+        }
         match self.core.claim(&claim) {
             Ok(()) => {
+                // The epoch is durable before the driver hears it was accepted.
+                self.persist();
                 let run_uid = claim.run_uid;
                 self.routes.insert(run_uid, link);
                 let accepted = pb::executor_message::Kind::Claimed(pb::ClaimAccepted {
@@ -544,6 +569,13 @@ impl Actor {
         } else {
             op.trace.clone()
         };
+        if self.store_failed {
+            let e = FieldError::new(
+                "operation",
+                contract::Problem::Malformed("the executor's store failed; it accepts no work"),
+            );
+            return self.reject_invalid(link, raw_uid, raw_id, "operation", &e, &trace);
+        }
         let out = self.core.submit(op, self.clock.now());
         self.apply(out, Some(link), &trace);
     }
@@ -645,6 +677,7 @@ impl Actor {
     /// Carries out the core's outputs. Rejections go to `origin`, the link whose
     /// message caused them; the core makes none without one.
     fn apply(&mut self, out: Vec<Output>, origin: Option<LinkId>, trace: &TraceContext) {
+        self.persist();
         for output in out {
             match output {
                 Output::Start(op) => self.start(op),
@@ -660,6 +693,20 @@ impl Actor {
                     None => tracing::warn!(?rejection, "a rejection with no link to send it to"),
                 },
             }
+        }
+    }
+
+    /// Writes what the core changed, before any output of the same step leaves.
+    /// A failed write stops the executor from accepting more work: its durable
+    /// state would no longer match what drivers were told.
+    fn persist(&mut self) {
+        let changes = self.core.take_changes();
+        let Some(store) = &self.store else {
+            return;
+        };
+        if let Err(e) = store.apply(&changes) {
+            tracing::error!(error = %e, "the executor store refused a write; refusing further work");
+            self.store_failed = true;
         }
     }
 

@@ -65,6 +65,15 @@ struct Harness {
 
 impl Harness {
     async fn start(config: FakeConfig, state_file: Option<PathBuf>) -> anyhow::Result<Self> {
+        Self::start_with(config, state_file, None).await
+    }
+
+    /// With `state_dir`, the executor keeps fencing and results across restarts.
+    async fn start_with(
+        config: FakeConfig,
+        state_file: Option<PathBuf>,
+        state_dir: Option<PathBuf>,
+    ) -> anyhow::Result<Self> {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let backend = FakeBackend::start(config, state_file, Arc::clone(&clock))?;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -75,6 +84,7 @@ impl Harness {
         };
         let config = Config {
             shutdown_grace: Duration::from_secs(3),
+            state_dir,
             ..Config::default()
         };
         let server = tokio::spawn(server::run(
@@ -619,4 +629,49 @@ async fn health_and_reflection_are_served() -> TestResult {
     let names: Vec<&str> = list.service.iter().map(|s| s.name.as_str()).collect();
     ensure!(names.contains(&"provisioning.v1.Executor"), "{names:?}");
     h.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_completed_before_a_restart_is_replayed_not_run_again() -> TestResult {
+    let dir = temp_dir()?;
+    let state_file = dir.join("fake-state.json");
+    let state_dir = dir.join("executor-state");
+    let first = Harness::start_with(fake(1), Some(state_file.clone()), Some(state_dir.clone())).await?;
+    let mut link = first.link().await?;
+    link.claim(2).await?;
+    link.claimed(2).await?;
+    link.submit(create(2, deadline_in(30_000))).await?;
+    let lease = lease_of(&link.result().await?)?;
+    ensure!(first.backend.with_provider(|p| p.calls()) == 1);
+    // Completed, not acknowledged: the executor restarts.
+    first.shutdown().await?;
+
+    let second = Harness::start_with(fake(1), Some(state_file), Some(state_dir)).await?;
+    let mut link = second.link().await?;
+    // The old incarnation's epoch stays fenced across the restart.
+    link.claim(1).await?;
+    let fenced = link.rejection().await?;
+    ensure!(reason(&fenced) == pb::RejectionReason::Fenced, "{fenced:?}");
+    ensure!(fenced.highest_epoch == 2, "{fenced:?}");
+    link.claim(2).await?;
+    link.claimed(2).await?;
+    // The unacknowledged result is sent again on claim...
+    let resent = link.result().await?;
+    ensure!(lease_of(&resent)? == lease, "{resent:?}");
+    // ...and a resubmission replays it without a backend call.
+    link.submit(create(2, deadline_in(30_000))).await?;
+    let replayed = link.result().await?;
+    ensure!(replayed.replayed, "{replayed:?}");
+    ensure!(lease_of(&replayed)? == lease, "{replayed:?}");
+    ensure!(
+        second.backend.with_provider(|p| p.calls()) == 0,
+        "the operation ran again against the backend"
+    );
+    // An operation stamped with the old epoch has no effect.
+    link.submit(op(op_id(3, 1), 1, deadline_in(30_000), create_input()))
+        .await?;
+    let old = link.rejection().await?;
+    ensure!(reason(&old) == pb::RejectionReason::Fenced, "{old:?}");
+    ensure!(second.backend.with_provider(|p| p.calls()) == 0);
+    second.shutdown().await
 }

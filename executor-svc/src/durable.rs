@@ -1,0 +1,278 @@
+//! What the executor keeps across its own restart, in a redb file in its state
+//! directory.
+//!
+//! Kept: each run's highest epoch (so an old driver incarnation stays fenced
+//! after an executor restart), its retired attempts (so a stray create for a
+//! cleaned-up attempt is refused), and every completed operation's result until
+//! it is pruned (so a resubmission replays it instead of running it again).
+//! Not kept: running and queued operations (a resubmitted one runs again and the
+//! backend adopts what the first run made, keyed on the identity) and bootstrap
+//! observations (the backend streams a session again from its start on
+//! `resume`, with the same sequence numbers).
+//!
+//! The shell writes the core's changes of a step in one transaction before it
+//! sends that step's outputs: a result the driver may have seen is one a
+//! restarted executor can replay.
+
+use std::path::Path;
+
+use contract::{
+    AttemptId, Epoch, Operation, OperationId, OperationResult, RunUid,
+    pb::{self, store::v1 as rec},
+};
+use prost::Message;
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+
+use crate::core::{DurableChange, DurableOp, DurableRun};
+
+const SCHEMA_VERSION: u32 = 1;
+const RUNS: TableDefinition<&str, &[u8]> = TableDefinition::new("runs");
+/// (run uid, attempt, seq) → `ExecutorOp`.
+const OPS: TableDefinition<(&str, u64, u32), &[u8]> = TableDefinition::new("ops");
+const SCHEMA: TableDefinition<&str, u32> = TableDefinition::new("schema");
+
+pub const FILE_NAME: &str = "executor.redb";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("executor store unavailable: {0}")]
+    Unavailable(String),
+    #[error("executor store is corrupt: {0}")]
+    Corrupt(String),
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+fn corrupt(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+#[derive(Debug)]
+pub struct ExecutorStore {
+    db: Database,
+}
+
+impl ExecutorStore {
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(dir).map_err(|e| unavailable(format!("creating {}: {e}", dir.display())))?;
+        let path = dir.join(FILE_NAME);
+        let db = Database::create(&path).map_err(|e| corrupt(format!("opening {}: {e}", path.display())))?;
+        let txn = db.begin_write().map_err(unavailable)?;
+        {
+            let mut schema = txn.open_table(SCHEMA).map_err(unavailable)?;
+            let found = schema.get("version").map_err(unavailable)?.map(|v| v.value());
+            match found {
+                None => {
+                    schema.insert("version", SCHEMA_VERSION).map_err(unavailable)?;
+                }
+                Some(SCHEMA_VERSION) => {}
+                Some(v) => {
+                    return Err(corrupt(format!(
+                        "schema version {v}; this executor reads {SCHEMA_VERSION}"
+                    )));
+                }
+            }
+            txn.open_table(RUNS).map_err(unavailable)?;
+            txn.open_table(OPS).map_err(unavailable)?;
+        }
+        txn.commit().map_err(unavailable)?;
+        Ok(Self { db })
+    }
+
+    /// Writes one step's changes in one transaction.
+    pub fn apply(&self, changes: &[DurableChange]) -> Result<(), StoreError> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let txn = self.db.begin_write().map_err(unavailable)?;
+        {
+            let mut runs = txn.open_table(RUNS).map_err(unavailable)?;
+            let mut ops = txn.open_table(OPS).map_err(unavailable)?;
+            for change in changes {
+                match change {
+                    DurableChange::Run {
+                        run_uid,
+                        highest_epoch,
+                        retired,
+                    } => {
+                        let uid = run_uid.to_string();
+                        let bytes = rec::ExecutorRun {
+                            schema: SCHEMA_VERSION,
+                            run_uid: uid.clone(),
+                            highest_epoch: highest_epoch.map_or(0, Epoch::get),
+                            retired: retired.iter().map(|a| a.get()).collect(),
+                        }
+                        .encode_to_vec();
+                        runs.insert(uid.as_str(), bytes.as_slice()).map_err(unavailable)?;
+                    }
+                    DurableChange::ForgetOps { run_uid } => {
+                        let uid = run_uid.to_string();
+                        remove_range(&mut ops, &uid, 0, u64::MAX)?;
+                    }
+                    DurableChange::Attempt {
+                        run_uid,
+                        attempt,
+                        ops: records,
+                    } => {
+                        let uid = run_uid.to_string();
+                        remove_range(&mut ops, &uid, attempt.get(), attempt.get())?;
+                        for r in records {
+                            let bytes = rec::ExecutorOp {
+                                schema: SCHEMA_VERSION,
+                                op: Some(pb::Operation::from(&r.op)),
+                                result: Some(pb::OperationResult::from(&r.result)),
+                                acked: r.acked,
+                            }
+                            .encode_to_vec();
+                            ops.insert((uid.as_str(), attempt.get(), r.op.id.seq()), bytes.as_slice())
+                                .map_err(unavailable)?;
+                        }
+                    }
+                }
+            }
+        }
+        txn.commit().map_err(unavailable)
+    }
+
+    /// Everything kept, by run.
+    pub fn load(&self) -> Result<Vec<(RunUid, DurableRun)>, StoreError> {
+        let txn = self.db.begin_read().map_err(unavailable)?;
+        let runs_t = txn.open_table(RUNS).map_err(unavailable)?;
+        let ops_t = txn.open_table(OPS).map_err(unavailable)?;
+        let mut runs: std::collections::BTreeMap<RunUid, DurableRun> = std::collections::BTreeMap::new();
+        for item in runs_t.iter().map_err(unavailable)? {
+            let (_, v) = item.map_err(unavailable)?;
+            let r = rec::ExecutorRun::decode(v.value()).map_err(corrupt)?;
+            let uid = RunUid::parse("run_uid", &r.run_uid).map_err(corrupt)?;
+            runs.insert(
+                uid,
+                DurableRun {
+                    highest_epoch: (r.highest_epoch != 0).then(|| Epoch::new(r.highest_epoch)),
+                    retired: r.retired.into_iter().map(AttemptId::new).collect(),
+                    ops: Vec::new(),
+                },
+            );
+        }
+        for item in ops_t.iter().map_err(unavailable)? {
+            let (k, v) = item.map_err(unavailable)?;
+            let (uid, attempt, seq) = k.value();
+            let r = rec::ExecutorOp::decode(v.value()).map_err(corrupt)?;
+            let op =
+                r.op.ok_or_else(|| corrupt("operation record without its operation"))
+                    .and_then(|o| Operation::try_from(o).map_err(corrupt))?;
+            let result = r
+                .result
+                .ok_or_else(|| corrupt("operation record without its result"))
+                .and_then(|o| OperationResult::try_from(o).map_err(corrupt))?;
+            if op.id != OperationId::new(AttemptId::new(attempt), seq) || op.run_uid.to_string() != uid {
+                return Err(corrupt(format!(
+                    "operation record under the wrong key {uid}/{attempt}.{seq}"
+                )));
+            }
+            runs.entry(op.run_uid).or_default().ops.push(DurableOp {
+                op,
+                result,
+                acked: r.acked,
+            });
+        }
+        Ok(runs.into_iter().collect())
+    }
+}
+
+fn remove_range(
+    ops: &mut redb::Table<(&str, u64, u32), &[u8]>,
+    uid: &str,
+    first_attempt: u64,
+    last_attempt: u64,
+) -> Result<(), StoreError> {
+    let mut keys = Vec::new();
+    for item in ops
+        .range((uid, first_attempt, 0)..=(uid, last_attempt, u32::MAX))
+        .map_err(unavailable)?
+    {
+        let (k, _) = item.map_err(unavailable)?;
+        let (_, a, s) = k.value();
+        keys.push((a, s));
+    }
+    for (a, s) in keys {
+        ops.remove((uid, a, s)).map_err(unavailable)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use contract::{
+        Claim, LogicalNodeId, OperationInput, Outcome, ResultFacts, RunId, TraceContext, UnixMillis,
+        shape::example_template,
+    };
+
+    use super::*;
+    use crate::core::{ExecutorCore, Output};
+
+    const RUN: RunUid = RunUid::from_u128(77);
+
+    fn create(attempt: u64, epoch: u64) -> Operation {
+        Operation {
+            run_uid: RUN,
+            run_id: RunId::parse("run_id", "train").unwrap(),
+            node: LogicalNodeId::parse("node", "w-0").unwrap(),
+            id: OperationId::new(AttemptId::new(attempt), 1),
+            epoch: Epoch::new(epoch),
+            deadline: UnixMillis::new(10_000),
+            input: OperationInput::CreateLease {
+                template: Arc::new(example_template("fake", "img:1")),
+            },
+            trace: TraceContext::default(),
+        }
+    }
+
+    #[test]
+    fn fencing_and_completed_results_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ExecutorStore::open(dir.path()).unwrap();
+        let mut core = ExecutorCore::new();
+        core.claim(&Claim {
+            run_uid: RUN,
+            run_id: RunId::parse("run_id", "train").unwrap(),
+            epoch: Epoch::new(4),
+        })
+        .unwrap();
+        let out = core.submit(create(1, 4), UnixMillis::new(1));
+        assert!(matches!(out.as_slice(), [Output::Start(_)]));
+        let lease = contract::LeaseId::new("l", "lease-1").unwrap();
+        let _ = core.complete(
+            RUN,
+            OperationId::new(AttemptId::new(1), 1),
+            Outcome::Succeeded(ResultFacts {
+                lease: Some(lease.clone()),
+                ..ResultFacts::default()
+            }),
+            UnixMillis::new(2),
+        );
+        store.apply(&core.take_changes()).unwrap();
+        drop(store);
+
+        let store = ExecutorStore::open(dir.path()).unwrap();
+        let mut again = ExecutorCore::restore(store.load().unwrap());
+        assert_eq!(again.highest_epoch(RUN), Some(Epoch::new(4)));
+        // A resubmission replays the recorded result and starts nothing.
+        let out = again.submit(create(1, 4), UnixMillis::new(3));
+        match out.as_slice() {
+            [Output::Result(r)] => {
+                assert!(r.replayed);
+                assert!(matches!(&r.outcome, Outcome::Succeeded(f) if f.lease.as_ref() == Some(&lease)));
+            }
+            other => panic!("expected a replay, got {other:?}"),
+        }
+        // An older epoch stays fenced.
+        let out = again.submit(create(2, 3), UnixMillis::new(3));
+        assert!(
+            matches!(out.as_slice(), [Output::Rejected(r)] if r.reason == contract::RejectionReason::Fenced)
+        );
+    }
+}
