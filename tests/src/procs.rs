@@ -17,13 +17,16 @@ use contract::pb::{self, executor_client::ExecutorClient, provisioning_client::P
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 
-/// Where cargo put the workspace's binaries (next to the test executable's
-/// `deps/` directory).
+/// Where cargo put the workspace's binaries: beside the running executable
+/// (a binary such as the bench), or one level up (a test in `deps/`).
 pub fn bin_dir() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let dir = exe
+    let here = exe.parent().context("the executable has no directory")?;
+    if here.join("driver-svc").exists() {
+        return Ok(here.to_path_buf());
+    }
+    let dir = here
         .parent()
-        .and_then(Path::parent)
         .context("test executable has no grandparent directory")?;
     Ok(dir.to_path_buf())
 }
@@ -103,6 +106,11 @@ impl Service {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The child's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
     }
 
     /// SIGKILL: no chance to clean up.

@@ -1,0 +1,691 @@
+//! `bench`: the benchmark table, side by side in one run.
+//!
+//! ```sh
+//! cargo build --release --workspace --bins
+//! target/release/bench                       # every row, sizes 1k,10k,100k
+//! target/release/bench --sizes 1000,10000 --only decider,rpc
+//! ```
+//!
+//! Prints a table and writes it as CSV (`--csv`, default `target/bench.csv`).
+//! Figures are wall-clock on the machine that runs it; ratios compare rows
+//! measured in the same run.
+
+use std::{
+    collections::BTreeSet,
+    io::Write as _,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context;
+use contract::{
+    AttemptId, BootstrapProgress, BootstrapStage, ClusterShape, Endpoint, Epoch, Generation, GroupId, Intent,
+    LeaseId, LogicalNodeId, ManagedNode, NodeGroup, NodeStage, Operation, RetryState, RunId, RunUid,
+    SessionId, UnixMillis, pb,
+    pb::{
+        decider_client::DeciderClient,
+        executor_client::ExecutorClient,
+        executor_server::{Executor, ExecutorServer},
+    },
+    shape::example_template,
+};
+use decider::{DesiredView, SlotSet};
+use driver_svc::core::{MemStore, Policy, RunState};
+use executor_svc::{
+    core::{ExecutorCore, Output},
+    fake::{FakeConfig, FakeProvider},
+};
+use provisioning_tests::procs::{Cluster, ClusterOptions};
+use tokio_stream::{StreamExt, wrappers::ReceiverStream};
+
+#[derive(Debug, Clone)]
+struct Row {
+    bench: String,
+    size: u64,
+    metric: String,
+    value: f64,
+    unit: String,
+    ratio: String,
+}
+
+#[derive(Debug, Default)]
+struct Table(Vec<Row>);
+
+impl Table {
+    fn add(&mut self, bench: &str, size: u64, metric: &str, value: f64, unit: &str, ratio: String) {
+        let row = Row {
+            bench: bench.into(),
+            size,
+            metric: metric.into(),
+            value,
+            unit: unit.into(),
+            ratio,
+        };
+        println!(
+            "{:<12} {:>8} {:<34} {:>14.3} {:<8} {}",
+            row.bench, row.size, row.metric, row.value, row.unit, row.ratio
+        );
+        let _ = std::io::stdout().flush();
+        self.0.push(row);
+    }
+
+    fn write_csv(&self, path: &str) -> anyhow::Result<()> {
+        let mut s = String::from("bench,size,metric,value,unit,ratio\n");
+        for r in &self.0 {
+            s.push_str(&format!(
+                "{},{},{},{},{},\"{}\"\n",
+                r.bench, r.size, r.metric, r.value, r.unit, r.ratio
+            ));
+        }
+        std::fs::write(path, s).with_context(|| format!("writing {path}"))
+    }
+}
+
+const NOW: UnixMillis = UnixMillis::new(1_800_000_000_000);
+
+fn shape(n: u64) -> ClusterShape {
+    let per = u32::try_from(n / 4).unwrap_or(u32::MAX);
+    let groups = ["ctrl", "workers", "gpu", "storage"];
+    ClusterShape {
+        run_id: RunId::parse("run_id", "bench").unwrap_or_else(|_| unreachable!()),
+        generation: Generation::new(1),
+        groups: groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| NodeGroup {
+                id: GroupId::parse("id", g).unwrap_or_else(|_| unreachable!()),
+                count: if i == 0 {
+                    per + u32::try_from(n % 4).unwrap_or(0)
+                } else {
+                    per
+                },
+                template: Arc::new(example_template("fake", "img:1")),
+            })
+            .collect(),
+    }
+}
+
+/// A snapshot of `n` nodes in mixed stages: most ready, the rest spread over
+/// the ladder, some drifted, some undesired, some deleting.
+fn snapshot(shape: &ClusterShape) -> Vec<ManagedNode> {
+    let mut out = Vec::new();
+    let mut attempt = 1u64;
+    let lease = LeaseId::new("l", "lease-x").ok();
+    let endpoint = Endpoint::new("e", "127.0.0.1:1").ok();
+    let session = SessionId::new("s", "sess-x").ok();
+    for g in &shape.groups {
+        for i in 0..g.count {
+            let mut n = ManagedNode::new(
+                LogicalNodeId::new(g.id.clone(), i),
+                AttemptId::new(attempt),
+                g.template.clone(),
+                RetryState::default(),
+            );
+            attempt += 1;
+            match i % 10 {
+                0..=5 => {
+                    n.stage = NodeStage::Dormant;
+                    n.facts.lease = lease.clone();
+                    n.facts.endpoint = endpoint.clone();
+                }
+                6 => {
+                    n.stage = NodeStage::BootstrapRunning;
+                    n.facts.lease = lease.clone();
+                    n.facts.endpoint = endpoint.clone();
+                    n.facts.session = session.clone();
+                    n.facts.bootstrap = Some(BootstrapProgress {
+                        stage: BootstrapStage::AgentStarted,
+                        seq: 3,
+                        at: NOW,
+                        detail: String::new(),
+                    });
+                }
+                7 => {
+                    n.stage = NodeStage::LeaseCreated;
+                    n.facts.lease = lease.clone();
+                    n.retry.next_effect_at = Some(UnixMillis::new(NOW.as_millis() + 500));
+                }
+                8 => n.intent = Intent::Deleting,
+                _ => {}
+            }
+            out.push(n);
+        }
+    }
+    out
+}
+
+fn slots(nodes: &[ManagedNode]) -> SlotSet {
+    let mut s = SlotSet::new();
+    for n in nodes {
+        s.insert(&n.id);
+    }
+    s.finish();
+    s
+}
+
+/// Median of `reps` timings of `f`.
+fn time<T>(reps: usize, mut f: impl FnMut() -> T) -> Duration {
+    let mut v: Vec<Duration> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(f());
+            t.elapsed()
+        })
+        .collect();
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn bench_decider(t: &mut Table, n: u64) -> Duration {
+    let s = shape(n);
+    let nodes = snapshot(&s);
+    let set = slots(&nodes);
+    let view = DesiredView::new(&s, false);
+    let reps = if n >= 100_000 { 5 } else { 15 };
+    let d = time(reps, || decider::decide(&view, nodes.iter(), &set, NOW));
+    let ns = d.as_nanos() as f64 / n as f64;
+    t.add(
+        "decider",
+        n,
+        "library decide, per node",
+        ns,
+        "ns",
+        format!("target <= 100 ns: {:.2}x", ns / 100.0),
+    );
+    d
+}
+
+async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(decider_svc::run(
+        listener,
+        async move {
+            let _ = stop_rx.await;
+        },
+        decider_svc::Config::default(),
+    ));
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .connect()
+        .await?;
+    let mut client = DeciderClient::new(channel).max_decoding_message_size(64 << 20);
+    let s = shape(n);
+    let nodes = snapshot(&s);
+    let set = slots(&nodes);
+    let trace = contract::TraceContext::default();
+    let encode = time(5, || {
+        decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace)
+    });
+    let mut rpc = Vec::new();
+    for _ in 0..5 {
+        let reqs = decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace);
+        let start = Instant::now();
+        let out = decider_svc::decide(&mut client, reqs)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        rpc.push(start.elapsed());
+        anyhow::ensure!(out.decisions.len() as u64 >= n, "short answer");
+    }
+    rpc.sort();
+    let rpc = rpc[rpc.len() / 2] + encode;
+    let per = |d: Duration| d.as_nanos() as f64 / n as f64;
+    t.add(
+        "rpc",
+        n,
+        "client encode, per node",
+        per(encode),
+        "ns",
+        String::new(),
+    );
+    t.add(
+        "rpc",
+        n,
+        "Decide RPC incl. encode, per node",
+        per(rpc),
+        "ns",
+        format!(
+            "{:.1}x library",
+            rpc.as_secs_f64() / library.as_secs_f64().max(1e-9)
+        ),
+    );
+    let transport = rpc.saturating_sub(encode).saturating_sub(library);
+    t.add(
+        "rpc",
+        n,
+        "transport+decode, per node",
+        per(transport),
+        "ns",
+        String::new(),
+    );
+    let _ = stop_tx.send(());
+    let _ = server.await;
+    Ok(())
+}
+
+/// The three cores in one process, zero backend latency: wall time to converge.
+fn in_process(n: u64) -> anyhow::Result<(Duration, u64)> {
+    let start = Instant::now();
+    let uid = RunUid::from_u128(7);
+    let mut run = RunState::create(shape(n), uid, Epoch::new(1), Arc::new(bench_policy()), NOW)?;
+    let mut store = MemStore::new();
+    let mut exec = ExecutorCore::new();
+    exec.claim(&contract::Claim {
+        run_uid: uid,
+        run_id: run.run_id().clone(),
+        epoch: Epoch::new(1),
+    })
+    .map_err(|r| anyhow::anyhow!("{r:?}"))?;
+    let mut fake = FakeProvider::new(FakeConfig {
+        latency_ms: (0, 0),
+        stage_interval_ms: 0,
+        ..FakeConfig::default()
+    });
+    let now = NOW;
+    let mut passes = 0u64;
+    for _ in 0..1000 {
+        if run.is_converged() {
+            return Ok((start.elapsed(), passes));
+        }
+        if run.needs_pass(now) {
+            let plan = run.begin_pass(now)?;
+            let out = {
+                let view = run.desired_view();
+                decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
+            };
+            let outcome = run.apply_decisions(plan, out, now, &mut store)?;
+            passes += 1;
+            let mut queue: Vec<Operation> = outcome.operations;
+            let mut results = Vec::new();
+            while let Some(op) = queue.pop() {
+                for o in exec.submit(op, now) {
+                    match o {
+                        Output::Start(op) => {
+                            let call = fake.execute(&op, now);
+                            for o in exec.complete(op.run_uid, op.id, call.outcome, now) {
+                                match o {
+                                    Output::Result(r) => results.push(r),
+                                    Output::Start(next) => queue.push(next),
+                                    _ => {}
+                                }
+                            }
+                        }
+                        Output::Result(r) => results.push(r),
+                        _ => {}
+                    }
+                }
+            }
+            for r in &results {
+                let _ = run.fold_result(r, now)?;
+            }
+            for fo in fake.due_observations(now) {
+                for o in exec.record_observation(
+                    &fo.identity,
+                    fo.session,
+                    fo.stage,
+                    fo.detail,
+                    fo.at,
+                    contract::TraceContext::default(),
+                ) {
+                    if let Output::Observation(o) = o {
+                        let _ = run.fold_observation(&o, now)?;
+                    }
+                }
+            }
+            for a in run.commit(&mut store)? {
+                if let driver_svc::core::AckRef::Result(id) = a {
+                    exec.ack_result(uid, id);
+                }
+            }
+        }
+    }
+    anyhow::bail!("in-process composition did not converge")
+}
+
+fn bench_policy() -> Policy {
+    Policy {
+        probe_interval: Duration::from_millis(5),
+        limits: contract::ShapeLimits {
+            max_nodes_per_group: 1_000_000,
+            max_nodes_total: 1_000_000,
+            ..contract::ShapeLimits::default()
+        },
+        ..Policy::default()
+    }
+}
+
+fn rss_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+async fn three_processes(n: u64, durable: bool) -> anyhow::Result<(Duration, u64, Option<(u64, u64)>)> {
+    let mut opts = ClusterOptions::default()
+        .executor("--fake-latency-ms", "0,0")
+        .executor("--fake-stage-interval-ms", "0")
+        .driver("--probe-interval-ms", "5")
+        .driver("--max-nodes-per-group", "1000000")
+        .driver("--max-nodes-total", "1000000");
+    if !durable {
+        opts = opts.driver("--store", "memory");
+    }
+    let cluster = Cluster::start(opts).await?;
+    let rss_before = cluster.driver.pid().and_then(rss_kib);
+    let mut c = cluster.client().await?.max_decoding_message_size(256 << 20);
+    let start = Instant::now();
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&shape(n))),
+    })
+    .await?;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let status = loop {
+        let s = c
+            .get_run(pb::GetRunRequest {
+                run_id: "bench".into(),
+                include_nodes: false,
+            })
+            .await?
+            .into_inner();
+        if s.converged {
+            break s;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{n} nodes did not converge in 600 s: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let elapsed = start.elapsed();
+    let rss_after = cluster.driver.pid().and_then(rss_kib);
+    let mem = rss_before.zip(rss_after);
+    Ok((elapsed, status.passes, mem))
+}
+
+async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
+    let (local, local_passes) = in_process(n)?;
+    t.add(
+        "e2e",
+        n,
+        "in-process composition",
+        local.as_secs_f64(),
+        "s",
+        String::new(),
+    );
+    let (split, passes, mem) = three_processes(n, false).await?;
+    let target = match n {
+        10_000 => " (target <= 5 s)",
+        100_000 => " (target <= 60 s)",
+        _ => "",
+    };
+    t.add(
+        "e2e",
+        n,
+        "three processes, memory store",
+        split.as_secs_f64(),
+        "s",
+        format!(
+            "{:.2}x in-process{target}; target split <= 1.5x",
+            split.as_secs_f64() / local.as_secs_f64()
+        ),
+    );
+    let (durable, _, _) = three_processes(n, true).await?;
+    t.add(
+        "e2e",
+        n,
+        "three processes, redb store",
+        durable.as_secs_f64(),
+        "s",
+        format!(
+            "{:.2}x memory store (target <= 1.3x)",
+            durable.as_secs_f64() / split.as_secs_f64()
+        ),
+    );
+    // The happy path crosses four passes per node: insert, create, start
+    // bootstrap, observe convergence.
+    const LADDER_DEPTH: f64 = 4.0;
+    t.add(
+        "passes",
+        n,
+        "passes to converge (3 processes)",
+        passes as f64,
+        "passes",
+        format!("{:.2}x ladder depth (target <= 3x)", passes as f64 / LADDER_DEPTH),
+    );
+    t.add(
+        "passes",
+        n,
+        "passes to converge (in-process)",
+        local_passes as f64,
+        "passes",
+        format!("{:.2}x ladder depth", local_passes as f64 / LADDER_DEPTH),
+    );
+    if let Some((before, after)) = mem {
+        let per_node = (after.saturating_sub(before) as f64 * 1024.0) / n as f64;
+        t.add(
+            "memory",
+            n,
+            "driver RSS growth per node",
+            per_node,
+            "bytes",
+            format!("target <= 2048: {:.2}x", per_node / 2048.0),
+        );
+    }
+    Ok(())
+}
+
+/// A bare streaming echo with the executor's own messages: each submit is
+/// answered at once with a result. The practical ceiling for this transport.
+#[derive(Debug, Default)]
+struct Echo;
+
+#[tonic::async_trait]
+impl Executor for Echo {
+    type LinkStream = ReceiverStream<Result<pb::ExecutorMessage, tonic::Status>>;
+
+    async fn link(
+        &self,
+        req: tonic::Request<tonic::Streaming<pb::DriverMessage>>,
+    ) -> Result<tonic::Response<Self::LinkStream>, tonic::Status> {
+        let mut inbound = req.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(1024);
+        tokio::spawn(async move {
+            while let Some(Ok(msg)) = inbound.next().await {
+                if let Some(pb::driver_message::Kind::Submit(op)) = msg.kind {
+                    let result = pb::OperationResult {
+                        run_uid: op.run_uid,
+                        node_id: op.node_id,
+                        id: op.id,
+                        effect: pb::Effect::CreateLease as i32,
+                        outcome: pb::OutcomeClass::Succeeded as i32,
+                        ..Default::default()
+                    };
+                    let m = pb::ExecutorMessage {
+                        kind: Some(pb::executor_message::Kind::Result(result)),
+                        trace: None,
+                    };
+                    if tx.send(Ok(m)).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn inventory(
+        &self,
+        _req: tonic::Request<pb::InventoryRequest>,
+    ) -> Result<tonic::Response<pb::InventoryResponse>, tonic::Status> {
+        Ok(tonic::Response::new(pb::InventoryResponse::default()))
+    }
+}
+
+fn create_op(uid: RunUid, i: u64) -> pb::Operation {
+    let op = Operation {
+        run_uid: uid,
+        run_id: RunId::parse("r", "bench").unwrap_or_else(|_| unreachable!()),
+        node: LogicalNodeId::new(
+            GroupId::parse("g", "w").unwrap_or_else(|_| unreachable!()),
+            i as u32,
+        ),
+        id: contract::OperationId::new(AttemptId::new(i + 1), 1),
+        epoch: Epoch::new(1),
+        deadline: UnixMillis::new(u64::MAX / 2),
+        input: contract::OperationInput::CreateLease {
+            template: Arc::new(example_template("fake", "img:1")),
+        },
+        trace: contract::TraceContext::default(),
+    };
+    pb::Operation::from(&op)
+}
+
+/// Operations per second through a link: submit `n`, read `n` results.
+async fn link_rate(url: String, n: u64, claim: bool) -> anyhow::Result<f64> {
+    let mut client = ExecutorClient::connect(url).await?;
+    let uid = RunUid::from_u128(0xbe4c);
+    let (tx, rx) = tokio::sync::mpsc::channel(4096);
+    let mut inbound = client.link(ReceiverStream::new(rx)).await?.into_inner();
+    if claim {
+        tx.send(pb::DriverMessage {
+            kind: Some(pb::driver_message::Kind::Claim(pb::Claim {
+                run_uid: uid.to_string(),
+                run_id: "bench".into(),
+                epoch: 1,
+            })),
+            trace: None,
+        })
+        .await?;
+    }
+    let ops: Vec<pb::Operation> = (0..n).map(|i| create_op(uid, i)).collect();
+    let start = Instant::now();
+    let sender = tokio::spawn(async move {
+        for op in ops {
+            let m = pb::DriverMessage {
+                kind: Some(pb::driver_message::Kind::Submit(op)),
+                trace: None,
+            };
+            if tx.send(m).await.is_err() {
+                break;
+            }
+        }
+        tx
+    });
+    let mut seen = BTreeSet::new();
+    while (seen.len() as u64) < n {
+        let Some(m) = inbound.next().await else {
+            anyhow::bail!("link ended after {} results", seen.len());
+        };
+        if let Some(pb::executor_message::Kind::Result(r)) = m?.kind {
+            seen.insert(r.id.map(|i| i.attempt));
+        }
+    }
+    let elapsed = start.elapsed();
+    drop(sender.await?);
+    Ok(n as f64 / elapsed.as_secs_f64())
+}
+
+async fn bench_throughput(t: &mut Table, n: u64) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let echo = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(ExecutorServer::new(Echo))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let bare = link_rate(format!("http://{addr}"), n, false).await?;
+    echo.abort();
+    t.add(
+        "throughput",
+        n,
+        "bare streaming echo",
+        bare,
+        "ops/s",
+        String::new(),
+    );
+
+    let cluster = Cluster::start(ClusterOptions::default().executor("--fake-latency-ms", "0,0")).await?;
+    let real = link_rate(cluster.executor.url(), n, true).await?;
+    t.add(
+        "throughput",
+        n,
+        "executor round trips (fake backend)",
+        real,
+        "ops/s",
+        format!("{:.0}% of echo (target >= 50%)", 100.0 * real / bare),
+    );
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> anyhow::Result<()> {
+    let mut sizes = vec![1_000u64, 10_000, 100_000];
+    let mut only: Option<BTreeSet<String>> = None;
+    let mut csv = "target/bench.csv".to_owned();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--sizes" => {
+                sizes = args
+                    .next()
+                    .context("--sizes needs a list")?
+                    .split(',')
+                    .map(|s| s.trim().parse::<u64>())
+                    .collect::<Result<_, _>>()?;
+            }
+            "--only" => {
+                only = Some(
+                    args.next()
+                        .context("--only needs a list")?
+                        .split(',')
+                        .map(String::from)
+                        .collect(),
+                )
+            }
+            "--csv" => csv = args.next().context("--csv needs a path")?,
+            "--help" | "-h" => {
+                println!(
+                    "bench [--sizes 1000,10000,100000] [--only decider,rpc,e2e,throughput] [--csv PATH]"
+                );
+                return Ok(());
+            }
+            other => anyhow::bail!("unknown argument {other}"),
+        }
+    }
+    let want = |k: &str| only.as_ref().is_none_or(|o| o.contains(k));
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!("machine: {cpus} cores; {}", std::env::consts::ARCH);
+    println!(
+        "{:<12} {:>8} {:<34} {:>14} {:<8} ratio",
+        "bench", "size", "metric", "value", "unit"
+    );
+    let mut t = Table::default();
+    for &n in &sizes {
+        let lib = if want("decider") || want("rpc") {
+            Some(bench_decider(&mut t, n))
+        } else {
+            None
+        };
+        if want("rpc")
+            && let Some(lib) = lib
+        {
+            bench_rpc(&mut t, n, lib).await?;
+        }
+    }
+    if want("throughput") {
+        bench_throughput(&mut t, 20_000).await?;
+    }
+    if want("e2e") {
+        for &n in &sizes {
+            bench_e2e(&mut t, n).await?;
+        }
+    }
+    if let Some(dir) = std::path::Path::new(&csv).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    t.write_csv(&csv)?;
+    println!("wrote {csv}");
+    Ok(())
+}
