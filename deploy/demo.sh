@@ -5,12 +5,30 @@
 # until it converges. Exits 0 when it converges, non-zero with the reason when
 # it does not within DEMO_TIMEOUT seconds (default 120).
 #
+# With DEMO_TELEMETRY=1 the services serve Prometheus metrics and export
+# traces over OTLP/gRPC on the addresses of deploy/telemetry.env, which
+# deploy/prometheus.yml and deploy/otel-collector.yaml point at.
+#
 # Usage: deploy/demo.sh [shape-file]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 shape=${1:-deploy/examples/shape.yaml}
 timeout=${DEMO_TIMEOUT:-120}
+
+decider_telemetry=()
+executor_telemetry=()
+driver_telemetry=()
+if [ "${DEMO_TELEMETRY:-0}" = 1 ]; then
+    # shellcheck source=telemetry.env
+    . deploy/telemetry.env
+    export OTEL_EXPORTER_OTLP_ENDPOINT="http://$OTLP_GRPC"
+    decider_telemetry=(--metrics-listen "$DECIDER_METRICS")
+    executor_telemetry=(--metrics-listen "$EXECUTOR_METRICS")
+    driver_telemetry=(--metrics-listen "$DRIVER_METRICS")
+    echo "demo: metrics at http://$DRIVER_METRICS, http://$DECIDER_METRICS, http://$EXECUTOR_METRICS;" \
+        "traces to $OTEL_EXPORTER_OTLP_ENDPOINT"
+fi
 
 cargo build --workspace --bins --locked
 bin=target/debug
@@ -39,19 +57,20 @@ wait_ready() {
     return 1
 }
 
-"$bin/decider-svc" --listen 127.0.0.1:0 --ready-file "$work/decider.ready" 2>"$work/decider-svc.log" &
+"$bin/decider-svc" --listen 127.0.0.1:0 --ready-file "$work/decider.ready" "${decider_telemetry[@]}" \
+    2>"$work/decider-svc.log" &
 pids+=($!)
 decider=$(wait_ready "$work/decider.ready" decider-svc $!)
 
 "$bin/executor-svc" --listen 127.0.0.1:0 --ready-file "$work/executor.ready" \
-    --backend fake --fake-latency-ms 20,200 --fake-stage-interval-ms 150 \
+    --backend fake --fake-latency-ms 20,200 --fake-stage-interval-ms 150 "${executor_telemetry[@]}" \
     2>"$work/executor-svc.log" &
 pids+=($!)
 executor=$(wait_ready "$work/executor.ready" executor-svc $!)
 
 "$bin/driver-svc" --listen 127.0.0.1:0 --ready-file "$work/driver.ready" \
     --decider "http://$decider" --executor "http://$executor" --data-dir "$work/driver-data" \
-    2>"$work/driver-svc.log" &
+    "${driver_telemetry[@]}" 2>"$work/driver-svc.log" &
 pids+=($!)
 driver=$(wait_ready "$work/driver.ready" driver-svc $!)
 

@@ -14,7 +14,10 @@ use contract::{
 };
 use decider::SlotSet;
 use prost::Message as _;
-use tonic::{Code, Status, transport::Channel};
+use tonic::{
+    Code, Status,
+    codegen::{Body, Bytes, StdError},
+};
 
 /// The most nodes in one `NodeBatch`.
 pub const NODE_BATCH: usize = 1024;
@@ -145,10 +148,20 @@ pub fn encode_request<'a>(
 ///
 /// The summary's counts are checked against the decisions received and the
 /// nodes sent, so an answer that lost a batch is never taken for a whole one.
-pub async fn decide(
-    client: &mut DeciderClient<Channel>,
+///
+/// Any transport the generated client accepts works: a plain `Channel`, or
+/// the driver's channel with the tracing layer, whose client span is the
+/// `Decide` call's span on the driver's side.
+pub async fn decide<T>(
+    client: &mut DeciderClient<T>,
     requests: Vec<pb::DecideRequest>,
-) -> Result<DecideOutput, DecideError> {
+) -> Result<DecideOutput, DecideError>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<StdError>,
+    T::ResponseBody: Body<Data = Bytes> + Send + 'static,
+    <T::ResponseBody as Body>::Error: Into<StdError> + Send,
+{
     let nodes_sent: usize = requests
         .iter()
         .map(|r| match &r.part {
@@ -190,6 +203,11 @@ pub async fn decide(
                     ))));
                 }
                 out.requeue_at = UnixMillis::from_wire(summary.requeue_at_ms);
+                // The summary is the last message; reading on to the trailers
+                // ends the call cleanly (dropping the stream here would cancel
+                // it), and its status is what the call's span records. The
+                // answer is complete either way, so a failure here is ignored.
+                let _ = responses.trailers().await;
                 return Ok(out);
             }
             None => return Err(DecideError::Decode(FieldError::new("part", Problem::Missing))),

@@ -2,7 +2,7 @@
 
 use anyhow::Context as _;
 use clap::Parser;
-use contract::runtime::{CommonArgs, bind_and_announce, init_logging, shutdown_signal};
+use contract::runtime::{CommonArgs, bind_and_announce, init_telemetry, shutdown_signal};
 use decider_svc::server::{Config, DEFAULT_MAX_NODES, run};
 use futures::FutureExt as _;
 
@@ -21,7 +21,7 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(cli.common.log_json);
+    let telemetry = init_telemetry("decider-svc", &cli.common)?;
     let listener = bind_and_announce("decider-svc", cli.common.listen, cli.common.ready_file.as_deref())
         .await
         .with_context(|| format!("binding {}", cli.common.listen))?;
@@ -42,11 +42,14 @@ async fn main() -> anyhow::Result<()> {
         signal.await;
         tokio::time::sleep(grace).await;
     };
-    tokio::select! {
+    let result = tokio::select! {
         result = server => result,
         () = deadline => {
             tracing::warn!(grace_ms = cli.common.shutdown_grace_ms, "calls still in flight after the grace period; exiting");
             Ok(())
         }
-    }
+    };
+    // Spans of the last calls are exported before the process ends.
+    telemetry.shutdown().await;
+    result
 }

@@ -22,7 +22,8 @@ use contract::{
         decider_server::{Decider, DeciderServer},
     },
     runtime::health_and_reflection,
-    wire::{TemplateTable, node_from_wire, shape_from_wire_with_table, trace_from_wire},
+    telemetry::{self, grpc::ServerLayer},
+    wire::{TemplateTable, node_from_wire, shape_from_wire_with_table},
 };
 use decider::{DesiredView, SlotSet};
 use prost::Message as _;
@@ -112,11 +113,58 @@ pub fn to_status(e: &CallError) -> Status {
 #[derive(Debug, Clone, Default)]
 pub struct DeciderService {
     config: Config,
+    metrics: DeciderMetrics,
 }
 
 impl DeciderService {
     pub fn new(config: Config) -> Self {
-        Self { config }
+        Self {
+            config,
+            metrics: DeciderMetrics::default(),
+        }
+    }
+}
+
+/// The decider's metrics (ARCHITECTURE.md, "Metrics"), in the process-wide
+/// registry.
+#[derive(Debug, Clone)]
+pub struct DeciderMetrics {
+    decisions: contract::metrics::Counter,
+    nodes: contract::metrics::Counter,
+}
+
+impl Default for DeciderMetrics {
+    fn default() -> Self {
+        let r = contract::metrics::global();
+        Self {
+            decisions: r.counter(
+                "provisioning_decider_decisions_total",
+                "Decisions made, by ladder rule and action (waits included).",
+                &["rule", "action"],
+            ),
+            nodes: r.counter(
+                "provisioning_decider_nodes_total",
+                "Nodes decided (inserts for missing slots not included).",
+                &[],
+            ),
+        }
+    }
+}
+
+/// Decisions of one call counted locally and added once, so a 100,000-node
+/// call takes the registry's lock a few times, not 100,000 times.
+#[derive(Default)]
+struct Tally(std::collections::BTreeMap<(u32, &'static str), u64>);
+
+impl Tally {
+    fn count(&mut self, d: &contract::Decision) {
+        *self.0.entry((d.rule.number(), d.action.name())).or_default() += 1;
+    }
+
+    fn add_to(self, metrics: &DeciderMetrics) {
+        for ((rule, action), n) in self.0 {
+            metrics.decisions.add(&[&rule.to_string(), action], n);
+        }
     }
 }
 
@@ -131,20 +179,33 @@ impl Decider for DeciderService {
         let mut requests = request.into_inner();
         let (tx, rx) = mpsc::channel(RESPONSE_BUFFER);
         let config = self.config;
-        let span = tracing::debug_span!(
-            "decide",
-            run_id = tracing::field::Empty,
-            traceparent = tracing::field::Empty,
-        );
+        let metrics = self.metrics.clone();
+        // The call's server span (opened by the tracing layer under the
+        // driver's client span) follows the task that answers the call, so the
+        // decisions and their log lines belong to the driver's pass.
+        let span = tracing::Span::current();
         tokio::spawn(
             async move {
                 let out = Responses(tx);
-                match serve_call(&mut requests, &out, config).await {
-                    Ok(summary) => tracing::debug!(
-                        decided = summary.decided_nodes,
-                        inserts = summary.inserts,
-                        "decided"
-                    ),
+                match serve_call(&mut requests, &out, config, &metrics).await {
+                    Ok(summary) => {
+                        let span = tracing::Span::current();
+                        telemetry::set_attribute(
+                            &span,
+                            "provisioning.decide.nodes",
+                            i64::from(summary.decided_nodes),
+                        );
+                        telemetry::set_attribute(
+                            &span,
+                            "provisioning.decide.inserts",
+                            i64::from(summary.inserts),
+                        );
+                        tracing::debug!(
+                            decided = summary.decided_nodes,
+                            inserts = summary.inserts,
+                            "decided"
+                        );
+                    }
                     Err(CallError::ClientGone) => tracing::debug!("the client went away mid-call"),
                     Err(e) => {
                         tracing::info!(error = %e, "decide call refused");
@@ -247,14 +308,15 @@ async fn serve_call(
     requests: &mut Streaming<DecideRequest>,
     out: &Responses,
     config: Config,
+    metrics: &DeciderMetrics,
 ) -> Result<pb::DecideSummary, CallError> {
     // The header is read by hand rather than through `next_part`, because its
     // message also carries the call's trace context.
-    let (header, trace) = match requests.message().await.map_err(CallError::Receive)? {
+    let header = match requests.message().await.map_err(CallError::Receive)? {
         Some(DecideRequest {
             part: Some(Part::Header(h)),
-            trace,
-        }) => (h, trace_from_wire(trace)),
+            ..
+        }) => h,
         Some(DecideRequest { part: None, .. }) => {
             return Err(CallError::NoHeader {
                 got: "a message with no part",
@@ -271,9 +333,14 @@ async fn serve_call(
         .map_err(|e| e.within("header"))?;
     let now = UnixMillis::new(header.now_ms);
     let deleting = header.deleting;
-    let span = tracing::Span::current();
-    span.record("run_id", shape.run_id.as_str());
-    span.record("traceparent", trace.traceparent.as_str());
+    // The call's trace context arrives in its metadata (the tracing layer
+    // has already made the span its child); the copy in each message is for
+    // tools reading a recorded stream, so it is not consulted here.
+    telemetry::set_attribute(
+        &tracing::Span::current(),
+        "provisioning.run.id",
+        shape.run_id.to_string(),
+    );
 
     // Inserts are generated from the shape at `end`, so a shape with absurd
     // counts would make this call stream without bound: refuse it up front.
@@ -294,6 +361,7 @@ async fn serve_call(
     let mut decided: u32 = 0;
     let mut slot_count: u32 = 0;
     let mut requeue_at = None;
+    let mut tally = Tally::default();
     loop {
         match next_part(requests).await? {
             None => return Err(CallError::NoEnd),
@@ -307,6 +375,7 @@ async fn serve_call(
                         .map_err(|e| e.within(&format!("nodes[{decided}]")))?;
                     let d = decider::decide_node(&desired, &node, now);
                     requeue_at = decider::fold_requeue(requeue_at, &d, now);
+                    tally.count(&d);
                     batcher.push(&d).await?;
                     decided += 1;
                 }
@@ -329,9 +398,12 @@ async fn serve_call(
     slots.finish();
     let mut inserts: u32 = 0;
     for d in decider::inserts(&desired, &slots) {
+        tally.count(&d);
         batcher.push(&d).await?;
         inserts += 1;
     }
+    metrics.nodes.add(&[], u64::from(decided));
+    tally.add_to(metrics);
     batcher.flush().await?;
     let summary = pb::DecideSummary {
         requeue_at_ms: UnixMillis::to_wire(requeue_at),
@@ -357,6 +429,7 @@ pub async fn run(
         reporter.set_not_serving::<DeciderServer<DeciderService>>().await;
     };
     tonic::transport::Server::builder()
+        .layer(ServerLayer::new())
         .add_service(health)
         .add_service(reflection)
         .add_service(DeciderServer::new(DeciderService::new(config)))

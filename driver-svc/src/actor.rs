@@ -8,38 +8,55 @@
 //! one at a time; triggers while one is queued collapse (a pass is wanted when
 //! anything is dirty or due, however many events made it so); a trigger during a
 //! pass leaves a node dirty, which guarantees exactly one follow-up pass.
+//!
+//! The actor is also where the driver's spans are made (ARCHITECTURE.md,
+//! "Tracing"): one per pass, one per dispatched operation from dispatch to
+//! the fold of its outcome, and one per fold. A pass carries out the client
+//! request that changed the run (it is the request's child) or links to the
+//! folds that made it necessary; a pass asked for only by the safety tick is
+//! recorded only if it acts.
 
-use std::{sync::Arc, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use contract::{
-    ClusterShape, DecideOutput, LogicalNodeId, RejectionReason, RunUid, TraceContext, UnixMillis, pb,
-    pb::driver_message::Kind,
+    Action, ClusterShape, DecideOutput, Effect, LogicalNodeId, Operation, OperationId, RejectionReason,
+    RunUid, TraceContext, UnixMillis, pb, pb::driver_message::Kind, telemetry,
 };
 use decider_svc::client::DecideError;
 use tokio::{
     sync::{mpsc, oneshot, watch},
     time::Instant,
 };
+use tracing::{Instrument as _, field::Empty};
 
 use crate::{
-    core::{AckRef, Applied, ApplyError, PassPlan, RunState},
-    driver::{DriverError, Shared},
+    core::{AckRef, Applied, ApplyError, Fold, PassPlan, RunState},
+    driver::{DriverError, QUEUE, Shared},
     link::FromExecutor,
     status::run_status,
 };
 
+/// The most span links a pass carries to the folds that made it necessary;
+/// past this the pass still runs, but names only its first causes.
+const MAX_CAUSES: usize = 16;
+
 /// Everything a run actor reacts to.
 #[derive(Debug)]
 pub enum RunEvent {
+    /// `trace` is the client request's: the pass that carries the change
+    /// out is its child.
     Apply {
         shape: ClusterShape,
+        trace: TraceContext,
         reply: oneshot::Sender<Result<Applied, DriverError>>,
     },
     Delete {
+        trace: TraceContext,
         reply: oneshot::Sender<Result<pb::RunStatus, DriverError>>,
     },
     SetPaused {
         paused: bool,
+        trace: TraceContext,
         reply: oneshot::Sender<Result<pb::RunStatus, DriverError>>,
     },
     Get {
@@ -60,6 +77,11 @@ pub enum RunEvent {
     Decided {
         plan: PassPlan,
         result: Result<DecideOutput, DecideError>,
+    },
+    /// The driver is shutting down: finish (abandon) the pass in flight, end
+    /// the spans still open so they are exported, stop, and say so.
+    Shutdown {
+        done: oneshot::Sender<()>,
     },
 }
 
@@ -88,6 +110,39 @@ pub(crate) struct RunActor {
     acks: Vec<AckRef>,
     /// Set when the store refused a write: the run does nothing more.
     halted: Option<String>,
+    /// The span of the pass in flight, and when that pass started.
+    pass_span: Option<tracing::Span>,
+    pass_started: Option<Instant>,
+    /// The pass in flight was asked for only by the safety tick.
+    pass_speculative: bool,
+    /// The last safety tick found nothing to do, and nothing has happened
+    /// since: the pass it asks for is speculative.
+    speculative: bool,
+    /// The client request whose change the next pass carries out.
+    origin: Option<TraceContext>,
+    /// The folds since the last pass started; the next pass links to them.
+    causes: Vec<TraceContext>,
+    /// Since when the run has wanted a pass that has not started (the work
+    /// queue's view of this run).
+    wanted_since: Option<Instant>,
+    /// Every operation recorded pending, with its span until its outcome is
+    /// folded.
+    in_flight: HashMap<OperationId, InFlight>,
+    /// The run's deadline folds already matched to their operations.
+    deadline_folds_seen: u64,
+    /// Set by `Shutdown`: start nothing new, stop once no pass is in flight.
+    stopping: Option<oneshot::Sender<()>>,
+}
+
+/// A pending operation as the actor tracks it for spans and metrics.
+#[derive(Debug)]
+struct InFlight {
+    node: LogicalNodeId,
+    effect: Effect,
+    dispatched_at: UnixMillis,
+    /// `Span::none()` for operations restored from the store: their dispatch
+    /// belonged to an earlier process.
+    span: tracing::Span,
 }
 
 impl std::fmt::Debug for RunActor {
@@ -99,13 +154,35 @@ impl std::fmt::Debug for RunActor {
 }
 
 impl RunActor {
-    /// Spawns the actor for `run` and returns its handle.
-    pub(crate) fn spawn(run: RunState, shared: Arc<Shared>) -> RunHandle {
+    /// Spawns the actor for `run` and returns its handle. `origin` is the
+    /// trace of the request that created the run, if one did.
+    pub(crate) fn spawn(run: RunState, shared: Arc<Shared>, origin: TraceContext) -> RunHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let now = shared.clock.now();
         let (status, status_rx) = watch::channel(Arc::new(run_status(&run, false, now)));
         let uid = run.uid();
-        let actor = RunActor {
+        let in_flight: HashMap<OperationId, InFlight> = run
+            .inflight_operations()
+            .into_iter()
+            .map(|op| {
+                let dispatched_at = run
+                    .node(&op.node)
+                    .and_then(|n| n.pending)
+                    .map_or(now, |p| p.dispatched_at);
+                let f = InFlight {
+                    node: op.node.clone(),
+                    effect: op.input.effect(),
+                    dispatched_at,
+                    span: tracing::Span::none(),
+                };
+                (op.id, f)
+            })
+            .collect();
+        for f in in_flight.values() {
+            shared.metrics.exported.in_flight.add(&[f.effect.name()], 1.0);
+        }
+        let deadline_folds_seen = run.counters().deadline_folds;
+        let mut actor = RunActor {
             next_safety_tick: Instant::now() + shared.safety_tick,
             run,
             shared: shared.clone(),
@@ -120,7 +197,19 @@ impl RunActor {
             changed: true,
             acks: Vec::new(),
             halted: None,
+            pass_span: None,
+            pass_started: None,
+            pass_speculative: false,
+            speculative: false,
+            origin: (!origin.traceparent.is_empty()).then_some(origin),
+            causes: Vec::new(),
+            wanted_since: None,
+            in_flight,
+            deadline_folds_seen,
+            stopping: None,
         };
+        // A new or restored run wants its first pass at once.
+        actor.want();
         shared.link.register(uid, tx.clone());
         tokio::spawn(actor.run());
         RunHandle {
@@ -149,12 +238,35 @@ impl RunActor {
                 () = tokio::time::sleep_until(wake) => self.on_timer(),
             }
             let _ = self.commit();
+            if self.stopping.is_some() && !self.pass_in_flight {
+                self.stop();
+                break;
+            }
             self.maybe_pass();
+            self.settle_deadline_folds();
             self.publish();
             if self.run.is_gone() {
                 self.finish();
                 break;
             }
+        }
+    }
+
+    /// Stops for a driver shutdown. Everything the run did is committed; the
+    /// spans of operations still pending end now, marked `unfinished`, so the
+    /// executor's spans under them keep their parent in the exported trace.
+    /// After a restart the operations are resubmitted under the pass that
+    /// dispatched them.
+    fn stop(&mut self) {
+        let _ = self.commit();
+        let now = self.now();
+        let left: Vec<OperationId> = self.in_flight.keys().copied().collect();
+        for id in left {
+            self.close_operation(id, "unfinished", now);
+        }
+        self.unwant(false);
+        if let Some(done) = self.stopping.take() {
+            let _ = done.send(());
         }
     }
 
@@ -178,7 +290,10 @@ impl RunActor {
     fn on_timer(&mut self) {
         let now = self.now();
         match self.run.handle_timeout(now) {
-            Ok(n) if n > 0 => self.changed = true,
+            Ok(n) if n > 0 => {
+                self.changed = true;
+                self.speculative = false;
+            }
             Ok(_) => {}
             Err(e) => tracing::error!(run = %self.run.run_id(), error = %e, "folding deadlines failed"),
         }
@@ -187,14 +302,48 @@ impl RunActor {
         }
         if self.next_safety_tick <= Instant::now() {
             self.next_safety_tick = Instant::now() + self.shared.safety_tick;
+            // A tick that finds nothing due asks for a pass only in case
+            // something was missed; that pass is traced only if it acts.
+            self.speculative = !self.run.needs_pass(now);
             self.run.mark_all_dirty();
         }
+        // Something is due (a deadline, a retry, the tick); if not, the next
+        // `maybe_pass` finds nothing to do and takes the run off the queue.
+        self.want();
+    }
+
+    /// The run wants a pass: it joins the work queue unless it is on it.
+    fn want(&mut self) {
+        if self.wanted_since.is_none() {
+            self.wanted_since = Some(Instant::now());
+            let e = &self.shared.metrics.exported;
+            e.queue_depth.add(&[QUEUE], 1.0);
+            e.queue_adds.inc(&[QUEUE]);
+        }
+    }
+
+    /// The run leaves the work queue: its pass started (the wait is
+    /// measured), or there turned out to be nothing to do.
+    fn unwant(&mut self, started: bool) {
+        if let Some(since) = self.wanted_since.take() {
+            let e = &self.shared.metrics.exported;
+            e.queue_depth.add(&[QUEUE], -1.0);
+            if started {
+                e.queue_duration.observe_duration(&[QUEUE], since.elapsed());
+            }
+        }
+    }
+
+    /// Something changed the run: the next pass is real work.
+    fn triggered(&mut self) {
+        self.speculative = false;
+        self.want();
     }
 
     fn handle(&mut self, ev: RunEvent) {
         let now = self.now();
         match ev {
-            RunEvent::Apply { shape, reply } => {
+            RunEvent::Apply { shape, trace, reply } => {
                 if let Some(why) = &self.halted {
                     let _ = reply.send(Err(DriverError::Halted(why.clone())));
                     return;
@@ -202,25 +351,34 @@ impl RunActor {
                 let result = self.run.apply_shape(shape).map_err(DriverError::from);
                 let result = match result {
                     // The accepted shape is stored before the client hears so.
-                    Ok(Applied::Changed) => self.commit().map(|()| Applied::Changed),
+                    Ok(Applied::Changed) => {
+                        self.request_changed(trace);
+                        self.commit().map(|()| Applied::Changed)
+                    }
                     other => other,
                 };
                 self.changed = true;
                 let _ = reply.send(result);
             }
-            RunEvent::Delete { reply } => {
+            RunEvent::Delete { trace, reply } => {
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
-                    None if self.run.delete() => self.commit(),
+                    None if self.run.delete() => {
+                        self.request_changed(trace);
+                        self.commit()
+                    }
                     None => Ok(()),
                 };
                 self.changed = true;
                 let _ = reply.send(result.map(|()| run_status(&self.run, false, now)));
             }
-            RunEvent::SetPaused { paused, reply } => {
+            RunEvent::SetPaused { paused, trace, reply } => {
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
-                    None if self.run.set_paused(paused) => self.commit(),
+                    None if self.run.set_paused(paused) => {
+                        self.request_changed(trace);
+                        self.commit()
+                    }
                     None => Ok(()),
                 };
                 self.changed = true;
@@ -239,7 +397,17 @@ impl RunActor {
             RunEvent::LinkUp(generation) => self.link_up(generation),
             RunEvent::LinkDown => self.link = None,
             RunEvent::Decided { plan, result } => self.decided(plan, result, now),
+            RunEvent::Shutdown { done } => self.stopping = Some(done),
         }
+    }
+
+    /// A client request changed the run: the pass that carries the change out
+    /// is the request's child (the latest request's, if several arrive).
+    fn request_changed(&mut self, trace: TraceContext) {
+        if !trace.traceparent.is_empty() {
+            self.origin = Some(trace);
+        }
+        self.triggered();
     }
 
     fn explain(&self, node: &LogicalNodeId, now: UnixMillis) -> Option<pb::NodeExplanation> {
@@ -291,8 +459,59 @@ impl RunActor {
                 tracing::debug!(run = %self.run.run_id(), %epoch, "claim accepted");
                 return;
             }
-            FromExecutor::Result(r) => self.run.fold_result(&r, now),
-            FromExecutor::Observation(o) => self.run.fold_observation(&o, now),
+            FromExecutor::Result(r) => {
+                // The fold is the child of the executor's span that produced
+                // the result: the trace crosses back into the driver here.
+                let span = tracing::info_span!(
+                    parent: None,
+                    "fold",
+                    otel.name = "fold result",
+                    provisioning.run.id = %self.run.run_id(),
+                    provisioning.node.id = %r.node,
+                    provisioning.operation.id = %r.id,
+                    provisioning.operation.effect = r.effect.name(),
+                    provisioning.operation.outcome = r.outcome.class_name(),
+                    provisioning.fold.discarded = Empty,
+                );
+                telemetry::set_parent(&span, &r.trace);
+                let _entered = span.enter();
+                let folded = self.run.fold_result(&r, now);
+                match &folded {
+                    Ok(Fold::Folded) => {
+                        self.shared.metrics.exported.folds.inc(&["result"]);
+                        self.close_operation(r.id, r.outcome.class_name(), now);
+                        self.caused_by(&span);
+                    }
+                    Ok(Fold::Discarded(why)) => self.discarded(&span, "result", why.name()),
+                    Err(_) => {}
+                }
+                folded
+            }
+            FromExecutor::Observation(o) => {
+                let span = tracing::info_span!(
+                    parent: None,
+                    "fold",
+                    otel.name = "fold observation",
+                    provisioning.run.id = %self.run.run_id(),
+                    provisioning.node.id = %o.node,
+                    provisioning.bootstrap.session = %o.session,
+                    provisioning.bootstrap.seq = o.seq,
+                    provisioning.bootstrap.stage = o.stage.name(),
+                    provisioning.fold.discarded = Empty,
+                );
+                telemetry::set_parent(&span, &o.trace);
+                let _entered = span.enter();
+                let folded = self.run.fold_observation(&o, now);
+                match &folded {
+                    Ok(Fold::Folded) => {
+                        self.shared.metrics.exported.folds.inc(&["observation"]);
+                        self.caused_by(&span);
+                    }
+                    Ok(Fold::Discarded(why)) => self.discarded(&span, "observation", why.name()),
+                    Err(_) => {}
+                }
+                folded
+            }
             FromExecutor::Rejection(rej) => {
                 if matches!(rej.reason, RejectionReason::Fenced) {
                     // A newer incarnation owns this run: this driver must not act.
@@ -309,12 +528,75 @@ impl RunActor {
                     self.link_up(g);
                     return;
                 }
-                self.run.fold_rejection(&rej, now)
+                let folded = self.run.fold_rejection(&rej, now);
+                if let (Ok(Fold::Folded), Some(id)) = (&folded, rej.id) {
+                    self.shared.metrics.exported.folds.inc(&["rejection"]);
+                    self.close_operation(id, "failed-retryable", now);
+                    self.triggered();
+                }
+                folded
             }
         };
         match folded {
             Ok(_) => self.changed = true,
             Err(e) => tracing::error!(run = %self.run.run_id(), error = %e, "fold failed"),
+        }
+    }
+
+    /// A fold changed the run: the next pass links to the fold's span.
+    fn caused_by(&mut self, fold: &tracing::Span) {
+        if self.causes.len() < MAX_CAUSES {
+            let cx = telemetry::context_of(fold);
+            if !cx.traceparent.is_empty() {
+                self.causes.push(cx);
+            }
+        }
+        self.triggered();
+    }
+
+    fn discarded(&self, span: &tracing::Span, kind: &str, reason: &'static str) {
+        span.record("provisioning.fold.discarded", reason);
+        self.shared.metrics.exported.discarded.inc(&[kind, reason]);
+    }
+
+    /// Ends an operation's span with the class of its outcome and records its
+    /// latency.
+    fn close_operation(&mut self, id: OperationId, outcome: &str, now: UnixMillis) {
+        let Some(f) = self.in_flight.remove(&id) else {
+            return;
+        };
+        f.span.record("provisioning.operation.outcome", outcome);
+        if matches!(outcome, "failed-retryable" | "failed-permanent" | "ambiguous") {
+            f.span.record("otel.status_code", "error");
+        }
+        let e = &self.shared.metrics.exported;
+        e.in_flight.add(&[f.effect.name()], -1.0);
+        e.operation_duration
+            .observe_duration(&[f.effect.name(), outcome], now.saturating_since(f.dispatched_at));
+    }
+
+    /// Operations the driver folded as ambiguous at their deadline (no result
+    /// came) end here. Deadline folds are rare, so finding them is a scan.
+    fn settle_deadline_folds(&mut self) {
+        let seen = self.run.counters().deadline_folds;
+        if seen == self.deadline_folds_seen {
+            return;
+        }
+        self.deadline_folds_seen = seen;
+        let now = self.now();
+        let ended: Vec<OperationId> = self
+            .in_flight
+            .iter()
+            .filter(|(id, f)| {
+                self.run
+                    .node(&f.node)
+                    .and_then(|n| n.pending)
+                    .is_none_or(|p| p.id != **id)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ended {
+            self.close_operation(id, "ambiguous", now);
         }
     }
 
@@ -331,11 +613,15 @@ impl RunActor {
             return;
         }
         for op in self.run.inflight_operations() {
-            let trace = op.trace.clone();
-            link.send(
-                generation,
-                message(Kind::Submit(pb::Operation::from(&op)), &trace),
-            );
+            // A resubmission joins the operation's span, so the executor's
+            // replay or adoption shows under the original dispatch.
+            let trace = self
+                .in_flight
+                .get(&op.id)
+                .map(|f| telemetry::context_of(&f.span))
+                .filter(|t| !t.traceparent.is_empty())
+                .unwrap_or_else(|| op.trace.clone());
+            link.send(generation, submit_message(&op, &trace));
         }
         let uid = self.run.uid().to_string();
         let after = self
@@ -361,9 +647,37 @@ impl RunActor {
 
     fn decided(&mut self, plan: PassPlan, result: Result<DecideOutput, DecideError>, now: UnixMillis) {
         self.pass_in_flight = false;
+        let mut span = self.pass_span.take().unwrap_or_else(tracing::Span::none);
+        let speculative = std::mem::take(&mut self.pass_speculative);
+        let started = self.pass_started.take();
+        if self.stopping.is_some() {
+            // Shutting down: nothing new is dispatched; the next driver decides
+            // these nodes again.
+            self.run.abort_pass(plan);
+            span.record("provisioning.pass.result", "abandoned");
+            return;
+        }
+        let shared = self.shared.clone();
+        let e = &shared.metrics.exported;
         match result {
             Ok(out) => {
                 self.decider_failures = 0;
+                if speculative
+                    && out
+                        .decisions
+                        .iter()
+                        .any(|d| !matches!(d.action, Action::Wait { .. }))
+                {
+                    // The safety tick found work after all: trace the pass
+                    // from here on (its Decide call went untraced).
+                    span = self.new_pass_span(&plan, false);
+                }
+                let _entered = span.enter();
+                // Operations dispatched by this pass carry its trace, so
+                // their results, folds and resubmissions link back to it.
+                self.run.set_pass_trace(telemetry::context_of(&span));
+                let requeue_after = out.requeue_at.is_some();
+                let was_converged = self.run.meta().converged_at.is_some();
                 let outcome = {
                     let mut store = match self.shared.store.lock() {
                         Ok(s) => s,
@@ -374,18 +688,44 @@ impl RunActor {
                 match outcome {
                     Ok(outcome) => {
                         self.shared.metrics.pass(&outcome);
+                        let result = if outcome.follow_up {
+                            "requeue"
+                        } else if requeue_after {
+                            "requeue_after"
+                        } else {
+                            "success"
+                        };
+                        record_pass(&span, &outcome, result);
+                        e.reconcile.inc(&[result]);
+                        if outcome.follow_up {
+                            // The follow-up pass is work queued by this one.
+                            self.want();
+                        }
+                        if !was_converged && self.run.meta().converged_at.is_some() {
+                            e.converged.inc(&[]);
+                            tracing::info!(
+                                run = %self.run.run_id(),
+                                generation = self.run.shape().generation.get(),
+                                nodes = self.run.node_count(),
+                                "run converged"
+                            );
+                        }
                         self.acks.extend(outcome.acks);
                         for op in &outcome.operations {
-                            self.submit(op);
+                            self.dispatch(op, now);
                         }
                         self.changed = true;
                     }
-                    Err(e) => {
-                        tracing::error!(run = %self.run.run_id(), error = %e, "applying decisions failed")
+                    Err(err) => {
+                        span.record("provisioning.pass.result", "error");
+                        span.record("otel.status_code", "error");
+                        e.reconcile.inc(&["error"]);
+                        e.reconcile_errors.inc(&["apply"]);
+                        tracing::error!(run = %self.run.run_id(), error = %err, "applying decisions failed")
                     }
                 }
             }
-            Err(e) => {
+            Err(err) => {
                 // Nothing changes and nothing is dispatched while the decider is
                 // away; the pass is retried with backoff.
                 self.run.abort_pass(plan);
@@ -394,20 +734,95 @@ impl RunActor {
                 let delay = Duration::from_millis(100 * (1u64 << exp)).min(Duration::from_secs(5));
                 self.decider_retry_at = Some(Instant::now() + delay);
                 self.shared.metrics.decider_error();
-                tracing::warn!(run = %self.run.run_id(), error = %e, retry_in = ?delay, "decider call failed");
+                let reason = match &err {
+                    DecideError::Unavailable(_) => "decider_unavailable",
+                    DecideError::Rejected(_) => "decider_rejected",
+                    DecideError::Decode(_) => "decider_undecodable",
+                };
+                span.record("provisioning.pass.result", "error");
+                span.record("otel.status_code", "error");
+                e.reconcile.inc(&["error"]);
+                e.reconcile_errors.inc(&[reason]);
+                e.queue_retries.inc(&[QUEUE]);
+                // The retry is queued work: the run stays wanted until it runs.
+                self.want();
+                let _entered = span.enter();
+                tracing::warn!(run = %self.run.run_id(), error = %err, retry_in = ?delay, "decider call failed");
             }
+        }
+        if let Some(started) = started {
+            e.pass_duration.observe_duration(&[], started.elapsed());
         }
     }
 
-    fn submit(&self, op: &contract::Operation) {
+    /// A pass's span. A speculative pass (only the safety tick asked for it)
+    /// gets an unsampled root, so neither it nor its Decide call is recorded
+    /// unless it turns out to act; any other pass is the child of the request
+    /// that caused it, or a root linked to the folds that did.
+    fn new_pass_span(&mut self, plan: &PassPlan, speculative: bool) -> tracing::Span {
+        let span = tracing::info_span!(
+            parent: None,
+            "pass",
+            provisioning.run.id = %self.run.run_id(),
+            provisioning.run.generation = self.run.shape().generation.get(),
+            provisioning.pass.nodes = plan.nodes.len(),
+            provisioning.pass.full = plan.full,
+            provisioning.pass.actions = Empty,
+            provisioning.pass.operations = Empty,
+            provisioning.pass.transitions = Empty,
+            provisioning.pass.stale = Empty,
+            provisioning.pass.result = Empty,
+            otel.status_code = Empty,
+        );
+        if speculative {
+            telemetry::set_unsampled_root(&span);
+        } else {
+            if let Some(origin) = self.origin.take() {
+                telemetry::set_parent(&span, &origin);
+            }
+            for cause in self.causes.drain(..) {
+                telemetry::add_link(&span, &cause);
+            }
+        }
+        span
+    }
+
+    /// Opens the span of an operation the current pass dispatched (a child
+    /// of the pass's span, which is entered) and submits the operation under
+    /// it. The span ends when the operation's outcome is folded.
+    fn dispatch(&mut self, op: &Operation, now: UnixMillis) {
+        let effect = op.input.effect();
+        let span = tracing::info_span!(
+            "operation",
+            otel.name = %format_args!("operation {}", effect.name()),
+            provisioning.run.id = %op.run_id,
+            provisioning.node.id = %op.node,
+            provisioning.operation.id = %op.id,
+            provisioning.operation.effect = effect.name(),
+            provisioning.operation.attempt = op.id.attempt().get(),
+            provisioning.operation.outcome = Empty,
+            otel.status_code = Empty,
+        );
+        let trace = telemetry::context_of(&span);
+        self.shared.metrics.exported.in_flight.add(&[effect.name()], 1.0);
+        self.in_flight.insert(
+            op.id,
+            InFlight {
+                node: op.node.clone(),
+                effect,
+                dispatched_at: now,
+                span,
+            },
+        );
+        self.submit(op, &trace);
+    }
+
+    fn submit(&self, op: &contract::Operation, trace: &TraceContext) {
         if self.fenced || self.halted.is_some() {
             return;
         }
         if let Some(g) = self.link {
-            let trace = op.trace.clone();
-            self.shared
-                .link
-                .send(g, message(Kind::Submit(pb::Operation::from(op)), &trace));
+            self.shared.link.send(g, submit_message(op, trace));
         }
         // With the link down the operation stays recorded pending; it is
         // resubmitted when the link comes back, or folds at its deadline.
@@ -461,10 +876,10 @@ impl RunActor {
         let uid = self.run.uid().to_string();
         let after = sessions
             .into_iter()
-            .map(|session| pb::ObservationRef {
+            .map(|(session, seq)| pb::ObservationRef {
                 run_uid: uid.clone(),
                 session_id: session.to_string(),
-                seq: 0,
+                seq,
             })
             .collect();
         self.shared.link.send(
@@ -507,11 +922,19 @@ impl RunActor {
     }
 
     fn maybe_pass(&mut self) {
-        if self.pass_in_flight || self.decider_retry_at.is_some() || self.fenced || self.halted.is_some() {
+        if self.pass_in_flight
+            || self.decider_retry_at.is_some()
+            || self.fenced
+            || self.halted.is_some()
+            || self.stopping.is_some()
+        {
             return;
         }
         let now = self.now();
         if !self.run.needs_pass(now) {
+            // Nothing is dirty or due after all: the run leaves the queue.
+            self.unwant(false);
+            self.speculative = false;
             return;
         }
         let plan = match self.run.begin_pass(now) {
@@ -521,6 +944,9 @@ impl RunActor {
                 return;
             }
         };
+        self.unwant(true);
+        let speculative = std::mem::take(&mut self.speculative);
+        let span = self.new_pass_span(&plan, speculative);
         let requests = {
             let slots = self.run.slot_set();
             decider_svc::client::encode_request(
@@ -529,16 +955,24 @@ impl RunActor {
                 self.run.plan_nodes(&plan),
                 &slots,
                 now,
-                &TraceContext::default(),
+                &telemetry::context_of(&span),
             )
         };
         self.pass_in_flight = true;
+        self.pass_started = Some(Instant::now());
+        self.pass_speculative = speculative;
+        self.pass_span = Some(span.clone());
         let mut client = self.shared.decider.clone();
         let tx = self.tx.clone();
-        tokio::spawn(async move {
-            let result = decider_svc::client::decide(&mut client, requests).await;
-            let _ = tx.send(RunEvent::Decided { plan, result });
-        });
+        // The Decide call runs in the pass's span: the tracing layer makes
+        // its client span a child of the pass.
+        tokio::spawn(
+            async move {
+                let result = decider_svc::client::decide(&mut client, requests).await;
+                let _ = tx.send(RunEvent::Decided { plan, result });
+            }
+            .instrument(span),
+        );
     }
 
     fn publish(&mut self) {
@@ -553,6 +987,12 @@ impl RunActor {
     fn finish(&mut self) {
         let uid = self.run.uid();
         let _ = self.commit();
+        let now = self.now();
+        let left: Vec<OperationId> = self.in_flight.keys().copied().collect();
+        for id in left {
+            self.close_operation(id, "abandoned", now);
+        }
+        self.unwant(false);
         if let Some(g) = self.link {
             self.shared.link.send(
                 g,
@@ -571,6 +1011,29 @@ impl RunActor {
         self.shared.forget(self.run.run_id(), uid);
         tracing::info!(run = %self.run.run_id(), "run deleted");
     }
+}
+
+/// Records what a pass did on its span: counts, the result, and the actions
+/// per ladder rule as `provisioning.pass.rule_<n>` attributes.
+fn record_pass(span: &tracing::Span, o: &crate::core::PassOutcome, result: &str) {
+    let actions: u32 = o.actions_by_rule.iter().sum();
+    span.record("provisioning.pass.actions", actions);
+    span.record("provisioning.pass.operations", o.operations.len());
+    span.record("provisioning.pass.transitions", o.transitions);
+    span.record("provisioning.pass.stale", o.stale);
+    span.record("provisioning.pass.result", result);
+    for (rule, n) in o.actions_by_rule.iter().enumerate() {
+        if *n > 0 {
+            telemetry::set_attribute(span, format!("provisioning.pass.rule_{rule}"), i64::from(*n));
+        }
+    }
+}
+
+/// An operation's submission, with `trace` in the operation and the message.
+fn submit_message(op: &Operation, trace: &TraceContext) -> pb::DriverMessage {
+    let mut wire = pb::Operation::from(op);
+    wire.trace = contract::wire::trace_to_wire(trace);
+    message(Kind::Submit(wire), trace)
 }
 
 fn message(kind: Kind, trace: &TraceContext) -> pb::DriverMessage {

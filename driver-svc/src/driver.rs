@@ -2,16 +2,19 @@
 //! clock, the executor link, the decider client and the policy.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::{Arc, Mutex, RwLock, atomic::AtomicU64, atomic::Ordering},
     time::Duration,
 };
 
 use contract::{
-    Clock, ClusterShape, Epoch, LogicalNodeId, RunId, RunUid, pb, pb::decider_client::DeciderClient,
+    Clock, ClusterShape, Epoch, LogicalNodeId, RunId, RunUid,
+    metrics::{Counter, Gauge, Histogram},
+    pb,
+    pb::decider_client::DeciderClient,
+    telemetry::grpc::TracedChannel,
 };
 use tokio::sync::oneshot;
-use tonic::transport::Channel;
 
 use crate::{
     actor::{RunActor, RunEvent, RunHandle},
@@ -19,8 +22,11 @@ use crate::{
     link::Link,
 };
 
-/// Driver-wide counters (exported as metrics by the observability layer).
-#[derive(Debug, Default)]
+/// Driver-wide counters, and the driver's Prometheus metrics (each is
+/// documented in ARCHITECTURE.md, "Metrics"). The atomics are the driver's
+/// own totals for tests and callers of [`Driver::metrics`]; the registry
+/// handles are what the metrics endpoint serves.
+#[derive(Debug)]
 pub struct Metrics {
     pub passes: AtomicU64,
     pub operations: AtomicU64,
@@ -28,6 +34,183 @@ pub struct Metrics {
     pub stale_decisions: AtomicU64,
     pub decider_errors: AtomicU64,
     pub actions_by_rule: [AtomicU64; 17],
+    pub(crate) exported: Exported,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            passes: AtomicU64::default(),
+            operations: AtomicU64::default(),
+            transitions: AtomicU64::default(),
+            stale_decisions: AtomicU64::default(),
+            decider_errors: AtomicU64::default(),
+            actions_by_rule: Default::default(),
+            exported: Exported::new(contract::metrics::global()),
+        }
+    }
+}
+
+/// The work queue's name in the `name` label, as client-go's work queues
+/// label theirs: one key per run.
+pub(crate) const QUEUE: &str = "runs";
+
+/// The driver's metric families, in the controller-runtime / client-go work
+/// queue conventions where one applies.
+#[derive(Debug, Clone)]
+pub(crate) struct Exported {
+    pub(crate) queue_depth: Gauge,
+    pub(crate) queue_adds: Counter,
+    pub(crate) queue_duration: Histogram,
+    pub(crate) queue_retries: Counter,
+    pub(crate) reconcile: Counter,
+    pub(crate) reconcile_errors: Counter,
+    pub(crate) pass_duration: Histogram,
+    pub(crate) actions: Counter,
+    pub(crate) stale_decisions: Counter,
+    pub(crate) dispatched: Counter,
+    pub(crate) in_flight: Gauge,
+    pub(crate) operation_duration: Histogram,
+    pub(crate) folds: Counter,
+    pub(crate) discarded: Counter,
+    pub(crate) converged: Counter,
+    nodes: Gauge,
+    runs: Gauge,
+    link_up: Gauge,
+    link_events: Counter,
+}
+
+impl Exported {
+    fn new(r: &contract::metrics::Registry) -> Self {
+        use contract::metrics::LATENCY_BUCKETS;
+        Self {
+            queue_depth: r.gauge(
+                "provisioning_workqueue_depth",
+                "Runs whose next pass is wanted but has not started (a pass is in flight, or the \
+                 decider is being retried).",
+                &["name"],
+            ),
+            queue_adds: r.counter(
+                "provisioning_workqueue_adds_total",
+                "Times a run went from needing nothing to wanting a pass; triggers that arrive while \
+                 one is already wanted collapse into it.",
+                &["name"],
+            ),
+            queue_duration: r.histogram(
+                "provisioning_workqueue_queue_duration_seconds",
+                "How long a run wanted a pass before the pass started.",
+                &["name"],
+                LATENCY_BUCKETS,
+            ),
+            queue_retries: r.counter(
+                "provisioning_workqueue_retries_total",
+                "Passes put back with backoff because the decider could not be reached.",
+                &["name"],
+            ),
+            reconcile: r.counter(
+                "provisioning_reconcile_total",
+                "Passes, by result: success (nothing more to do), requeue (another pass at once), \
+                 requeue_after (a deadline will wake the run), error.",
+                &["result"],
+            ),
+            reconcile_errors: r.counter(
+                "provisioning_reconcile_errors_total",
+                "Passes that failed, by reason.",
+                &["reason"],
+            ),
+            pass_duration: r.histogram(
+                "provisioning_pass_duration_seconds",
+                "Time from the start of a pass to its decisions being applied and committed (the \
+                 Decide call included).",
+                &[],
+                LATENCY_BUCKETS,
+            ),
+            actions: r.counter(
+                "provisioning_actions_total",
+                "Actions applied (waits excluded), by ladder rule.",
+                &["rule", "name"],
+            ),
+            stale_decisions: r.counter(
+                "provisioning_stale_decisions_total",
+                "Decisions skipped because their node changed while the decider ran.",
+                &[],
+            ),
+            dispatched: r.counter(
+                "provisioning_operations_dispatched_total",
+                "Operations recorded pending and submitted to the executor, by effect.",
+                &["effect"],
+            ),
+            in_flight: r.gauge(
+                "provisioning_operations_in_flight",
+                "Operations recorded pending and not yet folded, by effect.",
+                &["effect"],
+            ),
+            operation_duration: r.histogram(
+                "provisioning_operation_duration_seconds",
+                "Time from an operation's dispatch to the fold of its outcome, by effect and outcome \
+                 class.",
+                &["effect", "outcome"],
+                LATENCY_BUCKETS,
+            ),
+            folds: r.counter(
+                "provisioning_folds_total",
+                "Executor results, bootstrap observations and rejections folded into run state, by kind.",
+                &["kind"],
+            ),
+            discarded: r.counter(
+                "provisioning_stale_results_discarded_total",
+                "Results and observations discarded instead of folded (superseded attempt, unknown or \
+                 expired operation, late completion, stale session, duplicate), by kind and reason.",
+                &["kind", "reason"],
+            ),
+            converged: r.counter(
+                "provisioning_runs_converged_total",
+                "Times a run reached convergence for its current generation.",
+                &[],
+            ),
+            nodes: r.gauge(
+                "provisioning_nodes",
+                "Nodes across all runs, by stage.",
+                &["stage"],
+            ),
+            runs: r.gauge("provisioning_runs", "Runs, by phase.", &["phase"]),
+            link_up: r.gauge(
+                "provisioning_executor_link_up",
+                "1 while the driver's stream to the executor is up.",
+                &[],
+            ),
+            link_events: r.counter(
+                "provisioning_executor_link_events_total",
+                "Executor link events: connects, disconnects, and messages sent, dropped (link down), \
+                 received, undecodable or unrouted (no such run).",
+                &["event"],
+            ),
+        }
+    }
+}
+
+/// A rule's name in the `name` label: the action the ladder row takes.
+pub(crate) fn rule_name(rule: contract::Rule) -> &'static str {
+    use contract::Rule as R;
+    match rule {
+        R::Insert => "insert",
+        R::Reap => "reap",
+        R::Restart => "restart",
+        R::RestartBackoff => "restart-backoff",
+        R::BeginDelete => "begin-delete",
+        R::Pending => "pending",
+        R::ReissueCreate => "reissue-create",
+        R::CancelBootstrap => "cancel-bootstrap",
+        R::DestroyLease => "destroy-lease",
+        R::MarkDestroyed => "mark-destroyed",
+        R::RetryBackoff => "retry-backoff",
+        R::Ready => "ready",
+        R::CreateLease => "create-lease",
+        R::LookupEndpoint => "lookup-endpoint",
+        R::ObserveConvergence => "observe-convergence",
+        R::AwaitBootstrap => "await-bootstrap",
+        R::StartBootstrap => "start-bootstrap",
+    }
 }
 
 impl Metrics {
@@ -42,6 +225,17 @@ impl Metrics {
         for (i, n) in o.actions_by_rule.iter().enumerate() {
             self.actions_by_rule[i].fetch_add(u64::from(*n), Ordering::Relaxed);
         }
+        let e = &self.exported;
+        e.stale_decisions.add(&[], u64::from(o.stale));
+        for (rule, n) in contract::Rule::ALL.iter().zip(o.actions_by_rule) {
+            if n > 0 {
+                e.actions
+                    .add(&[&rule.number().to_string(), rule_name(*rule)], u64::from(n));
+            }
+        }
+        for op in &o.operations {
+            e.dispatched.inc(&[op.input.effect().name()]);
+        }
     }
 
     pub(crate) fn decider_error(&self) {
@@ -49,11 +243,78 @@ impl Metrics {
     }
 }
 
+/// Refreshes the gauges read from live state (nodes by stage, runs by phase,
+/// the link) before each scrape; stops once the driver is gone.
+fn register_scrape(shared: &Arc<Shared>) {
+    let weak = Arc::downgrade(shared);
+    contract::metrics::global().on_scrape(move || {
+        let Some(shared) = weak.upgrade() else {
+            return false;
+        };
+        let handles: Vec<RunHandle> = shared
+            .runs
+            .read()
+            .map(|r| r.values().cloned().collect())
+            .unwrap_or_default();
+        let mut stages: BTreeMap<&'static str, f64> = BTreeMap::new();
+        let mut phases: BTreeMap<&'static str, f64> = BTreeMap::new();
+        for h in &handles {
+            let status = h.status.borrow().clone();
+            let phase = pb::RunPhase::try_from(status.phase).unwrap_or(pb::RunPhase::Unspecified);
+            *phases.entry(phase_name(phase)).or_default() += 1.0;
+            for g in &status.groups {
+                for c in &g.stages {
+                    let stage = pb::NodeStage::try_from(c.stage)
+                        .ok()
+                        .and_then(|s| contract::NodeStage::try_from(s).ok())
+                        .map_or("unknown", contract::NodeStage::name);
+                    *stages.entry(stage).or_default() += f64::from(c.count);
+                }
+            }
+        }
+        let e = &shared.metrics.exported;
+        e.nodes.replace_all(stages.into_iter().map(|(k, v)| (vec![k], v)));
+        e.runs.replace_all(phases.into_iter().map(|(k, v)| (vec![k], v)));
+        let link = shared.link.counters();
+        e.link_up.set(
+            &[],
+            if shared.link.generation().is_some() {
+                1.0
+            } else {
+                0.0
+            },
+        );
+        for (event, n) in [
+            ("connect", link.connects),
+            ("disconnect", link.disconnects),
+            ("sent", link.sent),
+            ("dropped", link.dropped),
+            ("received", link.received),
+            ("undecodable", link.undecodable),
+            ("unrouted", link.unrouted),
+        ] {
+            e.link_events.mirror(&[event], n);
+        }
+        true
+    });
+}
+
+fn phase_name(p: pb::RunPhase) -> &'static str {
+    match p {
+        pb::RunPhase::Unspecified => "unknown",
+        pb::RunPhase::Progressing => "progressing",
+        pb::RunPhase::Converged => "converged",
+        pb::RunPhase::Paused => "paused",
+        pb::RunPhase::Deleting => "deleting",
+        pb::RunPhase::Deleted => "deleted",
+    }
+}
+
 pub(crate) struct Shared {
     pub(crate) store: Mutex<Box<dyn RunStore>>,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) link: Link,
-    pub(crate) decider: DeciderClient<Channel>,
+    pub(crate) decider: DeciderClient<TracedChannel>,
     pub(crate) policy: Arc<Policy>,
     pub(crate) safety_tick: Duration,
     pub(crate) metrics: Metrics,
@@ -116,7 +377,9 @@ pub struct Driver {
 pub struct DriverConfig {
     pub store: Box<dyn RunStore>,
     pub clock: Arc<dyn Clock>,
-    pub decider: DeciderClient<Channel>,
+    /// The decider, through the tracing layer: each pass's `Decide` call is
+    /// a child of the pass's span.
+    pub decider: DeciderClient<TracedChannel>,
     pub link: Link,
     pub policy: Policy,
     pub safety_tick: Duration,
@@ -136,6 +399,7 @@ impl Driver {
             metrics: Metrics::default(),
             runs: RwLock::new(HashMap::new()),
         });
+        register_scrape(&shared);
         let driver = Self { shared };
         for s in stored {
             // A new, strictly larger epoch per run, made durable before the run
@@ -156,7 +420,7 @@ impl Driver {
             }
             tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(), "run restored");
             let id = run.run_id().clone();
-            let handle = RunActor::spawn(run, driver.shared.clone());
+            let handle = RunActor::spawn(run, driver.shared.clone(), contract::TraceContext::default());
             if let Ok(mut runs) = driver.shared.runs.write() {
                 runs.insert(id, handle);
             }
@@ -191,8 +455,11 @@ impl Driver {
     ) -> Result<T, DriverError> {
         let h = self.handle(run_id)?;
         let (tx, rx) = oneshot::channel();
-        h.tx.send(make(tx)).map_err(|_| DriverError::ActorGone)?;
-        rx.await.map_err(|_| DriverError::ActorGone)
+        // An actor that is gone finished its run (deleted and reaped): to a
+        // client that run no longer exists.
+        let gone = || DriverError::NotFound(run_id.to_owned());
+        h.tx.send(make(tx)).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())
     }
 
     /// Applies a shape: creates the run, or updates it under the revision
@@ -202,8 +469,12 @@ impl Driver {
         match existing {
             Ok(h) => {
                 let (tx, rx) = oneshot::channel();
-                h.tx.send(RunEvent::Apply { shape, reply: tx })
-                    .map_err(|_| DriverError::ActorGone)?;
+                h.tx.send(RunEvent::Apply {
+                    shape,
+                    trace: request_trace(),
+                    reply: tx,
+                })
+                .map_err(|_| DriverError::ActorGone)?;
                 let applied = rx.await.map_err(|_| DriverError::ActorGone)??;
                 Ok(ApplyOutcome {
                     uid: h.uid,
@@ -235,7 +506,7 @@ impl Driver {
             })?;
         }
         let id = run.run_id().clone();
-        let handle = RunActor::spawn(run, self.shared.clone());
+        let handle = RunActor::spawn(run, self.shared.clone(), request_trace());
         runs.insert(id, handle);
         Ok(ApplyOutcome {
             uid,
@@ -309,14 +580,48 @@ impl Driver {
         }
     }
 
+    /// Stops every run actor for a graceful shutdown, waiting at most
+    /// `within`: each abandons its pass in flight (if any) and ends its open
+    /// spans, so the spans flushed at exit form whole traces.
+    pub async fn shutdown(&self, within: Duration) {
+        let handles: Vec<RunHandle> = self
+            .shared
+            .runs
+            .read()
+            .map(|r| r.values().cloned().collect())
+            .unwrap_or_default();
+        let mut stopped = Vec::with_capacity(handles.len());
+        for h in handles {
+            let (done, rx) = oneshot::channel();
+            if h.tx.send(RunEvent::Shutdown { done }).is_ok() {
+                stopped.push(rx);
+            }
+        }
+        if tokio::time::timeout(within, futures::future::join_all(stopped))
+            .await
+            .is_err()
+        {
+            tracing::warn!(?within, "some runs did not stop in time");
+        }
+    }
+
     pub async fn delete(&self, run_id: &str) -> Result<pb::RunStatus, DriverError> {
-        self.ask(run_id, |reply| RunEvent::Delete { reply }).await?
+        let trace = request_trace();
+        self.ask(run_id, |reply| RunEvent::Delete { trace, reply })
+            .await?
     }
 
     pub async fn set_paused(&self, run_id: &str, paused: bool) -> Result<pb::RunStatus, DriverError> {
-        self.ask(run_id, |reply| RunEvent::SetPaused { paused, reply })
+        let trace = request_trace();
+        self.ask(run_id, |reply| RunEvent::SetPaused { paused, trace, reply })
             .await?
     }
+}
+
+/// The trace context of the client request being served (the API's server
+/// span), so the pass a request causes joins the request's trace.
+fn request_trace() -> contract::TraceContext {
+    contract::telemetry::context_of(&tracing::Span::current())
 }
 
 /// A fresh run uid from the operating system's random source, with a

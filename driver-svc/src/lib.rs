@@ -6,11 +6,14 @@
 //! [`actor`] runs one single-writer task per run; [`driver`] is the registry of
 //! runs; [`link`] keeps the stream to the executor; [`api`] serves clients;
 //! [`status`] builds what clients read; [`server`] assembles it all.
+//! [`client`] is the logic of `provisionctl`, the command-line client, and
+//! [`shapefile`] its file format.
 
 #![forbid(unsafe_code)]
 
 pub mod actor;
 pub mod api;
+pub mod client;
 pub mod core;
 pub mod driver;
 pub mod durable;

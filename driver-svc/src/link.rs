@@ -180,7 +180,9 @@ impl Link {
             }
         };
         let (tx, rx) = mpsc::unbounded_channel();
-        let mut client = ExecutorClient::new(channel)
+        // Through the tracing layer: the link call has a client span (one per
+        // connection); the operations on it carry their own trace contexts.
+        let mut client = ExecutorClient::new(contract::telemetry::grpc::traced(channel))
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20);
         // Install the sender before the call: the request stream must carry the

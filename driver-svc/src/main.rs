@@ -43,6 +43,10 @@ struct Cli {
     /// How long after an operation's deadline the driver folds it as ambiguous.
     #[arg(long, env = "DRIVER_RESULT_GRACE_MS", default_value_t = 5_000)]
     result_grace_ms: u64,
+    /// While operations are in flight, how long a fold may wait for more
+    /// results before it triggers a pass (0 decides at once).
+    #[arg(long, env = "DRIVER_PASS_BATCH_MS", default_value_t = 50)]
+    pass_batch_ms: u64,
     /// Every run gets a full pass at least this often (a safety net).
     #[arg(long, env = "DRIVER_SAFETY_TICK_MS", default_value_t = 30_000)]
     safety_tick_ms: u64,
@@ -85,6 +89,7 @@ impl Cli {
             bootstrap_timeout: ms(self.bootstrap_timeout_ms),
             operation_timeout: ms(self.operation_timeout_ms),
             result_grace: ms(self.result_grace_ms),
+            pass_batch: ms(self.pass_batch_ms),
             limits: ShapeLimits {
                 max_groups: self.max_groups,
                 max_nodes_per_group: self.max_nodes_per_group,
@@ -98,7 +103,7 @@ impl Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    runtime::init_logging(cli.common.log_json);
+    let telemetry = runtime::init_telemetry("driver-svc", &cli.common)?;
     let policy = cli.policy()?;
     // The store is opened before anything listens: a store that cannot be
     // opened (or is damaged) stops the driver here, loudly.
@@ -116,7 +121,7 @@ async fn main() -> anyhow::Result<()> {
         runtime::bind_and_announce("driver-svc", cli.common.listen, cli.common.ready_file.as_deref())
             .await
             .context("binding the listen address")?;
-    run(
+    let result = run(
         listener,
         runtime::shutdown_signal(),
         Config {
@@ -128,5 +133,8 @@ async fn main() -> anyhow::Result<()> {
             clock: Arc::new(contract::SystemClock),
         },
     )
-    .await
+    .await;
+    // Spans of the last passes are exported before the process ends.
+    telemetry.shutdown().await;
+    result
 }

@@ -6,6 +6,7 @@ use std::{sync::Arc, time::Duration};
 use contract::{
     Clock,
     pb::{decider_client::DeciderClient, provisioning_server::ProvisioningServer},
+    telemetry::grpc::{ServerLayer, traced},
 };
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -17,6 +18,10 @@ use crate::{
     driver::{Driver, DriverConfig},
     link::Link,
 };
+
+/// How long the runs get to stop at shutdown (a pass in flight waits for its
+/// Decide answer, which the decider gives in milliseconds when it is up).
+const RUNS_STOP_WITHIN: Duration = Duration::from_secs(2);
 
 /// Everything `run` needs besides the listener.
 #[derive(Debug)]
@@ -39,7 +44,7 @@ pub async fn run(
     let decider_endpoint = Endpoint::from_shared(config.decider.clone())?
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(30));
-    let decider = DeciderClient::new(decider_endpoint.connect_lazy())
+    let decider = DeciderClient::new(traced(decider_endpoint.connect_lazy()))
         .max_decoding_message_size(16 << 20)
         .max_encoding_message_size(16 << 20);
     let executor_endpoint = Endpoint::from_shared(config.executor.clone())?
@@ -69,9 +74,10 @@ pub async fn run(
 
     let (_reporter, health, reflection) =
         contract::runtime::health_and_reflection::<ProvisioningServer<Api>>().await?;
-    let api = ProvisioningServer::new(Api::new(driver));
+    let api = ProvisioningServer::new(Api::new(driver.clone()));
     let mut stop = stop_rx;
     let served = tonic::transport::Server::builder()
+        .layer(ServerLayer::new())
         .add_service(health)
         .add_service(reflection)
         .add_service(api)
@@ -80,6 +86,9 @@ pub async fn run(
             let _ = stop.wait_for(|_| true).await;
         });
     let result = served.await;
+    // The runs stop before the executor link closes, so nothing they send on
+    // the way out is lost, and before the process flushes its spans.
+    driver.shutdown(RUNS_STOP_WITHIN).await;
     let _ = stop_tx.send(true);
     let _ = link_task.await;
     result?;

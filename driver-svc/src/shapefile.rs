@@ -1,25 +1,43 @@
 //! The shape file format clients write (YAML or JSON), converted to the wire
-//! shape. Unknown fields are errors, and a parse error names the line and the
-//! field, so a typo never silently becomes a default.
+//! shape and checked locally before anything is sent.
+//!
+//! Unknown fields are errors, and every error names the file location (line
+//! and column) and the field path, so a typo never silently becomes a default
+//! and a user never has to guess which of many groups is wrong. A file that
+//! parses is then put through the same decoding and validation the driver
+//! runs (`contract::wire::shape_from_wire` and `ClusterShape::validate` with
+//! the default limits); an error found there is located in the file by its
+//! field path with [`locate`].
 //!
 //! ```yaml
-//! run_id: demo
+//! run_id: demo             # required: lowercase letters, digits, '-'
 //! generation: 1            # optional: provisionctl fills in the next one
 //! groups:
-//!   - id: workers
-//!     count: 8
+//!   - id: workers          # required: slots are named workers-0, workers-1, ...
+//!     count: 8             # required: 0 or more
 //!     template:
-//!       role: worker
-//!       image: img:1
-//!       provider: { name: fake, machine_type: standard-4, cpu: 4, memory_gib: 16, zone: local-a }
+//!       role: worker       # optional
+//!       image: img:1       # required
+//!       provider: { name: fake, machine_type: standard-4, cpu: 4, memory_gib: 16, zone: local-a,
+//!                   accelerators: [{ kind: a100, count: 1 }], labels: { pool: general } }
 //!       boot: { greeting: hello, token: { value: s3cret, secret: true } }
 //!       join: { cluster: demo }
 //! ```
+//!
+//! A boot or join parameter is a string (numbers and booleans are taken as
+//! their text) or `{ value, secret }`; secret values are redacted on every
+//! read path and never appear in any message this module produces.
 
-use std::collections::{BTreeMap, HashMap};
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+};
 
-use contract::pb;
-use serde::Deserialize;
+use contract::{ShapeLimits, pb, wire::shape_from_wire};
+use serde::{
+    Deserialize, Deserializer,
+    de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor},
+};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -35,6 +53,8 @@ pub struct ShapeFile {
 #[serde(deny_unknown_fields)]
 pub struct GroupFile {
     pub id: String,
+    /// Signed so that a negative count is reported as negative, by the same
+    /// validation the server runs, rather than as a type error.
     pub count: i64,
     pub template: TemplateFile,
 }
@@ -78,53 +98,242 @@ pub struct AcceleratorFile {
 }
 
 /// A parameter: a plain string, or `{ value, secret }`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+///
+/// `Debug` never shows a secret value, so a parsed file can be logged.
+#[derive(Clone, PartialEq, Eq)]
 pub enum ParamFile {
     Plain(String),
-    Full {
-        value: String,
-        #[serde(default)]
-        secret: bool,
+    Full { value: String, secret: bool },
+}
+
+impl ParamFile {
+    pub fn value(&self) -> &str {
+        match self {
+            ParamFile::Plain(v) | ParamFile::Full { value: v, .. } => v,
+        }
+    }
+
+    pub fn is_secret(&self) -> bool {
+        matches!(self, ParamFile::Full { secret: true, .. })
+    }
+}
+
+impl fmt::Debug for ParamFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_secret() {
+            f.write_str("<redacted>")
+        } else {
+            write!(f, "{:?}", self.value())
+        }
+    }
+}
+
+/// Hand-written rather than `#[serde(untagged)]`: an untagged enum reports
+/// every mistake as "data did not match any variant", which names neither
+/// what was expected nor, for the map form, the misspelled key.
+impl<'de> Deserialize<'de> for ParamFile {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ParamVisitor)
+    }
+}
+
+struct ParamVisitor;
+
+impl<'de> Visitor<'de> for ParamVisitor {
+    type Value = ParamFile;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string, or a map { value: STRING, secret: true|false }")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<ParamFile, E> {
+        Ok(ParamFile::Plain(v.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<ParamFile, E> {
+        Ok(ParamFile::Plain(v))
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<ParamFile, E> {
+        Ok(ParamFile::Plain(v.to_string()))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<ParamFile, E> {
+        Ok(ParamFile::Plain(v.to_string()))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<ParamFile, E> {
+        Ok(ParamFile::Plain(v.to_string()))
+    }
+
+    // A float would come back re-formatted (`1.10` as `1.1`), silently
+    // changing the parameter; asking for quotes keeps the user's text exact.
+    fn visit_f64<E: de::Error>(self, _v: f64) -> Result<ParamFile, E> {
+        Err(E::custom(
+            "a decimal number is not a valid parameter value; quote it to keep its exact text",
+        ))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ParamFile, A::Error> {
+        let mut value: Option<String> = None;
+        let mut secret: Option<bool> = None;
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "value" if value.is_none() => value = Some(map.next_value()?),
+                "secret" if secret.is_none() => secret = Some(map.next_value()?),
+                "value" | "secret" => return Err(de::Error::duplicate_field("value or secret")),
+                _ => return Err(de::Error::unknown_field(&key, &["value", "secret"])),
+            }
+        }
+        let value = value.ok_or_else(|| de::Error::missing_field("value"))?;
+        Ok(ParamFile::Full {
+            value,
+            secret: secret.unwrap_or(false),
+        })
+    }
+}
+
+/// Which syntax a file is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Yaml,
+    Json,
+}
+
+impl Format {
+    /// By extension when there is a telling one, else by content: JSON if it
+    /// starts with `{`. YAML is a superset of JSON, but the JSON parser gives
+    /// better messages for JSON.
+    pub fn detect(source_name: &str, text: &str) -> Format {
+        let lower = source_name.to_ascii_lowercase();
+        if lower.ends_with(".json") {
+            Format::Json
+        } else if lower.ends_with(".yaml") || lower.ends_with(".yml") {
+            Format::Yaml
+        } else if text.trim_start().starts_with('{') {
+            Format::Json
+        } else {
+            Format::Yaml
+        }
+    }
+}
+
+/// A place in a file, 1-based.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Location {
+    pub line: usize,
+    pub column: usize,
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.line, self.column)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeFileError {
+    /// The file is not valid YAML/JSON, or does not fit the schema.
+    #[error("{source_name}{}: {message}", at(location))]
+    Parse {
+        source_name: String,
+        location: Option<Location>,
+        message: String,
+    },
+    /// The file fits the schema but a value is not acceptable.
+    #[error("{source_name}{}: {field} {problem}", at(location))]
+    Invalid {
+        source_name: String,
+        location: Option<Location>,
+        /// The field path, e.g. `groups[1].template.provider.cpu`.
+        field: String,
+        problem: String,
     },
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ShapeFileError {
-    #[error("{source_name}: {message}")]
-    Parse { source_name: String, message: String },
+fn at(location: &Option<Location>) -> String {
+    location.map_or_else(String::new, |l| format!(":{l}"))
 }
 
-/// Parses a shape file; JSON if it starts with `{`, YAML otherwise (YAML is a
-/// superset of JSON, but the JSON parser gives better messages for JSON).
+impl ShapeFileError {
+    pub fn location(&self) -> Option<Location> {
+        match self {
+            ShapeFileError::Parse { location, .. } | ShapeFileError::Invalid { location, .. } => *location,
+        }
+    }
+}
+
+/// Removes the parser's ` at line L column C` (which the error already
+/// carries as its location) and says Rust's type names in words.
+fn plain_message(message: &str) -> String {
+    let mut out = message.to_owned();
+    if let Some(i) = out.find(" at line ") {
+        let rest = &out[i + " at line ".len()..];
+        let digits = |s: &str| s.bytes().take_while(u8::is_ascii_digit).count();
+        let line = digits(rest);
+        if line > 0 && rest[line..].starts_with(" column ") {
+            let after = &rest[line + " column ".len()..];
+            let column = digits(after);
+            if column > 0 {
+                let end = i + " at line ".len() + line + " column ".len() + column;
+                out.replace_range(i..end, "");
+            }
+        }
+    }
+    for (rust, words) in [
+        ("expected i64", "expected a whole number"),
+        ("expected u64", "expected a whole number, 0 or more"),
+        ("expected f64", "expected a number"),
+        ("expected a sequence", "expected a list"),
+        ("expected struct ", "expected a map: "),
+    ] {
+        out = out.replace(rust, words);
+    }
+    out
+}
+
+/// Parses a shape file. The error names the line, the column and (for YAML
+/// always, for JSON by the field's own name) the field.
 pub fn parse(source_name: &str, text: &str) -> Result<ShapeFile, ShapeFileError> {
-    let parsed = if text.trim_start().starts_with('{') {
-        serde_json::from_str::<ShapeFile>(text)
-            .map_err(|e| format!("line {} column {}: {e}", e.line(), e.column()))
-    } else {
-        serde_yaml::from_str::<ShapeFile>(text).map_err(|e| match e.location() {
-            Some(l) => format!("line {} column {}: {e}", l.line(), l.column()),
-            None => e.to_string(),
-        })
-    };
-    parsed.map_err(|message| ShapeFileError::Parse {
+    let error = |location: Option<Location>, message: String| ShapeFileError::Parse {
         source_name: source_name.to_owned(),
+        location,
         message,
-    })
+    };
+    if text.trim().is_empty() {
+        return Err(error(None, "the file is empty".to_owned()));
+    }
+    match Format::detect(source_name, text) {
+        Format::Json => serde_json::from_str::<ShapeFile>(text).map_err(|e| {
+            let location = (e.line() > 0).then(|| Location {
+                line: e.line(),
+                column: e.column(),
+            });
+            error(location, plain_message(&e.to_string()))
+        }),
+        Format::Yaml => serde_yaml::from_str::<ShapeFile>(text).map_err(|e| {
+            let location = e.location().map(|l| Location {
+                line: l.line(),
+                column: l.column(),
+            });
+            error(location, plain_message(&e.to_string()))
+        }),
+    }
+}
+
+/// Parses a file and checks it as the driver would, at `generation` (unless
+/// the file names its own): the wire shape, ready to send.
+pub fn load(source_name: &str, text: &str, generation: u64) -> Result<pb::ClusterShape, ShapeFileError> {
+    let file = parse(source_name, text)?;
+    file.check(source_name, text, generation)
 }
 
 fn params(p: &BTreeMap<String, ParamFile>) -> HashMap<String, pb::Param> {
     p.iter()
         .map(|(k, v)| {
-            let param = match v {
-                ParamFile::Plain(value) => pb::Param {
-                    value: value.clone(),
-                    secret: false,
-                },
-                ParamFile::Full { value, secret } => pb::Param {
-                    value: value.clone(),
-                    secret: *secret,
-                },
+            let param = pb::Param {
+                value: v.value().to_owned(),
+                secret: v.is_secret(),
             };
             (k.clone(), param)
         })
@@ -172,28 +381,468 @@ impl ShapeFile {
                 .collect(),
         }
     }
+
+    /// The wire shape at `generation`, after the driver's own decoding and
+    /// validation with the default limits. `text` is the file the shape came
+    /// from, to point at the offending field.
+    pub fn check(
+        &self,
+        source_name: &str,
+        text: &str,
+        generation: u64,
+    ) -> Result<pb::ClusterShape, ShapeFileError> {
+        let wire = self.to_wire(generation);
+        let checked = shape_from_wire(wire.clone()).and_then(|s| s.validate(&ShapeLimits::default()));
+        match checked {
+            Ok(()) => Ok(wire),
+            Err(e) => Err(ShapeFileError::Invalid {
+                source_name: source_name.to_owned(),
+                location: locate(Format::detect(source_name, text), text, &e.field),
+                field: e.field,
+                problem: e.problem.to_string(),
+            }),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Locating a field path in the file
+// ---------------------------------------------------------------------------
+
+/// One step of a field path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Key(String),
+    Index(usize),
+}
+
+/// Splits a field path as `FieldError` writes it: `groups[1].template.boot["k"]`.
+/// `None` if it is not such a path.
+fn segments(path: &str) -> Option<Vec<Segment>> {
+    let mut out = Vec::new();
+    let mut chars = path.chars().peekable();
+    let mut key = String::new();
+    while let Some(c) = chars.next() {
+        match c {
+            '.' => {
+                if !key.is_empty() {
+                    out.push(Segment::Key(std::mem::take(&mut key)));
+                }
+            }
+            '[' => {
+                if !key.is_empty() {
+                    out.push(Segment::Key(std::mem::take(&mut key)));
+                }
+                if chars.peek() == Some(&'"') {
+                    chars.next();
+                    let mut quoted = String::new();
+                    loop {
+                        match chars.next()? {
+                            '\\' => quoted.push(chars.next()?),
+                            '"' => break,
+                            c => quoted.push(c),
+                        }
+                    }
+                    if chars.next()? != ']' {
+                        return None;
+                    }
+                    out.push(Segment::Key(quoted));
+                } else {
+                    let mut digits = String::new();
+                    loop {
+                        match chars.next()? {
+                            ']' => break,
+                            c => digits.push(c),
+                        }
+                    }
+                    out.push(Segment::Index(digits.parse().ok()?));
+                }
+            }
+            c => key.push(c),
+        }
+    }
+    if !key.is_empty() {
+        out.push(Segment::Key(key));
+    }
+    Some(out)
+}
+
+/// The location of the value at a field path in `text`, or of its nearest
+/// enclosing value that the file has (a missing field points at its parent).
+///
+/// It works by deserializing the file once more with a seed that walks down
+/// the path and fails on arrival with a marker error: the parser then stamps
+/// the error with the position of the value, which is exactly what we want,
+/// with no second YAML parser and no guessing from indentation.
+pub fn locate(format: Format, text: &str, field: &str) -> Option<Location> {
+    let path = segments(field)?;
+    (0..=path.len())
+        .rev()
+        .find_map(|n| locate_exact(format, text, &path[..n]))
+}
+
+const FOUND: &str = "\u{1}provisionctl-located\u{1}";
+
+fn locate_exact(format: Format, text: &str, path: &[Segment]) -> Option<Location> {
+    match format {
+        Format::Json => {
+            let mut de = serde_json::Deserializer::from_str(text);
+            match (Find { path }).deserialize(&mut de) {
+                Err(e) if e.to_string().contains(FOUND) && e.line() > 0 => Some(Location {
+                    line: e.line(),
+                    column: e.column(),
+                }),
+                _ => None,
+            }
+        }
+        Format::Yaml => {
+            let de = serde_yaml::Deserializer::from_str(text);
+            match (Find { path }).deserialize(de) {
+                Err(e) if e.to_string().contains(FOUND) => e.location().map(|l| Location {
+                    line: l.line(),
+                    column: l.column(),
+                }),
+                _ => None,
+            }
+        }
+    }
+}
+
+/// Walks down `path`; `Ok(())` means the path is not in the file.
+struct Find<'p> {
+    path: &'p [Segment],
+}
+
+impl<'de> DeserializeSeed<'de> for Find<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        match self.path.split_first() {
+            None => d.deserialize_any(Arrived),
+            Some((first, rest)) => d.deserialize_any(Step { first, rest }),
+        }
+    }
+}
+
+struct Step<'p> {
+    first: &'p Segment,
+    rest: &'p [Segment],
+}
+
+impl<'de> Visitor<'de> for Step<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a map or a list")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<AnyKey>()? {
+            if matches!((self.first, &key.0), (Segment::Key(want), Some(k)) if want == k) {
+                return map.next_value_seed(Find { path: self.rest });
+            }
+            map.next_value::<IgnoredAny>()?;
+        }
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut i = 0usize;
+        loop {
+            if matches!(self.first, Segment::Index(want) if *want == i) {
+                return seq.next_element_seed(Find { path: self.rest }).map(|_| ());
+            }
+            if seq.next_element::<IgnoredAny>()?.is_none() {
+                return Ok(());
+            }
+            i += 1;
+        }
+    }
+
+    // A scalar has no children: the path is not there.
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_none<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+}
+
+/// A map key of any scalar type, as text (YAML keys need not be strings).
+struct AnyKey(Option<String>);
+
+impl<'de> Deserialize<'de> for AnyKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = AnyKey;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map key")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<AnyKey, E> {
+                Ok(AnyKey(Some(v.to_owned())))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<AnyKey, E> {
+                Ok(AnyKey(Some(v.to_string())))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<AnyKey, E> {
+                Ok(AnyKey(Some(v.to_string())))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<AnyKey, E> {
+                Ok(AnyKey(Some(v.to_string())))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<AnyKey, E> {
+                Ok(AnyKey(Some(v.to_string())))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<AnyKey, E> {
+                Ok(AnyKey(None))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<AnyKey, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(AnyKey(None))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<AnyKey, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(AnyKey(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Fails on whatever value it meets, so the parser stamps the error with the
+/// value's position.
+struct Arrived;
+
+impl Arrived {
+    fn here<E: de::Error>() -> E {
+        E::custom(FOUND)
+    }
+}
+
+impl<'de> Visitor<'de> for Arrived {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any value")
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Err(Self::here())
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
+        Err(Self::here())
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        Err(Self::here())
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        Err(Self::here())
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
+        Err(Self::here())
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Err(Self::here())
+    }
+    fn visit_none<E: de::Error>(self) -> Result<(), E> {
+        Err(Self::here())
+    }
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<(), A::Error> {
+        Err(Self::here())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<(), A::Error> {
+        Err(Self::here())
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
     use super::*;
 
+    const GOOD: &str = "\
+run_id: demo
+groups:
+  - id: w
+    count: 2
+    template:
+      image: img:1
+      provider: { name: fake, cpu: 2 }
+      boot: { a: b, port: 8080, t: { value: s3cret, secret: true } }
+  - id: gpu
+    count: 1
+    template:
+      image: img:1
+      provider:
+        name: fake
+        accelerators: [{ kind: a100, count: 1 }]
+";
+
     #[test]
-    fn yaml_and_json_parse_and_unknown_fields_fail_with_a_line() {
-        let yaml = "run_id: demo\ngroups:\n  - id: w\n    count: 2\n    template:\n      image: img:1\n      provider: { name: fake }\n      boot: { a: b, t: { value: s, secret: true } }\n";
-        let f = parse("s.yaml", yaml).unwrap();
-        let w = f.to_wire(3);
+    fn yaml_parses_to_the_wire_shape_with_secrets_marked() {
+        let f = parse("s.yaml", GOOD).unwrap();
+        let w = f.check("s.yaml", GOOD, 3).unwrap();
         assert_eq!(w.generation, 3);
         let t = w.groups[0].template.as_ref().unwrap();
         assert!(t.boot["t"].secret);
         assert!(!t.boot["a"].secret);
+        assert_eq!(t.boot["port"].value, "8080");
+        assert!(!format!("{f:?}").contains("s3cret"), "Debug must redact");
+    }
 
-        let bad = "run_id: demo\ngroups:\n  - id: w\n    count: 2\n    colour: blue\n";
-        let err = parse("s.yaml", bad).unwrap_err().to_string();
-        assert!(err.contains("line 3") || err.contains("line 5"), "{err}");
-        assert!(err.contains("colour"), "{err}");
-
+    #[test]
+    fn json_parses_and_its_generation_wins() {
         let json = r#"{"run_id":"demo","generation":4,"groups":[]}"#;
-        assert_eq!(parse("s.json", json).unwrap().to_wire(1).generation, 4);
+        assert_eq!(load("s.json", json, 1).unwrap().generation, 4);
+        // Detected by content when the name says nothing (standard input).
+        assert_eq!(load("-", json, 1).unwrap().generation, 4);
+    }
+
+    fn parse_err(name: &str, text: &str) -> ShapeFileError {
+        load(name, text, 1).unwrap_err()
+    }
+
+    #[test]
+    fn unknown_field_names_the_line_and_the_field() {
+        let bad = GOOD.replace("    count: 1\n", "    count: 1\n    colour: blue\n");
+        let e = parse_err("s.yaml", &bad);
+        let line = bad.lines().position(|l| l.contains("colour")).unwrap() + 1;
+        assert_eq!(e.location().map(|l| l.line), Some(line), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("colour") && msg.contains("groups[1]"), "{msg}");
+        assert!(msg.starts_with(&format!("s.yaml:{line}:")), "{msg}");
+        assert!(!msg.contains(" at line "), "location said twice: {msg}");
+        assert_eq!(
+            plain_message("did not find expected node content at line 3 column 1, while parsing a flow node"),
+            "did not find expected node content, while parsing a flow node"
+        );
+    }
+
+    #[test]
+    fn wrong_type_names_the_line() {
+        let bad = GOOD.replace("count: 2", "count: two");
+        let e = parse_err("s.yaml", &bad);
+        assert_eq!(e.location().map(|l| l.line), Some(4), "{e}");
+        assert!(e.to_string().contains("groups[0].count"), "{e}");
+        assert!(e.to_string().contains("expected a whole number"), "{e}");
+    }
+
+    #[test]
+    fn negative_count_is_located_by_its_field_path() {
+        let bad = GOOD.replace("count: 1\n    template", "count: -1\n    template");
+        let e = parse_err("s.yaml", &bad);
+        match &e {
+            ShapeFileError::Invalid { field, location, .. } => {
+                assert_eq!(field, "groups[1].count");
+                assert_eq!(location.map(|l| l.line), Some(10));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(e.to_string().contains("must not be negative"), "{e}");
+    }
+
+    #[test]
+    fn duplicate_group_points_at_the_second_one() {
+        let bad = GOOD.replace("id: gpu", "id: w");
+        let e = parse_err("s.yaml", &bad);
+        assert!(e.to_string().contains("groups[1].id is a duplicate"), "{e}");
+        assert_eq!(e.location().map(|l| l.line), Some(9), "{e}");
+    }
+
+    #[test]
+    fn values_in_flow_maps_and_json_are_located() {
+        let bad = GOOD.replace("cpu: 2", "cpu: -2");
+        let e = parse_err("s.yaml", &bad);
+        assert!(e.to_string().contains("groups[0].template.provider.cpu"), "{e}");
+        assert_eq!(e.location().map(|l| l.line), Some(7), "{e}");
+
+        let json = "{\n  \"run_id\": \"demo\",\n  \"groups\": [\n    {\"id\": \"w\", \"count\": 1,\n     \"template\": {\"image\": \"\", \"provider\": {\"name\": \"fake\"}}}\n  ]\n}\n";
+        let e = parse_err("s.json", json);
+        assert!(
+            e.to_string()
+                .contains("groups[0].template.image must not be empty"),
+            "{e}"
+        );
+        assert_eq!(e.location().map(|l| l.line), Some(5), "{e}");
+    }
+
+    #[test]
+    fn a_missing_field_points_at_its_parent_and_bad_ids_are_named() {
+        let bad = GOOD.replace("run_id: demo", "run_id: Demo_1");
+        let e = parse_err("s.yaml", &bad);
+        assert!(e.to_string().starts_with("s.yaml:1:"), "{e}");
+        assert!(e.to_string().contains("run_id"), "{e}");
+
+        let missing = "run_id: demo\ngroups:\n  - id: w\n    template: { image: i, provider: { name: f } }\n";
+        let e = parse_err("s.yaml", missing);
+        assert!(e.to_string().contains("missing field `count`"), "{e}");
+        assert_eq!(e.location().map(|l| l.line), Some(3), "{e}");
+    }
+
+    #[test]
+    fn syntax_errors_and_empty_files_are_reported() {
+        let e = parse_err("s.yaml", "run_id: demo\ngroups: [\n");
+        assert!(e.location().is_some(), "{e}");
+        let e = parse_err("s.json", "{\"run_id\": \"demo\",, }");
+        assert_eq!(e.location().map(|l| l.line), Some(1), "{e}");
+        assert!(parse_err("s.yaml", "  \n").to_string().contains("empty"));
+    }
+
+    #[test]
+    fn secret_values_never_appear_in_errors() {
+        let bad = GOOD.replace("secret: true }", "secret: true, colour: red }");
+        let e = parse_err("s.yaml", &bad).to_string();
+        assert!(e.contains("colour") && !e.contains("s3cret"), "{e}");
+        let bad = GOOD.replace("value: s3cret, secret: true", "value: s3cret, secret: maybe");
+        let e = parse_err("s.yaml", &bad).to_string();
+        assert!(!e.contains("s3cret"), "{e}");
+    }
+
+    #[test]
+    fn the_shipped_examples_are_valid() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.display().to_string();
+            if !(name.ends_with(".yaml") || name.ends_with(".json")) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            load(&name, &text, 1).unwrap_or_else(|e| panic!("{e}"));
+            seen += 1;
+        }
+        assert!(seen >= 3, "examples missing from {}", dir.display());
+    }
+
+    #[test]
+    fn field_paths_split() {
+        assert_eq!(
+            segments("groups[1].template.boot[\"a.b\"]"),
+            Some(vec![
+                Segment::Key("groups".into()),
+                Segment::Index(1),
+                Segment::Key("template".into()),
+                Segment::Key("boot".into()),
+                Segment::Key("a.b".into()),
+            ])
+        );
+        assert_eq!(segments("groups[x]"), None);
     }
 }

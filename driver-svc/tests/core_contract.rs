@@ -497,7 +497,7 @@ fn observations_fold_only_into_the_session_they_name() {
         }),
     );
     let _ = run.fold_result(&started, T0).unwrap();
-    assert_eq!(run.take_replays(), vec![session.clone()]);
+    assert_eq!(run.take_replays(), vec![(session.clone(), 0)]);
     assert_eq!(
         run.fold_observation(&obs(1, contract::BootstrapStage::Connected), T0)
             .unwrap(),

@@ -407,6 +407,22 @@ impl ExecutorCore {
         }
 
         let attempt = id.attempt();
+        if run.retired.contains(&attempt) && op.input.effect().is_destructive() {
+            // The attempt's lease is gone: a cancel or destroy for it (a retry
+            // after the driver gave up waiting on the first) finds nothing,
+            // and "already absent" is success. Nothing runs.
+            run.ops.insert(
+                id,
+                OpEntry {
+                    op,
+                    state: OpState::Queued,
+                },
+            );
+            if let Some(result) = run.finish(id, Outcome::Succeeded(Default::default()), now) {
+                out.push(Output::Result(result));
+            }
+            return out;
+        }
         if run.retired.contains(&attempt) {
             let message = format!(
                 "attempt {attempt} of run {run_uid} was cleaned up (its lease was destroyed); \

@@ -11,7 +11,9 @@
 //! The async shell wraps them: [`backend`] is the trait a provider backend
 //! implements (run one operation, stream bootstrap stages, list resources),
 //! [`fake_backend`] puts the fake provider behind it (with real latency and an
-//! optional state file), and [`server`] is the gRPC service, in which one actor
+//! optional state file), [`process`] is the real backend in which each lease is
+//! a node-agent child process with a TCP endpoint (the `node-agent` binary is
+//! its agent), and [`server`] is the gRPC service, in which one actor
 //! task owns the core and folds events from driver links, backend calls and
 //! timers; [`durable`] keeps what must survive an executor restart (fencing
 //! epochs, retired attempts, completed results). The `executor-svc` binary only parses flags and calls
@@ -24,4 +26,5 @@ pub mod core;
 pub mod durable;
 pub mod fake;
 pub mod fake_backend;
+pub mod process;
 pub mod server;

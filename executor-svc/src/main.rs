@@ -3,18 +3,19 @@
 
 #![forbid(unsafe_code)]
 
-use std::{path::PathBuf, sync::Arc};
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use contract::{
     Clock, SystemClock,
-    runtime::{CommonArgs, bind_and_announce, init_logging, shutdown_signal},
+    runtime::{CommonArgs, bind_and_announce, init_telemetry, shutdown_signal},
 };
 use executor_svc::{
     backend::Backend,
     fake::{FakeConfig, FaultRates},
     fake_backend::FakeBackend,
+    process::{ProcessBackend, ProcessConfig},
     server::{self, Config},
 };
 
@@ -27,8 +28,10 @@ struct Cli {
     /// Which provider backend runs the operations.
     #[arg(long, env = "EXECUTOR_BACKEND", value_enum, default_value_t = BackendKind::Fake)]
     backend: BackendKind,
-    /// Messages queued for one driver link before it counts as stuck and is closed.
-    #[arg(long, env = "EXECUTOR_LINK_BUFFER", default_value_t = 4096)]
+    /// Messages queued for one driver link before it counts as stuck and is
+    /// closed. Large: a run of many nodes sends results in bursts, and closing a
+    /// busy link only makes the driver reconnect and ask for them again.
+    #[arg(long, env = "EXECUTOR_LINK_BUFFER", default_value_t = 1 << 20)]
     link_buffer: usize,
     /// The fake backend keeps its resources in this file, so they outlive a restart.
     #[arg(long, env = "EXECUTOR_FAKE_STATE_FILE")]
@@ -49,12 +52,25 @@ struct Cli {
     /// Faults the fake backend injects.
     #[arg(long, env = "EXECUTOR_FAKE_FAULTS", value_enum, default_value_t = Faults::None)]
     fake_faults: Faults,
+    /// The process backend keeps one directory per node agent under this root;
+    /// an executor started over the same root adopts the agents it finds.
+    /// Defaults to a directory under the system's temporary directory.
+    #[arg(long, env = "EXECUTOR_PROCESS_STATE_DIR")]
+    process_state_dir: Option<PathBuf>,
+    /// The node agent binary. Defaults to `node-agent` next to this executable.
+    #[arg(long, env = "EXECUTOR_NODE_AGENT_PATH")]
+    node_agent_path: Option<PathBuf>,
+    /// How long a destroyed node agent gets between SIGTERM and SIGKILL.
+    #[arg(long, env = "EXECUTOR_PROCESS_KILL_GRACE_MS", default_value_t = 2000)]
+    process_kill_grace_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendKind {
     /// In memory, seeded faults, virtual latency.
     Fake,
+    /// Each lease is a node-agent child process with a TCP endpoint.
+    Process,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -87,7 +103,7 @@ fn parse_latency(s: &str) -> Result<(u64, u64), String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(cli.common.log_json);
+    let telemetry = init_telemetry("executor-svc", &cli.common)?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let backend: Arc<dyn Backend> = match cli.backend {
         BackendKind::Fake => {
@@ -106,6 +122,25 @@ async fn main() -> anyhow::Result<()> {
                     .context("starting the fake backend")?,
             )
         }
+        BackendKind::Process => {
+            let agent_path = match cli.node_agent_path.clone() {
+                Some(path) => path,
+                None => ProcessConfig::agent_next_to_current_exe()
+                    .context("locating the node agent next to the executor")?,
+            };
+            let state_dir = cli
+                .process_state_dir
+                .clone()
+                .unwrap_or_else(ProcessConfig::default_state_dir);
+            let config = ProcessConfig {
+                kill_grace: Duration::from_millis(cli.process_kill_grace_ms),
+                ..ProcessConfig::new(state_dir, agent_path)
+            };
+            let backend =
+                ProcessBackend::start(config, Arc::clone(&clock)).context("starting the process backend")?;
+            tracing::info!(state_dir = %backend.state_dir().display(), "process backend ready");
+            Arc::new(backend)
+        }
     };
     let listener = bind_and_announce(
         "executor-svc",
@@ -119,8 +154,10 @@ async fn main() -> anyhow::Result<()> {
         shutdown_grace: cli.common.shutdown_grace(),
         ..Config::default()
     };
-    server::run(listener, shutdown_signal(), config, backend, clock).await?;
-    Ok(())
+    let result = server::run(listener, shutdown_signal(), config, backend, clock).await;
+    // Spans of the last operations are exported before the process ends.
+    telemetry.shutdown().await;
+    Ok(result?)
 }
 
 #[cfg(test)]
@@ -149,5 +186,18 @@ mod tests {
             "chaos",
         ]);
         assert!(matches!(cli, Ok(c) if c.fake_latency_ms == (2, 9) && c.fake_faults == Faults::Chaos));
+        let cli = Cli::try_parse_from([
+            "executor-svc",
+            "--backend",
+            "process",
+            "--process-state-dir",
+            "/tmp/agents",
+            "--process-kill-grace-ms",
+            "300",
+        ]);
+        assert!(matches!(cli, Ok(c) if c.backend == BackendKind::Process
+            && c.process_state_dir == Some(PathBuf::from("/tmp/agents"))
+            && c.process_kill_grace_ms == 300
+            && c.node_agent_path.is_none()));
     }
 }

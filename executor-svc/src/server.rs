@@ -14,6 +14,12 @@
 //! produced while no link routes the run stay in the core until a driver claims
 //! it. Acknowledgements and replays are honoured only from the link that routes
 //! the run, so a fenced driver cannot acknowledge away what its successor needs.
+//!
+//! Tracing: each backend call is a span (`execute <effect>`), the child of the
+//! driver's span for the operation, whose context the operation carries. The
+//! result it produces, and the bootstrap observations of a session it starts,
+//! carry the backend call's context back, so the driver's folds are its
+//! children. Replays of recorded results carry the resubmission's context.
 
 use std::{
     collections::HashMap,
@@ -28,11 +34,13 @@ use std::{
 use contract::{
     Claim, Clock, Epoch, FieldError, Observation, Operation, OperationId, OperationResult, Outcome,
     Rejection, RejectionReason, RunUid, SessionId, TraceContext,
+    metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS},
     pb::{
         self,
         executor_server::{Executor, ExecutorServer},
     },
     runtime::health_and_reflection,
+    telemetry::{self, grpc::ServerLayer},
     wire::{trace_from_wire, trace_to_wire},
 };
 use tokio::{
@@ -45,6 +53,7 @@ use tokio::{
 };
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming, transport::Server};
+use tracing::{Instrument as _, field::Empty};
 
 use crate::{
     backend::{Backend, BackendError, ObservationSink, RawObservation},
@@ -74,10 +83,78 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
-            link_buffer: 4096,
+            // Bursts of a large run are normal; only a driver that stopped
+            // reading entirely should fill this.
+            link_buffer: 1 << 20,
             event_buffer: 1024,
             shutdown_grace: Duration::from_secs(5),
             state_dir: None,
+        }
+    }
+}
+
+/// The executor's metrics (ARCHITECTURE.md, "Metrics"), in the
+/// process-wide registry.
+#[derive(Debug, Clone)]
+struct ExecutorMetrics {
+    started: Counter,
+    completed: Counter,
+    replayed: Counter,
+    late: Counter,
+    backend_call: Histogram,
+    running: Gauge,
+    observations: Counter,
+    rejections: Counter,
+    links: Gauge,
+}
+
+impl ExecutorMetrics {
+    fn new() -> Self {
+        let r = contract::metrics::global();
+        Self {
+            started: r.counter(
+                "provisioning_executor_operations_started_total",
+                "Backend calls started, by effect.",
+                &["effect"],
+            ),
+            completed: r.counter(
+                "provisioning_executor_operations_completed_total",
+                "Operations completed with a fresh result (replays and late completions not \
+                 included), by effect and outcome class; abandoned operations count as ambiguous.",
+                &["effect", "outcome"],
+            ),
+            replayed: r.counter(
+                "provisioning_executor_operations_replayed_total",
+                "Resubmitted operations answered with their recorded result, by effect.",
+                &["effect"],
+            ),
+            late: r.counter(
+                "provisioning_executor_late_completions_total",
+                "Backend calls that finished after their operation was abandoned at its deadline.",
+                &["effect"],
+            ),
+            backend_call: r.histogram(
+                "provisioning_executor_backend_call_duration_seconds",
+                "Backend call latency, by effect and outcome class (abandoned calls not included).",
+                &["effect", "outcome"],
+                LATENCY_BUCKETS,
+            ),
+            running: r.gauge(
+                "provisioning_executor_operations_running",
+                "Backend calls in progress.",
+                &[],
+            ),
+            observations: r.counter(
+                "provisioning_executor_observations_total",
+                "Bootstrap observations recorded and sent, by stage.",
+                &["stage"],
+            ),
+            rejections: r.counter(
+                "provisioning_executor_rejections_total",
+                "Driver messages rejected, by reason.",
+                &["reason"],
+            ),
+            links: r.gauge("provisioning_executor_links", "Driver links open.", &[]),
         }
     }
 }
@@ -161,6 +238,7 @@ pub async fn run(
         let _ = drain_started.send(());
     };
     let serve = Server::builder()
+        .layer(ServerLayer::new())
         .add_service(health)
         .add_service(reflection)
         .add_service(ExecutorServer::new(service))
@@ -332,12 +410,14 @@ enum Event {
     LinkClosed {
         link: LinkId,
     },
-    /// A backend call finished.
+    /// A backend call finished. `trace` is the call's span, which the result
+    /// carries back to the driver.
     Completed {
         run_uid: RunUid,
         id: OperationId,
         task: TaskId,
         outcome: Outcome,
+        trace: TraceContext,
     },
     /// A backend reported a bootstrap stage.
     Observation(RawObservation),
@@ -372,12 +452,15 @@ struct Actor {
     observations: mpsc::UnboundedSender<RawObservation>,
     links: HashMap<LinkId, LinkState>,
     routes: HashMap<RunUid, LinkId>,
-    tasks: HashMap<(RunUid, OperationId), (TaskId, AbortHandle)>,
+    /// Backend calls in progress, with their spans (to mark an abandoned
+    /// call's span before it is aborted).
+    tasks: HashMap<(RunUid, OperationId), (TaskId, AbortHandle, tracing::Span)>,
     next_task: u64,
     draining: bool,
     store: Option<crate::durable::ExecutorStore>,
     /// Set when the store refused a write: nothing more is accepted.
     store_failed: bool,
+    metrics: ExecutorMetrics,
 }
 
 async fn sleep_for(delay: Option<Duration>) {
@@ -407,6 +490,7 @@ impl Actor {
             draining: false,
             store: None,
             store_failed: false,
+            metrics: ExecutorMetrics::new(),
         }
     }
 
@@ -443,8 +527,12 @@ impl Actor {
                 () = sleep_for(timer) => Event::Tick,
             };
             self.fold(event);
+            self.metrics.running.set(&[], self.tasks.len() as f64);
+            self.metrics.links.set(&[], self.links.len() as f64);
         }
         self.stop();
+        self.metrics.running.set(&[], 0.0);
+        self.metrics.links.set(&[], 0.0);
     }
 
     /// Folds one event into the core and carries out what the core asks.
@@ -470,10 +558,11 @@ impl Actor {
                 id,
                 task,
                 outcome,
+                trace,
             } => {
                 let key = (run_uid, id);
                 match self.tasks.get(&key) {
-                    Some((current, _)) if *current == task => {
+                    Some((current, _, _)) if *current == task => {
                         self.tasks.remove(&key);
                     }
                     // A newer call of the same id runs (the run was forgotten and
@@ -482,7 +571,18 @@ impl Actor {
                     // Aborted after it finished: the core reports it as late.
                     None => {}
                 }
-                let out = self.core.complete(run_uid, id, outcome, self.clock.now());
+                let mut out = self.core.complete(run_uid, id, outcome, self.clock.now());
+                // The result this call produced goes back under the call's
+                // span, so the driver's fold is its child.
+                for o in &mut out {
+                    if let Output::Result(r) = o
+                        && r.run_uid == run_uid
+                        && r.id == id
+                        && !trace.traceparent.is_empty()
+                    {
+                        r.trace = trace.clone();
+                    }
+                }
                 self.apply(out, None, &TraceContext::default());
             }
             Event::Observation(raw) => {
@@ -548,11 +648,14 @@ impl Actor {
                 for result in self.core.unacked_results_of(run_uid) {
                     self.send(link, result_message(&result));
                 }
-                for observation in self.core.unacked_observations_of(run_uid) {
-                    self.send(link, observation_message(&observation));
-                }
+                // Observations are not re-sent here: the driver asks for each
+                // session's after its last folded sequence (`ObserveFrom`), and
+                // sending them twice would double every replay.
             }
-            Err(rejection) => self.send(link, rejection_message(&rejection, trace)),
+            Err(rejection) => {
+                self.metrics.rejections.inc(&[rejection.reason.name()]);
+                self.send(link, rejection_message(&rejection, trace));
+            }
         }
     }
 
@@ -670,6 +773,7 @@ impl Actor {
             message: format!("cannot {action} run {run_uid}: it is not claimed on this link"),
             highest_epoch: self.core.highest_epoch(run_uid).unwrap_or_default(),
         };
+        self.metrics.rejections.inc(&[rejection.reason.name()]);
         self.send(link, rejection_message(&rejection, trace));
         false
     }
@@ -682,16 +786,34 @@ impl Actor {
             match output {
                 Output::Start(op) => self.start(op),
                 Output::Abort { run_uid, id } => {
-                    if let Some((_, handle)) = self.tasks.remove(&(run_uid, id)) {
+                    if let Some((_, handle, span)) = self.tasks.remove(&(run_uid, id)) {
+                        span.record("provisioning.operation.outcome", "abandoned");
+                        span.record("otel.status_code", "error");
                         handle.abort();
                     }
                 }
-                Output::Result(result) => self.route(result.run_uid, result_message(&result)),
-                Output::Observation(o) => self.route(o.run_uid, observation_message(&o)),
-                Output::Rejected(rejection) => match origin {
-                    Some(link) => self.send(link, rejection_message(&rejection, trace)),
-                    None => tracing::warn!(?rejection, "a rejection with no link to send it to"),
-                },
+                Output::Result(result) => {
+                    let effect = result.effect.name();
+                    if result.replayed {
+                        self.metrics.replayed.inc(&[effect]);
+                    } else if result.late {
+                        self.metrics.late.inc(&[effect]);
+                    } else {
+                        self.metrics.completed.inc(&[effect, result.outcome.class_name()]);
+                    }
+                    self.route(result.run_uid, result_message(&result));
+                }
+                Output::Observation(o) => {
+                    self.metrics.observations.inc(&[o.stage.name()]);
+                    self.route(o.run_uid, observation_message(&o));
+                }
+                Output::Rejected(rejection) => {
+                    self.metrics.rejections.inc(&[rejection.reason.name()]);
+                    match origin {
+                        Some(link) => self.send(link, rejection_message(&rejection, trace)),
+                        None => tracing::warn!(?rejection, "a rejection with no link to send it to"),
+                    }
+                }
             }
         }
     }
@@ -716,21 +838,63 @@ impl Actor {
         let (run_uid, id) = (op.run_uid, op.id);
         let task = TaskId(self.next_task);
         self.next_task = self.next_task.wrapping_add(1);
-        let sink = ObservationSink::new(self.observations.clone(), op.trace.clone());
+        let effect = op.input.effect();
+        let span = tracing::info_span!(
+            parent: None,
+            "execute",
+            otel.name = %format_args!("execute {}", effect.name()),
+            provisioning.run.id = %op.run_id,
+            provisioning.node.id = %op.node,
+            provisioning.operation.id = %op.id,
+            provisioning.operation.effect = effect.name(),
+            provisioning.operation.attempt = op.id.attempt().get(),
+            provisioning.operation.outcome = Empty,
+            otel.status_code = Empty,
+        );
+        telemetry::set_parent(&span, &op.trace);
+        // Without an OpenTelemetry layer (an executor embedded in a test) the
+        // call has no context of its own; the operation's is passed on.
+        let trace = Some(telemetry::context_of(&span))
+            .filter(|t| !t.traceparent.is_empty())
+            .unwrap_or_else(|| op.trace.clone());
+        self.metrics.started.inc(&[effect.name()]);
+        // The session's observations join the call that started it.
+        let sink = ObservationSink::new(self.observations.clone(), trace.clone());
         let call = self.backend.execute(op, sink);
         let events = self.events.clone();
+        let metrics = self.metrics.clone();
+        let task_span = span.clone();
         let handle = tokio::spawn(async move {
-            let outcome = call.await;
+            // A latency measurement only, never a deadline: tokio's monotonic
+            // clock (paused in tests like every tokio timer), not the
+            // injected wall clock the core's deadlines use.
+            let started = tokio::time::Instant::now();
+            let outcome = call.instrument(task_span.clone()).await;
+            let class = outcome.class_name();
+            task_span.record("provisioning.operation.outcome", class);
+            if matches!(
+                outcome,
+                Outcome::Retryable { .. } | Outcome::Permanent { .. } | Outcome::Ambiguous { .. }
+            ) {
+                task_span.record("otel.status_code", "error");
+            }
+            metrics
+                .backend_call
+                .observe_duration(&[effect.name(), class], started.elapsed());
             let _ = events
                 .send(Event::Completed {
                     run_uid,
                     id,
                     task,
                     outcome,
+                    trace,
                 })
                 .await;
         });
-        if let Some((_, stale)) = self.tasks.insert((run_uid, id), (task, handle.abort_handle())) {
+        if let Some((_, stale, _)) = self
+            .tasks
+            .insert((run_uid, id), (task, handle.abort_handle(), span))
+        {
             stale.abort();
         }
     }
@@ -780,6 +944,7 @@ impl Actor {
             .ok()
             .and_then(|uid| self.core.highest_epoch(uid))
             .map_or(0, Epoch::get);
+        self.metrics.rejections.inc(&[RejectionReason::Invalid.name()]);
         let rejection = pb::Rejection {
             run_uid,
             id,
@@ -802,7 +967,7 @@ impl Actor {
     }
 
     fn stop(&mut self) {
-        for (_, (_, handle)) in self.tasks.drain() {
+        for (_, (_, handle, _)) in self.tasks.drain() {
             handle.abort();
         }
         self.links.clear();

@@ -7,7 +7,9 @@
 //! (on by default) the crate also carries the `provisioning.v1` protos' generated
 //! code ([`pb`]) and the `TryFrom` conversions between wire and domain types
 //! ([`wire`]); the pure decider uses the crate without it, so it links neither
-//! tonic nor prost.
+//! tonic nor prost. The `runtime` feature adds what every service binary shares:
+//! flags and startup ([`runtime`]), tracing, trace propagation and logs
+//! ([`telemetry`]) and the Prometheus registry with its endpoint ([`metrics`]).
 
 #![forbid(unsafe_code)]
 
@@ -24,7 +26,11 @@ pub mod time;
 pub mod wire;
 
 #[cfg(feature = "runtime")]
+pub mod metrics;
+#[cfg(feature = "runtime")]
 pub mod runtime;
+#[cfg(feature = "runtime")]
+pub mod telemetry;
 
 /// Generated code for `provisioning.v1`.
 #[cfg(feature = "wire")]

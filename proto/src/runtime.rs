@@ -1,6 +1,7 @@
 //! What every service binary does the same way: flags shared by all three,
-//! logging setup, the bound-address announcement (a log line and an optional
-//! ready file), gRPC health and reflection, and the shutdown signal.
+//! telemetry setup (logs, traces, metrics: see [`crate::telemetry`]), the
+//! bound-address announcement (a log line and an optional ready file), gRPC
+//! health and reflection, and the shutdown signal.
 
 use std::{
     net::SocketAddr,
@@ -25,6 +26,11 @@ pub struct CommonArgs {
     /// How long in-flight work may take to drain after SIGTERM/SIGINT.
     #[arg(long, env = "PROVISIONING_SHUTDOWN_GRACE_MS", default_value_t = 5000)]
     pub shutdown_grace_ms: u64,
+    /// Serve Prometheus metrics over HTTP at /metrics on this address; off
+    /// unless given. Port 0 picks a free port, announced in a log line and,
+    /// with --ready-file, in `<ready file>.metrics`.
+    #[arg(long, env = "PROVISIONING_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl CommonArgs {
@@ -33,7 +39,24 @@ impl CommonArgs {
     }
 }
 
-/// Sets up logging: `RUST_LOG` filters (default `info`), text or JSON lines.
+/// Sets up this service's logs, traces and metrics endpoint from its flags
+/// and the standard `OTEL_*` variables (see [`crate::telemetry`]). Call it
+/// first thing in `main`, inside the runtime, and keep the result until
+/// `main` ends: shutting it down (or dropping it) flushes buffered spans.
+pub fn init_telemetry(
+    service: &'static str,
+    common: &CommonArgs,
+) -> Result<crate::telemetry::Telemetry, crate::telemetry::TelemetryError> {
+    crate::telemetry::init(&crate::telemetry::TelemetryConfig {
+        service,
+        log_json: common.log_json,
+        metrics_listen: common.metrics_listen,
+        ready_file: common.ready_file.as_deref(),
+    })
+}
+
+/// Sets up logging only: `RUST_LOG` filters (default `info`), text or JSON
+/// lines. For helper binaries that take no part in traces or metrics.
 pub fn init_logging(json: bool) {
     use tracing_subscriber::{EnvFilter, fmt};
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));

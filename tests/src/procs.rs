@@ -46,16 +46,35 @@ pub fn bin_path(name: &str) -> anyhow::Result<PathBuf> {
 pub struct Service {
     pub name: String,
     pub addr: SocketAddr,
+    /// Where the service serves Prometheus metrics, when it was started with
+    /// `--metrics-listen` (read from `<ready file>.metrics`).
+    pub metrics_addr: Option<SocketAddr>,
     child: Child,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     ready_file: PathBuf,
+    log_file: PathBuf,
 }
 
 impl Service {
     /// Starts `name` with `args` plus `--listen` and `--ready-file`, and waits
     /// for the ready file.
     pub async fn start(name: &str, dir: &Path, listen: &str, args: &[String]) -> anyhow::Result<Self> {
+        Self::start_with_env(name, dir, listen, args, &[]).await
+    }
+
+    /// As [`Service::start`], with extra environment variables (for example
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`, or `PROVISIONING_METRICS_LISTEN`).
+    pub async fn start_with_env(
+        name: &str,
+        dir: &Path,
+        listen: &str,
+        args: &[String],
+        env: &[(String, String)],
+    ) -> anyhow::Result<Self> {
         let ready_file = dir.join(format!("{name}.ready"));
+        let metrics_file = contract::telemetry::metrics_ready_file(&ready_file);
+        let _ = std::fs::remove_file(&metrics_file);
         let _ = std::fs::remove_file(&ready_file);
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -71,6 +90,7 @@ impl Service {
                 "RUST_LOG",
                 std::env::var("TEST_SERVICE_LOG").unwrap_or_else(|_| "info".into()),
             )
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
@@ -95,17 +115,48 @@ impl Service {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
+        // The metrics address is written before the ready file, so it is
+        // there by now if the service serves metrics at all.
+        let metrics_addr = std::fs::read_to_string(&metrics_file)
+            .ok()
+            .and_then(|s| s.trim().parse::<SocketAddr>().ok());
         Ok(Self {
             name: name.to_owned(),
             addr,
+            metrics_addr,
             child,
             args: args.to_vec(),
+            env: env.to_vec(),
             ready_file,
+            log_file: dir.join(format!("{name}.log")),
         })
     }
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The file the service's stderr (its logs) goes to.
+    pub fn log_file(&self) -> &Path {
+        &self.log_file
+    }
+
+    /// One scrape of the service's metrics endpoint: the exposition text.
+    pub async fn scrape(&self) -> anyhow::Result<String> {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let addr = self
+            .metrics_addr
+            .with_context(|| format!("{} was started without --metrics-listen", self.name))?;
+        let mut conn = tokio::net::TcpStream::connect(addr).await?;
+        conn.write_all(format!("GET /metrics HTTP/1.1\r\nhost: {addr}\r\n\r\n").as_bytes())
+            .await?;
+        let mut response = String::new();
+        tokio::time::timeout(Duration::from_secs(10), conn.read_to_string(&mut response)).await??;
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .context("the metrics response has no header end")?;
+        anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "metrics scrape failed: {head}");
+        Ok(body.to_owned())
     }
 
     /// The child's process id, while it runs.
@@ -139,7 +190,7 @@ impl Service {
         // The port was just freed; retry briefly in case it lingers.
         let mut last = None;
         for _ in 0..50 {
-            match Service::start(&self.name, dir, &listen, &self.args).await {
+            match Service::start_with_env(&self.name, dir, &listen, &self.args, &self.env).await {
                 Ok(s) => {
                     *self = s;
                     return Ok(());
@@ -168,6 +219,12 @@ pub struct ClusterOptions {
     pub driver_args: Vec<String>,
     /// Put the driver's executor link through this address instead (a proxy).
     pub executor_via: Option<String>,
+    /// Environment variables every service gets (for example the `OTEL_*`
+    /// variables, or `PROVISIONING_METRICS_LISTEN`).
+    pub env: Vec<(String, String)>,
+    /// Environment variables of one service: `(service, key, value)`; they
+    /// win over `env`.
+    pub service_env: Vec<(String, String, String)>,
 }
 
 impl Default for ClusterOptions {
@@ -192,6 +249,8 @@ impl Default for ClusterOptions {
                 "2000".into(),
             ],
             executor_via: None,
+            env: Vec::new(),
+            service_env: Vec::new(),
         }
     }
 }
@@ -218,6 +277,34 @@ impl ClusterOptions {
         set_flag(&mut self.driver_args, flag, value);
         self
     }
+
+    /// Sets (or replaces) an environment variable of every service.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Sets (or replaces) an environment variable of one service (by binary
+    /// name, e.g. `driver-svc`).
+    pub fn service_env(mut self, service: &str, key: &str, value: &str) -> Self {
+        self.service_env.retain(|(s, k, _)| !(s == service && k == key));
+        self.service_env
+            .push((service.to_owned(), key.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// The environment `service` is started with.
+    fn env_of(&self, service: &str) -> Vec<(String, String)> {
+        let mut env = self.env.clone();
+        for (s, k, v) in &self.service_env {
+            if s == service {
+                env.retain(|(key, _)| key != k);
+                env.push((k.clone(), v.clone()));
+            }
+        }
+        env
+    }
 }
 
 impl Cluster {
@@ -227,8 +314,18 @@ impl Cluster {
     }
 
     pub async fn start_in(dir: tempfile::TempDir, opts: ClusterOptions) -> anyhow::Result<Self> {
-        let decider = Service::start("decider-svc", dir.path(), "127.0.0.1:0", &[]).await?;
-        let executor = Service::start("executor-svc", dir.path(), "127.0.0.1:0", &opts.executor_args).await?;
+        let env = |service: &str| opts.env_of(service);
+        let decider =
+            Service::start_with_env("decider-svc", dir.path(), "127.0.0.1:0", &[], &env("decider-svc"))
+                .await?;
+        let executor = Service::start_with_env(
+            "executor-svc",
+            dir.path(),
+            "127.0.0.1:0",
+            &opts.executor_args,
+            &env("executor-svc"),
+        )
+        .await?;
         let executor_url = opts.executor_via.clone().unwrap_or_else(|| executor.url());
         let data_dir = dir.path().join("driver-data").display().to_string();
         let mut args = vec![
@@ -240,7 +337,9 @@ impl Cluster {
             data_dir,
         ];
         args.extend(opts.driver_args.iter().cloned());
-        let driver = Service::start("driver-svc", dir.path(), "127.0.0.1:0", &args).await?;
+        let driver =
+            Service::start_with_env("driver-svc", dir.path(), "127.0.0.1:0", &args, &env("driver-svc"))
+                .await?;
         Ok(Self {
             dir,
             decider,

@@ -5,20 +5,38 @@
 //! them, with every message passing through a delivery queue that can deliver in
 //! order or delay, reorder and duplicate. Time only moves when the simulation
 //! moves it, so a run is a pure function of its seed and inputs.
+//!
+//! Beyond plain driving, the simulation is the conformance kit's level-1 system
+//! under test, so it also offers:
+//! - a rich event log ([`Sim::record`]): every change of the driver's nodes with
+//!   its cause and the states before and after, every submission with the state
+//!   it was submitted from, every backend call, every message the executor sent;
+//! - control of the executor's outcomes ([`Sim::inject`]), of the link
+//!   ([`Sim::reconnect`]), of replays and resubmissions, and driver restarts from
+//!   the store ([`Sim::restart_driver`]);
+//! - a permutation knob ([`Sim::permute`]) that applies independent work in the
+//!   reverse order, for the order-independence half of guarantee 16;
+//! - test-only fault injection hooks ([`Tamper`]) through which the kit's
+//!   mutants break a guarantee on purpose, to show the oracle notices.
 
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
+    fmt,
     sync::Arc,
+    time::Duration,
 };
 
 use contract::{
-    ClusterShape, Epoch, LogicalNodeId, Observation, Operation, OperationId, OperationResult, Outcome,
-    Rejection, RunUid, UnixMillis,
+    AttemptId, ClusterShape, DecideOutput, Decision, Effect, Epoch, LogicalNodeId, ManagedNode, Observation,
+    Operation, OperationId, OperationInput, OperationResult, Outcome, PendingOp, Rejection, RunUid,
+    SessionId, UnixMillis, backoff::mix64,
 };
-use driver_svc::core::{AckRef, MemStore, PassOutcome, Policy, RunState};
+use driver_svc::core::{
+    AckRef, Applied, ApplyError, Fold, MemStore, PassOutcome, Policy, RunState, RunStore,
+};
 use executor_svc::{
     core::{ExecutorCore, Output},
-    fake::{FakeConfig, FakeProvider},
+    fake::{FakeCall, FakeConfig, FakeProvider},
 };
 
 /// How results and observations travel back to the driver.
@@ -26,23 +44,114 @@ use executor_svc::{
 pub enum Delivery {
     /// In order, right after they happen.
     InOrder,
-    /// Delayed by a random number of steps, reordered and sometimes duplicated.
+    /// Delayed by a few steps, reordered and sometimes duplicated. The delay and
+    /// the duplication of a message are a hash of its content, the seed and the
+    /// step, and messages due at one step are interleaved by a hash of their node,
+    /// so the chaos does not depend on the order in which independent nodes'
+    /// messages were produced (guarantee 16 compares runs that differ only in it).
     Chaotic,
 }
 
 /// A message from the executor to the driver.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ToDriver {
     Result(OperationResult),
     Observation(Observation),
     Rejection(Rejection),
 }
 
+impl ToDriver {
+    /// The node the message is about, if it names one.
+    pub fn node(&self) -> Option<&LogicalNodeId> {
+        match self {
+            ToDriver::Result(r) => Some(&r.node),
+            ToDriver::Observation(o) => Some(&o.node),
+            ToDriver::Rejection(_) => None,
+        }
+    }
+}
+
+/// Every node of a run by slot, as one value.
+pub type Nodes = BTreeMap<LogicalNodeId, ManagedNode>;
+
+/// Why the driver's nodes changed.
+#[derive(Debug, Clone)]
+pub enum Cause {
+    /// Expired deadlines were folded: operations past deadline plus grace, and
+    /// stage deadlines.
+    Timer,
+    /// A pass applied these decisions, as the driver received them.
+    Decisions(Vec<Decision>),
+    /// A message from the executor was folded. `msg` is the message as the
+    /// executor sent it (a mutant may have folded something else).
+    Fold { msg: ToDriver, verdict: Fold },
+    /// A shape update or a deletion.
+    Apply,
+    /// The driver restarted from its store.
+    Restore,
+}
+
+/// One change of the driver's nodes, with the states around it.
+#[derive(Debug, Clone)]
+pub struct Transition {
+    pub at: UnixMillis,
+    pub cause: Cause,
+    pub before: Nodes,
+    pub after: Nodes,
+}
+
+/// An outcome the test forces on one operation instead of the fake's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Forced {
+    /// Definitely did not happen; retrying may work. The fake is not called.
+    Retryable,
+    /// Definitely did not happen; retrying the same input will not work.
+    Permanent,
+    /// The effect happened (the fake ran it), but the answer is "ambiguous".
+    AmbiguousDone,
+    /// The effect did not happen, and the answer is "ambiguous".
+    AmbiguousNotDone,
+    /// "Not ready yet" (meaningful for lookups and bootstrap starts); the fake is
+    /// not called.
+    NotReady,
+    /// The fake ran the effect but the call never returns before the deadline:
+    /// the executor abandons it (ambiguous) and the shell aborts the call.
+    Hang,
+    /// As `Hang`, but the aborted call completes anyway after the deadline, so a
+    /// late result reaches the driver.
+    HangLate,
+}
+
+impl Forced {
+    pub const ALL: [Forced; 7] = [
+        Forced::Retryable,
+        Forced::Permanent,
+        Forced::AmbiguousDone,
+        Forced::AmbiguousNotDone,
+        Forced::NotReady,
+        Forced::Hang,
+        Forced::HangLate,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Forced::Retryable => "retryable",
+            Forced::Permanent => "permanent",
+            Forced::AmbiguousDone => "ambiguous-done",
+            Forced::AmbiguousNotDone => "ambiguous-not-done",
+            Forced::NotReady => "not-ready",
+            Forced::Hang => "hang",
+            Forced::HangLate => "hang-late",
+        }
+    }
+}
+
 /// Something that happened, for checks over the whole trace.
 #[derive(Debug, Clone)]
 pub enum Event {
     /// An operation reached the executor; `recorded` says whether the driver's
-    /// committed store held it pending at that moment.
+    /// committed store held it pending (same id, effect and deadline) at that
+    /// moment.
     Submitted {
         op: Operation,
         recorded: bool,
@@ -54,6 +163,47 @@ pub enum Event {
         outcome: Outcome,
     },
     Pass(PassSummary),
+    /// Recorded just before the matching `Submitted`: the node as the driver's
+    /// state held it, and the pending operation of the committed store.
+    SubmitContext {
+        id: OperationId,
+        node: Option<ManagedNode>,
+        store_pending: Option<PendingOp>,
+    },
+    /// The shell ran an operation against the backend (just before `Started`).
+    BackendCall {
+        op: Operation,
+        /// Attempts of the operation's slot holding a live resource at the fake
+        /// just before the call.
+        slot_attempts: Vec<AttemptId>,
+        /// The identity's bootstrap session was still streaming stages.
+        session_running: bool,
+        /// The call made a new lease (not an adoption).
+        lease_made: bool,
+        forced: Option<Forced>,
+    },
+    /// The executor abandoned a running operation and told the shell to abort.
+    Aborted {
+        run_uid: RunUid,
+        id: OperationId,
+    },
+    /// The executor sent this to the driver (whether or not it arrives).
+    Emitted(ToDriver),
+    /// The driver's nodes changed.
+    Transition(Box<Transition>),
+    /// A conflicting resubmission of an operation id the executor has seen
+    /// (another client's probe; nothing of it reaches the driver).
+    ConflictProbe {
+        op: Operation,
+        outputs: Vec<Output>,
+    },
+    /// With nothing else to do, the driver's next wake-up was already due
+    /// (`poll_timeout() <= now`) while it had no pass to run (`needs_pass` was
+    /// false): the actor's timer would fire again at once, in a busy loop, until
+    /// time moves on. The simulation lets time move on to the next event.
+    Spin {
+        at: UnixMillis,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -61,6 +211,12 @@ pub struct PassSummary {
     pub at: UnixMillis,
     pub operations: usize,
     pub transitions: u32,
+    /// The run was converged when the decider was asked.
+    pub converged_before: bool,
+    /// Decisions that are not waits.
+    pub actions: usize,
+    /// Whether any node changed in the pass (deadline folds included).
+    pub changed: bool,
 }
 
 /// A small deterministic RNG (SplitMix64).
@@ -74,7 +230,7 @@ impl Rng {
 
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        contract::backoff::mix64(self.0)
+        mix64(self.0)
     }
 
     /// Uniform in `0..n` (n > 0).
@@ -86,6 +242,47 @@ impl Rng {
         ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64) < p
     }
 }
+
+/// Test-only fault injection: each hook may bend one step of the composed system
+/// so that a guarantee breaks, which is how the conformance kit shows that its
+/// oracle notices (it cannot edit the cores). Every hook defaults to "do nothing".
+pub trait Tamper: fmt::Debug {
+    /// The decider's answer, before the driver applies it.
+    fn decisions(&mut self, _sim: &Sim, _out: &mut DecideOutput) {}
+    /// Whether the pass's operations count as submitted before the pass was
+    /// committed (the submissions are checked against the store as it was).
+    fn submits_before_commit(&self) -> bool {
+        false
+    }
+    /// An operation on its way to the executor; returns extra operations to send
+    /// after it.
+    fn submit(&mut self, _sim: &mut Sim, _op: &mut Operation) -> Vec<Operation> {
+        Vec::new()
+    }
+    /// The executor core's answer to a submission, before the shell acts on it.
+    fn executor_submit(&mut self, _sim: &mut Sim, _op: &Operation, _outputs: &mut Vec<Output>) {}
+    /// A backend call; `Some` replaces the fake's call.
+    fn backend_call(
+        &mut self,
+        _fake: &mut FakeProvider,
+        _op: &Operation,
+        _now: UnixMillis,
+    ) -> Option<FakeCall> {
+        None
+    }
+    /// A message about to be folded; `Some` folds that instead.
+    fn fold(&mut self, _sim: &Sim, _msg: &ToDriver) -> Option<ToDriver> {
+        None
+    }
+    /// The end of a step.
+    fn after_step(&mut self, _sim: &mut Sim) {}
+}
+
+/// How many delivered messages [`Sim::resend`] can pick from.
+const HISTORY: usize = 32;
+
+/// Latency of a forced definite answer.
+const FORCED_LATENCY: Duration = Duration::from_millis(3);
 
 /// The composed system.
 #[derive(Debug)]
@@ -110,6 +307,24 @@ pub struct Sim {
     pub link_down: bool,
     /// Operations the driver submitted while the link was down (lost).
     pub lost_submissions: u64,
+    /// Record transitions, submission contexts, backend calls and emitted
+    /// messages in [`Sim::events`] (costly: every node is cloned around every
+    /// change).
+    pub record: bool,
+    /// Apply each pass's decisions, and backend completions due at the same
+    /// instant, in reverse order.
+    pub permute: bool,
+    pub tamper: Option<Box<dyn Tamper>>,
+    seed: u64,
+    policy: Arc<Policy>,
+    /// Forced outcomes waiting for the next operation of a slot and effect.
+    injections: Vec<(LogicalNodeId, Effect, Forced)>,
+    /// Aborted calls that complete anyway (late results).
+    late_after_abort: BTreeSet<(RunUid, OperationId)>,
+    /// Operation ids the executor has seen.
+    seen_ids: BTreeSet<OperationId>,
+    /// Recently delivered messages, newest last.
+    history: VecDeque<ToDriver>,
 }
 
 pub const START: UnixMillis = UnixMillis::new(1_700_000_000_000);
@@ -128,7 +343,8 @@ impl Sim {
     ) -> anyhow::Result<Self> {
         let uid = RunUid::from_u128(u128::from(seed) << 64 | 0x5eed);
         let epoch = Epoch::new(1);
-        let run = RunState::create(shape, uid, epoch, Arc::new(policy), START)?;
+        let policy = Arc::new(policy);
+        let run = RunState::create(shape, uid, epoch, Arc::clone(&policy), START)?;
         let mut exec = ExecutorCore::default();
         exec.claim(&contract::Claim {
             run_uid: uid,
@@ -136,10 +352,14 @@ impl Sim {
             epoch,
         })
         .map_err(|r| anyhow::anyhow!("claim rejected: {r:?}"))?;
+        let mut store = MemStore::new();
+        // The actor commits a created run before it answers the client.
+        let mut run = run;
+        run.commit(&mut store)?;
         Ok(Self {
             now: START,
             run,
-            store: MemStore::new(),
+            store,
             exec,
             fake: FakeProvider::new(fake),
             delivery,
@@ -152,7 +372,64 @@ impl Sim {
             passes: 0,
             link_down: false,
             lost_submissions: 0,
+            record: false,
+            permute: false,
+            tamper: None,
+            seed,
+            policy,
+            injections: Vec::new(),
+            late_after_abort: BTreeSet::new(),
+            seen_ids: BTreeSet::new(),
+            history: VecDeque::new(),
         })
+    }
+
+    pub fn policy(&self) -> &Arc<Policy> {
+        &self.policy
+    }
+
+    /// Calls `f` with the tamper hooks, if any, taken out of `self` for the call.
+    fn with_tamper<R>(&mut self, f: impl FnOnce(&mut dyn Tamper, &mut Sim) -> R) -> Option<R> {
+        let mut t = self.tamper.take()?;
+        let r = f(t.as_mut(), self);
+        self.tamper = Some(t);
+        Some(r)
+    }
+
+    /// Every node, by slot.
+    pub fn nodes(&self) -> Nodes {
+        self.run.nodes().map(|n| (n.id.clone(), n.clone())).collect()
+    }
+
+    fn transition(&mut self, cause: Cause, before: Nodes) {
+        let after = self.nodes();
+        self.events.push(Event::Transition(Box::new(Transition {
+            at: self.now,
+            cause,
+            before,
+            after,
+        })));
+    }
+
+    fn snapshot_if_recording(&self) -> Option<Nodes> {
+        self.record.then(|| self.nodes())
+    }
+
+    /// Folds expired deadlines, as the driver's actor does on its timer.
+    pub fn timer(&mut self) -> anyhow::Result<()> {
+        if self.run.poll_timeout().is_none_or(|t| t > self.now) {
+            return Ok(());
+        }
+        let before = self.snapshot_if_recording();
+        let folded = self.run.handle_timeout(self.now)?;
+        if let Some(before) = before
+            && folded > 0
+        {
+            self.transition(Cause::Timer, before);
+        }
+        let acks = self.run.commit(&mut self.store)?;
+        self.acks.extend(acks);
+        Ok(())
     }
 
     /// Runs one pass if the run wants one. Returns whether a pass ran.
@@ -160,69 +437,210 @@ impl Sim {
         if !self.run.needs_pass(self.now) {
             return Ok(false);
         }
+        let s0 = self.snapshot_if_recording();
         let plan = self.run.begin_pass(self.now)?;
-        let output = {
+        let s1 = self.snapshot_if_recording();
+        let timer_changed = s0 != s1;
+        if let (Some(s0), true) = (s0, timer_changed) {
+            self.transition(Cause::Timer, s0);
+        }
+        let converged_before = self.run.is_converged();
+        let mut output = {
             let view = self.run.desired_view();
             let slots = self.run.slot_set();
             decider::decide(&view, self.run.plan_nodes(&plan), &slots, self.now)
         };
+        if self.permute {
+            output.decisions.reverse();
+        }
+        self.with_tamper(|t, sim| t.decisions(sim, &mut output));
+        let precommit = self
+            .tamper
+            .as_ref()
+            .is_some_and(|t| t.submits_before_commit())
+            .then(|| self.store.clone());
+        let decisions = self.record.then(|| output.decisions.clone());
+        let actions = output.actions().count();
         let outcome: PassOutcome = self
             .run
             .apply_decisions(plan, output, self.now, &mut self.store)?;
+        let mut changed = timer_changed;
+        if let (Some(s1), Some(decisions)) = (s1, decisions) {
+            changed |= s1 != self.nodes();
+            self.transition(Cause::Decisions(decisions), s1);
+        }
         self.passes += 1;
         self.events.push(Event::Pass(PassSummary {
             at: self.now,
             operations: outcome.operations.len(),
             transitions: outcome.transitions,
+            converged_before,
+            actions,
+            changed,
         }));
         self.acks.extend(outcome.acks);
         for op in outcome.operations {
-            self.submit(op);
+            self.submit_checked(op, precommit.as_ref());
         }
         Ok(true)
     }
 
-    fn recorded_pending(&self, op: &Operation) -> bool {
-        use driver_svc::core::RunStore;
-        self.store.load_all().is_ok_and(|runs| {
-            runs.iter().any(|r| {
-                r.meta.uid == op.run_uid
-                    && r.nodes
-                        .iter()
-                        .any(|n| n.node.id == op.node && n.node.pending.is_some_and(|p| p.id == op.id))
-            })
-        })
+    fn recorded_in(store: &MemStore, op: &Operation) -> Option<PendingOp> {
+        let runs = store.load_all().ok()?;
+        runs.iter()
+            .filter(|r| r.meta.uid == op.run_uid)
+            .flat_map(|r| r.nodes.iter())
+            .find(|n| n.node.id == op.node)
+            .and_then(|n| n.node.pending)
     }
 
     /// Sends an operation to the executor.
     pub fn submit(&mut self, op: Operation) {
+        self.submit_checked(op, None);
+    }
+
+    /// Sends an operation to the executor; `store` is the store the submission
+    /// is checked against, when not the current one.
+    fn submit_checked(&mut self, mut op: Operation, store: Option<&MemStore>) {
         if self.link_down {
             self.lost_submissions += 1;
             return;
         }
-        let recorded = self.recorded_pending(&op);
+        let extra = self
+            .with_tamper(|t, sim| t.submit(sim, &mut op))
+            .unwrap_or_default();
+        let store_pending = Self::recorded_in(store.unwrap_or(&self.store), &op);
+        let recorded = store_pending
+            .is_some_and(|p| p.id == op.id && p.effect == op.input.effect() && p.deadline == op.deadline);
+        if self.record {
+            self.events.push(Event::SubmitContext {
+                id: op.id,
+                node: self.run.node(&op.node).cloned(),
+                store_pending,
+            });
+        }
         self.events.push(Event::Submitted {
             op: op.clone(),
             recorded,
         });
-        let outputs = self.exec.submit(op.clone(), self.now);
+        self.seen_ids.insert(op.id);
+        let mut outputs = self.exec.submit(op.clone(), self.now);
+        self.with_tamper(|t, sim| t.executor_submit(sim, &op, &mut outputs));
         self.handle_outputs(outputs);
+        for op in extra {
+            self.submit_checked(op, store);
+        }
+    }
+
+    /// Forces the outcome of the next operation with `effect` that the backend
+    /// runs for `node`.
+    pub fn inject(&mut self, node: LogicalNodeId, effect: Effect, forced: Forced) {
+        self.injections.push((node, effect, forced));
+    }
+
+    /// Drops every forced outcome not yet used.
+    pub fn clear_injections(&mut self) {
+        self.injections.clear();
+    }
+
+    fn take_injection(&mut self, op: &Operation) -> Option<Forced> {
+        let effect = op.input.effect();
+        let i = self
+            .injections
+            .iter()
+            .position(|(n, e, _)| *n == op.node && *e == effect)?;
+        Some(self.injections.remove(i).2)
+    }
+
+    /// The call the shell makes for a forced outcome.
+    fn forced_call(&mut self, op: &Operation, forced: Forced) -> FakeCall {
+        let reason = format!("forced: {}", forced.name());
+        let definite = |outcome| FakeCall {
+            latency: FORCED_LATENCY,
+            outcome,
+        };
+        match forced {
+            Forced::Retryable => definite(Outcome::Retryable { reason }),
+            Forced::Permanent => definite(Outcome::Permanent { reason }),
+            Forced::NotReady => definite(Outcome::NotReady { reason }),
+            Forced::AmbiguousNotDone => definite(Outcome::Ambiguous { reason }),
+            Forced::AmbiguousDone => {
+                let call = self.fake.execute(op, self.now);
+                FakeCall {
+                    latency: call.latency,
+                    outcome: Outcome::Ambiguous { reason },
+                }
+            }
+            Forced::Hang | Forced::HangLate => {
+                let call = self.fake.execute(op, self.now);
+                if forced == Forced::HangLate {
+                    self.late_after_abort.insert((op.run_uid, op.id));
+                }
+                // Long enough that the executor's deadline comes first.
+                let latency = op.deadline.saturating_since(self.now) + Duration::from_secs(60);
+                FakeCall {
+                    latency,
+                    outcome: call.outcome,
+                }
+            }
+        }
+    }
+
+    fn run_on_backend(&mut self, op: Operation) {
+        let forced = self.take_injection(&op);
+        let identity = op.identity();
+        let (slot_attempts, session_running) = if self.record {
+            let attempts = self
+                .fake
+                .inventory()
+                .into_iter()
+                .filter(|r| r.identity.run_uid == op.run_uid && r.identity.node == op.node)
+                .map(|r| r.identity.attempt)
+                .collect();
+            (attempts, self.fake.is_emitting(&identity))
+        } else {
+            (Vec::new(), false)
+        };
+        let creates = self.fake.creates();
+        let now = self.now;
+        let tampered = match self.tamper.as_mut() {
+            Some(t) => t.backend_call(&mut self.fake, &op, now),
+            None => None,
+        };
+        let call = match (tampered, forced) {
+            (Some(call), _) => call,
+            (None, Some(f)) => self.forced_call(&op, f),
+            (None, None) => self.fake.execute(&op, now),
+        };
+        if self.record {
+            self.events.push(Event::BackendCall {
+                op: op.clone(),
+                slot_attempts,
+                session_running,
+                lease_made: self.fake.creates() > creates,
+                forced,
+            });
+        }
+        self.events.push(Event::Started(op.clone()));
+        let due = self.now.checked_add(call.latency).unwrap_or(UnixMillis::MAX);
+        self.backend.entry(due).or_default().push((op, call.outcome));
     }
 
     fn handle_outputs(&mut self, outputs: Vec<Output>) {
         for o in outputs {
             match o {
-                Output::Start(op) => {
-                    self.events.push(Event::Started(op.clone()));
-                    let call = self.fake.execute(&op, self.now);
-                    let due = self.now.checked_add(call.latency).unwrap_or(UnixMillis::MAX);
-                    self.backend.entry(due).or_default().push((op, call.outcome));
-                }
+                Output::Start(op) => self.run_on_backend(op),
                 Output::Abort { run_uid, id } => {
+                    if self.record {
+                        self.events.push(Event::Aborted { run_uid, id });
+                    }
                     // The shell cancels the backend call; its effect on the
-                    // provider stays as it was (ambiguity is real).
-                    for calls in self.backend.values_mut() {
-                        calls.retain(|(op, _)| !(op.run_uid == run_uid && op.id == id));
+                    // provider stays as it was (ambiguity is real). A call marked
+                    // to complete late is not cancelled in time.
+                    if !self.late_after_abort.remove(&(run_uid, id)) {
+                        for calls in self.backend.values_mut() {
+                            calls.retain(|(op, _)| !(op.run_uid == run_uid && op.id == id));
+                        }
                     }
                 }
                 Output::Result(r) => self.send(ToDriver::Result(r)),
@@ -232,20 +650,45 @@ impl Sim {
         }
     }
 
-    fn send(&mut self, m: ToDriver) {
-        let at = match self.delivery {
-            Delivery::InOrder => self.step,
-            Delivery::Chaotic => self.step + self.rng.below(4),
+    /// A hash of a message's content that does not depend on attempt ids, lease
+    /// or session names (which differ between runs that only reorder work).
+    fn content_key(m: &ToDriver) -> u64 {
+        let (node, a, b) = match m {
+            ToDriver::Result(r) => (
+                Some(&r.node),
+                u64::from(r.id.seq()),
+                r.effect as u64 | u64::from(r.late) << 8 | u64::from(r.replayed) << 9,
+            ),
+            ToDriver::Observation(o) => (Some(&o.node), o.seq, o.stage as u64 | 1 << 10),
+            ToDriver::Rejection(rej) => (None, rej.id.map_or(0, |id| u64::from(id.seq())), 1 << 11),
         };
-        if self.delivery == Delivery::Chaotic && self.rng.chance(0.1) {
-            let again = self.step + self.rng.below(6);
-            self.transit.push_back((again, m.clone()));
-        }
-        self.transit.push_back((at, m));
+        mix64(node.map_or(0, node_key) ^ mix64(a) ^ mix64(b.wrapping_mul(0x9e37)))
     }
 
-    /// Delivers every message due at this step to the driver (in a shuffled
-    /// order when chaotic), then the acknowledgements to the executor.
+    fn send(&mut self, m: ToDriver) {
+        if self.record {
+            self.events.push(Event::Emitted(m.clone()));
+        }
+        if self.link_down {
+            // The stream is broken: the message is lost (the executor keeps
+            // results and observations until acknowledged, and sends them again
+            // on the next stream).
+            return;
+        }
+        match self.delivery {
+            Delivery::InOrder => self.transit.push_back((self.step, m)),
+            Delivery::Chaotic => {
+                let k = mix64(Self::content_key(&m) ^ mix64(self.seed) ^ self.step.wrapping_mul(0x5851));
+                if (k >> 20).is_multiple_of(10) {
+                    self.transit.push_back((self.step + (k >> 40) % 6, m.clone()));
+                }
+                self.transit.push_back((self.step + k % 4, m));
+            }
+        }
+    }
+
+    /// Delivers every message due at this step to the driver (interleaved across
+    /// nodes when chaotic), then the acknowledgements to the executor.
     pub fn deliver(&mut self) -> anyhow::Result<usize> {
         if self.link_down {
             return Ok(0);
@@ -262,32 +705,44 @@ impl Sim {
         }
         self.transit = keep;
         if self.delivery == Delivery::Chaotic {
-            for i in (1..due.len()).rev() {
-                let j = self.rng.below(i as u64 + 1) as usize;
-                due.swap(i, j);
-            }
+            // A stable sort keeps each node's messages in the order they were
+            // sent while nodes interleave differently at every step.
+            let salt = mix64(self.seed ^ step.wrapping_mul(0x2545_f491));
+            due.sort_by_key(|m| m.node().map_or(0, |n| mix64(node_key(n) ^ salt)));
         }
         let n = due.len();
         for m in due {
-            match m {
-                ToDriver::Result(r) => {
-                    let _ = self.run.fold_result(&r, self.now)?;
-                }
-                ToDriver::Observation(o) => {
-                    let _ = self.run.fold_observation(&o, self.now)?;
-                }
-                ToDriver::Rejection(rej) => {
-                    let _ = self.run.fold_rejection(&rej, self.now)?;
-                }
+            let folded = self
+                .with_tamper(|t, sim| t.fold(sim, &m))
+                .flatten()
+                .unwrap_or_else(|| m.clone());
+            let before = self.snapshot_if_recording();
+            let verdict = match &folded {
+                ToDriver::Result(r) => self.run.fold_result(r, self.now)?,
+                ToDriver::Observation(o) => self.run.fold_observation(o, self.now)?,
+                ToDriver::Rejection(rej) => self.run.fold_rejection(rej, self.now)?,
+            };
+            if let Some(before) = before {
+                self.transition(
+                    Cause::Fold {
+                        msg: m.clone(),
+                        verdict,
+                    },
+                    before,
+                );
             }
+            if self.history.len() == HISTORY {
+                self.history.pop_front();
+            }
+            self.history.push_back(m);
         }
         // Folds are acknowledged only once committed.
         let acks = self.run.commit(&mut self.store)?;
         self.acks.extend(acks);
         self.flush_acks();
         let uid = self.run.uid();
-        for session in self.run.take_replays() {
-            for o in self.exec.observations_after(uid, &session, 0) {
+        for (session, after) in self.run.take_replays() {
+            for o in self.exec.observations_after(uid, &session, after) {
                 self.send(ToDriver::Observation(o));
             }
         }
@@ -308,7 +763,11 @@ impl Sim {
     fn run_backend(&mut self) {
         let due: Vec<UnixMillis> = self.backend.range(..=self.now).map(|(t, _)| *t).collect();
         for t in due {
-            for (op, outcome) in self.backend.remove(&t).unwrap_or_default() {
+            let mut calls = self.backend.remove(&t).unwrap_or_default();
+            if self.permute {
+                calls.reverse();
+            }
+            for (op, outcome) in calls {
                 self.events.push(Event::Completed {
                     run_uid: op.run_uid,
                     id: op.id,
@@ -346,10 +805,38 @@ impl Sim {
         .min()
     }
 
-    /// One step: a pass if wanted, backend progress, delivery. When nothing is
-    /// due now, the clock jumps to the next event.
+    /// Whether nothing is on its way: no backend call out, no message in
+    /// transit, nothing running or queued at the executor.
+    pub fn quiescent(&self) -> bool {
+        self.backend.is_empty()
+            && self.transit.is_empty()
+            && self.exec.running_count() == 0
+            && self.exec.queued_count() == 0
+    }
+
+    /// The next time after `now` anything is due, if anything is.
+    fn next_event_after(&self, now: UnixMillis) -> Option<UnixMillis> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        [
+            self.backend
+                .range((Excluded(now), Unbounded))
+                .next()
+                .map(|(t, _)| *t),
+            self.fake.next_observation_at(),
+            self.exec.poll_timeout(),
+            self.run.poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|t| *t > now)
+        .min()
+    }
+
+    /// One step: deadline folds, a pass if wanted, backend progress, delivery.
+    /// When nothing is due now, the clock jumps to the next event.
     pub fn step(&mut self) -> anyhow::Result<()> {
         self.step += 1;
+        self.timer()?;
         self.pass()?;
         self.run_backend();
         let delivered = self.deliver()?;
@@ -357,12 +844,29 @@ impl Sim {
             && !self.run.needs_pass(self.now)
             && self.transit.is_empty()
             && self.backend.range(..=self.now).next().is_none();
-        if idle
-            && let Some(t) = self.next_event_at()
-            && t > self.now
-        {
-            self.now = t;
+        if idle {
+            let next = self.next_event_after(self.now);
+            let spinning = self.run.poll_timeout().is_some_and(|t| t <= self.now);
+            let target = if spinning {
+                if self.record {
+                    self.events.push(Event::Spin { at: self.now });
+                }
+                // The actor would loop on its timer while wall time passes; a
+                // pass may be held back for at most one batch window.
+                let window = self
+                    .now
+                    .checked_add(self.policy.pass_batch.max(Duration::from_millis(1)))
+                    .unwrap_or(UnixMillis::MAX);
+                Some(next.map_or(window, |t| t.min(window)))
+            } else {
+                next
+            };
+            if let Some(t) = target {
+                self.now = t;
+                self.fake.advance(t);
+            }
         }
+        self.with_tamper(|t, sim| t.after_step(sim));
         Ok(())
     }
 
@@ -392,17 +896,14 @@ impl Sim {
         anyhow::bail!("not gone after {max_steps} steps: {}", self.describe())
     }
 
-    /// Restores the link: the driver resubmits every pending operation and asks
-    /// for observations after the last folded sequence.
-    pub fn reconnect(&mut self) {
-        self.link_down = false;
-        // Unacknowledged results and observations come again on a new stream.
-        for r in self.exec.unacked_results() {
-            if r.run_uid == self.run.uid() {
-                self.send(ToDriver::Result(r));
-            }
-        }
+    /// What a new stream does: the executor sends every unacknowledged result
+    /// again, the driver asks for observations after the last sequence it folded
+    /// and resubmits every pending operation.
+    fn resync(&mut self) {
         let uid = self.run.uid();
+        for r in self.exec.unacked_results_of(uid) {
+            self.send(ToDriver::Result(r));
+        }
         for (session, after) in self.run.observation_cursors() {
             for o in self.exec.observations_after(uid, &session, after) {
                 self.send(ToDriver::Observation(o));
@@ -413,9 +914,161 @@ impl Sim {
         }
     }
 
+    /// Restores the link: messages in flight on the broken stream are lost, the
+    /// driver resubmits every pending operation and asks for observations after
+    /// the last folded sequence.
+    pub fn reconnect(&mut self) {
+        self.link_down = false;
+        self.transit.clear();
+        self.resync();
+    }
+
+    /// The executor sends every unacknowledged result and observation again, as
+    /// a replaying executor would; duplicates must change nothing.
+    pub fn replay_unacked(&mut self) {
+        let uid = self.run.uid();
+        for r in self.exec.unacked_results_of(uid) {
+            self.send(ToDriver::Result(r));
+        }
+        for o in self.exec.unacked_observations_of(uid) {
+            self.send(ToDriver::Observation(o));
+        }
+    }
+
+    /// Sends the `k`-th most recently delivered message again (a stale or
+    /// duplicated message, often for a superseded attempt).
+    pub fn resend(&mut self, k: usize) {
+        if self.history.is_empty() {
+            return;
+        }
+        let i = self.history.len() - 1 - k % self.history.len();
+        let m = self.history[i].clone();
+        self.send(m);
+    }
+
+    /// Resubmits every pending operation (the executor replays or keeps running).
+    pub fn resubmit_inflight(&mut self) {
+        for op in self.run.inflight_operations() {
+            self.submit(op);
+        }
+    }
+
+    /// Another client resubmits an operation id the executor has seen with
+    /// different input; the executor must reject it. Nothing reaches the driver.
+    pub fn conflict_probe(&mut self, k: usize) {
+        let seen: Vec<Operation> = self
+            .run
+            .inflight_operations()
+            .into_iter()
+            .filter(|op| self.seen_ids.contains(&op.id))
+            .collect();
+        if seen.is_empty() || self.link_down {
+            return;
+        }
+        let mut op = seen[k % seen.len()].clone();
+        let other_lease = || contract::LeaseId::new("lease", "conflicting-lease").ok();
+        op.input = match op.input {
+            OperationInput::CreateLease { template } => {
+                let mut t = (*template).clone();
+                t.image.push_str("-conflict");
+                OperationInput::CreateLease {
+                    template: Arc::new(t),
+                }
+            }
+            OperationInput::LookupEndpoint { lease } => OperationInput::DestroyLease { lease: Some(lease) },
+            OperationInput::StartBootstrap { .. } => OperationInput::CancelBootstrap {
+                session: SessionId::new("session", "conflicting-session").ok(),
+            },
+            OperationInput::CancelBootstrap { .. } => OperationInput::DestroyLease { lease: other_lease() },
+            OperationInput::DestroyLease { .. } => OperationInput::DestroyLease { lease: other_lease() },
+        };
+        let outputs = self.exec.submit(op.clone(), self.now);
+        if self.record {
+            self.events.push(Event::ConflictProbe {
+                op,
+                outputs: outputs.clone(),
+            });
+        }
+        // The probe's rejection goes to the probing client; anything else the
+        // executor does is real and is carried out.
+        let rest = outputs
+            .into_iter()
+            .filter(|o| !matches!(o, Output::Rejected(_)))
+            .collect();
+        self.handle_outputs(rest);
+    }
+
+    /// The driver process restarts: it loads the run from its store under a new
+    /// epoch, claims that epoch at the executor, and resynchronises the link.
+    /// Messages in flight to the old process and its unsent acknowledgements are
+    /// lost. Returns whether the run was found in the store.
+    pub fn restart_driver(&mut self) -> anyhow::Result<bool> {
+        let uid = self.run.uid();
+        let Some(stored) = self.store.load_all()?.into_iter().find(|r| r.meta.uid == uid) else {
+            return Ok(false);
+        };
+        self.restore_from(stored)?;
+        Ok(true)
+    }
+
+    /// Replaces the driver's state with `stored` under the next epoch (a driver
+    /// restart; mutants use it to restart from a tampered store).
+    pub fn restore_from(&mut self, stored: driver_svc::core::StoredRun) -> anyhow::Result<()> {
+        let epoch = self
+            .run
+            .epoch()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("epochs exhausted"))?;
+        let before = self.snapshot_if_recording();
+        self.run = RunState::restore(stored, epoch, Arc::clone(&self.policy));
+        if let Some(before) = before {
+            self.transition(Cause::Restore, before);
+        }
+        self.exec
+            .claim(&contract::Claim {
+                run_uid: self.run.uid(),
+                run_id: self.run.run_id().clone(),
+                epoch,
+            })
+            .map_err(|r| anyhow::anyhow!("claim rejected: {r:?}"))?;
+        let acks = self.run.commit(&mut self.store)?;
+        self.acks = acks;
+        self.transit.clear();
+        if !self.link_down {
+            self.resync();
+        }
+        Ok(())
+    }
+
+    /// Applies a shape update as the driver's actor does: an accepted change is
+    /// committed before the client hears of it.
+    pub fn apply_shape(&mut self, shape: ClusterShape) -> anyhow::Result<Result<Applied, ApplyError>> {
+        let before = self.snapshot_if_recording();
+        let r = self.run.apply_shape(shape);
+        if matches!(r, Ok(Applied::Changed)) {
+            let acks = self.run.commit(&mut self.store)?;
+            self.acks.extend(acks);
+            if let Some(before) = before {
+                self.transition(Cause::Apply, before);
+            }
+        }
+        Ok(r)
+    }
+
+    /// Deletes the run as the driver's actor does (committed at once).
+    pub fn delete_run(&mut self) -> anyhow::Result<bool> {
+        let changed = self.run.delete();
+        if changed {
+            let acks = self.run.commit(&mut self.store)?;
+            self.acks.extend(acks);
+        }
+        Ok(changed)
+    }
+
     /// Advances the virtual clock.
     pub fn advance(&mut self, ms: u64) {
         self.now = UnixMillis::new(self.now.as_millis().saturating_add(ms));
+        self.fake.advance(self.now);
     }
 
     pub fn describe(&self) -> String {
@@ -448,4 +1101,13 @@ impl Sim {
             .map(|(s, _)| s)
             .collect()
     }
+}
+
+/// A hash of a slot's name (FNV-1a), stable across runs.
+pub fn node_key(n: &LogicalNodeId) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in n.group().as_str().bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    mix64(h ^ u64::from(n.index()))
 }

@@ -19,6 +19,11 @@ pub struct Policy {
     /// After an operation's deadline, how long the driver waits for the
     /// executor's (ambiguous) result before folding the ambiguity itself.
     pub result_grace: Duration,
+    /// While operations are in flight, a fold waits up to this long for more
+    /// results before it triggers a pass, so that a burst of results is decided
+    /// in one pass instead of many. Zero decides at once. Driver transitions,
+    /// shape changes and due deadlines never wait.
+    pub pass_batch: Duration,
     pub limits: ShapeLimits,
 }
 
@@ -31,6 +36,7 @@ impl Default for Policy {
             bootstrap_timeout: Duration::from_secs(600),
             operation_timeout: Duration::from_secs(60),
             result_grace: Duration::from_secs(5),
+            pass_batch: Duration::ZERO,
             limits: ShapeLimits::default(),
         }
     }

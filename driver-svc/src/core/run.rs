@@ -217,6 +217,12 @@ pub struct RunState {
     changed: BTreeSet<LogicalNodeId>,
     removed: BTreeSet<LogicalNodeId>,
     unacked: Vec<AckRef>,
+    /// A driver transition or a stale decision asks for the next pass at once.
+    urgent: bool,
+    /// When the first fold since the last pass happened (see `Policy::pass_batch`).
+    batch_from: Option<UnixMillis>,
+    /// Nodes with a pending operation.
+    pending_ops: usize,
     /// Sessions whose observations to ask the executor for again.
     replays: Vec<contract::SessionId>,
     counters: RunCounters,
@@ -271,11 +277,15 @@ impl RunState {
     }
 
     fn from_parts(meta: RunMeta, nodes: Vec<NodeRecord>, policy: Arc<Policy>) -> Self {
-        let nodes = nodes
+        let nodes: BTreeMap<LogicalNodeId, Entry> = nodes
             .into_iter()
             .map(|r| (r.node.id.clone(), Entry::new(r)))
             .collect();
+        let pending_ops = nodes.values().filter(|e| e.rec.node.pending.is_some()).count();
         Self {
+            urgent: false,
+            batch_from: None,
+            pending_ops,
             meta,
             policy,
             nodes,
@@ -409,6 +419,7 @@ impl RunState {
     /// operation's deadline plus grace, or a stage deadline.
     pub fn poll_timeout(&self) -> Option<UnixMillis> {
         let grace = self.policy.result_grace;
+        let batch = self.batch_end();
         self.nodes
             .values()
             .flat_map(|e| {
@@ -418,6 +429,7 @@ impl RunState {
                 [e.wake_at, op, stage]
             })
             .flatten()
+            .chain(batch)
             .min()
     }
 
@@ -505,12 +517,32 @@ impl RunState {
 
     /// Whether a pass would have anything to decide at `now`.
     pub fn needs_pass(&self, now: UnixMillis) -> bool {
-        self.full
-            || self
-                .nodes
-                .values()
-                .any(|e| e.dirty || e.wake_at.is_some_and(|t| t <= now))
-            || self.missing_slots()
+        if self.full || self.urgent {
+            return true;
+        }
+        // A due wake-up never waits for the batch window: its deadline is
+        // what `poll_timeout` reported, and waiting would spin the timer.
+        if self.nodes.values().any(|e| e.wake_at.is_some_and(|t| t <= now)) {
+            return true;
+        }
+        let wanted = self.nodes.values().any(|e| e.dirty) || self.missing_slots();
+        wanted && self.batch_end().is_none_or(|end| end <= now)
+    }
+
+    /// While operations are in flight, folds wait for more results until this.
+    fn batch_end(&self) -> Option<UnixMillis> {
+        let batch = self.policy.pass_batch;
+        if batch.is_zero() || self.pending_ops == 0 {
+            return None;
+        }
+        // A window that does not fit the clock is no window at all.
+        self.batch_from.and_then(|t| t.checked_add(batch).ok())
+    }
+
+    fn note_fold(&mut self, now: UnixMillis) {
+        if self.batch_from.is_none() {
+            self.batch_from = Some(now);
+        }
     }
 
     fn missing_slots(&self) -> bool {
@@ -544,6 +576,8 @@ impl RunState {
             .map(|(id, e)| (id.clone(), e.version))
             .collect();
         self.full = false;
+        self.urgent = false;
+        self.batch_from = None;
         self.in_pass = true;
         Ok(PassPlan {
             now,
@@ -614,6 +648,7 @@ impl RunState {
             if !fresh {
                 out.stale += 1;
                 out.follow_up = true;
+                self.urgent = true;
                 if let Some(e) = self.nodes.get_mut(&d.node) {
                     e.dirty = true;
                 }
@@ -634,6 +669,7 @@ impl RunState {
         }
         if out.transitions > 0 && !self.meta.paused {
             out.follow_up = true;
+            self.urgent = true;
         }
         if self.meta.observed_generation != self.meta.shape.generation {
             self.meta.observed_generation = self.meta.shape.generation;
@@ -834,6 +870,7 @@ impl RunState {
             deadline,
             dispatched_at: now,
         });
+        self.pending_ops += 1;
         if effect == Effect::CreateLease
             && rec.node.intent == Intent::Active
             && rec.node.stage == NodeStage::New
@@ -959,7 +996,12 @@ impl RunState {
         e.wake_at = None;
         e.rec.inflight = None;
         let n = &mut e.rec.node;
-        n.pending = None;
+        if n.pending.take().is_some() {
+            self.pending_ops = self.pending_ops.saturating_sub(1);
+        }
+        if self.batch_from.is_none() {
+            self.batch_from = Some(now);
+        }
         let active = n.intent == Intent::Active;
 
         // Shared shapes of failure handling.
@@ -1055,8 +1097,12 @@ impl RunState {
 
             (Effect::StartBootstrap, Outcome::Succeeded(f)) => match &f.session {
                 Some(session) => {
-                    // Stages may have arrived before this result; they were
-                    // left unacknowledged, so ask for the session from the start.
+                    // Stages may have reached the executor before this
+                    // result (an adopted session after an executor restart
+                    // streams again from its start) or reached this driver
+                    // before it (left unacknowledged): ask for the session
+                    // after what is folded. Stages acknowledged by then are
+                    // not sent twice.
                     self.replays.push(session.clone());
                     n.facts.session = Some(session.clone());
                     n.facts.ambiguous_bootstrap = false;
@@ -1150,6 +1196,7 @@ impl RunState {
             }
         }
         self.changed.insert(o.node.clone());
+        self.note_fold(now);
         self.unacked.push(AckRef::Observation {
             session: o.session.clone(),
             seq: o.seq,
@@ -1186,8 +1233,20 @@ impl RunState {
 
     /// Sessions to ask the executor to replay from the start (their first
     /// stages may have arrived before the result that named them).
-    pub fn take_replays(&mut self) -> Vec<contract::SessionId> {
-        std::mem::take(&mut self.replays)
+    pub fn take_replays(&mut self) -> Vec<(contract::SessionId, u64)> {
+        let sessions = std::mem::take(&mut self.replays);
+        sessions
+            .into_iter()
+            .map(|session| {
+                let after = self
+                    .nodes
+                    .values()
+                    .find(|e| e.rec.node.facts.session.as_ref() == Some(&session))
+                    .and_then(|e| e.rec.node.facts.bootstrap.as_ref().map(|b| b.seq))
+                    .unwrap_or(0);
+                (session, after)
+            })
+            .collect()
     }
 
     /// The last folded observation sequence per live session, for asking the

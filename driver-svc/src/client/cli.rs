@@ -1,0 +1,227 @@
+//! `provisionctl`'s command line: every command, flag and its help.
+//!
+//! Kept in the library, not the binary, so that shell completions, the help
+//! text and the parsing can be tested without spawning a process.
+
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use super::{error::EXIT_CODES_HELP, render::Output};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "provisionctl",
+    version,
+    about = "Declare compute runs, see what the reconciler will do and why, and follow it",
+    long_about = None,
+    after_help = EXIT_CODES_HELP,
+)]
+pub struct Cli {
+    /// The driver's address.
+    #[arg(
+        long,
+        global = true,
+        env = "PROVISIONCTL_SERVER",
+        default_value = "http://127.0.0.1:7000",
+        value_name = "URL"
+    )]
+    pub server: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct OutputArg {
+    /// How to print the answer.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct FileArg {
+    /// The shape file, YAML or JSON; `-` reads standard input.
+    #[arg(short = 'f', long = "file", value_name = "FILE")]
+    pub file: String,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct FollowArgs {
+    /// Give up after this long (exit 3): `90`, `90s`, `1500ms`, `5m`, `1h`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub timeout: Option<Duration>,
+    /// Plain lines even on a terminal (the default when output is not a terminal).
+    #[arg(long, conflicts_with = "live")]
+    pub plain: bool,
+    /// The in-place view even when output is not a terminal.
+    #[arg(long)]
+    pub live: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply a shape file: create the run, or move it to the file's shape.
+    ///
+    /// Without `generation:` in the file, the next generation after the
+    /// server's is used (the same one if nothing changed). If the run changes
+    /// on the server meanwhile, the apply is refused and nothing changes.
+    Apply {
+        #[command(flatten)]
+        file: FileArg,
+        /// Refuse unless the run is at this generation now (0: the run must not exist),
+        /// e.g. the one a `plan` was made against.
+        #[arg(long, value_name = "GENERATION")]
+        expect_generation: Option<u64>,
+        /// Then follow the run as `watch` does, with the same exit codes.
+        #[arg(long)]
+        wait: bool,
+        #[command(flatten)]
+        follow: FollowArgs,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Show what applying a shape file would do, node by node, without doing it.
+    Plan {
+        #[command(flatten)]
+        file: FileArg,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Show a run: phase, groups, counts by stage (and every node with --nodes).
+    Get {
+        run: String,
+        /// Also list every node with its stage, pending operation and last rule.
+        #[arg(long)]
+        nodes: bool,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// List the runs.
+    List {
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Follow a run live until it converges (exit 0) or is deleted (exit 0).
+    Watch {
+        run: String,
+        #[command(flatten)]
+        follow: FollowArgs,
+    },
+    /// Explain one node: its facts, what it waits for, and the rule that applies now.
+    Explain {
+        run: String,
+        /// The node, `GROUP-INDEX` (e.g. `workers-3`).
+        node: String,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Delete a run: every node is cleaned up, then the run is gone.
+    Delete {
+        run: String,
+        /// Wait until every node is cleaned up and the run is gone.
+        #[arg(long)]
+        wait: bool,
+        /// With --wait: give up after this long (exit 3).
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration, requires = "wait")]
+        timeout: Option<Duration>,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Pause a run: nothing new is dispatched; operations in flight finish.
+    Pause {
+        run: String,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Resume a paused run.
+    Resume {
+        run: String,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Forget a node whose cleanup fails for good; what it leaves behind is recorded as an orphan.
+    Abandon {
+        run: String,
+        node: String,
+        /// Do not ask for confirmation.
+        #[arg(long, short = 'y')]
+        yes: bool,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// List what abandoned nodes left behind at the provider.
+    Orphans {
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Print a shell completion script: `provisionctl completions bash > /etc/bash_completion.d/provisionctl`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+/// A duration: a number of seconds, or a number with `ms`, `s`, `m` or `h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = s.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (try 90, 90s, 1500ms, 5m)"))?;
+    Duration::try_from_secs_f64(v * scale).map_err(|_| format!("{s:?} is not a duration"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn durations_parse_with_and_without_units() {
+        assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("-1").is_err());
+        assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn help_lists_the_exit_codes() {
+        let help = Cli::command().render_long_help().to_string();
+        assert!(help.contains("Exit codes:") && help.contains("130"), "{help}");
+    }
+
+    #[test]
+    fn read_commands_take_an_output_format() {
+        for args in [
+            &["provisionctl", "get", "r", "-o", "yaml"][..],
+            &["provisionctl", "list", "-o", "json"],
+            &["provisionctl", "explain", "r", "w-0", "-o", "json"],
+            &["provisionctl", "plan", "-f", "-", "-o", "json"],
+        ] {
+            Cli::try_parse_from(args).unwrap();
+        }
+        assert!(Cli::try_parse_from(["provisionctl", "get", "r", "-o", "xml"]).is_err());
+        assert!(Cli::try_parse_from(["provisionctl", "delete", "r", "--timeout", "3"]).is_err());
+    }
+}

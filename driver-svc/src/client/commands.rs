@@ -1,0 +1,1135 @@
+//! The commands: each talks to the driver's public API and prints through
+//! the renderers. Errors come back as [`CliError`], already in the user's
+//! words and carrying their exit code.
+
+use std::{
+    io::{self, IsTerminal, Read, Write},
+    time::Duration,
+};
+
+use contract::{
+    pb::{self, provisioning_client::ProvisioningClient},
+    wire::{redacted, shape_from_wire},
+};
+use serde_json::json;
+use tokio::time::Instant;
+use tonic::{Code, transport::Channel};
+
+use super::{
+    cli::{Cli, Command, FollowArgs},
+    error::{CliError, Doing, Exit, from_status},
+    explain, plan,
+    render::{self, Output},
+    text,
+    watch::{Failing, NODE_DETAIL_LIMIT, Painter, is_failing},
+};
+use crate::shapefile::{self, Format, ShapeFile, ShapeFileError};
+
+type Client = ProvisioningClient<Channel>;
+
+/// The live view's fastest redraw.
+const LIVE_REDRAW: Duration = Duration::from_millis(100);
+
+/// Runs one command line; the `Exit` is the process's exit code.
+pub async fn run(cli: Cli) -> Result<Exit, CliError> {
+    let server = normalize_server(&cli.server);
+    let ctx = Ctx { server };
+    match cli.command {
+        Command::Apply {
+            file,
+            expect_generation,
+            wait,
+            follow,
+            output,
+        } => {
+            if !wait && (follow.timeout.is_some() || follow.plain || follow.live) {
+                // A usage error (exit 2), like any other clap refuses: these
+                // flags shape the follow-up that only --wait starts.
+                <Cli as clap::CommandFactory>::command()
+                    .error(
+                        clap::error::ErrorKind::MissingRequiredArgument,
+                        "--timeout, --plain and --live apply to following the run: add --wait",
+                    )
+                    .exit()
+            }
+            ctx.apply(&file.file, expect_generation, wait, &follow, output.output)
+                .await
+        }
+        Command::Plan { file, output } => ctx.plan(&file.file, output.output).await,
+        Command::Get { run, nodes, output } => ctx.get(&run, nodes, output.output).await,
+        Command::List { output } => ctx.list(output.output).await,
+        Command::Watch { run, follow } => {
+            let started = Instant::now();
+            let mut client = ctx.connect().await?;
+            // Read through the run's actor first: the watch stream starts from
+            // the last published status, which can predate an apply that has
+            // just returned, and would then report the old shape converged.
+            let Some(now) = ctx.current(&mut client, &run).await? else {
+                let s = tonic::Status::not_found(format!("run {run} not found"));
+                return Err(ctx.status_error(
+                    &s,
+                    Doing::Run {
+                        verb: "watch",
+                        run: &run,
+                    },
+                ));
+            };
+            ctx.follow(&mut client, &run, &follow, now.generation, started)
+                .await
+        }
+        Command::Explain { run, node, output } => ctx.explain(&run, &node, output.output).await,
+        Command::Delete {
+            run,
+            wait,
+            timeout,
+            output,
+        } => ctx.delete(&run, wait, timeout, output.output).await,
+        Command::Pause { run, output } => ctx.set_paused(&run, true, output.output).await,
+        Command::Resume { run, output } => ctx.set_paused(&run, false, output.output).await,
+        Command::Abandon {
+            run,
+            node,
+            yes,
+            output,
+        } => ctx.abandon(&run, &node, yes, output.output).await,
+        Command::Orphans { output } => ctx.orphans(output.output).await,
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            let mut buf = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "provisionctl", &mut buf);
+            write_bytes(&buf)?;
+            Ok(Exit::Success)
+        }
+    }
+}
+
+/// `host:port` means `http://host:port`: the scheme is what users forget.
+fn normalize_server(s: &str) -> String {
+    if s.contains("://") {
+        s.to_owned()
+    } else {
+        format!("http://{s}")
+    }
+}
+
+/// Writes to standard output; a closed pipe (`provisionctl get x | head`)
+/// ends the output quietly instead of failing the command.
+fn write_bytes(b: &[u8]) -> Result<(), CliError> {
+    let mut out = io::stdout().lock();
+    match out.write_all(b).and_then(|()| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) => Err(CliError::Other(format!("cannot write the output: {e}"))),
+    }
+}
+
+fn print_lines(lines: &[String]) -> Result<(), CliError> {
+    let mut s = lines.join("\n");
+    s.push('\n');
+    write_bytes(s.as_bytes())
+}
+
+fn print_doc(v: &serde_json::Value, output: Output) -> Result<(), CliError> {
+    write_bytes(render::document(v, output).as_bytes())
+}
+
+/// A shape file's text, from a path or standard input.
+fn read_source(file: &str) -> Result<(String, String), CliError> {
+    if file == "-" {
+        let mut s = String::new();
+        io::stdin().read_to_string(&mut s).map_err(|e| CliError::Read {
+            path: "standard input".to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(("<stdin>".to_owned(), s))
+    } else {
+        let s = std::fs::read_to_string(file).map_err(|e| CliError::Read {
+            path: file.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok((file.to_owned(), s))
+    }
+}
+
+/// A shape file parsed and checked locally, before any request is sent.
+#[derive(Debug)]
+struct Loaded {
+    name: String,
+    text: String,
+    file: ShapeFile,
+}
+
+impl Loaded {
+    fn read(file: &str) -> Result<Self, CliError> {
+        let (name, text) = read_source(file)?;
+        let parsed = shapefile::parse(&name, &text)?;
+        // Checked at a stand-in generation (the file's own, or 1): everything
+        // but the generation is known before the server is asked for it, and
+        // a bad file must be reported with nothing sent.
+        parsed.check(&name, &text, 1)?;
+        Ok(Self {
+            name,
+            text,
+            file: parsed,
+        })
+    }
+
+    fn wire(&self, generation: u64) -> Result<pb::ClusterShape, CliError> {
+        Ok(self.file.check(&self.name, &self.text, generation)?)
+    }
+
+    /// The server rejected a field the local check let through (its limits
+    /// can be stricter than the defaults): said with the field's place in
+    /// the file, like a local error, but without claiming nothing was sent.
+    fn server_rejection(&self, status: &tonic::Status) -> CliError {
+        let msg = status.message();
+        let msg = msg.strip_prefix("invalid shape: ").unwrap_or(msg);
+        let msg = msg.strip_prefix("shape.").unwrap_or(msg);
+        let field = msg.split_whitespace().next().unwrap_or("");
+        let problem = msg[field.len()..].trim();
+        let located = ShapeFileError::Invalid {
+            source_name: self.name.clone(),
+            location: shapefile::locate(Format::detect(&self.name, &self.text), &self.text, field),
+            field: field.to_owned(),
+            problem: problem.to_owned(),
+        };
+        CliError::refused(
+            format!("{located} (the server's limits are stricter than the defaults checked here)"),
+            Some("the server rejected the shape; nothing was changed".to_owned()),
+        )
+    }
+}
+
+/// Whether two shapes have the same content once secrets are redacted on
+/// both sides (the server never sends a secret back, so a change of a secret
+/// value alone cannot be seen here; the caller asks the server instead).
+fn same_redacted(a: &pb::ClusterShape, b: &pb::ClusterShape) -> bool {
+    match (shape_from_wire(redacted(a)), shape_from_wire(redacted(b))) {
+        (Ok(a), Ok(b)) => a.same_content(&b),
+        _ => false,
+    }
+}
+
+/// A refused apply or plan, with what is known about the run around it.
+#[derive(Debug)]
+struct Refusal<'a> {
+    run: &'a str,
+    source: &'a str,
+    verb: &'a str,
+    /// The file named its generation (rather than provisionctl choosing).
+    explicit: bool,
+    /// The generation provisionctl read before sending (`None`: no run).
+    read: Option<u64>,
+    sent: u64,
+    /// The run's generation and phase after the refusal (`None`: gone).
+    now: Option<(u64, i32)>,
+    server_said: &'a str,
+}
+
+/// Says why the server refused, in terms of what happened to the run and
+/// what to do next, rather than the revision contract's vocabulary.
+fn refusal(r: &Refusal<'_>) -> CliError {
+    let Refusal {
+        run, source, verb, ..
+    } = *r;
+    let server_said = format!("(the server said: {})", r.server_said);
+    let Some((now, phase)) = r.now else {
+        return CliError::refused(
+            format!(
+                "run {run} disappeared while this {verb} was on its way; nothing was changed {server_said}"
+            ),
+            Some(format!("run `provisionctl {verb} -f {source}` again")),
+        );
+    };
+    if phase == pb::RunPhase::Deleting as i32 || phase == pb::RunPhase::Deleted as i32 {
+        return CliError::refused(
+            format!(
+                "run {run} is being deleted, and a run that is being deleted takes no new shape; nothing was changed"
+            ),
+            Some(format!(
+                "wait until it is gone (`provisionctl delete {run} --wait`), then apply again to create it afresh"
+            )),
+        );
+    }
+    if r.explicit {
+        return CliError::refused(
+            format!(
+                "generation {} in {source} cannot be applied: run {run} is at generation {now}, and a \
+                 generation must go up whenever the content changes (a lower one, or the same one with \
+                 other content, is refused). Nothing was changed {server_said}",
+                r.sent
+            ),
+            Some(format!(
+                "remove `generation:` from the file to let provisionctl pick the next one, or set it above {now}"
+            )),
+        );
+    }
+    if r.read == Some(now) {
+        return CliError::refused(
+            format!("the server refused this {verb} of run {run}; nothing was changed {server_said}"),
+            None,
+        );
+    }
+    let was = r.read.map_or_else(
+        || "did not exist".to_owned(),
+        |g| format!("was at generation {g}"),
+    );
+    CliError::refused(
+        format!(
+            "run {run} changed on the server while this {verb} was on its way: it {was} when provisionctl \
+             read it and is now at generation {now}. Someone else applied a change; nothing was changed \
+             by this {verb} {server_said}"
+        ),
+        Some(format!(
+            "see what the run is now with `provisionctl get {run} -o yaml`, check `provisionctl plan -f \
+             {source}`, then apply again"
+        )),
+    )
+}
+
+#[derive(Debug)]
+struct Ctx {
+    server: String,
+}
+
+impl Ctx {
+    async fn connect(&self) -> Result<Client, CliError> {
+        let unreachable = |reason: String| CliError::Unavailable {
+            message: format!(
+                "cannot reach the server at {}: {reason}\nis driver-svc running there? \
+                 --server or PROVISIONCTL_SERVER sets the address",
+                self.server
+            ),
+        };
+        let endpoint = tonic::transport::Endpoint::from_shared(self.server.clone())
+            .map_err(|e| CliError::Other(format!("{:?} is not a server address: {e}", self.server)))?
+            .connect_timeout(Duration::from_secs(5));
+        let channel = endpoint.connect().await.map_err(|e| {
+            let mut reason = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                reason = s.to_string();
+                source = s.source();
+            }
+            unreachable(reason)
+        })?;
+        Ok(ProvisioningClient::new(channel))
+    }
+
+    fn status_error(&self, s: &tonic::Status, doing: Doing<'_>) -> CliError {
+        from_status(s, doing, &self.server)
+    }
+
+    /// The run's status, or `None` if the server has no such run.
+    async fn current(&self, client: &mut Client, run: &str) -> Result<Option<pb::RunStatus>, CliError> {
+        match client
+            .get_run(pb::GetRunRequest {
+                run_id: run.to_owned(),
+                include_nodes: false,
+            })
+            .await
+        {
+            Ok(r) => Ok(Some(r.into_inner())),
+            Err(s) if s.code() == Code::NotFound => Ok(None),
+            Err(s) => Err(self.status_error(&s, Doing::Run { verb: "read", run })),
+        }
+    }
+
+    /// Explains a `FAILED_PRECONDITION` on an apply or a plan in terms of
+    /// what happened to the run, asking the server where it is now.
+    async fn explain_refusal(
+        &self,
+        client: &mut Client,
+        loaded: &Loaded,
+        read: Option<u64>,
+        sent: u64,
+        status: &tonic::Status,
+        verb: &str,
+    ) -> CliError {
+        let run = loaded.file.run_id.as_str();
+        match self.current(client, run).await {
+            Ok(now) => refusal(&Refusal {
+                run,
+                source: &loaded.name,
+                verb,
+                explicit: loaded.file.generation.is_some(),
+                read,
+                sent,
+                now: now.as_ref().map(|s| (s.generation, s.phase)),
+                server_said: status.message(),
+            }),
+            Err(e) => e,
+        }
+    }
+
+    async fn apply(
+        &self,
+        file: &str,
+        expect_generation: Option<u64>,
+        wait: bool,
+        follow: &FollowArgs,
+        output: Output,
+    ) -> Result<Exit, CliError> {
+        let loaded = Loaded::read(file)?;
+        let run = loaded.file.run_id.clone();
+        let started = Instant::now();
+        let mut client = self.connect().await?;
+        let current = self.current(&mut client, &run).await?;
+        let read = current.as_ref().map(|c| c.generation);
+        if let Some(expected) = expect_generation {
+            let actual = read.unwrap_or(0);
+            if actual != expected {
+                let now = match read {
+                    Some(g) => format!("is at generation {g}"),
+                    None => "does not exist".to_owned(),
+                };
+                return Err(CliError::refused(
+                    format!(
+                        "run {run} {now}, not at generation {expected} as expected: it changed since. \
+                         Nothing was changed"
+                    ),
+                    Some(format!(
+                        "check `provisionctl plan -f {}` against the run as it is now, then apply again",
+                        loaded.name
+                    )),
+                ));
+            }
+        }
+        // The generation: the file's, or the next after the server's. When the
+        // content is what the server already has, the same generation is sent
+        // so that a repeated apply is a no-op rather than a new generation.
+        let (first, fallback) = match (loaded.file.generation, &current) {
+            (Some(g), _) => (g, None),
+            (None, None) => (1, None),
+            (None, Some(cur)) => {
+                let next = cur.generation.saturating_add(1);
+                let same = cur
+                    .shape
+                    .as_ref()
+                    .is_some_and(|s| same_redacted(s, &loaded.file.to_wire(cur.generation)));
+                if same {
+                    (cur.generation, Some(next))
+                } else {
+                    (next, None)
+                }
+            }
+        };
+        let mut sent = first;
+        let mut result = client
+            .apply(pb::ApplyRequest {
+                shape: Some(loaded.wire(first)?),
+            })
+            .await;
+        if let (Err(s), Some(next)) = (&result, fallback)
+            && s.code() == Code::FailedPrecondition
+        {
+            // Same content but for secret values, which cannot be compared
+            // here: the server said it differs, so it is a change after all.
+            sent = next;
+            result = client
+                .apply(pb::ApplyRequest {
+                    shape: Some(loaded.wire(next)?),
+                })
+                .await;
+        }
+        let resp = match result {
+            Ok(r) => r.into_inner(),
+            Err(s) if s.code() == Code::FailedPrecondition => {
+                return Err(self
+                    .explain_refusal(&mut client, &loaded, read, sent, &s, "apply")
+                    .await);
+            }
+            Err(s) if s.code() == Code::InvalidArgument => return Err(loaded.server_rejection(&s)),
+            Err(s) => {
+                return Err(self.status_error(
+                    &s,
+                    Doing::Run {
+                        verb: "apply",
+                        run: &run,
+                    },
+                ));
+            }
+        };
+        let nodes: i64 = loaded.file.groups.iter().map(|g| g.count).sum();
+        match output {
+            Output::Table => {
+                let what = if resp.created {
+                    format!(
+                        "run {run} created at generation {} ({} in {})",
+                        resp.generation,
+                        text::nodes(usize::try_from(nodes).unwrap_or(0)),
+                        text::count(loaded.file.groups.len(), "group")
+                    )
+                } else if resp.changed {
+                    format!(
+                        "run {run} updated to generation {} (was {})",
+                        resp.generation,
+                        read.unwrap_or(0)
+                    )
+                } else {
+                    format!(
+                        "run {run} unchanged at generation {}: the server already has this shape",
+                        resp.generation
+                    )
+                };
+                print_lines(&[what])?;
+            }
+            _ => print_doc(
+                &json!({
+                    "run_id": run, "run_uid": resp.run_uid, "generation": resp.generation,
+                    "previous_generation": read, "created": resp.created, "changed": resp.changed,
+                }),
+                output,
+            )?,
+        }
+        if wait {
+            return self
+                .follow(&mut client, &run, follow, resp.generation, started)
+                .await;
+        }
+        Ok(Exit::Success)
+    }
+
+    async fn plan(&self, file: &str, output: Output) -> Result<Exit, CliError> {
+        let loaded = Loaded::read(file)?;
+        let run = loaded.file.run_id.clone();
+        let mut client = self.connect().await?;
+        let current = self.current(&mut client, &run).await?;
+        let read = current.as_ref().map(|c| c.generation);
+        let generation = loaded
+            .file
+            .generation
+            .unwrap_or_else(|| read.map_or(1, |g| g.saturating_add(1)));
+        let resp = match client
+            .plan(pb::PlanRequest {
+                shape: Some(loaded.wire(generation)?),
+            })
+            .await
+        {
+            Ok(r) => r.into_inner(),
+            Err(s) if s.code() == Code::FailedPrecondition => {
+                return Err(self
+                    .explain_refusal(&mut client, &loaded, read, generation, &s, "plan")
+                    .await);
+            }
+            Err(s) if s.code() == Code::InvalidArgument => return Err(loaded.server_rejection(&s)),
+            Err(s) => {
+                return Err(self.status_error(
+                    &s,
+                    Doing::Run {
+                        verb: "plan",
+                        run: &run,
+                    },
+                ));
+            }
+        };
+        let input = plan::PlanInput {
+            source: &loaded.name,
+            run_id: &run,
+            generation,
+            current: current.as_ref(),
+            proposed: loaded
+                .file
+                .groups
+                .iter()
+                .map(|g| (g.id.clone(), g.count))
+                .collect(),
+            response: &resp,
+        };
+        match output {
+            Output::Table => print_lines(&plan::plan_table(&input))?,
+            _ => print_doc(&plan::plan_json(&input), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    async fn get(&self, run: &str, nodes: bool, output: Output) -> Result<Exit, CliError> {
+        let mut client = self.connect().await?;
+        let s = client
+            .get_run(pb::GetRunRequest {
+                run_id: run.to_owned(),
+                include_nodes: nodes,
+            })
+            .await
+            .map_err(|s| self.status_error(&s, Doing::Run { verb: "get", run }))?
+            .into_inner();
+        match output {
+            Output::Table => print_lines(&render::status_table(&s))?,
+            _ => print_doc(&render::status_json(&s, true, nodes), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    async fn list(&self, output: Output) -> Result<Exit, CliError> {
+        let mut client = self.connect().await?;
+        let runs = client
+            .list_runs(pb::ListRunsRequest {})
+            .await
+            .map_err(|s| self.status_error(&s, Doing::Server("list runs")))?
+            .into_inner()
+            .runs;
+        match output {
+            Output::Table => print_lines(&render::list_table(&runs))?,
+            _ => print_doc(&render::list_json(&runs), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    async fn explain(&self, run: &str, node: &str, output: Output) -> Result<Exit, CliError> {
+        check_node_id(run, node)?;
+        let mut client = self.connect().await?;
+        let e = client
+            .explain_node(pb::ExplainNodeRequest {
+                run_id: run.to_owned(),
+                node_id: node.to_owned(),
+            })
+            .await
+            .map_err(|s| {
+                self.status_error(
+                    &s,
+                    Doing::Node {
+                        verb: "explain",
+                        run,
+                        node,
+                    },
+                )
+            })?
+            .into_inner();
+        match output {
+            Output::Table => print_lines(&explain::explain_text(run, &e))?,
+            _ => print_doc(&explain::explain_json(run, &e), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    async fn delete(
+        &self,
+        run: &str,
+        wait: bool,
+        timeout: Option<Duration>,
+        output: Output,
+    ) -> Result<Exit, CliError> {
+        let started = Instant::now();
+        let mut client = self.connect().await?;
+        let s = client
+            .delete_run(pb::DeleteRunRequest {
+                run_id: run.to_owned(),
+            })
+            .await
+            .map_err(|s| self.status_error(&s, Doing::Run { verb: "delete", run }))?
+            .into_inner();
+        if output == Output::Table {
+            print_lines(&[format!(
+                "run {run} is being deleted: {} to clean up",
+                text::nodes(s.node_count as usize)
+            )])?;
+        }
+        if !wait {
+            if output != Output::Table {
+                print_doc(&render::status_json(&s, false, false), output)?;
+            }
+            return Ok(Exit::Success);
+        }
+        let deadline = timeout.map(|t| started + t);
+        let gone = self.wait_gone(&mut client, run);
+        let outcome = tokio::select! {
+            r = gone => r,
+            () = sleep_until(deadline) => Err(CliError::Timeout {
+                message: format!(
+                    "run {run} is not gone after {}; its cleanup goes on (`provisionctl watch {run}` follows it)",
+                    text::duration(started.elapsed())
+                ),
+            }),
+            _ = tokio::signal::ctrl_c() => Err(CliError::Interrupted),
+        };
+        outcome?;
+        match output {
+            Output::Table => print_lines(&[format!(
+                "run {run} deleted after {}: every node is cleaned up",
+                text::duration(started.elapsed())
+            )])?,
+            _ => print_doc(&json!({ "run_id": run, "deleted": true }), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    /// Returns once the server no longer knows the run.
+    async fn wait_gone(&self, client: &mut Client, run: &str) -> Result<(), CliError> {
+        // The watch stream ends with the run's final status; polling covers a
+        // stream that breaks, and confirms the run is really gone.
+        if let Ok(r) = client
+            .watch_run(pb::WatchRunRequest {
+                run_id: run.to_owned(),
+                include_nodes: false,
+            })
+            .await
+        {
+            let mut stream = r.into_inner();
+            while let Ok(Some(s)) = stream.message().await {
+                if s.phase == pb::RunPhase::Deleted as i32 {
+                    break;
+                }
+            }
+        }
+        // While the run's last task winds down the driver can briefly answer
+        // UNAVAILABLE for it; that is the run going away, not the server
+        // failing, unless it lasts.
+        let mut unavailable_since: Option<Instant> = None;
+        loop {
+            match self.current(client, run).await {
+                Ok(None) => return Ok(()),
+                Ok(Some(_)) => unavailable_since = None,
+                Err(e @ CliError::Unavailable { .. }) => {
+                    let since = *unavailable_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > Duration::from_secs(10) {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn set_paused(&self, run: &str, paused: bool, output: Output) -> Result<Exit, CliError> {
+        let mut client = self.connect().await?;
+        let req = pb::RunRef {
+            run_id: run.to_owned(),
+        };
+        let verb = if paused { "pause" } else { "resume" };
+        let r = if paused {
+            client.pause_run(req).await
+        } else {
+            client.resume_run(req).await
+        };
+        let s = r
+            .map_err(|s| self.status_error(&s, Doing::Run { verb, run }))?
+            .into_inner();
+        match output {
+            Output::Table => print_lines(&[if paused {
+                format!(
+                    "run {run} paused: nothing new is dispatched; operations in flight finish and are \
+                     folded. `provisionctl resume {run}` continues"
+                )
+            } else {
+                format!("run {run} resumed ({})", render::phase_text(&s))
+            }])?,
+            _ => print_doc(&render::status_json(&s, false, false), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    async fn abandon(&self, run: &str, node: &str, yes: bool, output: Output) -> Result<Exit, CliError> {
+        check_node_id(run, node)?;
+        if !yes {
+            confirm_abandon(run, node)?;
+        }
+        let mut client = self.connect().await?;
+        let r = client
+            .abandon_node(pb::AbandonNodeRequest {
+                run_id: run.to_owned(),
+                node_id: node.to_owned(),
+            })
+            .await
+            .map_err(|s| {
+                self.status_error(
+                    &s,
+                    Doing::Node {
+                        verb: "abandon",
+                        run,
+                        node,
+                    },
+                )
+            })?
+            .into_inner();
+        let orphan = r.orphan.unwrap_or_default();
+        match output {
+            Output::Table => {
+                let res = orphan.resource.clone().unwrap_or_default();
+                print_lines(&[
+                    format!("node {node} of run {run} abandoned: the driver no longer manages it"),
+                    format!(
+                        "recorded as an orphan: lease {}, endpoint {}{} ({})",
+                        or_dash(&res.lease_id),
+                        or_dash(&res.endpoint),
+                        if res.session_live {
+                            ", live bootstrap session"
+                        } else {
+                            ""
+                        },
+                        orphan.reason
+                    ),
+                    "`provisionctl orphans` lists what abandoned nodes left behind".to_owned(),
+                ])?;
+            }
+            _ => print_doc(&orphan_json(&orphan), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    async fn orphans(&self, output: Output) -> Result<Exit, CliError> {
+        let mut client = self.connect().await?;
+        let list = client
+            .list_orphans(pb::ListOrphansRequest {})
+            .await
+            .map_err(|s| self.status_error(&s, Doing::Server("list orphans")))?
+            .into_inner()
+            .orphans;
+        match output {
+            Output::Table => {
+                if list.is_empty() {
+                    print_lines(&["no orphans".to_owned()])?;
+                } else {
+                    let mut t = text::Table::new(&["RUN", "NODE", "ATTEMPT", "LEASE", "ENDPOINT", "REASON"]);
+                    for o in &list {
+                        let r = o.resource.clone().unwrap_or_default();
+                        t.row(vec![
+                            r.run_id,
+                            r.node_id,
+                            r.attempt.to_string(),
+                            or_dash(&r.lease_id),
+                            or_dash(&r.endpoint),
+                            o.reason.clone(),
+                        ]);
+                    }
+                    print_lines(&t.lines())?;
+                }
+            }
+            _ => print_doc(
+                &json!({ "orphans": list.iter().map(orphan_json).collect::<Vec<_>>() }),
+                output,
+            )?,
+        }
+        Ok(Exit::Success)
+    }
+
+    /// Follows a run until it converges at `generation` or later, or is
+    /// deleted (exit 0), the timeout passes (exit 3) or Ctrl-C (exit 130).
+    async fn follow(
+        &self,
+        client: &mut Client,
+        run: &str,
+        args: &FollowArgs,
+        generation: u64,
+        started: Instant,
+    ) -> Result<Exit, CliError> {
+        let live = if args.live {
+            true
+        } else if args.plain {
+            false
+        } else {
+            io::stdout().is_terminal()
+        };
+        let width = terminal_width();
+        let mut painter = Painter::new(io::stdout(), live, width);
+        let deadline = args.timeout.map(|t| started + t);
+        let mut stream = client
+            .watch_run(pb::WatchRunRequest {
+                run_id: run.to_owned(),
+                include_nodes: false,
+            })
+            .await
+            .map_err(|s| self.status_error(&s, Doing::Run { verb: "watch", run }))?
+            .into_inner();
+        let mut latest: Option<pb::RunStatus> = None;
+        let mut failing = Failing::Unknown;
+        let mut last_fetch: Option<Instant> = None;
+        let mut last_draw: Option<Instant> = None;
+        // A live view ticks to keep its clock and deadlines moving; plain
+        // output changes only with the run, so it ticks just to fetch details.
+        let mut tick = tokio::time::interval(if live {
+            Duration::from_millis(250)
+        } else {
+            Duration::from_secs(1)
+        });
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let result = loop {
+            tokio::select! {
+                msg = stream.message() => match msg {
+                    Ok(Some(s)) => {
+                        let done = (s.converged && s.generation >= generation)
+                            || s.phase == pb::RunPhase::Deleted as i32;
+                        latest = Some(s);
+                        if done {
+                            break Ok(());
+                        }
+                    }
+                    Ok(None) => {
+                        break Err(CliError::Unavailable {
+                            message: format!("the server ended the watch of run {run} before it converged"),
+                        });
+                    }
+                    Err(s) => break Err(self.status_error(&s, Doing::Run { verb: "watch", run })),
+                },
+                _ = tick.tick() => {}
+                () = sleep_until(deadline) => {
+                    break Err(CliError::Timeout { message: String::new() });
+                }
+                _ = &mut ctrl_c => break Err(CliError::Interrupted),
+            }
+            if let Some(s) = &latest {
+                let wants_detail = s.groups.iter().any(|g| g.failing > 0);
+                if !wants_detail {
+                    failing = Failing::Unknown;
+                } else if s.node_count >= NODE_DETAIL_LIMIT {
+                    failing = Failing::TooLarge;
+                } else if last_fetch.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                    last_fetch = Some(Instant::now());
+                    failing = fetch_failing(client, run).await.unwrap_or(failing);
+                }
+                // A busy run changes many times a second; a terminal redraw
+                // more often than this only flickers.
+                if !live || last_draw.is_none_or(|t| t.elapsed() >= LIVE_REDRAW) {
+                    last_draw = Some(Instant::now());
+                    draw(&mut painter, s, &failing, started.elapsed());
+                }
+            }
+        };
+        if let Some(s) = &latest {
+            draw(&mut painter, s, &failing, started.elapsed());
+        }
+        let elapsed = text::duration(started.elapsed());
+        match result {
+            Ok(()) => {
+                let line = match &latest {
+                    Some(s) if s.phase == pb::RunPhase::Deleted as i32 => format!("run {run} was deleted"),
+                    Some(s) => format!(
+                        "run {run} converged after {elapsed}: {}/{} ready at generation {}",
+                        s.ready_count,
+                        render::desired(s),
+                        s.generation
+                    ),
+                    None => format!("run {run} converged"),
+                };
+                let _ = painter.say(&line);
+                Ok(Exit::Success)
+            }
+            Err(CliError::Timeout { .. }) => Err(CliError::Timeout {
+                message: timeout_message(run, latest.as_ref(), &failing, &elapsed),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A frame; a terminal that went away must not turn into an error of the run.
+fn draw<W: Write>(painter: &mut Painter<W>, s: &pb::RunStatus, failing: &Failing, elapsed: Duration) {
+    let _ = painter.draw(s, failing, elapsed);
+}
+
+/// What is still missing when a watch gives up, and where to look next.
+fn timeout_message(run: &str, s: Option<&pb::RunStatus>, failing: &Failing, elapsed: &str) -> String {
+    let Some(s) = s else {
+        return format!("run {run}: no status within {elapsed}");
+    };
+    let mut msg = format!(
+        "run {run} did not converge within {elapsed}: {}/{} ready, {} operations pending ({})",
+        s.ready_count,
+        render::desired(s),
+        s.pending_operations,
+        render::phase_text(s)
+    );
+    if let Failing::Nodes { nodes, now_ms } = failing
+        && let Some(first) = nodes.first()
+    {
+        msg.push_str(&format!(
+            "\n{} failing, e.g. {}\n`provisionctl explain {run} {}` says why",
+            text::nodes(nodes.len()),
+            super::watch::failing_line(first, *now_ms),
+            first.state.as_ref().map_or("", |st| st.node_id.as_str())
+        ));
+    } else {
+        msg.push_str(&format!(
+            "\n`provisionctl get {run} --nodes` shows every node's rule and reason"
+        ));
+    }
+    msg
+}
+
+async fn fetch_failing(client: &mut Client, run: &str) -> Option<Failing> {
+    let req = client.get_run(pb::GetRunRequest {
+        run_id: run.to_owned(),
+        include_nodes: true,
+    });
+    // Bounded so a slow server cannot stall the view (or Ctrl-C).
+    let s = tokio::time::timeout(Duration::from_secs(2), req)
+        .await
+        .ok()?
+        .ok()?
+        .into_inner();
+    let nodes: Vec<pb::NodeStatus> = s.nodes.into_iter().filter(is_failing).collect();
+    Some(Failing::Nodes {
+        nodes,
+        now_ms: s.updated_at_ms,
+    })
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn terminal_width() -> usize {
+    if let Some((terminal_size::Width(w), _)) = terminal_size::terminal_size() {
+        return usize::from(w);
+    }
+    std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(120)
+}
+
+/// A node id must be `GROUP-INDEX`; said here, before a round trip, in the
+/// words of the command rather than as a field error.
+fn check_node_id(run: &str, node: &str) -> Result<(), CliError> {
+    contract::LogicalNodeId::parse("node", node)
+        .map(|_| ())
+        .map_err(|_| {
+            CliError::refused(
+                format!("{node:?} is not a node id: nodes are named GROUP-INDEX, for example workers-3"),
+                Some(format!(
+                    "`provisionctl get {run} --nodes` lists the nodes of run {run}"
+                )),
+            )
+        })
+}
+
+fn or_dash(s: &str) -> String {
+    if s.is_empty() {
+        "-".to_owned()
+    } else {
+        s.to_owned()
+    }
+}
+
+fn orphan_json(o: &pb::Orphan) -> serde_json::Value {
+    let r = o.resource.clone().unwrap_or_default();
+    json!({
+        "run_id": r.run_id, "run_uid": r.run_uid, "node_id": r.node_id, "attempt": r.attempt,
+        "lease_id": r.lease_id, "endpoint": r.endpoint, "session_live": r.session_live,
+        "reason": o.reason, "recorded_at_ms": o.recorded_at_ms,
+    })
+}
+
+/// Abandoning gives up on cleaning a node up, so it asks first: the user
+/// types the node's id, on a terminal only (a script passes `--yes`).
+fn confirm_abandon(run: &str, node: &str) -> Result<(), CliError> {
+    if !io::stdin().is_terminal() {
+        return Err(CliError::refused(
+            format!(
+                "abandoning node {node} of run {run} needs confirmation, and standard input is not a terminal"
+            ),
+            Some("run it in a terminal, or pass --yes".to_owned()),
+        ));
+    }
+    eprint!(
+        "Abandon node {node} of run {run}? The driver stops cleaning it up and forgets it; whatever it \
+         still holds at the provider is recorded as an orphan.\nType the node id to confirm: "
+    );
+    let _ = io::stderr().flush();
+    let mut answer = String::new();
+    io::stdin().read_line(&mut answer).map_err(|e| CliError::Read {
+        path: "standard input".to_owned(),
+        reason: e.to_string(),
+    })?;
+    if answer.trim() == node {
+        Ok(())
+    } else {
+        Err(CliError::refused(
+            format!("not confirmed; node {node} was not abandoned"),
+            None,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    #[test]
+    fn servers_without_a_scheme_get_http() {
+        assert_eq!(normalize_server("127.0.0.1:7000"), "http://127.0.0.1:7000");
+        assert_eq!(normalize_server("https://x:1"), "https://x:1");
+    }
+
+    #[test]
+    fn redacted_comparison_ignores_the_generation_and_sees_changes() {
+        let text = "run_id: demo\ngroups:\n  - id: w\n    count: 2\n    template:\n      image: i\n      provider: { name: fake }\n      join: { t: { value: a, secret: true } }\n";
+        let f = shapefile::parse("s.yaml", text).unwrap();
+        let mut server = redacted(&f.to_wire(4));
+        assert!(same_redacted(&server, &f.to_wire(5)));
+        server.groups[0].count = 3;
+        assert!(!same_redacted(&server, &f.to_wire(5)));
+    }
+
+    #[test]
+    fn refusals_say_what_happened_and_what_to_do() {
+        let base = Refusal {
+            run: "demo",
+            source: "shape.yaml",
+            verb: "apply",
+            explicit: false,
+            read: Some(3),
+            sent: 4,
+            now: Some((4, pb::RunPhase::Progressing as i32)),
+            server_said: "generation 4 was already applied with other content",
+        };
+        let e = refusal(&base);
+        assert_eq!(e.exit(), Exit::Failed);
+        let m = e.to_string();
+        assert!(
+            m.contains("changed on the server while this apply was on its way: it was at generation 3")
+                && m.contains("now at generation 4")
+                && m.contains("nothing was changed")
+                && m.contains("provisionctl plan -f shape.yaml"),
+            "{m}"
+        );
+        let m = refusal(&Refusal {
+            read: None,
+            sent: 1,
+            now: Some((1, pb::RunPhase::Progressing as i32)),
+            ..base
+        })
+        .to_string();
+        assert!(m.contains("it did not exist when provisionctl read it"), "{m}");
+        let m = refusal(&Refusal {
+            explicit: true,
+            sent: 2,
+            ..base
+        })
+        .to_string();
+        assert!(
+            m.contains("generation 2 in shape.yaml cannot be applied") && m.contains("above 4"),
+            "{m}"
+        );
+        let m = refusal(&Refusal {
+            now: Some((4, pb::RunPhase::Deleting as i32)),
+            ..base
+        })
+        .to_string();
+        assert!(
+            m.contains("is being deleted") && m.contains("delete demo --wait"),
+            "{m}"
+        );
+        let m = refusal(&Refusal { now: None, ..base }).to_string();
+        assert!(m.contains("disappeared"), "{m}");
+    }
+
+    #[test]
+    fn a_timeout_names_what_is_missing() {
+        let s = crate::client::render::tests::status();
+        let failing = Failing::Nodes {
+            nodes: vec![crate::client::render::tests::failing_node()],
+            now_ms: 10_000,
+        };
+        let m = timeout_message("demo", Some(&s), &failing, "30.0s");
+        assert!(m.contains("did not converge within 30.0s: 4/6 ready"), "{m}");
+        assert!(m.contains("provisionctl explain demo workers-3"), "{m}");
+    }
+}

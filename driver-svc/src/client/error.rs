@@ -1,0 +1,243 @@
+//! What can go wrong in `provisionctl`, said as the user's problem, and the
+//! exit code each failure ends with.
+//!
+//! The exit codes are part of the interface (scripts branch on them) and are
+//! listed once, in [`Exit`], which `--help` and the README repeat.
+
+use std::fmt;
+
+use crate::shapefile::ShapeFileError;
+
+/// `provisionctl`'s exit codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// The command did what was asked (`watch`: the run converged or was deleted).
+    Success = 0,
+    /// The request failed: a bad shape file, a refusal by the server, an
+    /// unknown run or node. Nothing was changed.
+    Failed = 1,
+    /// The command line itself was wrong (clap's convention).
+    Usage = 2,
+    /// `--timeout` expired before the run converged (`watch`) or was gone
+    /// (`delete --wait`).
+    Timeout = 3,
+    /// The server could not be reached, or a service behind it is down.
+    Unavailable = 4,
+    /// Interrupted with Ctrl-C (128 + SIGINT, as shells report it).
+    Interrupted = 130,
+}
+
+impl Exit {
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+}
+
+/// The exit-code table as `--help` prints it.
+pub const EXIT_CODES_HELP: &str = "\
+Exit codes:
+  0    success (watch: the run converged, or was deleted)
+  1    the request failed: bad shape file, refused by the server, unknown run or node
+  2    bad command line
+  3    --timeout expired (watch: not converged; delete --wait: not gone)
+  4    the server is unreachable or a service behind it is unavailable
+  130  interrupted (Ctrl-C)";
+
+/// A failed command. `Display` is the whole message the user reads.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("{0}\nnothing was sent to the server")]
+    ShapeFile(#[from] ShapeFileError),
+    #[error("cannot read {path}: {reason}")]
+    Read { path: String, reason: String },
+    /// The server understood and said no; `message` says why in plain words
+    /// and `hint` what to do about it.
+    #[error("{}", with_hint(message, hint))]
+    Refused { message: String, hint: Option<String> },
+    #[error("{}", with_hint(message, hint))]
+    NotFound { message: String, hint: Option<String> },
+    #[error("{message}")]
+    Unavailable { message: String },
+    #[error("{message}")]
+    Timeout { message: String },
+    #[error("interrupted")]
+    Interrupted,
+    #[error("{0}")]
+    Other(String),
+}
+
+fn with_hint(message: &str, hint: &Option<String>) -> String {
+    match hint {
+        Some(h) => format!("{message}\n{h}"),
+        None => message.to_owned(),
+    }
+}
+
+impl CliError {
+    pub fn exit(&self) -> Exit {
+        match self {
+            CliError::ShapeFile(_)
+            | CliError::Read { .. }
+            | CliError::Refused { .. }
+            | CliError::NotFound { .. }
+            | CliError::Other(_) => Exit::Failed,
+            CliError::Unavailable { .. } => Exit::Unavailable,
+            CliError::Timeout { .. } => Exit::Timeout,
+            CliError::Interrupted => Exit::Interrupted,
+        }
+    }
+
+    pub fn refused(message: impl Into<String>, hint: impl Into<Option<String>>) -> Self {
+        CliError::Refused {
+            message: message.into(),
+            hint: hint.into(),
+        }
+    }
+}
+
+/// What the user was doing when the server answered, so that a status can be
+/// told in those terms.
+#[derive(Debug, Clone, Copy)]
+pub enum Doing<'a> {
+    Run {
+        verb: &'a str,
+        run: &'a str,
+    },
+    Node {
+        verb: &'a str,
+        run: &'a str,
+        node: &'a str,
+    },
+    /// A request about no run in particular; the text says what, e.g. `list runs`.
+    Server(&'a str),
+}
+
+impl fmt::Display for Doing<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Doing::Run { verb, run } => write!(f, "{verb} run {run}"),
+            Doing::Node { verb, run, node } => write!(f, "{verb} node {node} of run {run}"),
+            Doing::Server(what) => f.write_str(what),
+        }
+    }
+}
+
+/// The driver's messages start with the error's own context (`invalid shape:`);
+/// the user already knows what they sent, so the prefix is dropped.
+fn plain(message: &str) -> &str {
+    message.strip_prefix("invalid shape: ").unwrap_or(message)
+}
+
+/// Translates a gRPC status into the user's words. Specific commands handle
+/// the statuses they can explain better (an apply's `FAILED_PRECONDITION`)
+/// before falling back to this.
+pub fn from_status(status: &tonic::Status, doing: Doing<'_>, server: &str) -> CliError {
+    use tonic::Code;
+    let msg = plain(status.message());
+    match status.code() {
+        Code::InvalidArgument => CliError::refused(format!("the server rejected the request: {msg}"), None),
+        Code::NotFound => match doing {
+            Doing::Run { run, .. } => CliError::NotFound {
+                message: format!("run {run} does not exist on {server}"),
+                hint: Some("`provisionctl list` shows the runs there".to_owned()),
+            },
+            // The run itself may be what is missing; the driver says which.
+            Doing::Node { run, .. } if msg.starts_with("run ") => CliError::NotFound {
+                message: format!("run {run} does not exist on {server}"),
+                hint: Some("`provisionctl list` shows the runs there".to_owned()),
+            },
+            Doing::Node { run, node, .. } => CliError::NotFound {
+                message: format!("run {run} has no node {node}"),
+                hint: Some(format!(
+                    "nodes are named GROUP-INDEX; `provisionctl get {run} --nodes` lists them"
+                )),
+            },
+            Doing::Server(_) => CliError::NotFound {
+                message: msg.to_owned(),
+                hint: None,
+            },
+        },
+        Code::FailedPrecondition => CliError::refused(format!("the server refused to {doing}: {msg}"), None),
+        Code::ResourceExhausted => CliError::refused(
+            format!("the server is too busy to {doing} right now: {msg}"),
+            Some("try again in a little while".to_owned()),
+        ),
+        Code::Unauthenticated => CliError::refused(
+            format!("the server at {server} did not accept our credentials: {msg}"),
+            None,
+        ),
+        Code::PermissionDenied => {
+            CliError::refused(format!("you are not allowed to {doing} on {server}: {msg}"), None)
+        }
+        Code::Unimplemented => CliError::refused(
+            format!("the server at {server} cannot {doing} yet: {msg}"),
+            Some("it runs an older or partial version of driver-svc".to_owned()),
+        ),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => CliError::Unavailable {
+            message: format!("could not {doing}: the server at {server} is unavailable ({msg})"),
+        },
+        _ => CliError::Other(format!("could not {doing}: the server failed: {msg}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_become_sentences_with_the_right_exit() {
+        let e = from_status(
+            &tonic::Status::not_found("run x not found"),
+            Doing::Run {
+                verb: "get",
+                run: "x",
+            },
+            "http://h:1",
+        );
+        assert_eq!(e.exit(), Exit::Failed);
+        let s = e.to_string();
+        assert!(
+            s.contains("run x does not exist on http://h:1") && s.contains("provisionctl list"),
+            "{s}"
+        );
+
+        let e = from_status(
+            &tonic::Status::unavailable("decider down"),
+            Doing::Server("list runs"),
+            "http://h:1",
+        );
+        assert_eq!(e.exit(), Exit::Unavailable);
+
+        let e = from_status(
+            &tonic::Status::invalid_argument("invalid shape: groups[0].count must not be negative"),
+            Doing::Run {
+                verb: "apply",
+                run: "x",
+            },
+            "s",
+        );
+        assert_eq!(
+            e.to_string(),
+            "the server rejected the request: groups[0].count must not be negative"
+        );
+        assert!(!e.to_string().contains("InvalidArgument"));
+    }
+
+    #[test]
+    fn exit_codes_are_the_documented_ones() {
+        for (exit, code) in [
+            (Exit::Success, 0),
+            (Exit::Failed, 1),
+            (Exit::Usage, 2),
+            (Exit::Timeout, 3),
+            (Exit::Unavailable, 4),
+            (Exit::Interrupted, 130),
+        ] {
+            assert_eq!(exit.code(), code);
+            assert!(
+                EXIT_CODES_HELP.contains(&format!("  {code} ")),
+                "{code} undocumented"
+            );
+        }
+    }
+}

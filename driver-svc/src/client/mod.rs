@@ -1,0 +1,23 @@
+//! `provisionctl`'s logic, kept in the library so it can be tested without a
+//! terminal or a server.
+//!
+//! [`cli`] is the command line; [`commands`] runs each command against the
+//! driver's public API. What they print comes from pure renderers: [`render`]
+//! (runs, nodes, shapes; table, JSON, YAML), [`plan`], [`explain`] and
+//! [`watch`] (the live view and its plain form), with [`names`] for the
+//! words and [`text`] for layout. [`error`] turns every failure into a
+//! sentence about the user's problem and an exit code from one table.
+//!
+//! The client never prints a secret: shapes it shows come redacted from the
+//! server (and are redacted again here), and a local file is only ever echoed
+//! as counts and ids, never as parameter values.
+
+pub mod cli;
+pub mod commands;
+pub mod error;
+pub mod explain;
+pub mod names;
+pub mod plan;
+pub mod render;
+pub mod text;
+pub mod watch;

@@ -1,0 +1,547 @@
+//! Renderers for what `get` and `list` print: a run's status, its nodes and
+//! its shape, as a table for people or as JSON/YAML for scripts.
+//!
+//! The JSON and YAML outputs are the same document (one `serde_json::Value`
+//! serialized two ways), so a script can switch format without changing its
+//! field names, and the table shows the same facts. Shapes come from the
+//! server already redacted; nothing here ever reads a local secret.
+
+use serde_json::{Map, Value, json};
+
+use super::{
+    names,
+    text::{self, Table},
+};
+use contract::pb;
+
+/// How a read command prints its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+    Yaml,
+}
+
+/// The document as JSON (pretty) or YAML text.
+pub fn document(value: &Value, output: Output) -> String {
+    match output {
+        Output::Yaml => {
+            serde_yaml::to_string(value).unwrap_or_else(|e| format!("# cannot render YAML: {e}\n"))
+        }
+        _ => {
+            let mut s = serde_json::to_string_pretty(value).unwrap_or_else(|e| format!("\"{e}\""));
+            s.push('\n');
+            s
+        }
+    }
+}
+
+/// A document as `-o json` and `-o yaml` print it.
+pub type Document = Value;
+
+/// Reads back a document `provisionctl` printed with `-o json` or `-o yaml`,
+/// for tools and tests that consume its output.
+pub fn parse_document(text: &str, output: Output) -> Result<Document, String> {
+    match output {
+        Output::Json => serde_json::from_str(text).map_err(|e| format!("not JSON: {e}")),
+        Output::Yaml => serde_yaml::from_str(text).map_err(|e| format!("not YAML: {e}")),
+        Output::Table => Err("a table is not a document".to_owned()),
+    }
+}
+
+fn ms_or_null(ms: u64) -> Value {
+    if ms == 0 { Value::Null } else { json!(ms) }
+}
+
+fn non_empty(s: &str) -> Value {
+    if s.is_empty() { Value::Null } else { json!(s) }
+}
+
+/// A stage-count map in path order (`new`, …, `ready`, `failed`, `destroyed`).
+fn stage_counts(stages: &[pb::StageCount]) -> Vec<(&'static str, u32)> {
+    let mut v: Vec<(i32, u32)> = stages.iter().map(|c| (c.stage, c.count)).collect();
+    v.sort_by_key(|(s, _)| names::stage_order(*s));
+    v.into_iter().map(|(s, c)| (names::stage(s), c)).collect()
+}
+
+pub fn decision_json(d: &pb::Decision) -> Value {
+    json!({
+        "rule": d.rule,
+        "rule_name": names::rule(d.rule),
+        "kind": names::kind(d.kind),
+        "effect": if d.effect == 0 { Value::Null } else { json!(names::effect(d.effect)) },
+        "reason": d.reason,
+        "until_ms": ms_or_null(d.until_ms),
+    })
+}
+
+pub fn node_json(n: &pb::NodeStatus) -> Value {
+    let st = n.state.clone().unwrap_or_default();
+    let facts = st.facts.unwrap_or_default();
+    let retry = st.retry.unwrap_or_default();
+    json!({
+        "node_id": st.node_id,
+        "group_id": n.group_id,
+        "attempt": st.attempt,
+        "intent": names::intent(st.intent),
+        "stage": names::stage(st.stage),
+        "spec_current": n.spec_current,
+        "facts": {
+            "lease_id": non_empty(&facts.lease_id),
+            "endpoint": non_empty(&facts.endpoint),
+            "session_id": non_empty(&facts.session_id),
+            "bootstrap_stage": if facts.bootstrap_stage == 0 { Value::Null } else { json!(names::bootstrap_stage(facts.bootstrap_stage)) },
+            "bootstrap_seq": facts.bootstrap_seq,
+            "failure_reason": non_empty(&facts.failure_reason),
+            "failed_at_ms": ms_or_null(facts.failed_at_ms),
+            "ambiguous_create": facts.ambiguous_create,
+            "ambiguous_bootstrap": facts.ambiguous_bootstrap,
+        },
+        "pending": st.pending.map(|p| json!({
+            "effect": names::effect(p.effect),
+            "operation": p.id.map(|id| format!("{}.{}", id.attempt, id.seq)),
+            "deadline_ms": ms_or_null(p.deadline_ms),
+            "dispatched_at_ms": ms_or_null(p.dispatched_at_ms),
+        })),
+        "retry": {
+            "consecutive_failures": retry.consecutive_failures,
+            "next_effect_at_ms": ms_or_null(retry.next_effect_at_ms),
+            "restart_at_ms": ms_or_null(retry.restart_at_ms),
+            "permanent_failure": non_empty(&retry.permanent_failure),
+        },
+        "stage_deadline_ms": ms_or_null(st.stage_deadline_ms),
+        "last_decision": n.last_decision.as_ref().map(decision_json),
+    })
+}
+
+fn params_json(params: &std::collections::HashMap<String, pb::Param>) -> Value {
+    let mut sorted: Vec<(&String, &pb::Param)> = params.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
+    let map: Map<String, Value> = sorted
+        .into_iter()
+        .map(|(k, p)| {
+            // Redacted again here although the server already did: a shape
+            // printed by this client must never carry a secret value, whatever
+            // the server sent.
+            let v = if p.secret {
+                json!({ "value": contract::wire::REDACTED, "secret": true })
+            } else {
+                json!(p.value)
+            };
+            (k.clone(), v)
+        })
+        .collect();
+    Value::Object(map)
+}
+
+/// A shape in the shape-file schema, so `get -o yaml` reads like the file
+/// that was applied (secret values redacted).
+pub fn shape_json(s: &pb::ClusterShape) -> Value {
+    let groups: Vec<Value> = s
+        .groups
+        .iter()
+        .map(|g| {
+            let t = g.template.clone().unwrap_or_default();
+            let p = t.provider.clone().unwrap_or_default();
+            let mut labels: Vec<(&String, &String)> = p.labels.iter().collect();
+            labels.sort();
+            json!({
+                "id": g.id,
+                "count": g.count,
+                "template": {
+                    "role": t.role,
+                    "image": t.image,
+                    "provider": {
+                        "name": p.name,
+                        "machine_type": p.machine_type,
+                        "cpu": p.cpu,
+                        "memory_gib": p.memory_gib,
+                        "accelerators": p.accelerators.iter().map(|a| json!({"kind": a.kind, "count": a.count})).collect::<Vec<_>>(),
+                        "zone": p.zone,
+                        "labels": labels.into_iter().map(|(k, v)| (k.clone(), json!(v))).collect::<Map<_, _>>(),
+                    },
+                    "boot": params_json(&t.boot),
+                    "join": params_json(&t.join),
+                },
+            })
+        })
+        .collect();
+    json!({ "run_id": s.run_id, "generation": s.generation, "groups": groups })
+}
+
+/// A run's status document. `with_shape` adds the (redacted) shape,
+/// `with_nodes` the node list (present, if empty, whenever it was asked for).
+pub fn status_json(s: &pb::RunStatus, with_shape: bool, with_nodes: bool) -> Value {
+    let groups: Vec<Value> = s
+        .groups
+        .iter()
+        .map(|g| {
+            let stages: Map<String, Value> = stage_counts(&g.stages)
+                .into_iter()
+                .map(|(k, c)| (k.to_owned(), json!(c)))
+                .collect();
+            json!({
+                "group_id": g.group_id, "desired": g.desired, "ready": g.ready,
+                "failing": g.failing, "stages": stages,
+            })
+        })
+        .collect();
+    let mut v = json!({
+        "run_id": s.run_id,
+        "run_uid": s.run_uid,
+        "generation": s.generation,
+        "observed_generation": s.observed_generation,
+        "phase": names::phase(s.phase),
+        "converged": s.converged,
+        "paused": s.paused,
+        "desired_count": desired(s),
+        "node_count": s.node_count,
+        "ready_count": s.ready_count,
+        "pending_operations": s.pending_operations,
+        "epoch": s.epoch,
+        "passes": s.passes,
+        "created_at_ms": ms_or_null(s.created_at_ms),
+        "converged_at_ms": ms_or_null(s.converged_at_ms),
+        "updated_at_ms": ms_or_null(s.updated_at_ms),
+        "folded_results": s.folded_results,
+        "folded_observations": s.folded_observations,
+        "discarded": s.discarded,
+        "groups": groups,
+    });
+    if let Value::Object(m) = &mut v {
+        if with_shape && let Some(shape) = &s.shape {
+            m.insert("shape".into(), shape_json(shape));
+        }
+        if with_nodes || !s.nodes.is_empty() {
+            m.insert(
+                "nodes".into(),
+                Value::Array(s.nodes.iter().map(node_json).collect()),
+            );
+        }
+    }
+    v
+}
+
+pub fn desired(s: &pb::RunStatus) -> u32 {
+    s.groups.iter().map(|g| g.desired).sum()
+}
+
+fn stages_text(stages: &[pb::StageCount]) -> String {
+    let parts: Vec<String> = stage_counts(stages)
+        .into_iter()
+        .map(|(k, c)| format!("{k}={c}"))
+        .collect();
+    if parts.is_empty() {
+        "-".to_owned()
+    } else {
+        parts.join(" ")
+    }
+}
+
+/// The phase in words, with what it implies.
+pub fn phase_text(s: &pb::RunStatus) -> String {
+    let phase = names::phase(s.phase);
+    if s.paused && s.phase != pb::RunPhase::Paused as i32 {
+        format!("{phase} (paused)")
+    } else {
+        phase.to_owned()
+    }
+}
+
+/// `get RUN` as a table.
+pub fn status_table(s: &pb::RunStatus) -> Vec<String> {
+    let now = s.updated_at_ms;
+    let mut out = Vec::new();
+    let mut head = Table::default();
+    head.row(vec!["run".into(), format!("{} (uid {})", s.run_id, s.run_uid)]);
+    head.row(vec![
+        "phase".into(),
+        format!(
+            "{} at generation {} (observed {})",
+            phase_text(s),
+            s.generation,
+            s.observed_generation
+        ),
+    ]);
+    head.row(vec![
+        "nodes".into(),
+        format!(
+            "{}/{} ready, {} held, {} operations pending",
+            s.ready_count,
+            desired(s),
+            s.node_count,
+            s.pending_operations
+        ),
+    ]);
+    if s.created_at_ms > 0 {
+        head.row(vec!["created".into(), text::relative(s.created_at_ms, now)]);
+    }
+    if s.converged_at_ms > 0 {
+        head.row(vec!["converged".into(), text::relative(s.converged_at_ms, now)]);
+    }
+    if s.paused {
+        head.row(vec![
+            "paused".into(),
+            "nothing new is dispatched; `provisionctl resume` continues".into(),
+        ]);
+    }
+    out.extend(head.lines());
+    out.push(String::new());
+    let mut t = Table::new(&["GROUP", "READY", "DESIRED", "FAILING", "STAGES"]);
+    for g in &s.groups {
+        t.row(vec![
+            g.group_id.clone(),
+            g.ready.to_string(),
+            g.desired.to_string(),
+            g.failing.to_string(),
+            stages_text(&g.stages),
+        ]);
+    }
+    out.extend(t.lines());
+    if !s.nodes.is_empty() {
+        out.push(String::new());
+        out.extend(nodes_table(&s.nodes, now));
+    }
+    out
+}
+
+/// One row per node: where it is and why.
+pub fn nodes_table(nodes: &[pb::NodeStatus], now_ms: u64) -> Vec<String> {
+    let mut t = Table::new(&[
+        "NODE", "ATTEMPT", "STAGE", "PENDING", "FAILURES", "RULE", "REASON",
+    ]);
+    for n in nodes {
+        let st = n.state.clone().unwrap_or_default();
+        let retry = st.retry.unwrap_or_default();
+        let pending = st.pending.map_or_else(
+            || "-".to_owned(),
+            |p| {
+                format!(
+                    "{} ({})",
+                    names::effect(p.effect),
+                    text::relative(p.deadline_ms, now_ms)
+                )
+            },
+        );
+        let mut stage = names::stage(st.stage).to_owned();
+        if st.intent == pb::Intent::Deleting as i32 && st.stage != pb::NodeStage::Destroyed as i32 {
+            stage.push_str(", deleting");
+        }
+        if !n.spec_current {
+            stage.push_str(", outdated");
+        }
+        let (rule, reason) = n
+            .last_decision
+            .as_ref()
+            .map_or(("-".to_owned(), String::new()), |d| {
+                (d.rule.to_string(), d.reason.clone())
+            });
+        t.row(vec![
+            st.node_id,
+            st.attempt.to_string(),
+            stage,
+            pending,
+            retry.consecutive_failures.to_string(),
+            rule,
+            reason,
+        ]);
+    }
+    t.lines()
+}
+
+/// `list` as a table.
+pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
+    if runs.is_empty() {
+        return vec!["no runs".to_owned()];
+    }
+    let mut t = Table::new(&[
+        "RUN",
+        "PHASE",
+        "GENERATION",
+        "READY",
+        "PENDING",
+        "FAILING",
+        "GROUPS",
+    ]);
+    for s in runs {
+        let failing: u32 = s.groups.iter().map(|g| g.failing).sum();
+        t.row(vec![
+            s.run_id.clone(),
+            phase_text(s),
+            s.generation.to_string(),
+            format!("{}/{}", s.ready_count, desired(s)),
+            s.pending_operations.to_string(),
+            failing.to_string(),
+            s.groups.len().to_string(),
+        ]);
+    }
+    t.lines()
+}
+
+/// `list` as a document.
+pub fn list_json(runs: &[pb::RunStatus]) -> Value {
+    json!({ "runs": runs.iter().map(|s| status_json(s, false, false)).collect::<Vec<_>>() })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    pub(crate) fn status() -> pb::RunStatus {
+        pb::RunStatus {
+            run_id: "demo".into(),
+            run_uid: "00000000000000000000000000000001".into(),
+            generation: 2,
+            observed_generation: 2,
+            phase: pb::RunPhase::Progressing as i32,
+            groups: vec![
+                pb::GroupStatus {
+                    group_id: "workers".into(),
+                    desired: 4,
+                    ready: 2,
+                    failing: 1,
+                    stages: vec![
+                        pb::StageCount {
+                            stage: pb::NodeStage::Dormant as i32,
+                            count: 2,
+                        },
+                        pb::StageCount {
+                            stage: pb::NodeStage::New as i32,
+                            count: 2,
+                        },
+                    ],
+                },
+                pb::GroupStatus {
+                    group_id: "gpu".into(),
+                    desired: 2,
+                    ready: 2,
+                    failing: 0,
+                    stages: vec![pb::StageCount {
+                        stage: pb::NodeStage::Dormant as i32,
+                        count: 2,
+                    }],
+                },
+            ],
+            node_count: 6,
+            ready_count: 4,
+            pending_operations: 1,
+            updated_at_ms: 10_000,
+            created_at_ms: 4_000,
+            shape: Some(pb::ClusterShape {
+                run_id: "demo".into(),
+                generation: 2,
+                groups: vec![pb::NodeGroup {
+                    id: "workers".into(),
+                    count: 4,
+                    template: Some(pb::NodeTemplate {
+                        image: "img:1".into(),
+                        join: [(
+                            "token".to_owned(),
+                            pb::Param {
+                                value: "leaked-if-printed".into(),
+                                secret: true,
+                            },
+                        )]
+                        .into_iter()
+                        .collect(),
+                        ..Default::default()
+                    }),
+                    run_id: String::new(),
+                }],
+            }),
+            ..Default::default()
+        }
+    }
+
+    pub(crate) fn failing_node() -> pb::NodeStatus {
+        pb::NodeStatus {
+            state: Some(pb::NodeState {
+                node_id: "workers-3".into(),
+                attempt: 7,
+                intent: pb::Intent::Active as i32,
+                stage: pb::NodeStage::New as i32,
+                facts: Some(pb::NodeFacts {
+                    failure_reason: "quota refused".into(),
+                    ..Default::default()
+                }),
+                pending: None,
+                retry: Some(pb::RetryState {
+                    consecutive_failures: 3,
+                    next_effect_at_ms: 11_500,
+                    ..Default::default()
+                }),
+                stage_deadline_ms: 0,
+                template_ref: 0,
+            }),
+            group_id: "workers".into(),
+            spec_current: true,
+            last_decision: Some(pb::Decision {
+                node_id: "workers-3".into(),
+                attempt: 7,
+                rule: 10,
+                kind: pb::ActionKind::Wait as i32,
+                effect: 0,
+                reason: "backing off before the next try".into(),
+                until_ms: 11_500,
+            }),
+        }
+    }
+
+    #[test]
+    fn json_and_yaml_carry_the_same_facts_and_no_secret() {
+        let s = status();
+        let v = status_json(&s, true, false);
+        let json_text = document(&v, Output::Json);
+        let yaml_text = document(&v, Output::Yaml);
+        let from_json: Value = serde_json::from_str(&json_text).unwrap();
+        let from_yaml: Value = serde_yaml::from_str(&yaml_text).unwrap();
+        assert_eq!(from_json, from_yaml);
+        assert_eq!(from_json["phase"], "progressing");
+        assert_eq!(from_json["desired_count"], 6);
+        assert_eq!(from_json["groups"][0]["stages"]["new"], 2);
+        assert_eq!(
+            from_json["shape"]["groups"][0]["template"]["join"]["token"]["value"],
+            "<redacted>"
+        );
+        assert!(!json_text.contains("leaked-if-printed") && !yaml_text.contains("leaked-if-printed"));
+        // Stages are listed along the path to ready, whatever order they came in.
+        let keys: Vec<&String> = from_json["groups"][0]["stages"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .collect();
+        assert_eq!(keys.len(), 2);
+    }
+
+    #[test]
+    fn the_table_shows_what_the_document_says() {
+        let mut s = status();
+        s.nodes = vec![failing_node()];
+        let lines = status_table(&s).join("\n");
+        assert!(lines.contains("4/6 ready"), "{lines}");
+        assert!(lines.contains("progressing at generation 2"), "{lines}");
+        assert!(
+            lines.contains("workers  2      4        1        new=2 ready=2"),
+            "{lines}"
+        );
+        assert!(lines.contains("workers-3  7"), "{lines}");
+        assert!(lines.contains("backing off before the next try"), "{lines}");
+        assert!(!lines.contains("leaked-if-printed"));
+        let v = status_json(&s, false, true);
+        assert_eq!(v["nodes"][0]["retry"]["consecutive_failures"], 3);
+        assert_eq!(v["nodes"][0]["last_decision"]["rule_name"], "retry-backoff");
+        assert!(v.get("shape").is_none());
+    }
+
+    #[test]
+    fn list_has_a_row_per_run() {
+        let lines = list_table(&[status()]);
+        assert_eq!(lines.len(), 2);
+        assert!(lines[1].starts_with("demo"), "{lines:?}");
+        assert!(lines[1].contains("4/6"), "{lines:?}");
+        assert_eq!(list_table(&[]), vec!["no runs"]);
+        assert_eq!(list_json(&[status()])["runs"][0]["run_id"], "demo");
+    }
+}

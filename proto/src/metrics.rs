@@ -1,0 +1,600 @@
+//! A small Prometheus registry and the HTTP endpoint that serves it.
+//!
+//! Three kinds of metric families, each with a fixed list of label names:
+//! [`Counter`], [`Gauge`] and [`Histogram`]. [`Registry::render`] writes them in
+//! the Prometheus text exposition format (version 0.0.4), and [`serve`] answers
+//! `GET /metrics` with it over a minimal HTTP/1.1 responder, so the services
+//! need no HTTP framework for one read-only page.
+//!
+//! Registration is get-or-create by name: several services started in one
+//! process (tests do that) share the process-wide [`global`] registry and
+//! their series add up, as they would in one scrape of that process. Values
+//! that are cheaper to read than to maintain (nodes by stage, runs by phase)
+//! are filled in by callbacks registered with [`Registry::on_scrape`], which
+//! run just before each render.
+
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    sync::{Arc, Mutex, MutexGuard, OnceLock},
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{TcpListener, TcpStream},
+};
+
+/// Latency buckets in seconds, from a millisecond to a minute: operations and
+/// passes in this system take from about a millisecond (a fake backend) to
+/// tens of seconds (a real bootstrap).
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// The process-wide registry every service registers its metrics in.
+pub fn global() -> &'static Registry {
+    static GLOBAL: OnceLock<Registry> = OnceLock::new();
+    GLOBAL.get_or_init(Registry::default)
+}
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it: a
+/// metric value is never left half-written by a panic, so the data is sound.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A callback run before each render; it returns `false` once the state it
+/// reads is gone, and is then dropped.
+type ScrapeHook = Box<dyn Fn() -> bool + Send + Sync>;
+
+/// A set of metric families.
+#[derive(Default)]
+pub struct Registry {
+    families: Mutex<Vec<Family>>,
+    hooks: Mutex<Vec<ScrapeHook>>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<String> = lock(&self.families).iter().map(|f| f.name().to_owned()).collect();
+        f.debug_struct("Registry")
+            .field("families", &names)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Clone)]
+enum Family {
+    Counter(Counter),
+    Gauge(Gauge),
+    Histogram(Histogram),
+}
+
+impl Family {
+    fn name(&self) -> &str {
+        match self {
+            Family::Counter(c) => &c.0.desc.name,
+            Family::Gauge(g) => &g.0.desc.name,
+            Family::Histogram(h) => &h.0.desc.name,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Desc {
+    name: String,
+    help: String,
+    labels: Vec<&'static str>,
+}
+
+impl Desc {
+    fn new(name: &str, help: &str, labels: &[&'static str]) -> Self {
+        Self {
+            name: name.to_owned(),
+            help: help.to_owned(),
+            labels: labels.to_vec(),
+        }
+    }
+
+    /// The values as a series key. A call with the wrong number of values is a
+    /// bug in the caller; it is dropped rather than exported under a wrong name.
+    fn key(&self, values: &[&str]) -> Option<Vec<String>> {
+        debug_assert_eq!(values.len(), self.labels.len(), "label values of {}", self.name);
+        (values.len() == self.labels.len()).then(|| values.iter().map(|v| (*v).to_owned()).collect())
+    }
+}
+
+impl Registry {
+    /// The counter family `name`, registered on first use.
+    pub fn counter(&self, name: &str, help: &str, labels: &[&'static str]) -> Counter {
+        let mut families = lock(&self.families);
+        for f in families.iter() {
+            if let Family::Counter(c) = f
+                && c.0.desc.name == name
+            {
+                return c.clone();
+            }
+        }
+        let c = Counter(Arc::new(CounterInner {
+            desc: Desc::new(name, help, labels),
+            values: Mutex::default(),
+        }));
+        families.push(Family::Counter(c.clone()));
+        c
+    }
+
+    /// The gauge family `name`, registered on first use.
+    pub fn gauge(&self, name: &str, help: &str, labels: &[&'static str]) -> Gauge {
+        let mut families = lock(&self.families);
+        for f in families.iter() {
+            if let Family::Gauge(g) = f
+                && g.0.desc.name == name
+            {
+                return g.clone();
+            }
+        }
+        let g = Gauge(Arc::new(GaugeInner {
+            desc: Desc::new(name, help, labels),
+            values: Mutex::default(),
+        }));
+        families.push(Family::Gauge(g.clone()));
+        g
+    }
+
+    /// The histogram family `name` with `buckets` (upper bounds, ascending),
+    /// registered on first use.
+    pub fn histogram(&self, name: &str, help: &str, labels: &[&'static str], buckets: &[f64]) -> Histogram {
+        let mut families = lock(&self.families);
+        for f in families.iter() {
+            if let Family::Histogram(h) = f
+                && h.0.desc.name == name
+            {
+                return h.clone();
+            }
+        }
+        let h = Histogram(Arc::new(HistogramInner {
+            desc: Desc::new(name, help, labels),
+            buckets: buckets.to_vec(),
+            values: Mutex::default(),
+        }));
+        families.push(Family::Histogram(h.clone()));
+        h
+    }
+
+    /// Runs `hook` before every render, until it returns `false`.
+    pub fn on_scrape(&self, hook: impl Fn() -> bool + Send + Sync + 'static) {
+        lock(&self.hooks).push(Box::new(hook));
+    }
+
+    /// Every family in the text exposition format, in registration order.
+    pub fn render(&self) -> String {
+        lock(&self.hooks).retain(|hook| hook());
+        let families: Vec<Family> = lock(&self.families).clone();
+        let mut out = String::new();
+        for f in &families {
+            match f {
+                Family::Counter(c) => c.render(&mut out),
+                Family::Gauge(g) => g.render(&mut out),
+                Family::Histogram(h) => h.render(&mut out),
+            }
+        }
+        out
+    }
+}
+
+fn header(out: &mut String, desc: &Desc, kind: &str) {
+    let help = desc.help.replace('\\', "\\\\").replace('\n', "\\n");
+    let _ = writeln!(out, "# HELP {} {help}", desc.name);
+    let _ = writeln!(out, "# TYPE {} {kind}", desc.name);
+}
+
+/// `{a="x",b="y"}` with `extra` appended (the histogram's `le`), or nothing
+/// when there are no labels at all.
+fn label_set(names: &[&'static str], values: &[String], extra: Option<(&str, &str)>) -> String {
+    let mut pairs: Vec<String> = names
+        .iter()
+        .zip(values)
+        .map(|(n, v)| format!("{n}=\"{}\"", escape_label(v)))
+        .collect();
+    if let Some((n, v)) = extra {
+        pairs.push(format!("{n}=\"{v}\""));
+    }
+    if pairs.is_empty() {
+        String::new()
+    } else {
+        format!("{{{}}}", pairs.join(","))
+    }
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn number(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".to_owned()
+    } else if v.is_infinite() {
+        if v > 0.0 {
+            "+Inf".to_owned()
+        } else {
+            "-Inf".to_owned()
+        }
+    } else {
+        format!("{v}")
+    }
+}
+
+struct CounterInner {
+    desc: Desc,
+    values: Mutex<BTreeMap<Vec<String>, u64>>,
+}
+
+/// A monotonically increasing count per label set.
+#[derive(Clone)]
+pub struct Counter(Arc<CounterInner>);
+
+impl std::fmt::Debug for Counter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Counter").field(&self.0.desc.name).finish()
+    }
+}
+
+impl Counter {
+    pub fn inc(&self, labels: &[&str]) {
+        self.add(labels, 1);
+    }
+
+    pub fn add(&self, labels: &[&str], n: u64) {
+        if let Some(key) = self.0.desc.key(labels) {
+            let mut values = lock(&self.0.values);
+            let v = values.entry(key).or_default();
+            *v = v.saturating_add(n);
+        }
+    }
+
+    /// Sets the total of a count kept elsewhere (copied in by a scrape
+    /// hook). A total below the one already shown is ignored, so the series
+    /// never goes down.
+    pub fn mirror(&self, labels: &[&str], total: u64) {
+        if let Some(key) = self.0.desc.key(labels) {
+            let mut values = lock(&self.0.values);
+            let v = values.entry(key).or_default();
+            *v = (*v).max(total);
+        }
+    }
+
+    /// The current value for `labels` (0 if never counted).
+    pub fn get(&self, labels: &[&str]) -> u64 {
+        self.0
+            .desc
+            .key(labels)
+            .and_then(|k| lock(&self.0.values).get(&k).copied())
+            .unwrap_or(0)
+    }
+
+    fn render(&self, out: &mut String) {
+        header(out, &self.0.desc, "counter");
+        for (key, v) in lock(&self.0.values).iter() {
+            let _ = writeln!(
+                out,
+                "{}{} {v}",
+                self.0.desc.name,
+                label_set(&self.0.desc.labels, key, None)
+            );
+        }
+    }
+}
+
+struct GaugeInner {
+    desc: Desc,
+    values: Mutex<BTreeMap<Vec<String>, f64>>,
+}
+
+/// A value that goes up and down, per label set.
+#[derive(Clone)]
+pub struct Gauge(Arc<GaugeInner>);
+
+impl std::fmt::Debug for Gauge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Gauge").field(&self.0.desc.name).finish()
+    }
+}
+
+impl Gauge {
+    pub fn set(&self, labels: &[&str], v: f64) {
+        if let Some(key) = self.0.desc.key(labels) {
+            lock(&self.0.values).insert(key, v);
+        }
+    }
+
+    pub fn add(&self, labels: &[&str], v: f64) {
+        if let Some(key) = self.0.desc.key(labels) {
+            *lock(&self.0.values).entry(key).or_default() += v;
+        }
+    }
+
+    /// Replaces every series at once, so a label set that no longer occurs
+    /// (a stage no node is in) disappears instead of keeping its last value.
+    pub fn replace_all<'a>(&self, series: impl IntoIterator<Item = (Vec<&'a str>, f64)>) {
+        let mut fresh = BTreeMap::new();
+        for (labels, v) in series {
+            if let Some(key) = self.0.desc.key(&labels) {
+                *fresh.entry(key).or_default() += v;
+            }
+        }
+        *lock(&self.0.values) = fresh;
+    }
+
+    pub fn get(&self, labels: &[&str]) -> f64 {
+        self.0
+            .desc
+            .key(labels)
+            .and_then(|k| lock(&self.0.values).get(&k).copied())
+            .unwrap_or(0.0)
+    }
+
+    fn render(&self, out: &mut String) {
+        header(out, &self.0.desc, "gauge");
+        for (key, v) in lock(&self.0.values).iter() {
+            let _ = writeln!(
+                out,
+                "{}{} {}",
+                self.0.desc.name,
+                label_set(&self.0.desc.labels, key, None),
+                number(*v)
+            );
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct HistogramState {
+    /// Per bucket, not cumulative; the exposition accumulates.
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+struct HistogramInner {
+    desc: Desc,
+    buckets: Vec<f64>,
+    values: Mutex<BTreeMap<Vec<String>, HistogramState>>,
+}
+
+/// Observations counted into buckets, per label set.
+#[derive(Clone)]
+pub struct Histogram(Arc<HistogramInner>);
+
+impl std::fmt::Debug for Histogram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Histogram").field(&self.0.desc.name).finish()
+    }
+}
+
+impl Histogram {
+    pub fn observe(&self, labels: &[&str], v: f64) {
+        let Some(key) = self.0.desc.key(labels) else {
+            return;
+        };
+        let bucket = self.0.buckets.iter().position(|b| v <= *b);
+        let mut values = lock(&self.0.values);
+        let state = values.entry(key).or_insert_with(|| HistogramState {
+            counts: vec![0; self.0.buckets.len()],
+            ..HistogramState::default()
+        });
+        if let Some(i) = bucket {
+            state.counts[i] += 1;
+        }
+        state.sum += v;
+        state.count += 1;
+    }
+
+    pub fn observe_duration(&self, labels: &[&str], d: Duration) {
+        self.observe(labels, d.as_secs_f64());
+    }
+
+    /// How many observations `labels` has had.
+    pub fn count(&self, labels: &[&str]) -> u64 {
+        self.0
+            .desc
+            .key(labels)
+            .and_then(|k| lock(&self.0.values).get(&k).map(|s| s.count))
+            .unwrap_or(0)
+    }
+
+    fn render(&self, out: &mut String) {
+        let desc = &self.0.desc;
+        header(out, desc, "histogram");
+        for (key, state) in lock(&self.0.values).iter() {
+            let mut cumulative = 0;
+            for (bound, n) in self.0.buckets.iter().zip(&state.counts) {
+                cumulative += n;
+                let le = number(*bound);
+                let _ = writeln!(
+                    out,
+                    "{}_bucket{} {cumulative}",
+                    desc.name,
+                    label_set(&desc.labels, key, Some(("le", &le)))
+                );
+            }
+            let _ = writeln!(
+                out,
+                "{}_bucket{} {}",
+                desc.name,
+                label_set(&desc.labels, key, Some(("le", "+Inf"))),
+                state.count
+            );
+            let labels = label_set(&desc.labels, key, None);
+            let _ = writeln!(out, "{}_sum{labels} {}", desc.name, number(state.sum));
+            let _ = writeln!(out, "{}_count{labels} {}", desc.name, state.count);
+        }
+    }
+}
+
+/// The longest a scrape connection may take to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The largest request head read; a scrape request is a few hundred bytes.
+const MAX_REQUEST: usize = 8 * 1024;
+
+/// Serves `registry` on `listener` until the task is dropped: `GET /metrics`
+/// answers the exposition, anything else a short error. Each connection gets
+/// one response and is closed, which every Prometheus scraper accepts.
+pub async fn serve(listener: TcpListener, registry: &'static Registry) {
+    loop {
+        match listener.accept().await {
+            Ok((conn, _)) => {
+                tokio::spawn(async move {
+                    if let Err(e) = respond(conn, registry).await {
+                        tracing::debug!(error = %e, "metrics request failed");
+                    }
+                });
+            }
+            Err(e) => {
+                // Running out of file descriptors is the usual cause; waiting a
+                // little lets connections close instead of spinning on accept.
+                tracing::warn!(error = %e, "accepting a metrics connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn respond(mut conn: TcpStream, registry: &Registry) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(512);
+    let read = async {
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST {
+            let n = conn.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        Ok::<_, std::io::Error>(())
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, read)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request head not received"))??;
+    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut parts = line.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+    let path = target.split('?').next().unwrap_or_default();
+    let (status, content_type, body) = match (method, path) {
+        ("GET" | "HEAD", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            registry.render(),
+        ),
+        ("GET" | "HEAD", _) => (
+            "404 Not Found",
+            "text/plain; charset=utf-8",
+            "metrics are served at /metrics\n".to_owned(),
+        ),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain; charset=utf-8",
+            "only GET is served\n".to_owned(),
+        ),
+    };
+    let mut response = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    if method != "HEAD" {
+        response.push_str(&body);
+    }
+    conn.write_all(response.as_bytes()).await?;
+    conn.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exposition_follows_the_text_format() {
+        let r = Registry::default();
+        let c = r.counter("jobs_total", "Jobs done.", &["kind"]);
+        c.inc(&["a\"b"]);
+        c.add(&["a\"b"], 2);
+        let g = r.gauge("depth", "Queue depth.\nSecond line.", &[]);
+        g.set(&[], 4.0);
+        let h = r.histogram("latency_seconds", "Latency.", &["op"], &[0.1, 1.0]);
+        h.observe(&["x"], 0.05);
+        h.observe(&["x"], 0.5);
+        h.observe(&["x"], 5.0);
+        let text = r.render();
+        let expected = "\
+# HELP jobs_total Jobs done.
+# TYPE jobs_total counter
+jobs_total{kind=\"a\\\"b\"} 3
+# HELP depth Queue depth.\\nSecond line.
+# TYPE depth gauge
+depth 4
+# HELP latency_seconds Latency.
+# TYPE latency_seconds histogram
+latency_seconds_bucket{op=\"x\",le=\"0.1\"} 1
+latency_seconds_bucket{op=\"x\",le=\"1\"} 2
+latency_seconds_bucket{op=\"x\",le=\"+Inf\"} 3
+latency_seconds_sum{op=\"x\"} 5.55
+latency_seconds_count{op=\"x\"} 3
+";
+        assert_eq!(text, expected);
+    }
+
+    #[test]
+    fn registration_is_get_or_create() {
+        let r = Registry::default();
+        r.counter("c_total", "C.", &["x"]).inc(&["1"]);
+        r.counter("c_total", "C.", &["x"]).inc(&["1"]);
+        assert_eq!(r.counter("c_total", "C.", &["x"]).get(&["1"]), 2);
+    }
+
+    #[test]
+    fn replace_all_drops_vanished_series_and_hooks_run_before_render() {
+        let r = Registry::default();
+        let g = r.gauge("nodes", "Nodes.", &["stage"]);
+        g.set(&["new"], 3.0);
+        let hooked = g.clone();
+        r.on_scrape(move || {
+            hooked.replace_all([(vec!["ready"], 2.0), (vec!["ready"], 1.0)]);
+            true
+        });
+        let text = r.render();
+        assert!(text.contains("nodes{stage=\"ready\"} 3\n"), "{text}");
+        assert!(!text.contains("stage=\"new\""), "{text}");
+    }
+
+    #[tokio::test]
+    async fn the_endpoint_answers_get_metrics() {
+        static REGISTRY: OnceLock<Registry> = OnceLock::new();
+        let registry = REGISTRY.get_or_init(Registry::default);
+        registry.counter("served_total", "Served.", &[]).inc(&[]);
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let server = tokio::spawn(serve(listener, registry));
+        let get = |path: &'static str| async move {
+            let mut conn = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
+            conn.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let mut out = String::new();
+            conn.read_to_string(&mut out)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            out
+        };
+        let ok = get("/metrics").await;
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(ok.contains("text/plain; version=0.0.4"), "{ok}");
+        assert!(ok.ends_with("served_total 1\n"), "{ok}");
+        let missing = get("/nope").await;
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+        server.abort();
+    }
+}

@@ -1,0 +1,403 @@
+//! Tracing, logs and metrics set up once per process, and W3C trace context
+//! carried across the services.
+//!
+//! [`init`] installs one `tracing` subscriber with two layers: the log layer
+//! (text, or JSON lines that carry the enclosing span's trace and span ids,
+//! filtered by `RUST_LOG`) and the OpenTelemetry layer, which turns this
+//! workspace's spans into OpenTelemetry spans. The OpenTelemetry layer is there
+//! even when nothing is exported, so trace ids exist for the logs and travel
+//! to the next service; spans leave the process over OTLP/gRPC only when
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is
+//! set. The SDK reads the other standard variables itself:
+//! `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER` (and
+//! `_ARG`), the batch processor's `OTEL_BSP_*`. The returned [`Telemetry`]
+//! flushes the spans still buffered when it is shut down or dropped, which each
+//! binary does as `main` ends.
+//!
+//! Propagation is W3C trace context only. Across gRPC calls it rides in the
+//! `traceparent`/`tracestate` metadata, injected and extracted by the tower
+//! layers in [`grpc`]; across the messages streamed on the driver–executor
+//! link it rides in each message's [`TraceContext`], through
+//! [`context_of`]/[`set_parent`].
+
+use std::{net::SocketAddr, path::Path, time::Duration};
+
+use opentelemetry::{
+    Context,
+    propagation::{Extractor, Injector, TextMapPropagator as _},
+    trace::{SpanContext, TraceContextExt as _, TraceFlags, TraceState, TracerProvider as _},
+};
+use opentelemetry_sdk::{
+    Resource,
+    propagation::TraceContextPropagator,
+    trace::{IdGenerator as _, RandomIdGenerator, SdkTracerProvider},
+};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+use tracing_subscriber::{EnvFilter, Layer as _, filter::filter_fn, layer::SubscriberExt as _};
+
+use crate::ops::TraceContext;
+
+pub mod grpc;
+mod json;
+
+/// The crates whose spans are exported. Spans of the libraries underneath
+/// (tonic, hyper, h2) stay local: they would multiply the span count by the
+/// number of frames and say nothing an operator acts on.
+const EXPORTED_TARGETS: &[&str] = &["contract", "decider_svc", "driver_svc", "executor_svc"];
+
+/// What [`init`] needs.
+#[derive(Debug, Clone)]
+pub struct TelemetryConfig<'a> {
+    /// The default `service.name` when neither `OTEL_SERVICE_NAME` nor
+    /// `OTEL_RESOURCE_ATTRIBUTES` names one.
+    pub service: &'static str,
+    /// Log JSON lines instead of text.
+    pub log_json: bool,
+    /// Serve Prometheus metrics on this address; port 0 picks one.
+    pub metrics_listen: Option<SocketAddr>,
+    /// The service's ready file: the metrics address is written next to it,
+    /// as `<ready file>.metrics`.
+    pub ready_file: Option<&'a Path>,
+}
+
+/// Why telemetry could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("building the OTLP span exporter: {0}")]
+    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
+    #[error("binding the metrics endpoint on {addr}: {source}")]
+    MetricsBind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("writing the metrics ready file {path}: {source}")]
+    MetricsReadyFile {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The process's telemetry. Shut it down (or drop it) as `main` ends, inside
+/// the multi-threaded runtime, so buffered spans are exported.
+#[derive(Debug)]
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+    exporting: bool,
+    metrics_addr: Option<SocketAddr>,
+    metrics_task: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// How long the final export may take at shutdown; a collector that is gone
+/// must not hold the process past its grace period for long.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Telemetry {
+    /// Where metrics are served, if they are.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// Whether spans are exported over OTLP.
+    pub fn exporting(&self) -> bool {
+        self.exporting
+    }
+
+    /// Exports the spans still buffered and stops the exporter and the
+    /// metrics endpoint. The provider's shutdown blocks until the export ends,
+    /// so it runs on a blocking thread while the runtime's workers drive the
+    /// exporter's connection.
+    pub async fn shutdown(mut self) {
+        if let Some(task) = self.metrics_task.take() {
+            task.abort();
+        }
+        if let Some(provider) = self.provider.take() {
+            let flushed = tokio::task::spawn_blocking(move || {
+                let result = provider.shutdown_with_timeout(FLUSH_TIMEOUT);
+                (result, provider)
+            })
+            .await;
+            if let Ok((Err(e), _)) = flushed {
+                eprintln!("telemetry: flushing spans at shutdown failed: {e}");
+            }
+        }
+    }
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        if let Some(task) = self.metrics_task.take() {
+            task.abort();
+        }
+        // A `main` that returned early through `?` did not call `shutdown`;
+        // flushing here still exports its spans. This blocks the dropping
+        // thread, which in `main` is the runtime's entry thread, not a worker.
+        if let Some(provider) = self.provider.take()
+            && self.exporting
+            && let Err(e) = provider.shutdown_with_timeout(FLUSH_TIMEOUT)
+        {
+            eprintln!("telemetry: flushing spans at exit failed: {e}");
+        }
+    }
+}
+
+/// Whether the environment asks for spans to be exported.
+fn otlp_configured() -> bool {
+    let set = |name: &str| std::env::var(name).is_ok_and(|v| !v.trim().is_empty());
+    let exporter_none = std::env::var("OTEL_TRACES_EXPORTER").is_ok_and(|v| v.trim() == "none");
+    (set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) && !exporter_none
+}
+
+fn sdk_disabled() -> bool {
+    std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"))
+}
+
+/// The resource: the SDK's detectors read `OTEL_SERVICE_NAME` and
+/// `OTEL_RESOURCE_ATTRIBUTES`; the binary's name is the fallback service name.
+fn resource(service: &'static str) -> Resource {
+    let named_by_env = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty())
+        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|v| v.contains("service.name="));
+    let builder = Resource::builder();
+    if named_by_env {
+        builder.build()
+    } else {
+        builder.with_service_name(service).build()
+    }
+}
+
+/// Sets up logs, tracing and the metrics endpoint for this process. Must be
+/// called inside a Tokio runtime (the exporter's channel and the metrics
+/// server live on it). A second call in the same process (tests that start
+/// several services) keeps the first subscriber.
+pub fn init(config: &TelemetryConfig<'_>) -> Result<Telemetry, TelemetryError> {
+    let exporting = otlp_configured() && !sdk_disabled();
+    let provider = if sdk_disabled() {
+        None
+    } else {
+        let mut builder = SdkTracerProvider::builder().with_resource(resource(config.service));
+        if exporting {
+            let exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic().build()?;
+            builder = builder.with_batch_exporter(exporter);
+        }
+        Some(builder.build())
+    };
+
+    let log_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let log_layer = if config.log_json {
+        json::layer().with_filter(log_filter).boxed()
+    } else {
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_filter(log_filter)
+            .boxed()
+    };
+    let otel_layer = provider.as_ref().map(|p| {
+        tracing_opentelemetry::layer()
+            .with_tracer(p.tracer(config.service))
+            .with_tracked_inactivity(false)
+            .with_threads(false)
+            .with_location(false)
+            .with_filter(filter_fn(|meta| {
+                // Spans of this workspace at INFO or above; of events only
+                // warnings and errors, which become span events.
+                let ours = EXPORTED_TARGETS
+                    .iter()
+                    .any(|t| meta.target() == *t || meta.target().starts_with(&format!("{t}::")));
+                let level = if meta.is_span() {
+                    tracing::Level::INFO
+                } else {
+                    tracing::Level::WARN
+                };
+                ours && *meta.level() <= level
+            }))
+    });
+    let subscriber = tracing_subscriber::registry().with(otel_layer).with(log_layer);
+    let dispatch = tracing::Dispatch::new(subscriber);
+    json::remember_dispatch(&dispatch);
+    // A second initialisation (tests that start several services in one
+    // process) keeps the first subscriber.
+    let installed = tracing::dispatcher::set_global_default(dispatch).is_ok();
+
+    let (metrics_addr, metrics_task) = match config.metrics_listen {
+        Some(addr) => {
+            let (bound, task) = serve_metrics(config.service, addr, config.ready_file)?;
+            (Some(bound), Some(task))
+        }
+        None => (None, None),
+    };
+    if exporting {
+        tracing::info!(service = config.service, "exporting spans over OTLP/gRPC");
+    }
+    Ok(Telemetry {
+        // Only the installed subscriber's provider is worth flushing; a second
+        // one in the same process never receives a span.
+        provider: provider.filter(|_| installed),
+        exporting: exporting && installed,
+        metrics_addr,
+        metrics_task,
+    })
+}
+
+/// Binds the metrics endpoint, announces it (a log line, and
+/// `<ready file>.metrics` when there is a ready file) and serves it.
+fn serve_metrics(
+    service: &'static str,
+    addr: SocketAddr,
+    ready_file: Option<&Path>,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), TelemetryError> {
+    let bind = || -> std::io::Result<(tokio::net::TcpListener, SocketAddr)> {
+        let std_listener = std::net::TcpListener::bind(addr)?;
+        std_listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(std_listener)?;
+        let bound = listener.local_addr()?;
+        Ok((listener, bound))
+    };
+    let (listener, bound) = bind().map_err(|source| TelemetryError::MetricsBind { addr, source })?;
+    tracing::info!(service, metrics_addr = %bound, "serving metrics at http://{bound}/metrics");
+    if let Some(ready) = ready_file {
+        let path = metrics_ready_file(ready);
+        crate::runtime::write_ready_file(&path, bound)
+            .map_err(|source| TelemetryError::MetricsReadyFile { path, source })?;
+    }
+    let task = tokio::spawn(crate::metrics::serve(listener, crate::metrics::global()));
+    Ok((bound, task))
+}
+
+/// Where the metrics address of a service with ready file `ready` is written.
+pub fn metrics_ready_file(ready: &Path) -> std::path::PathBuf {
+    let mut name = ready.as_os_str().to_owned();
+    name.push(".metrics");
+    std::path::PathBuf::from(name)
+}
+
+// ---------------------------------------------------------------------------
+// Propagation
+// ---------------------------------------------------------------------------
+
+/// W3C trace context is the one format on every boundary.
+fn propagator() -> TraceContextPropagator {
+    TraceContextPropagator::new()
+}
+
+struct TraceContextCarrier<'a>(&'a mut TraceContext);
+
+impl Injector for TraceContextCarrier<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        match key {
+            "traceparent" => self.0.traceparent = value,
+            "tracestate" => self.0.tracestate = value,
+            _ => {}
+        }
+    }
+}
+
+struct TraceContextReader<'a>(&'a TraceContext);
+
+impl Extractor for TraceContextReader<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        match key {
+            "traceparent" if !self.0.traceparent.is_empty() => Some(&self.0.traceparent),
+            "tracestate" if !self.0.tracestate.is_empty() => Some(&self.0.tracestate),
+            _ => None,
+        }
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        vec!["traceparent", "tracestate"]
+    }
+}
+
+/// The trace context of `span`, to put in a streamed message. Empty when the
+/// span is not traced (no subscriber, or the span is disabled).
+pub fn context_of(span: &tracing::Span) -> TraceContext {
+    to_trace_context(&span.context())
+}
+
+/// The trace context of an OpenTelemetry context; empty when it holds no
+/// valid span.
+pub fn to_trace_context(cx: &Context) -> TraceContext {
+    let mut out = TraceContext::default();
+    if cx.span().span_context().is_valid() {
+        propagator().inject_context(cx, &mut TraceContextCarrier(&mut out));
+    }
+    out
+}
+
+/// The OpenTelemetry context a message's trace context names.
+pub fn extract(trace: &TraceContext) -> Context {
+    propagator().extract(&TraceContextReader(trace))
+}
+
+/// The span context a message's trace context names (invalid when empty).
+pub fn span_context(trace: &TraceContext) -> SpanContext {
+    extract(trace).span().span_context().clone()
+}
+
+/// Makes `span` a child of the span `trace` names, if it names one. Must be
+/// called before the span is entered or has children.
+pub fn set_parent(span: &tracing::Span, trace: &TraceContext) {
+    let cx = extract(trace);
+    if cx.span().span_context().is_valid() {
+        // Fails only when the span is disabled or already started, in which
+        // case it stays where it is: a trace with a missing link, not an error.
+        let _ = span.set_parent(cx);
+    }
+}
+
+/// Links `span` to the span `trace` names (an OpenTelemetry span link): for
+/// work caused by other traces that is not their child.
+pub fn add_link(span: &tracing::Span, trace: &TraceContext) {
+    span.add_link(span_context(trace));
+}
+
+/// Makes `span` the root of a trace that is not sampled: neither it nor
+/// anything under it, here or in the services it calls, is recorded (with the
+/// default parent-based sampler). For work that is recorded only if it turns
+/// out to do something, such as a safety-tick pass.
+pub fn set_unsampled_root(span: &tracing::Span) {
+    let ids = RandomIdGenerator::default();
+    let remote = SpanContext::new(
+        ids.new_trace_id(),
+        ids.new_span_id(),
+        TraceFlags::default(),
+        true,
+        TraceState::default(),
+    );
+    let _ = span.set_parent(Context::new().with_remote_span_context(remote));
+}
+
+/// Sets an attribute on `span`'s OpenTelemetry span that was not declared as
+/// a field (for keys computed at run time, like actions per rule).
+pub fn set_attribute(
+    span: &tracing::Span,
+    key: impl Into<opentelemetry::Key>,
+    value: impl Into<opentelemetry::Value>,
+) {
+    span.set_attribute(key, value);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_context_round_trips_through_a_message() {
+        let parent = TraceContext {
+            traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_owned(),
+            tracestate: "vendor=1".to_owned(),
+        };
+        let cx = extract(&parent);
+        assert!(cx.span().span_context().is_valid());
+        assert!(cx.span().span_context().is_sampled());
+        assert_eq!(to_trace_context(&cx), parent);
+        assert!(!span_context(&TraceContext::default()).is_valid());
+        assert_eq!(to_trace_context(&Context::new()), TraceContext::default());
+    }
+
+    #[test]
+    fn the_metrics_ready_file_sits_next_to_the_ready_file() {
+        assert_eq!(
+            metrics_ready_file(Path::new("/tmp/x/driver-svc.ready")),
+            Path::new("/tmp/x/driver-svc.ready.metrics")
+        );
+    }
+}

@@ -1,0 +1,497 @@
+//! Trace propagation and RPC telemetry for every gRPC call between the
+//! services, in one place: [`ServerLayer`] for the servers and
+//! [`ClientLayer`] for the clients, both tower layers.
+//!
+//! The server layer extracts W3C trace context from the request metadata and
+//! opens a server span under it; the client layer opens a client span under
+//! the caller's current span and injects its context into the metadata. Both
+//! spans follow the OpenTelemetry RPC conventions: named
+//! `{rpc.service}/{rpc.method}`, with `rpc.system = "grpc"`, `rpc.service`,
+//! `rpc.method` and, once the call ends, `rpc.grpc.status_code`. A call ends
+//! when its response body ends, not when the response head leaves, so a
+//! streaming call's span covers the whole stream; the status comes from the
+//! trailers (or from the head of a trailers-only response).
+//!
+//! Both layers also count calls in the go-grpc-prometheus conventions
+//! (`grpc_server_started_total`, `grpc_server_handled_total`,
+//! `grpc_server_handling_seconds`, and `grpc_client_*` alike).
+//!
+//! Health checks and reflection are counted but not traced: probes arrive
+//! every few seconds forever and a trace of one tells nothing.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context as TaskContext, Poll},
+    time::Instant,
+};
+
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator as _};
+use tower::{Layer, Service};
+use tracing::{Instrument as _, field::Empty};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+use crate::metrics::{Counter, Histogram, LATENCY_BUCKETS, global};
+
+struct HeaderInjector<'a>(&'a mut HeaderMap);
+
+impl Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(key.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
+            self.0.insert(name, value);
+        }
+    }
+}
+
+struct HeaderExtractor<'a>(&'a HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(HeaderName::as_str).collect()
+    }
+}
+
+/// `/pkg.Service/Method` as (`pkg.Service`, `Method`).
+fn service_and_method(path: &str) -> (String, String) {
+    let trimmed = path.trim_start_matches('/');
+    match trimmed.split_once('/') {
+        Some((service, method)) => (service.to_owned(), method.to_owned()),
+        None => (trimmed.to_owned(), String::new()),
+    }
+}
+
+fn is_probe(service: &str) -> bool {
+    service.starts_with("grpc.health.") || service.starts_with("grpc.reflection.")
+}
+
+/// The name gRPC gives each status code, as go-grpc-prometheus labels it.
+pub fn code_name(code: i32) -> &'static str {
+    match code {
+        0 => "OK",
+        1 => "Canceled",
+        2 => "Unknown",
+        3 => "InvalidArgument",
+        4 => "DeadlineExceeded",
+        5 => "NotFound",
+        6 => "AlreadyExists",
+        7 => "PermissionDenied",
+        8 => "ResourceExhausted",
+        9 => "FailedPrecondition",
+        10 => "Aborted",
+        11 => "OutOfRange",
+        12 => "Unimplemented",
+        13 => "Internal",
+        14 => "Unavailable",
+        15 => "DataLoss",
+        16 => "Unauthenticated",
+        _ => "Unknown",
+    }
+}
+
+/// The OpenTelemetry RPC conventions mark a server span as an error only for
+/// codes that mean the server failed; a client span for any code but OK.
+fn is_error(kind: Kind, code: i32) -> bool {
+    match kind {
+        Kind::Server => matches!(code, 2 | 4 | 12 | 13 | 14 | 15),
+        Kind::Client => code != 0,
+    }
+}
+
+fn grpc_status(headers: &HeaderMap) -> Option<i32> {
+    headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Server,
+    Client,
+}
+
+/// The call counters of one side, registered in the global registry.
+#[derive(Debug, Clone)]
+struct CallMetrics {
+    started: Counter,
+    handled: Counter,
+    handling: Histogram,
+}
+
+impl CallMetrics {
+    fn new(kind: Kind) -> Self {
+        let r = global();
+        let labels = &["grpc_service", "grpc_method"];
+        match kind {
+            Kind::Server => Self {
+                started: r.counter("grpc_server_started_total", "RPCs started on the server.", labels),
+                handled: r.counter(
+                    "grpc_server_handled_total",
+                    "RPCs completed on the server, by status code.",
+                    &["grpc_service", "grpc_method", "grpc_code"],
+                ),
+                handling: r.histogram(
+                    "grpc_server_handling_seconds",
+                    "Time from the start of an RPC to the end of its response (a whole stream for \
+                     streaming RPCs).",
+                    labels,
+                    LATENCY_BUCKETS,
+                ),
+            },
+            Kind::Client => Self {
+                started: r.counter("grpc_client_started_total", "RPCs started by the client.", labels),
+                handled: r.counter(
+                    "grpc_client_handled_total",
+                    "RPCs completed by the client, by status code.",
+                    &["grpc_service", "grpc_method", "grpc_code"],
+                ),
+                handling: r.histogram(
+                    "grpc_client_handling_seconds",
+                    "Time from the start of an RPC to the end of its response (a whole stream for \
+                     streaming RPCs).",
+                    labels,
+                    LATENCY_BUCKETS,
+                ),
+            },
+        }
+    }
+}
+
+/// One call in progress: its span and what its end must record.
+struct Call {
+    kind: Kind,
+    span: tracing::Span,
+    service: String,
+    method: String,
+    started: Instant,
+    status: Option<i32>,
+    metrics: CallMetrics,
+}
+
+impl Call {
+    fn start(kind: Kind, span: tracing::Span, service: String, method: String, metrics: CallMetrics) -> Self {
+        metrics.started.inc(&[&service, &method]);
+        Self {
+            kind,
+            span,
+            service,
+            method,
+            started: Instant::now(),
+            status: None,
+            metrics,
+        }
+    }
+
+    /// Records the end of the call with `code` (the status it ended with,
+    /// or `fallback` when none was seen) and closes the span.
+    fn finish(self, fallback: i32) {
+        let code = self.status.unwrap_or(fallback);
+        self.span.record("rpc.grpc.status_code", code);
+        if is_error(self.kind, code) {
+            self.span.record("otel.status_code", "error");
+        }
+        self.metrics
+            .handled
+            .inc(&[&self.service, &self.method, code_name(code)]);
+        self.metrics
+            .handling
+            .observe_duration(&[&self.service, &self.method], self.started.elapsed());
+    }
+}
+
+/// A response body that ends its call when it ends: it reads the status from
+/// the trailers and records the call when the last frame has gone (or when
+/// the body is dropped early, as `CANCELLED`).
+pub struct TracedBody<B> {
+    inner: B,
+    call: Option<Call>,
+}
+
+impl<B> std::fmt::Debug for TracedBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TracedBody").finish_non_exhaustive()
+    }
+}
+
+impl<B> Drop for TracedBody<B> {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            call.finish(1);
+        }
+    }
+}
+
+impl<B> Body for TracedBody<B>
+where
+    B: Body + Unpin,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(status) = frame.trailers_ref().and_then(grpc_status)
+                    && let Some(call) = self.call.as_mut()
+                {
+                    call.status = Some(status);
+                }
+            }
+            // A body that fails mid-stream ends the call as `UNKNOWN` unless
+            // trailers said otherwise; one that ends without trailers is OK
+            // (a unary success sends them, so this is only a bare body).
+            Poll::Ready(Some(Err(_))) => {
+                if let Some(call) = self.call.take() {
+                    call.finish(2);
+                }
+            }
+            Poll::Ready(None) => {
+                if let Some(call) = self.call.take() {
+                    call.finish(0);
+                }
+            }
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// The server side: a span per incoming call, under the caller's trace.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ServerLayer;
+
+impl ServerLayer {
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+impl<S> Layer<S> for ServerLayer {
+    type Service = Server<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Server {
+            inner,
+            metrics: CallMetrics::new(Kind::Server),
+        }
+    }
+}
+
+/// See [`ServerLayer`].
+#[derive(Debug, Clone)]
+pub struct Server<S> {
+    inner: S,
+    metrics: CallMetrics,
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Server<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: Body + Unpin + Send + 'static,
+{
+    type Response = Response<TracedBody<ResBody>>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let (service, method) = service_and_method(req.uri().path());
+        let span = if is_probe(&service) {
+            tracing::Span::none()
+        } else {
+            let span = tracing::info_span!(
+                "grpc.server",
+                otel.name = %format_args!("{service}/{method}"),
+                otel.kind = "server",
+                rpc.system = "grpc",
+                rpc.service = %service,
+                rpc.method = %method,
+                rpc.grpc.status_code = Empty,
+                otel.status_code = Empty,
+            );
+            let parent = super::propagator().extract(&HeaderExtractor(req.headers()));
+            if opentelemetry::trace::TraceContextExt::span(&parent)
+                .span_context()
+                .is_valid()
+            {
+                let _ = span.set_parent(parent);
+            }
+            span
+        };
+        let call = Call::start(Kind::Server, span.clone(), service, method, self.metrics.clone());
+        // The service that was polled ready is the one called; the clone
+        // takes its place for the next call (tower's usual swap).
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let future = span.in_scope(|| inner.call(req));
+        Box::pin(
+            async move {
+                let mut call = call;
+                match future.await {
+                    Ok(response) => {
+                        call.status = grpc_status(response.headers());
+                        Ok(response.map(|inner| TracedBody {
+                            inner,
+                            call: Some(call),
+                        }))
+                    }
+                    Err(e) => {
+                        // The service failed without a response; the
+                        // transport answers that as INTERNAL.
+                        call.finish(13);
+                        Err(e)
+                    }
+                }
+            }
+            .instrument(span),
+        )
+    }
+}
+
+/// The client side: a span per outgoing call, under the caller's current
+/// span, whose context travels in the request metadata.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClientLayer;
+
+impl ClientLayer {
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+impl<S> Layer<S> for ClientLayer {
+    type Service = Client<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Client {
+            inner,
+            metrics: CallMetrics::new(Kind::Client),
+        }
+    }
+}
+
+/// See [`ClientLayer`].
+#[derive(Debug, Clone)]
+pub struct Client<S> {
+    inner: S,
+    metrics: CallMetrics,
+}
+
+/// A tonic channel with the client layer: what the services call each other
+/// through.
+pub type TracedChannel = Client<tonic::transport::Channel>;
+
+/// Wraps `channel` in the client layer.
+pub fn traced(channel: tonic::transport::Channel) -> TracedChannel {
+    ClientLayer::new().layer(channel)
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Client<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: Body + Unpin + Send + 'static,
+{
+    type Response = Response<TracedBody<ResBody>>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
+        let (service, method) = service_and_method(req.uri().path());
+        let span = tracing::info_span!(
+            "grpc.client",
+            otel.name = %format_args!("{service}/{method}"),
+            otel.kind = "client",
+            rpc.system = "grpc",
+            rpc.service = %service,
+            rpc.method = %method,
+            server.address = req.uri().host().unwrap_or_default(),
+            rpc.grpc.status_code = Empty,
+            otel.status_code = Empty,
+        );
+        let cx = span.context();
+        super::propagator().inject_context(&cx, &mut HeaderInjector(req.headers_mut()));
+        let call = Call::start(Kind::Client, span.clone(), service, method, self.metrics.clone());
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let future = span.in_scope(|| inner.call(req));
+        Box::pin(
+            async move {
+                let mut call = call;
+                match future.await {
+                    Ok(response) => {
+                        call.status = grpc_status(response.headers());
+                        Ok(response.map(|inner| TracedBody {
+                            inner,
+                            call: Some(call),
+                        }))
+                    }
+                    Err(e) => {
+                        // The transport failed before a response: gRPC
+                        // clients report that as UNAVAILABLE.
+                        call.finish(14);
+                        Err(e)
+                    }
+                }
+            }
+            .instrument(span),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_split_into_service_and_method() {
+        assert_eq!(
+            service_and_method("/provisioning.v1.Decider/Decide"),
+            ("provisioning.v1.Decider".to_owned(), "Decide".to_owned())
+        );
+        assert!(is_probe("grpc.health.v1.Health"));
+        assert!(!is_probe("provisioning.v1.Executor"));
+    }
+
+    #[test]
+    fn error_classes_follow_the_rpc_conventions() {
+        assert!(!is_error(Kind::Server, 3));
+        assert!(is_error(Kind::Client, 3));
+        assert!(is_error(Kind::Server, 14));
+        assert!(!is_error(Kind::Server, 0));
+        assert_eq!(code_name(14), "Unavailable");
+    }
+}

@@ -1,0 +1,1769 @@
+//! The oracle: the twenty guarantees of SPEC.md section 6, plus no double-create
+//! and converged-leaks-nothing, each as its own named check.
+//!
+//! [`Oracle::check`] reads one [`StepRecord`] at a time and keeps what the
+//! checks need from earlier rounds. Checks over state snapshots run at every
+//! level; checks over events (transitions with their cause, submissions, backend
+//! calls, executor messages) run where the system reports events, which is in
+//! memory. Guarantee 16 (determinism) and the bound of guarantee 18 are whole-run
+//! checks that the runner makes; their functions here are the comparison and the
+//! bound it uses.
+//!
+//! Each check's doc comment says exactly what it checks and where it has to
+//! approximate.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use contract::{
+    AttemptId, ClusterShape, Effect, Endpoint, GroupId, Intent, LeaseId, LogicalNodeId, ManagedNode,
+    NodeFacts, NodeStage, NodeTemplate, Operation, OperationId, Outcome, RejectionReason, RetryState, Rule,
+    RunUid, SessionId, UnixMillis, backoff_delay,
+};
+use driver_svc::core::{Fold, Policy};
+use executor_svc::core::Output;
+
+use super::record::{ApplyKind, ApplyRecord, Probe, RunSnapshot, StepRecord, StepRef, Verdict};
+use crate::sim::{Cause, Event, Nodes, ToDriver, Transition};
+
+/// The guarantees, named as SPEC.md section 6 numbers them, plus the two
+/// backend-level ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Guarantee {
+    G01AttemptIdsUniqueIncreasing,
+    G02FoldOnlyIntoNamedAttempt,
+    G03RetiredFactsNeverCarried,
+    G04RecordedBeforeSubmitted,
+    G05OnePendingPerNode,
+    G06OneRunningPerAttempt,
+    G07ResubmitReplaysConflictRejected,
+    G08DestroyedHoldsNothing,
+    G09FailedCleanupKeepsFacts,
+    G10CleanupOrdered,
+    G11FailedAttemptCleansUpAtOnce,
+    G12NotReadyIsNotAFailure,
+    G13AdoptBeforeDestroy,
+    G14BackoffFollowsPolicy,
+    G15ConvergedPassIsNoop,
+    G16Deterministic,
+    G17GenerationMonotonic,
+    G18FairConvergence,
+    G19ScaleDownHighestNoTwoLive,
+    G20NoPanicNoSpin,
+    NoDoubleCreate,
+    ConvergedLeaksNothing,
+}
+
+impl Guarantee {
+    pub const ALL: [Guarantee; 22] = [
+        Guarantee::G01AttemptIdsUniqueIncreasing,
+        Guarantee::G02FoldOnlyIntoNamedAttempt,
+        Guarantee::G03RetiredFactsNeverCarried,
+        Guarantee::G04RecordedBeforeSubmitted,
+        Guarantee::G05OnePendingPerNode,
+        Guarantee::G06OneRunningPerAttempt,
+        Guarantee::G07ResubmitReplaysConflictRejected,
+        Guarantee::G08DestroyedHoldsNothing,
+        Guarantee::G09FailedCleanupKeepsFacts,
+        Guarantee::G10CleanupOrdered,
+        Guarantee::G11FailedAttemptCleansUpAtOnce,
+        Guarantee::G12NotReadyIsNotAFailure,
+        Guarantee::G13AdoptBeforeDestroy,
+        Guarantee::G14BackoffFollowsPolicy,
+        Guarantee::G15ConvergedPassIsNoop,
+        Guarantee::G16Deterministic,
+        Guarantee::G17GenerationMonotonic,
+        Guarantee::G18FairConvergence,
+        Guarantee::G19ScaleDownHighestNoTwoLive,
+        Guarantee::G20NoPanicNoSpin,
+        Guarantee::NoDoubleCreate,
+        Guarantee::ConvergedLeaksNothing,
+    ];
+
+    /// The guarantee's wording in SPEC.md.
+    pub fn text(self) -> &'static str {
+        match self {
+            Guarantee::G01AttemptIdsUniqueIncreasing => {
+                "attempt ids are unique and increasing per run; slot names are {group}-{index}"
+            }
+            Guarantee::G02FoldOnlyIntoNamedAttempt => {
+                "a result or fact is folded only into the attempt and operation it names"
+            }
+            Guarantee::G03RetiredFactsNeverCarried => {
+                "facts of a retired attempt never appear in its replacement's record"
+            }
+            Guarantee::G04RecordedBeforeSubmitted => {
+                "every operation the executor sees was recorded pending in driver state first"
+            }
+            Guarantee::G05OnePendingPerNode => "at most one pending operation per node, at every instant",
+            Guarantee::G06OneRunningPerAttempt => {
+                "at most one running operation per attempt inside the executor"
+            }
+            Guarantee::G07ResubmitReplaysConflictRejected => {
+                "resubmitting an operation id replays its result; same id, other input: rejected"
+            }
+            Guarantee::G08DestroyedHoldsNothing => {
+                "a Destroyed node holds no lease, no session, no pending operation"
+            }
+            Guarantee::G09FailedCleanupKeepsFacts => {
+                "failed cleanup keeps its live facts (dead-hold): nothing is forgotten while live"
+            }
+            Guarantee::G10CleanupOrdered => {
+                "cleanup is ordered: cancel bootstrap, then destroy lease, then mark destroyed"
+            }
+            Guarantee::G11FailedAttemptCleansUpAtOnce => {
+                "a failed attempt starts cleanup at once; backoff delays only the restart"
+            }
+            Guarantee::G12NotReadyIsNotAFailure => "endpoint-not-ready never counts as a failure",
+            Guarantee::G13AdoptBeforeDestroy => {
+                "after an ambiguous outcome the create is re-issued (adopted) before any destructive step"
+            }
+            Guarantee::G14BackoffFollowsPolicy => {
+                "backoff per node follows the policy; ready resets it; a replacement inherits the count"
+            }
+            Guarantee::G15ConvergedPassIsNoop => "a pass over a converged run is a no-op",
+            Guarantee::G16Deterministic => {
+                "identical traces give identical states; the order of independent work does not matter"
+            }
+            Guarantee::G17GenerationMonotonic => {
+                "generation never regresses; rejected updates (same generation, run id) change nothing"
+            }
+            Guarantee::G18FairConvergence => {
+                "once faults stop, the run converges to the latest shape within a bounded number of passes"
+            }
+            Guarantee::G19ScaleDownHighestNoTwoLive => {
+                "scale-down removes only the highest slots; never two live attempts per slot"
+            }
+            Guarantee::G20NoPanicNoSpin => {
+                "no panics, no spins; exhaustion and saturation are errors; at most one action per node"
+            }
+            Guarantee::NoDoubleCreate => "never two resources for one identity (no double-create)",
+            Guarantee::ConvergedLeaksNothing => "a converged or deleted run leaves nothing at the backend",
+        }
+    }
+}
+
+/// One broken guarantee.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Violation {
+    pub guarantee: Guarantee,
+    pub at: StepRef,
+    pub detail: String,
+}
+
+/// The pass bound of the fair tail (guarantee 18), as a formula over the run.
+///
+/// Once faults stop, each node needs at most `ladder` passes to become ready
+/// from any state, where every operation counts twice (the pass that folds its
+/// result, and a pass woken at its deadline if the result is late):
+///
+/// - `INFLIGHT = 3`: the operation in flight when faults stopped (2), and a
+///   stage timeout or bootstrap failure of the attempt it belongs to (1);
+/// - `CLEANUP = 8`: begin-delete and mark-destroyed (2), re-issued create,
+///   cancel and destroy (3 operations);
+/// - `RESTART = 2`: the wake-up when the restart backoff ends, and the restart;
+/// - `CLIMB = 2 × (2 + probes) + 6`: create, `probes` endpoint lookups and the
+///   bootstrap start (operations), five bootstrap stages and the observed
+///   convergence.
+///
+/// A node may have to be replaced once more than it fails (its spec drifted,
+/// or a repair of a permanently refused spec), so the run's bound is
+/// `SLACK + nodes × (2 + repairs) × ladder`, with `nodes` the larger of the slots
+/// held and desired when the tail starts. The bound is loose by design (it
+/// assumes no two nodes share a pass); it still catches a run that stalls, or
+/// one that keeps redoing work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TailBound {
+    pub nodes: u64,
+    pub probes: u64,
+    pub repairs: u64,
+}
+
+impl TailBound {
+    pub const SLACK: u64 = 10;
+    pub const INFLIGHT: u64 = 3;
+    pub const CLEANUP: u64 = 8;
+    pub const RESTART: u64 = 2;
+
+    pub fn ladder(&self) -> u64 {
+        Self::INFLIGHT + Self::CLEANUP + Self::RESTART + 2 * (2 + self.probes) + 6
+    }
+
+    pub fn passes(&self) -> u64 {
+        Self::SLACK + self.nodes * (2 + self.repairs) * self.ladder()
+    }
+}
+
+/// Consecutive passes at one instant that change nothing, above which the
+/// driver is spinning (guarantee 20). One is normal (a safety tick, a wake-up at
+/// an operation's deadline before its grace ends); two can follow a tick that
+/// lands on such a wake-up.
+pub const MAX_BARREN_PASSES: u32 = 2;
+
+/// The oracle's memory across rounds.
+#[derive(Debug)]
+pub struct Oracle {
+    policy: Policy,
+    uid: RunUid,
+    at: StepRef,
+    now: UnixMillis,
+    out: Vec<Violation>,
+    /// The latest accepted shape.
+    shape: Option<ClusterShape>,
+    deleting: bool,
+    groups_seen: BTreeSet<GroupId>,
+    // Guarantee 1.
+    slot_attempt: BTreeMap<LogicalNodeId, AttemptId>,
+    attempt_slot: BTreeMap<AttemptId, LogicalNodeId>,
+    max_attempt: Option<AttemptId>,
+    next_attempt: u64,
+    first_submit: BTreeMap<OperationId, Operation>,
+    /// Slot names already checked.
+    slots_ok: BTreeSet<LogicalNodeId>,
+    // Guarantee 3.
+    lease_owner: BTreeMap<LeaseId, (LogicalNodeId, AttemptId)>,
+    endpoint_owner: BTreeMap<Endpoint, (LogicalNodeId, AttemptId)>,
+    session_owner: BTreeMap<SessionId, (LogicalNodeId, AttemptId)>,
+    // Guarantee 6.
+    running: BTreeMap<AttemptId, OperationId>,
+    // Guarantee 7.
+    first_result: BTreeMap<OperationId, (Outcome, UnixMillis)>,
+    // Guarantee 10.
+    cleanup_rank: BTreeMap<AttemptId, u8>,
+    // Guarantee 17.
+    generation: u64,
+    observed_generation: u64,
+    // Guarantee 20.
+    barren: (UnixMillis, u32),
+    // No double-create.
+    leases_made: BTreeMap<(LogicalNodeId, AttemptId), u32>,
+    lease_of: BTreeMap<(LogicalNodeId, AttemptId), String>,
+    /// The context of the submission being read (recorded just before it).
+    context: Option<(OperationId, Option<ManagedNode>)>,
+}
+
+fn rule_is_cleanup(rule: Rule) -> bool {
+    matches!(
+        rule,
+        Rule::ReissueCreate | Rule::CancelBootstrap | Rule::DestroyLease
+    )
+}
+
+fn is_failure(o: &Outcome) -> bool {
+    matches!(
+        o,
+        Outcome::Retryable { .. } | Outcome::Permanent { .. } | Outcome::Ambiguous { .. }
+    )
+}
+
+fn cleanup_rank(effect: Effect) -> Option<u8> {
+    match effect {
+        Effect::CreateLease => Some(0),
+        Effect::CancelBootstrap => Some(1),
+        Effect::DestroyLease => Some(2),
+        Effect::LookupEndpoint | Effect::StartBootstrap => None,
+    }
+}
+
+impl Oracle {
+    pub fn new(policy: Policy) -> Self {
+        Self {
+            policy,
+            uid: RunUid::from_u128(0),
+            at: StepRef {
+                phase: super::record::Phase::Prefix,
+                input: None,
+                round: 0,
+            },
+            now: UnixMillis::ZERO,
+            out: Vec::new(),
+            shape: None,
+            deleting: false,
+            groups_seen: BTreeSet::new(),
+            slot_attempt: BTreeMap::new(),
+            attempt_slot: BTreeMap::new(),
+            max_attempt: None,
+            next_attempt: 0,
+            first_submit: BTreeMap::new(),
+            slots_ok: BTreeSet::new(),
+            lease_owner: BTreeMap::new(),
+            endpoint_owner: BTreeMap::new(),
+            session_owner: BTreeMap::new(),
+            running: BTreeMap::new(),
+            first_result: BTreeMap::new(),
+            cleanup_rank: BTreeMap::new(),
+            generation: 0,
+            observed_generation: 0,
+            barren: (UnixMillis::ZERO, 0),
+            leases_made: BTreeMap::new(),
+            lease_of: BTreeMap::new(),
+            context: None,
+        }
+    }
+
+    fn fail(&mut self, guarantee: Guarantee, detail: String) {
+        self.out.push(Violation {
+            guarantee,
+            at: self.at,
+            detail,
+        });
+    }
+
+    /// Checks one round; returns every guarantee it breaks.
+    pub fn check(&mut self, rec: &StepRecord) -> Vec<Violation> {
+        self.at = rec.at;
+        self.now = rec.now;
+        if !rec.state.gone {
+            self.uid = rec.state.uid;
+        }
+        if let Some(a) = &rec.apply {
+            self.g17_revision_contract(a, &rec.state);
+        }
+        if let Some(shape) = &rec.state.shape {
+            self.groups_seen.extend(shape.groups.iter().map(|g| g.id.clone()));
+            self.shape = Some(shape.clone());
+        }
+        self.deleting = rec.state.deleting;
+        if rec
+            .input
+            .as_ref()
+            .is_some_and(|i| !matches!(i, super::input::Input::Step(_)))
+        {
+            // An external input (a tick, an update, a restart) may ask for a pass
+            // of its own; passes that change nothing count towards a spin only
+            // when nothing from outside asked for them.
+            self.barren = (UnixMillis::ZERO, 0);
+        }
+        for e in &rec.events {
+            self.event(e);
+        }
+        for p in &rec.probes {
+            self.probe(p);
+        }
+        self.state(rec);
+        std::mem::take(&mut self.out)
+    }
+
+    fn event(&mut self, e: &Event) {
+        match e {
+            Event::Transition(t) => self.transition(t),
+            Event::SubmitContext { id, node, .. } => self.context = Some((*id, node.clone())),
+            Event::Submitted { op, recorded } => {
+                let node = match self.context.take() {
+                    Some((id, node)) if id == op.id => node,
+                    _ => None,
+                };
+                self.g04_recorded_before_submitted(op, *recorded);
+                self.submission(op, node.as_ref());
+            }
+            Event::BackendCall {
+                op,
+                slot_attempts,
+                session_running,
+                lease_made,
+                ..
+            } => {
+                self.g10_backend_order(op, *session_running);
+                self.g19_no_second_attempt_at_backend(op, slot_attempts);
+                self.no_double_create_call(op, *lease_made);
+            }
+            Event::Started(op) => {
+                self.g06_start(op);
+                self.g07_not_rerun(op);
+            }
+            Event::Aborted { id, .. } => {
+                if self.running.get(&id.attempt()) == Some(id) {
+                    self.running.remove(&id.attempt());
+                }
+            }
+            Event::Emitted(ToDriver::Result(r)) => {
+                if !r.late && !r.replayed && self.running.get(&r.id.attempt()) == Some(&r.id) {
+                    self.running.remove(&r.id.attempt());
+                }
+                self.g07_results(r);
+            }
+            Event::ConflictProbe { op, outputs } => self.g07_conflict(op, outputs),
+            Event::Pass(p) => {
+                self.g15_converged_pass(p.converged_before, p.actions, p.operations, p.changed);
+                self.g20_spin(p.at, p.operations == 0 && p.transitions == 0 && !p.changed);
+            }
+            Event::Spin { at } => self.fail(
+                Guarantee::G20NoPanicNoSpin,
+                format!(
+                    "at {at:?} the driver's next wake-up is already due but it has no pass to run: \
+                     its timer fires again at once, a busy loop until time moves on"
+                ),
+            ),
+            Event::Emitted(_) | Event::Completed { .. } => {}
+        }
+    }
+
+    fn transition(&mut self, t: &Transition) {
+        if t.before != t.after {
+            // Something changed, so the next pass has something to look at.
+            self.barren = (t.at, 0);
+        }
+        self.g01_nodes(&t.after);
+        self.g02_fold_named(t);
+        self.g03_fresh_attempt_facts(t);
+        self.g03_fact_owners(&t.after);
+        self.g05_pending_replaced(t);
+        self.g08_destroyed(&t.after, None);
+        self.g09_dead_hold(t);
+        self.g10_decision_order(t);
+        self.g11_cleanup_at_once(t);
+        self.g12_not_ready(t);
+        self.g13_adopt_first(t);
+        self.g14_backoff(t);
+        self.g19_scale_down(t);
+        self.g20_one_action_per_node(t);
+    }
+
+    fn submission(&mut self, op: &Operation, node: Option<&ManagedNode>) {
+        self.g01_operation_ids(op, node);
+        self.g05_submitted_is_pending(op, node);
+        self.g10_submitted_order(op, node);
+        self.g13_submitted_after_ambiguity(op, node);
+        self.first_submit.entry(op.id).or_insert_with(|| op.clone());
+    }
+
+    fn state(&mut self, rec: &StepRecord) {
+        let s = &rec.state;
+        self.g01_nodes(&s.nodes);
+        self.g01_allocator(s);
+        self.g03_fact_owners(&s.nodes);
+        if let Some(inv) = &rec.inventory {
+            self.g03_inventory_matches_facts(s, inv);
+            self.g19_inventory(inv);
+            self.no_double_create_inventory(inv);
+            self.converged_leaks_nothing(s, inv, rec.quiescent);
+        }
+        self.g04_store_agrees(s);
+        self.g08_destroyed(&s.nodes, s.store.as_ref());
+        self.g14_ready_is_reset(&s.nodes);
+        self.g17_generation(s);
+    }
+
+    /// Guarantee 14, on states: an active node that is ready has a reset
+    /// backoff (no failures counted, no deadline stored). A ready node takes no
+    /// effect until it is deleted, so nothing can fail in between.
+    fn g14_ready_is_reset(&mut self, nodes: &Nodes) {
+        for (id, n) in nodes {
+            if n.intent == Intent::Active && n.is_ready() && n.retry != RetryState::default() {
+                let detail = format!("ready {id} holds backoff state {:?}", n.retry);
+                self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+            }
+        }
+    }
+
+    fn probe(&mut self, p: &Probe) {
+        match p {
+            Probe::ConvergedPass { actions, changed } => {
+                if *actions > 0 || *changed {
+                    self.fail(
+                        Guarantee::G15ConvergedPassIsNoop,
+                        format!(
+                            "a full pass over the converged run took {actions} actions (changed nodes: {changed})"
+                        ),
+                    );
+                }
+            }
+            Probe::Limits {
+                what,
+                panicked,
+                error,
+                expected_error,
+                unchanged,
+            } => self.g20_limits(
+                what,
+                panicked.as_deref(),
+                error.as_deref(),
+                *expected_error,
+                *unchanged,
+            ),
+        }
+    }
+
+    /// Guarantee 1. Checks, on every state the run is seen in (each transition's
+    /// after-state and each round's snapshot): every slot name parses back as
+    /// `{group}-{index}` and names a group of some accepted shape; an attempt id
+    /// belongs to one slot only, ever; when a slot's attempt changes, the new
+    /// attempt is above every attempt seen before in the run. Approximation: an
+    /// attempt that is allocated and retired between two observations is never
+    /// seen; in memory there is none (a node changes at most once per pass, and
+    /// every pass is observed), over the API polls can miss one.
+    fn g01_nodes(&mut self, nodes: &Nodes) {
+        let floor = self.max_attempt;
+        let mut fresh = Vec::new();
+        for (id, n) in nodes {
+            if &n.id != id
+                || !self.slots_ok.contains(id)
+                    && LogicalNodeId::parse("node", &id.to_string()).ok().as_ref() != Some(id)
+            {
+                self.fail(
+                    Guarantee::G01AttemptIdsUniqueIncreasing,
+                    format!("slot {id} does not round-trip as {{group}}-{{index}}"),
+                );
+            } else if !self.slots_ok.contains(id) {
+                self.slots_ok.insert(id.clone());
+            }
+            if !self.groups_seen.is_empty() && !self.groups_seen.contains(id.group()) {
+                self.fail(
+                    Guarantee::G01AttemptIdsUniqueIncreasing,
+                    format!("slot {id} names group {} of no accepted shape", id.group()),
+                );
+            }
+            match self.attempt_slot.get(&n.attempt) {
+                Some(slot) if slot != id => {
+                    let detail = format!("attempt {} is held by {id} but belonged to {slot}", n.attempt);
+                    self.fail(Guarantee::G01AttemptIdsUniqueIncreasing, detail);
+                    continue;
+                }
+                Some(_) => continue,
+                None => {}
+            }
+            if floor.is_some_and(|m| n.attempt <= m) {
+                let detail = format!(
+                    "{id} got attempt {} after attempt {} was already handed out",
+                    n.attempt,
+                    floor.map_or(0, AttemptId::get)
+                );
+                self.fail(Guarantee::G01AttemptIdsUniqueIncreasing, detail);
+            }
+            fresh.push((id.clone(), n.attempt));
+        }
+        for (id, attempt) in fresh {
+            self.attempt_slot.insert(attempt, id.clone());
+            self.slot_attempt.insert(id, attempt);
+            self.max_attempt = self.max_attempt.max(Some(attempt));
+        }
+    }
+
+    /// Guarantee 1, the allocator: where it is visible, the next attempt id never
+    /// decreases and is above every attempt handed out.
+    fn g01_allocator(&mut self, s: &RunSnapshot) {
+        let Some(next) = s.next_attempt else { return };
+        if next < self.next_attempt {
+            let detail = format!(
+                "the attempt allocator went back from {} to {next}",
+                self.next_attempt
+            );
+            self.fail(Guarantee::G01AttemptIdsUniqueIncreasing, detail);
+        }
+        if let Some(max) = self.max_attempt
+            && next <= max.get()
+        {
+            let detail = format!("the attempt allocator is at {next} but attempt {max} exists");
+            self.fail(Guarantee::G01AttemptIdsUniqueIncreasing, detail);
+        }
+        self.next_attempt = self.next_attempt.max(next);
+    }
+
+    /// Guarantee 1, operation ids: an operation belongs to the attempt its node
+    /// holds when it is submitted, and an operation id is never reused for
+    /// another node or input.
+    fn g01_operation_ids(&mut self, op: &Operation, node: Option<&ManagedNode>) {
+        if let Some(n) = node
+            && n.attempt != op.id.attempt()
+        {
+            let detail = format!(
+                "operation {} submitted for {} which holds attempt {}",
+                op.id, op.node, n.attempt
+            );
+            self.fail(Guarantee::G01AttemptIdsUniqueIncreasing, detail);
+        }
+        if let Some(first) = self.first_submit.get(&op.id)
+            && !first.same_input(op)
+        {
+            let detail = format!("operation id {} reused for another node or input", op.id);
+            self.fail(Guarantee::G01AttemptIdsUniqueIncreasing, detail);
+        }
+    }
+
+    /// Guarantee 2. For every folded message, as the executor sent it: only the
+    /// node it names may change (a rejection names an operation, so only the node
+    /// holding it pending); if that node changed, it held the attempt the message
+    /// names, and for a result the very operation pending (same id and effect,
+    /// not a late completion), which the fold then resolves; for an observation,
+    /// the session it names with a higher sequence number, which it records. A
+    /// message the driver reported as discarded must change nothing.
+    fn g02_fold_named(&mut self, t: &Transition) {
+        let Cause::Fold { msg, verdict } = &t.cause else {
+            return;
+        };
+        let named: Option<LogicalNodeId> = match msg {
+            ToDriver::Rejection(rej) => t
+                .before
+                .values()
+                .find(|n| n.pending.is_some_and(|p| Some(p.id) == rej.id))
+                .map(|n| n.id.clone()),
+            m => m.node().cloned(),
+        };
+        let others_changed = t.before.len() != t.after.len()
+            || t.before
+                .iter()
+                .any(|(id, n)| Some(id) != named.as_ref() && t.after.get(id) != Some(n));
+        if others_changed {
+            self.fail(
+                Guarantee::G02FoldOnlyIntoNamedAttempt,
+                format!("folding {} changed a node it does not name", describe(msg)),
+            );
+        }
+        let Some(id) = named else { return };
+        let (before, after) = (t.before.get(&id), t.after.get(&id));
+        let changed = before != after;
+        if matches!(verdict, Fold::Discarded(_)) && changed {
+            self.fail(
+                Guarantee::G02FoldOnlyIntoNamedAttempt,
+                format!(
+                    "{} was reported discarded ({verdict:?}) but changed {id}",
+                    describe(msg)
+                ),
+            );
+        }
+        let (Some(b), Some(a)) = (before, after) else {
+            return;
+        };
+        if !changed {
+            return;
+        }
+        let why = match msg {
+            ToDriver::Result(r) => {
+                let pending_ok = b.pending.is_some_and(|p| p.id == r.id && p.effect == r.effect);
+                if b.attempt != r.id.attempt() {
+                    Some(format!(
+                        "it names attempt {} but {id} holds {}",
+                        r.id.attempt(),
+                        b.attempt
+                    ))
+                } else if !pending_ok {
+                    Some(format!(
+                        "{id}'s pending operation is {:?}",
+                        b.pending.map(|p| p.id)
+                    ))
+                } else if r.late {
+                    Some("it is a late completion of an abandoned operation".to_owned())
+                } else if a.pending.is_some_and(|p| p.id == r.id) {
+                    Some("the operation is still pending after its result was folded".to_owned())
+                } else {
+                    None
+                }
+            }
+            ToDriver::Observation(o) => {
+                if b.attempt != o.attempt {
+                    Some(format!(
+                        "it names attempt {} but {id} holds {}",
+                        o.attempt, b.attempt
+                    ))
+                } else if b.facts.session.as_ref() != Some(&o.session) {
+                    Some(format!("{id}'s session is {:?}", b.facts.session))
+                } else if b.facts.bootstrap.as_ref().is_some_and(|p| p.seq >= o.seq) {
+                    Some("its sequence number is not above the last folded one".to_owned())
+                } else {
+                    None
+                }
+            }
+            ToDriver::Rejection(rej) => {
+                matches!(rej.reason, RejectionReason::Fenced | RejectionReason::UnknownRun)
+                    .then(|| format!("a {} rejection must change nothing", rej.reason.name()))
+            }
+        };
+        if let Some(why) = why {
+            self.fail(
+                Guarantee::G02FoldOnlyIntoNamedAttempt,
+                format!("{} changed {id}: {why}", describe(msg)),
+            );
+        }
+    }
+
+    /// Guarantee 3, at birth: a node whose attempt is new in a transition (an
+    /// insert or a restart) starts with no facts at all: no lease, endpoint,
+    /// session, bootstrap progress, failure or remembered ambiguity.
+    fn g03_fresh_attempt_facts(&mut self, t: &Transition) {
+        if matches!(t.cause, Cause::Restore) {
+            return;
+        }
+        for (id, a) in &t.after {
+            let fresh = t.before.get(id).is_none_or(|b| b.attempt != a.attempt);
+            if fresh && a.facts != NodeFacts::default() {
+                let detail = format!("{id}'s new attempt {} starts with facts {:?}", a.attempt, a.facts);
+                self.fail(Guarantee::G03RetiredFactsNeverCarried, detail);
+            }
+        }
+    }
+
+    /// Guarantee 3, for life: every lease, endpoint and session value a node's
+    /// facts hold belongs to the first attempt that held it; no other attempt
+    /// (a replacement in particular) may ever hold it.
+    fn g03_fact_owners(&mut self, nodes: &Nodes) {
+        fn owned<K: Ord + Clone + std::fmt::Display>(
+            map: &mut BTreeMap<K, (LogicalNodeId, AttemptId)>,
+            key: Option<&K>,
+            n: &ManagedNode,
+            what: &str,
+        ) -> Option<String> {
+            let key = key?;
+            let owner = match map.get(key) {
+                Some(o) => o,
+                None => {
+                    map.insert(key.clone(), (n.id.clone(), n.attempt));
+                    return None;
+                }
+            };
+            (owner.0 != n.id || owner.1 != n.attempt).then(|| {
+                format!(
+                    "{} attempt {} holds {what} {key}, a fact of {} attempt {}",
+                    n.id, n.attempt, owner.0, owner.1
+                )
+            })
+        }
+        for n in nodes.values() {
+            let f = &n.facts;
+            let found = [
+                owned(&mut self.lease_owner, f.lease.as_ref(), n, "lease"),
+                owned(&mut self.endpoint_owner, f.endpoint.as_ref(), n, "endpoint"),
+                owned(&mut self.session_owner, f.session.as_ref(), n, "session"),
+            ];
+            for detail in found.into_iter().flatten() {
+                self.fail(Guarantee::G03RetiredFactsNeverCarried, detail);
+            }
+        }
+    }
+
+    /// Guarantee 3, against the backend: a lease the driver records for a node
+    /// that is live at the backend belongs to that node's current attempt.
+    fn g03_inventory_matches_facts(&mut self, s: &RunSnapshot, inventory: &[super::record::Resource]) {
+        let by_lease: BTreeMap<&str, &super::record::Resource> =
+            inventory.iter().map(|r| (r.lease.as_str(), r)).collect();
+        for n in s.nodes.values() {
+            let Some(lease) = &n.facts.lease else { continue };
+            if let Some(r) = by_lease.get(lease.as_str())
+                && (r.node != n.id || r.attempt != n.attempt)
+            {
+                let detail = format!(
+                    "{} attempt {} records lease {lease}, which the backend holds for {} attempt {}",
+                    n.id, n.attempt, r.node, r.attempt
+                );
+                self.fail(Guarantee::G03RetiredFactsNeverCarried, detail);
+            }
+        }
+    }
+
+    /// Guarantee 4. Every operation the executor receives was, at that moment,
+    /// the pending operation of the driver's committed store for its node, with
+    /// the same id, effect and deadline (so a crash right after the submission
+    /// cannot forget it).
+    fn g04_recorded_before_submitted(&mut self, op: &Operation, recorded: bool) {
+        if !recorded {
+            let detail = format!(
+                "{} {} for {} reached the executor before it was committed pending",
+                op.input.effect().name(),
+                op.id,
+                op.node
+            );
+            self.fail(Guarantee::G04RecordedBeforeSubmitted, detail);
+        }
+    }
+
+    /// Guarantee 4, durability at rest: after every round the committed store
+    /// holds exactly the pending operations of the driver's state (and the
+    /// operation kept for resubmission is that one).
+    fn g04_store_agrees(&mut self, s: &RunSnapshot) {
+        let Some(store) = &s.store else { return };
+        for (id, n) in &s.nodes {
+            let row = store.get(id);
+            let stored = row.and_then(|r| r.pending);
+            if stored != n.pending || row.is_some_and(|r| r.inflight != n.pending.map(|p| p.id)) {
+                let detail = format!(
+                    "{id}: the state holds pending {:?} but the store holds {stored:?} (in flight {:?})",
+                    n.pending.map(|p| p.id),
+                    row.and_then(|r| r.inflight)
+                );
+                self.fail(Guarantee::G04RecordedBeforeSubmitted, detail);
+            }
+        }
+    }
+
+    /// Guarantee 5, over transitions: a node's pending operation is only ever
+    /// resolved (folded) before another is dispatched, never replaced by another
+    /// in one step. (One pending per node at rest is structural: the state has
+    /// one slot for it.)
+    fn g05_pending_replaced(&mut self, t: &Transition) {
+        for (id, a) in &t.after {
+            let Some(b) = t.before.get(id) else { continue };
+            if let (Some(p1), Some(p2)) = (b.pending, a.pending)
+                && b.attempt == a.attempt
+                && p1.id != p2.id
+            {
+                let detail = format!("{id} dispatched {} while {} was still pending", p2.id, p1.id);
+                self.fail(Guarantee::G05OnePendingPerNode, detail);
+            }
+        }
+    }
+
+    /// Guarantee 5, over submissions: every operation submitted is the one
+    /// pending operation the driver's state holds for the node at that moment, so
+    /// the executor never has two of a node's operations outstanding.
+    fn g05_submitted_is_pending(&mut self, op: &Operation, node: Option<&ManagedNode>) {
+        let Some(n) = node else { return };
+        let pending = n.pending.map(|p| p.id);
+        if pending != Some(op.id) {
+            let detail = format!(
+                "{} was submitted for {} whose one pending operation is {pending:?}",
+                op.id, op.node
+            );
+            self.fail(Guarantee::G05OnePendingPerNode, detail);
+        }
+    }
+
+    /// Guarantee 6. Over the executor's starts, completions and aborts: an
+    /// operation is running from its start until its result (or the abort when
+    /// the executor abandons it at its deadline); no attempt ever has two running
+    /// at once, be they two operations or two calls of one. A call the shell
+    /// could not abort in time and that completes late is not running inside the
+    /// executor any more, so it does not count.
+    fn g06_start(&mut self, op: &Operation) {
+        let attempt = op.id.attempt();
+        if let Some(other) = self.running.get(&attempt) {
+            let detail = format!("{} started while {other} of the same attempt was running", op.id);
+            self.fail(Guarantee::G06OneRunningPerAttempt, detail);
+        }
+        self.running.insert(attempt, op.id);
+    }
+
+    /// Guarantee 7, results: every result the executor sends for an operation it
+    /// has completed is the recorded one: a re-send of an unacknowledged result
+    /// (on a new stream) is identical (outcome and completion time), and a replay
+    /// answering a resubmission carries the outcome first recorded, even when a
+    /// late completion of an abandoned call said otherwise.
+    fn g07_results(&mut self, r: &contract::OperationResult) {
+        let first = self.first_result.get(&r.id).cloned();
+        match (r.replayed, r.late, first) {
+            (false, false, None) => {
+                self.first_result
+                    .insert(r.id, (r.outcome.clone(), r.completed_at));
+            }
+            (false, false, Some((outcome, at))) if outcome != r.outcome || at != r.completed_at => {
+                let detail = format!(
+                    "operation {} completed again ({} at {:?}) after it completed {} at {at:?}",
+                    r.id,
+                    r.outcome.class_name(),
+                    r.completed_at,
+                    outcome.class_name()
+                );
+                self.fail(Guarantee::G07ResubmitReplaysConflictRejected, detail);
+            }
+            (true, _, Some((first, _))) if first != r.outcome => {
+                let detail = format!(
+                    "the replay of {} says {} but it first completed {}",
+                    r.id,
+                    r.outcome.class_name(),
+                    first.class_name()
+                );
+                self.fail(Guarantee::G07ResubmitReplaysConflictRejected, detail);
+            }
+            (true, _, None) | (_, true, None) => {
+                let detail = format!("a replayed or late result of {} that never completed", r.id);
+                self.fail(Guarantee::G07ResubmitReplaysConflictRejected, detail);
+            }
+            _ => {}
+        }
+    }
+
+    /// Guarantee 7, dedup: an operation the executor has completed is never
+    /// started again (a resubmission replays it).
+    fn g07_not_rerun(&mut self, op: &Operation) {
+        if self.first_result.contains_key(&op.id) {
+            let detail = format!(
+                "{} {} ran again after it had completed",
+                op.input.effect().name(),
+                op.id
+            );
+            self.fail(Guarantee::G07ResubmitReplaysConflictRejected, detail);
+        }
+    }
+
+    /// Guarantee 7, conflicts: a submission of a seen operation id with other
+    /// input gets exactly one answer, a rejection naming the operation, and
+    /// neither starts nor replays anything. The reason is a conflicting input, or
+    /// `invalid` when the executor had refused the id's attempt as retired (it
+    /// then never recorded the first input to compare with).
+    fn g07_conflict(&mut self, op: &Operation, outputs: &[Output]) {
+        let ok = matches!(
+            outputs,
+            [Output::Rejected(r)]
+                if matches!(r.reason, RejectionReason::ConflictingInput | RejectionReason::Invalid)
+                    && r.id == Some(op.id)
+        );
+        if !ok {
+            let detail = format!("resubmitting {} with other input answered {outputs:?}", op.id);
+            self.fail(Guarantee::G07ResubmitReplaysConflictRejected, detail);
+        }
+    }
+
+    /// Guarantee 8. On every state: a `Destroyed` node has no lease, no session,
+    /// no pending operation and no remembered ambiguity, and (where the store is
+    /// visible) no operation kept for resubmission.
+    fn g08_destroyed(
+        &mut self,
+        nodes: &Nodes,
+        store: Option<&BTreeMap<LogicalNodeId, super::record::StoreRow>>,
+    ) {
+        for (id, n) in nodes {
+            if n.stage != NodeStage::Destroyed {
+                continue;
+            }
+            let inflight = store.and_then(|s| s.get(id)).and_then(|r| r.inflight);
+            if n.facts.holds_resources() || n.pending.is_some() || inflight.is_some() {
+                let detail = format!(
+                    "destroyed {id} holds lease {:?}, session {:?}, ambiguity ({}, {}), pending {:?}, in flight {inflight:?}",
+                    n.facts.lease,
+                    n.facts.session,
+                    n.facts.ambiguous_create,
+                    n.facts.ambiguous_bootstrap,
+                    n.pending.map(|p| p.id)
+                );
+                self.fail(Guarantee::G08DestroyedHoldsNothing, detail);
+            }
+        }
+    }
+
+    /// Guarantee 9. Over every transition of a node within one attempt, a live
+    /// fact disappears only for the reason that makes it gone: the lease and
+    /// endpoint only by a folded successful destroy, the session only by a folded
+    /// successful cancel or the observed convergence of its bootstrap, a
+    /// remembered ambiguous create only by a create that named a lease (or said
+    /// definitely "cannot create"), a remembered ambiguous bootstrap only by a
+    /// start that named its session or a successful cancel. So a failed cleanup
+    /// (or a timeout, or anything else) keeps every live fact.
+    fn g09_dead_hold(&mut self, t: &Transition) {
+        let folded = match &t.cause {
+            Cause::Fold {
+                msg: ToDriver::Result(r),
+                verdict: Fold::Folded,
+            } => Some(r),
+            _ => None,
+        };
+        let success = |effect: Effect| {
+            folded.is_some_and(|r| r.effect == effect && matches!(r.outcome, Outcome::Succeeded(_)))
+        };
+        for (id, a) in &t.after {
+            let Some(b) = t.before.get(id) else { continue };
+            if b.attempt != a.attempt {
+                continue;
+            }
+            let converged = match &t.cause {
+                Cause::Decisions(ds) => ds
+                    .iter()
+                    .any(|d| &d.node == id && d.action == contract::Action::ObserveConvergence),
+                _ => false,
+            };
+            let (bf, af) = (&b.facts, &a.facts);
+            let mut lost = Vec::new();
+            if bf.lease.is_some() && af.lease != bf.lease && !success(Effect::DestroyLease) {
+                lost.push("lease");
+            }
+            if bf.endpoint.is_some() && af.endpoint != bf.endpoint && !success(Effect::DestroyLease) {
+                lost.push("endpoint");
+            }
+            if bf.session.is_some()
+                && af.session != bf.session
+                && !success(Effect::CancelBootstrap)
+                && !converged
+            {
+                lost.push("session");
+            }
+            let create_settled = folded.is_some_and(|r| {
+                r.effect == Effect::CreateLease
+                    && (matches!(&r.outcome, Outcome::Succeeded(f) if f.lease.is_some())
+                        || matches!(r.outcome, Outcome::Permanent { .. }))
+            });
+            if bf.ambiguous_create && !af.ambiguous_create && !create_settled {
+                lost.push("ambiguous create");
+            }
+            let start_settled = folded.is_some_and(|r| {
+                r.effect == Effect::StartBootstrap
+                    && matches!(&r.outcome, Outcome::Succeeded(f) if f.session.is_some())
+            }) || success(Effect::CancelBootstrap);
+            if bf.ambiguous_bootstrap && !af.ambiguous_bootstrap && !start_settled {
+                lost.push("ambiguous bootstrap");
+            }
+            if !lost.is_empty() {
+                let cause = match &t.cause {
+                    Cause::Fold { msg, .. } => describe(msg),
+                    other => format!("{other:?}").chars().take(80).collect(),
+                };
+                let detail = format!(
+                    "{id} attempt {} forgot its live {} on {cause}",
+                    a.attempt,
+                    lost.join(", ")
+                );
+                self.fail(Guarantee::G09FailedCleanupKeepsFacts, detail);
+            }
+        }
+    }
+
+    /// Guarantee 10, in the driver's decisions: a destroy is dispatched only once
+    /// no session is known or suspected and no create is ambiguous; a cancel only
+    /// once no create is ambiguous; a node is marked destroyed only when it holds
+    /// nothing and waits for nothing. Also, per attempt, the cleanup effects
+    /// dispatched while deleting never go back in the order create (adoption),
+    /// cancel, destroy, and a deleting attempt never dispatches a lookup or start.
+    fn g10_decision_order(&mut self, t: &Transition) {
+        if !matches!(t.cause, Cause::Decisions(_)) {
+            return;
+        }
+        for (id, a) in &t.after {
+            let Some(b) = t.before.get(id) else { continue };
+            if b.attempt != a.attempt {
+                continue;
+            }
+            if let (None, Some(p)) = (b.pending, a.pending) {
+                let f = &b.facts;
+                let why = match p.effect {
+                    Effect::DestroyLease if f.session.is_some() || f.ambiguous_bootstrap => {
+                        Some("destroy dispatched before the bootstrap was cancelled")
+                    }
+                    Effect::DestroyLease | Effect::CancelBootstrap if f.ambiguous_create => {
+                        Some("cleanup dispatched before the ambiguous create was adopted")
+                    }
+                    _ => None,
+                };
+                if let Some(why) = why {
+                    self.fail(
+                        Guarantee::G10CleanupOrdered,
+                        format!("{id} attempt {}: {why}", a.attempt),
+                    );
+                }
+                if b.intent == Intent::Deleting {
+                    self.cleanup_step(id, a.attempt, p.effect);
+                }
+            }
+            if a.stage == NodeStage::Destroyed
+                && b.stage != NodeStage::Destroyed
+                && (b.facts.holds_resources() || b.pending.is_some())
+            {
+                let detail = format!(
+                    "{id} attempt {} marked destroyed while holding lease {:?}, session {:?}, ambiguity ({}, {}), pending {:?}",
+                    a.attempt,
+                    b.facts.lease,
+                    b.facts.session,
+                    b.facts.ambiguous_create,
+                    b.facts.ambiguous_bootstrap,
+                    b.pending.map(|p| p.id)
+                );
+                self.fail(Guarantee::G10CleanupOrdered, detail);
+            }
+        }
+    }
+
+    fn cleanup_step(&mut self, id: &LogicalNodeId, attempt: AttemptId, effect: Effect) {
+        let Some(rank) = cleanup_rank(effect) else {
+            let detail = format!("deleting {id} attempt {attempt} dispatched {}", effect.name());
+            self.fail(Guarantee::G10CleanupOrdered, detail);
+            return;
+        };
+        let last = *self.cleanup_rank.entry(attempt).or_insert(rank);
+        if rank < last {
+            let detail = format!(
+                "{id} attempt {attempt} went back to {} during cleanup",
+                effect.name()
+            );
+            self.fail(Guarantee::G10CleanupOrdered, detail);
+        }
+        self.cleanup_rank.insert(attempt, last.max(rank));
+    }
+
+    /// Guarantee 10, in the operation stream: a destroy reaches the executor only
+    /// for a node whose state (at submission) shows no session and no suspected
+    /// one.
+    fn g10_submitted_order(&mut self, op: &Operation, node: Option<&ManagedNode>) {
+        let Some(n) = node else { return };
+        if op.input.effect() == Effect::DestroyLease
+            && (n.facts.session.is_some() || n.facts.ambiguous_bootstrap)
+        {
+            let detail = format!(
+                "destroy {} submitted for {} while its session {:?} was not cancelled",
+                op.id, op.node, n.facts.session
+            );
+            self.fail(Guarantee::G10CleanupOrdered, detail);
+        }
+    }
+
+    /// Guarantee 10, at the backend: a destroy never runs while the identity's
+    /// bootstrap session is still streaming stages. Approximation: a session that
+    /// hung (streams nothing more) or converged does not count as running here;
+    /// the decision-level check covers those.
+    fn g10_backend_order(&mut self, op: &Operation, session_running: bool) {
+        if op.input.effect() == Effect::DestroyLease && session_running {
+            let detail = format!(
+                "destroy {} ran while {}'s bootstrap was still running",
+                op.id, op.node
+            );
+            self.fail(Guarantee::G10CleanupOrdered, detail);
+        }
+    }
+
+    /// Guarantee 11. When an attempt fails (its stage becomes `Failed`), the
+    /// failure sets no effect backoff (`next_effect_at`) but a restart time; the
+    /// next decision for a failed active node is `BeginDelete`, which clears any
+    /// effect backoff; and a cleanup rule (6, 7, 8) only ever waits when an
+    /// effect backoff set after the cleanup began (by a failed cleanup effect) is
+    /// still in the future.
+    fn g11_cleanup_at_once(&mut self, t: &Transition) {
+        for (id, a) in &t.after {
+            let Some(b) = t.before.get(id) else { continue };
+            if b.attempt == a.attempt && a.stage == NodeStage::Failed && b.stage != NodeStage::Failed {
+                if a.retry.next_effect_at.is_some_and(|x| x > t.at) {
+                    let detail = format!(
+                        "{id}'s failure delayed its cleanup until {:?}",
+                        a.retry.next_effect_at
+                    );
+                    self.fail(Guarantee::G11FailedAttemptCleansUpAtOnce, detail);
+                }
+                if a.retry.restart_at.is_none() {
+                    let detail = format!("{id}'s failure set no restart time");
+                    self.fail(Guarantee::G11FailedAttemptCleansUpAtOnce, detail);
+                }
+            }
+        }
+        let Cause::Decisions(decisions) = &t.cause else {
+            return;
+        };
+        for d in decisions {
+            let Some(b) = t.before.get(&d.node) else { continue };
+            let failed =
+                b.intent == Intent::Active && (b.stage == NodeStage::Failed || b.facts.bootstrap_failed());
+            if failed && d.action != contract::Action::BeginDelete {
+                let detail = format!(
+                    "failed {} was decided {:?} instead of beginning cleanup",
+                    d.node, d.action
+                );
+                self.fail(Guarantee::G11FailedAttemptCleansUpAtOnce, detail);
+            }
+            if let contract::Action::Wait { .. } = d.action
+                && rule_is_cleanup(d.rule)
+                && b.retry.next_effect_at.is_none_or(|x| x <= t.at)
+            {
+                let detail = format!(
+                    "{}'s cleanup waited ({}) though no cleanup effect had failed",
+                    d.node, d.rule
+                );
+                self.fail(Guarantee::G11FailedAttemptCleansUpAtOnce, detail);
+            }
+            if d.action == contract::Action::BeginDelete
+                && let Some(a) = t.after.get(&d.node)
+                && a.intent == Intent::Deleting
+                && a.retry.next_effect_at.is_some()
+            {
+                let detail = format!("{} began cleanup gated by {:?}", d.node, a.retry.next_effect_at);
+                self.fail(Guarantee::G11FailedAttemptCleansUpAtOnce, detail);
+            }
+        }
+    }
+
+    /// Guarantee 12. Folding a not-ready outcome never raises the failure count,
+    /// never fails the attempt and records no failure; it only schedules the
+    /// next probe one probe interval later.
+    fn g12_not_ready(&mut self, t: &Transition) {
+        let Cause::Fold {
+            msg: ToDriver::Result(r),
+            ..
+        } = &t.cause
+        else {
+            return;
+        };
+        if !matches!(r.outcome, Outcome::NotReady { .. }) {
+            return;
+        }
+        let (Some(b), Some(a)) = (t.before.get(&r.node), t.after.get(&r.node)) else {
+            return;
+        };
+        if a == b {
+            return;
+        }
+        let probe_at = t.at.checked_add(self.policy.probe_interval).ok();
+        let failed = a.retry.consecutive_failures != b.retry.consecutive_failures
+            || (a.stage == NodeStage::Failed && b.stage != NodeStage::Failed)
+            || a.facts.failure != b.facts.failure;
+        if failed || a.retry.next_effect_at != probe_at {
+            let detail = format!(
+                "not-ready for {} counted as a failure: failures {} -> {}, stage {:?} -> {:?}, next effect {:?} (probe at {probe_at:?})",
+                r.node,
+                b.retry.consecutive_failures,
+                a.retry.consecutive_failures,
+                b.stage,
+                a.stage,
+                a.retry.next_effect_at
+            );
+            self.fail(Guarantee::G12NotReadyIsNotAFailure, detail);
+        }
+    }
+
+    /// Guarantee 13, in decisions: while an attempt remembers an ambiguous create,
+    /// the only effect it may dispatch is that create again (so the executor
+    /// adopts whatever was made), and it may be neither marked destroyed nor
+    /// replaced.
+    fn g13_adopt_first(&mut self, t: &Transition) {
+        if !matches!(t.cause, Cause::Decisions(_)) {
+            return;
+        }
+        for (id, b) in &t.before {
+            if !b.facts.ambiguous_create {
+                continue;
+            }
+            let why = match t.after.get(id) {
+                Some(a) if a.attempt != b.attempt => Some("replaced".to_owned()),
+                Some(a) if a.stage == NodeStage::Destroyed && b.stage != NodeStage::Destroyed => {
+                    Some("marked destroyed".to_owned())
+                }
+                Some(a) => match (b.pending, a.pending) {
+                    (None, Some(p)) if p.effect != Effect::CreateLease => {
+                        Some(format!("sent {}", p.effect.name()))
+                    }
+                    _ => None,
+                },
+                None => Some("reaped".to_owned()),
+            };
+            if let Some(why) = why {
+                let detail = format!(
+                    "{id} attempt {} was {why} before its ambiguous create was adopted",
+                    b.attempt
+                );
+                self.fail(Guarantee::G13AdoptBeforeDestroy, detail);
+            }
+        }
+    }
+
+    /// Guarantee 13, in the operation stream: an operation submitted for a node
+    /// whose state remembers an ambiguous create is that create.
+    fn g13_submitted_after_ambiguity(&mut self, op: &Operation, node: Option<&ManagedNode>) {
+        if let Some(n) = node
+            && n.facts.ambiguous_create
+            && op.input.effect() != Effect::CreateLease
+        {
+            let detail = format!(
+                "{} {} sent for {} before its ambiguous create was adopted",
+                op.input.effect().name(),
+                op.id,
+                op.node
+            );
+            self.fail(Guarantee::G13AdoptBeforeDestroy, detail);
+        }
+    }
+
+    /// Guarantee 14. Over transitions within one attempt: the failure count rises
+    /// by exactly one per failure (a folded definite or ambiguous failure, a
+    /// failed bootstrap stage, an expired deadline) and then the stored deadline
+    /// (`next_effect_at`, or `restart_at` when the attempt failed) is exactly the
+    /// fold's time plus `backoff_delay(policy, run uid, attempt, failures)`; it
+    /// falls only to zero, and only when the node becomes ready; no effect is
+    /// dispatched before `next_effect_at` and no restart happens before
+    /// `restart_at`; a replacement starts with its predecessor's count and no
+    /// deadlines. Approximation: which outcomes count as failures is read from
+    /// the outcome class, so a folded `Succeeded` that names no lease (which the
+    /// driver rightly treats as a failure) is not required to count.
+    fn g14_backoff(&mut self, t: &Transition) {
+        // The node a folded failure names, and whether it counts only for an
+        // active attempt (a failed bootstrap stage of a deleting attempt is
+        // progress of its cleanup, not a new failure).
+        let must_count: Option<(LogicalNodeId, bool)> = match &t.cause {
+            Cause::Fold {
+                msg: ToDriver::Result(r),
+                verdict: Fold::Folded,
+            } if is_failure(&r.outcome) => Some((r.node.clone(), false)),
+            Cause::Fold {
+                msg: ToDriver::Observation(o),
+                verdict: Fold::Folded,
+            } if o.stage.is_failure() => Some((o.node.clone(), true)),
+            Cause::Fold {
+                msg: ToDriver::Rejection(rej),
+                verdict: Fold::Folded,
+            } => t
+                .before
+                .values()
+                .find(|n| n.pending.is_some_and(|p| Some(p.id) == rej.id))
+                .map(|n| (n.id.clone(), false)),
+            _ => None,
+        };
+        let decisions: Option<&Vec<contract::Decision>> = match &t.cause {
+            Cause::Decisions(d) => Some(d),
+            _ => None,
+        };
+        for (id, a) in &t.after {
+            let Some(b) = t.before.get(id) else { continue };
+            if b.attempt != a.attempt {
+                if decisions.is_some() {
+                    self.g14_restart(id, b, a, t.at);
+                }
+                continue;
+            }
+            let (fb, fa) = (b.retry.consecutive_failures, a.retry.consecutive_failures);
+            if let Some((node, active_only)) = &must_count
+                && node == id
+                && fa != fb.saturating_add(1)
+            {
+                // A failed stage folded into an attempt that already failed (its
+                // stage deadline expired first) is the same failure seen twice.
+                let exempt = *active_only && (b.intent != Intent::Active || b.stage == NodeStage::Failed);
+                if !exempt {
+                    let detail = format!("a failure folded into {id} moved its failure count {fb} -> {fa}");
+                    self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+                }
+            }
+            if matches!(t.cause, Cause::Timer) {
+                // One failure per deadline that expired: the pending operation's
+                // (deadline plus grace) and the stage's.
+                let grace = self.policy.result_grace;
+                let op = b
+                    .pending
+                    .is_some_and(|p| p.deadline.checked_add(grace).is_ok_and(|d| d <= t.at));
+                let stage = b.intent == Intent::Active && b.stage_deadline.is_some_and(|d| d <= t.at);
+                let expired = u32::from(op) + u32::from(stage);
+                if fa != fb.saturating_add(expired) {
+                    let detail =
+                        format!("{id}: {expired} deadlines expired but the failure count moved {fb} -> {fa}");
+                    self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+                }
+            }
+            if fa > fb && (fa == fb.saturating_add(1) || matches!(t.cause, Cause::Timer)) {
+                let expected =
+                    t.at.checked_add(backoff_delay(&self.policy.backoff, self.uid, a.attempt, fa))
+                        .ok();
+                if a.retry.next_effect_at != expected && a.retry.restart_at != expected {
+                    let detail = format!(
+                        "{id} failure {fa} at {:?}: next effect {:?}, restart {:?}, the policy says {expected:?}",
+                        t.at, a.retry.next_effect_at, a.retry.restart_at
+                    );
+                    self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+                }
+            } else if fa > fb {
+                let detail = format!("{id}'s failure count jumped {fb} -> {fa}");
+                self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+            } else if fa < fb {
+                let ready = !b.is_ready() && a.is_ready();
+                if !(ready && fa == 0) {
+                    let detail = format!("{id}'s failure count fell {fb} -> {fa} without reaching ready");
+                    self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+                }
+            }
+            if !b.is_ready() && a.is_ready() && a.retry != RetryState::default() {
+                let detail = format!("{id} became ready without a reset backoff: {:?}", a.retry);
+                self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+            }
+            if decisions.is_some()
+                && b.pending.is_none()
+                && a.pending.is_some()
+                && b.retry.next_effect_at.is_some_and(|x| x > t.at)
+            {
+                let detail = format!(
+                    "{id} dispatched {} at {:?} before its backoff ended at {:?}",
+                    a.pending.map_or("?", |p| p.effect.name()),
+                    t.at,
+                    b.retry.next_effect_at
+                );
+                self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+            }
+        }
+    }
+
+    fn g14_restart(&mut self, id: &LogicalNodeId, b: &ManagedNode, a: &ManagedNode, at: UnixMillis) {
+        if b.retry.restart_at.is_some_and(|x| x > at) {
+            let detail = format!(
+                "{id} restarted at {at:?} before its restart backoff ended at {:?}",
+                b.retry.restart_at
+            );
+            self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+        }
+        if a.retry.consecutive_failures != b.retry.consecutive_failures
+            || a.retry.next_effect_at.is_some()
+            || a.retry.restart_at.is_some()
+        {
+            let detail = format!(
+                "{id}'s replacement {} did not inherit the count cleanly: {:?} from {:?}",
+                a.attempt, a.retry, b.retry
+            );
+            self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
+        }
+    }
+
+    /// Guarantee 15. A pass decided over a converged run takes no action,
+    /// dispatches nothing and changes no node; and a full pass run on a copy of a
+    /// converged run (the probe) does the same.
+    fn g15_converged_pass(&mut self, converged: bool, actions: usize, operations: usize, changed: bool) {
+        if converged && (actions > 0 || operations > 0 || changed) {
+            let detail = format!(
+                "a pass over the converged run took {actions} actions, dispatched {operations} (changed: {changed})"
+            );
+            self.fail(Guarantee::G15ConvergedPassIsNoop, detail);
+        }
+    }
+
+    /// Guarantee 17, per shape update. A valid update to the next generation is
+    /// accepted; the same generation with the same content is accepted as a
+    /// no-op; everything meant to be invalid (a lower generation, the same
+    /// generation with other content, another run id, an invalid shape) and
+    /// everything sent to a deleting run is rejected. A rejection or a no-op
+    /// changes nothing: the same generation, shape and deletion flag and (where
+    /// nothing else ran in between) the very same nodes and allocator. An accepted
+    /// change installs the submitted shape at its generation.
+    fn g17_revision_contract(&mut self, a: &ApplyRecord, after: &RunSnapshot) {
+        let expected_accept = match a.kind {
+            _ if a.before.deleting || a.before.gone => false,
+            ApplyKind::Valid | ApplyKind::Same => true,
+            ApplyKind::Invalid => false,
+        };
+        let verdict_ok = matches!(
+            (&a.verdict, a.kind, expected_accept),
+            (Verdict::Skipped, _, _)
+                | (Verdict::Changed, ApplyKind::Valid, true)
+                | (Verdict::Unchanged, ApplyKind::Same, true)
+                | (Verdict::Rejected(_), _, false)
+        );
+        if !verdict_ok {
+            let detail = format!(
+                "a {:?} update to generation {} answered {:?} (deleting: {})",
+                a.kind, a.submitted.generation, a.verdict, a.before.deleting
+            );
+            self.fail(Guarantee::G17GenerationMonotonic, detail);
+        }
+        let must_not_change = matches!(
+            a.verdict,
+            Verdict::Rejected(_) | Verdict::Unchanged | Verdict::Skipped
+        );
+        if must_not_change {
+            let same = if a.exact {
+                a.before == *after
+            } else {
+                a.before.generation == after.generation
+                    && a.before.shape == after.shape
+                    && a.before.deleting == after.deleting
+            };
+            if !same {
+                let detail = format!(
+                    "a {:?} update ({:?}) changed the run: generation {} -> {}",
+                    a.kind, a.verdict, a.before.generation, after.generation
+                );
+                self.fail(Guarantee::G17GenerationMonotonic, detail);
+            }
+        }
+        if a.verdict == Verdict::Changed
+            && (after.generation != a.submitted.generation
+                || after
+                    .shape
+                    .as_ref()
+                    .is_some_and(|s| !s.same_content(&a.submitted)))
+        {
+            let detail = format!(
+                "an accepted update to generation {} left generation {}",
+                a.submitted.generation, after.generation
+            );
+            self.fail(Guarantee::G17GenerationMonotonic, detail);
+        }
+    }
+
+    /// Guarantee 17, per round: the generation never decreases, and the observed
+    /// generation never decreases nor passes the generation.
+    fn g17_generation(&mut self, s: &RunSnapshot) {
+        let (g, o) = (s.generation.get(), s.observed_generation.get());
+        if s.gone {
+            return;
+        }
+        if g < self.generation || o < self.observed_generation || o > g {
+            let detail = format!(
+                "generation {} -> {g}, observed {} -> {o}",
+                self.generation, self.observed_generation
+            );
+            self.fail(Guarantee::G17GenerationMonotonic, detail);
+        }
+        self.generation = self.generation.max(g);
+        self.observed_generation = self.observed_generation.max(o);
+    }
+
+    fn desired_template(&self, id: &LogicalNodeId) -> Option<&std::sync::Arc<NodeTemplate>> {
+        if self.deleting {
+            return None;
+        }
+        self.shape
+            .as_ref()
+            .and_then(|s| s.desired_group(id))
+            .map(|g| &g.template)
+    }
+
+    /// Guarantee 19, in decisions: an active node begins cleanup only when its
+    /// slot is no longer desired (a scale-down leaves exactly the slots at and
+    /// above the new count undesired, so only the highest-index slots go), its
+    /// spec drifted, or its attempt failed; a node is reaped only when its slot is
+    /// undesired and inserted only when desired; and a slot gets a new attempt
+    /// only once the old one is `Destroyed`.
+    fn g19_scale_down(&mut self, t: &Transition) {
+        if !matches!(t.cause, Cause::Decisions(_)) {
+            return;
+        }
+        for (id, b) in &t.before {
+            let desired = self.desired_template(id).cloned();
+            match t.after.get(id) {
+                None if desired.is_some() => {
+                    self.fail(
+                        Guarantee::G19ScaleDownHighestNoTwoLive,
+                        format!("desired slot {id} was reaped"),
+                    );
+                }
+                Some(a) if a.attempt != b.attempt && b.stage != NodeStage::Destroyed => {
+                    let detail = format!(
+                        "{id} started attempt {} while attempt {} was {:?}",
+                        a.attempt, b.attempt, b.stage
+                    );
+                    self.fail(Guarantee::G19ScaleDownHighestNoTwoLive, detail);
+                }
+                Some(a)
+                    if a.attempt == b.attempt
+                        && b.intent == Intent::Active
+                        && a.intent == Intent::Deleting =>
+                {
+                    let justified = match &desired {
+                        None => true,
+                        Some(t) => {
+                            !NodeTemplate::same(t, &b.spec)
+                                || b.stage == NodeStage::Failed
+                                || b.facts.bootstrap_failed()
+                        }
+                    };
+                    if !justified {
+                        let detail = format!("{id} began cleanup though desired, current and healthy");
+                        self.fail(Guarantee::G19ScaleDownHighestNoTwoLive, detail);
+                    }
+                }
+                _ => {}
+            }
+        }
+        for id in t.after.keys() {
+            if !t.before.contains_key(id) && self.desired_template(id).is_none() {
+                self.fail(
+                    Guarantee::G19ScaleDownHighestNoTwoLive,
+                    format!("undesired slot {id} was inserted"),
+                );
+            }
+        }
+    }
+
+    /// Guarantee 19, at the backend: a create for an attempt never runs while
+    /// another attempt of the same slot still holds a resource.
+    fn g19_no_second_attempt_at_backend(&mut self, op: &Operation, slot_attempts: &[AttemptId]) {
+        if op.input.effect() != Effect::CreateLease {
+            return;
+        }
+        if let Some(other) = slot_attempts.iter().find(|a| **a != op.id.attempt()) {
+            let detail = format!(
+                "{} created for attempt {} while attempt {other} still held a resource",
+                op.node,
+                op.id.attempt()
+            );
+            self.fail(Guarantee::G19ScaleDownHighestNoTwoLive, detail);
+        }
+    }
+
+    /// Guarantee 19, per round: no slot has live resources of two attempts.
+    fn g19_inventory(&mut self, inventory: &[super::record::Resource]) {
+        let mut per_slot: BTreeMap<&LogicalNodeId, BTreeSet<AttemptId>> = BTreeMap::new();
+        for r in inventory {
+            per_slot.entry(&r.node).or_default().insert(r.attempt);
+        }
+        let doubled: Vec<String> = per_slot
+            .iter()
+            .filter(|(_, a)| a.len() > 1)
+            .map(|(s, a)| format!("{s} {a:?}"))
+            .collect();
+        if !doubled.is_empty() {
+            self.fail(
+                Guarantee::G19ScaleDownHighestNoTwoLive,
+                format!(
+                    "slots with live resources of two attempts: {}",
+                    doubled.join(", ")
+                ),
+            );
+        }
+    }
+
+    /// Guarantee 20, per pass: the decider gives at most one decision per node.
+    fn g20_one_action_per_node(&mut self, t: &Transition) {
+        let Cause::Decisions(decisions) = &t.cause else {
+            return;
+        };
+        let mut seen = BTreeSet::new();
+        for d in decisions {
+            if !seen.insert(&d.node) {
+                self.fail(
+                    Guarantee::G20NoPanicNoSpin,
+                    format!("one pass decided {} twice", d.node),
+                );
+            }
+        }
+    }
+
+    /// Guarantee 20, spins: no more than [`MAX_BARREN_PASSES`] consecutive passes
+    /// at one virtual instant that change nothing and dispatch nothing, with
+    /// nothing in between that could have asked for them (no node changed, no
+    /// input from outside; each fold or input may ask for one pass that then
+    /// finds nothing to do).
+    fn g20_spin(&mut self, at: UnixMillis, barren: bool) {
+        if !barren {
+            self.barren = (at, 0);
+            return;
+        }
+        self.barren = if self.barren.0 == at {
+            (at, self.barren.1 + 1)
+        } else {
+            (at, 1)
+        };
+        if self.barren.1 > MAX_BARREN_PASSES {
+            let detail = format!("{} passes in a row at {at:?} changed nothing", self.barren.1);
+            self.fail(Guarantee::G20NoPanicNoSpin, detail);
+        }
+    }
+
+    /// Guarantee 20, limits: at a saturated clock or with the attempt allocator
+    /// exhausted, a pass returns the matching error and does not panic, and a
+    /// failed call leaves the nodes as they were.
+    fn g20_limits(
+        &mut self,
+        what: &str,
+        panicked: Option<&str>,
+        error: Option<&str>,
+        expected_error: bool,
+        unchanged: bool,
+    ) {
+        if let Some(p) = panicked {
+            self.fail(Guarantee::G20NoPanicNoSpin, format!("{what}: panicked: {p}"));
+        } else if !expected_error {
+            self.fail(
+                Guarantee::G20NoPanicNoSpin,
+                format!("{what}: expected a typed error, got {error:?}"),
+            );
+        } else if !unchanged {
+            self.fail(
+                Guarantee::G20NoPanicNoSpin,
+                format!("{what}: the failed call changed the nodes"),
+            );
+        }
+    }
+
+    /// No double-create, at the backend: each identity (run, slot, attempt) gets
+    /// at most one lease made for it, ever (a create that finds one adopts it).
+    fn no_double_create_call(&mut self, op: &Operation, lease_made: bool) {
+        if !lease_made {
+            return;
+        }
+        let n = self
+            .leases_made
+            .entry((op.node.clone(), op.id.attempt()))
+            .or_insert(0);
+        *n += 1;
+        if *n > 1 {
+            let detail = format!(
+                "{} attempt {} had {n} leases made for it",
+                op.node,
+                op.id.attempt()
+            );
+            self.fail(Guarantee::NoDoubleCreate, detail);
+        }
+    }
+
+    /// No double-create, over inventories: an identity never shows two leases at
+    /// once, and never a different lease from the one it showed before.
+    /// Approximation: over the API a lease destroyed and re-made between two
+    /// polls under the same identity is only caught if both are seen.
+    fn no_double_create_inventory(&mut self, inventory: &[super::record::Resource]) {
+        let mut now: BTreeMap<(LogicalNodeId, AttemptId), &str> = BTreeMap::new();
+        for r in inventory {
+            let key = (r.node.clone(), r.attempt);
+            if let Some(other) = now.insert(key.clone(), &r.lease) {
+                let detail = format!(
+                    "{} attempt {} holds leases {other} and {}",
+                    r.node, r.attempt, r.lease
+                );
+                self.fail(Guarantee::NoDoubleCreate, detail);
+            }
+            let seen = self
+                .lease_of
+                .entry(key)
+                .or_insert_with(|| r.lease.clone())
+                .clone();
+            if seen != r.lease {
+                let detail = format!(
+                    "{} attempt {} held lease {seen}, now {}",
+                    r.node, r.attempt, r.lease
+                );
+                self.fail(Guarantee::NoDoubleCreate, detail);
+            }
+        }
+    }
+
+    /// Converged leaks nothing: whenever the run is converged and nothing is on
+    /// its way, the backend holds exactly one resource per node, of the node's
+    /// current attempt; whenever the run is gone and nothing is on its way, the
+    /// backend holds nothing of the run.
+    fn converged_leaks_nothing(
+        &mut self,
+        s: &RunSnapshot,
+        inventory: &[super::record::Resource],
+        quiescent: bool,
+    ) {
+        if !quiescent {
+            return;
+        }
+        if s.gone {
+            if !inventory.is_empty() {
+                let left: Vec<String> = inventory
+                    .iter()
+                    .map(|r| format!("{} a{}", r.node, r.attempt.get()))
+                    .collect();
+                self.fail(
+                    Guarantee::ConvergedLeaksNothing,
+                    format!("the deleted run left {}", left.join(", ")),
+                );
+            }
+            return;
+        }
+        if !s.converged {
+            return;
+        }
+        let want: BTreeSet<(LogicalNodeId, AttemptId)> =
+            s.nodes.values().map(|n| (n.id.clone(), n.attempt)).collect();
+        let have: BTreeSet<(LogicalNodeId, AttemptId)> =
+            inventory.iter().map(|r| (r.node.clone(), r.attempt)).collect();
+        if want != have || inventory.len() != want.len() {
+            let extra: Vec<String> = have.difference(&want).map(|(n, a)| format!("{n} {a}")).collect();
+            let missing: Vec<String> = want.difference(&have).map(|(n, a)| format!("{n} {a}")).collect();
+            let detail = format!(
+                "converged, but the backend holds extra [{}] and lacks [{}]",
+                extra.join(", "),
+                missing.join(", ")
+            );
+            self.fail(Guarantee::ConvergedLeaksNothing, detail);
+        }
+    }
+}
+
+/// A message, briefly.
+pub fn describe(m: &ToDriver) -> String {
+    match m {
+        ToDriver::Result(r) => format!(
+            "result {} {} {}{}{} for {}",
+            r.id,
+            r.effect.name(),
+            r.outcome.class_name(),
+            if r.late { " (late)" } else { "" },
+            if r.replayed { " (replayed)" } else { "" },
+            r.node
+        ),
+        ToDriver::Observation(o) => format!(
+            "observation {} #{} {} of {} attempt {}",
+            o.session,
+            o.seq,
+            o.stage.name(),
+            o.node,
+            o.attempt
+        ),
+        ToDriver::Rejection(r) => format!("rejection {:?} {}", r.id, r.reason.name()),
+    }
+}

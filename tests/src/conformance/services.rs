@@ -1,0 +1,481 @@
+//! Level 2: the three real binaries over gRPC as a [`SystemUnderTest`].
+//!
+//! The run is driven through the public API and the executor's link goes
+//! through a [`Proxy`] that can cut it. Faults come from the fake backend's
+//! seeded chaos (`--fake-faults chaos --fake-seed`), and are switched by
+//! restarting the executor with other flags; its state file keeps the
+//! provider's resources across the restart, as a real provider would. The fair
+//! tail restarts it with `--fake-faults none`.
+//!
+//! Across processes the oracle cannot see events, only what the API and the
+//! executor's `Inventory` show, polled after every round: the run's status with
+//! every node (attempts, stages, facts, pending operations, retry state), and
+//! the live resources. The checks that read only states therefore run here
+//! unchanged; the event checks have nothing to read.
+
+use std::{
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use contract::{
+    AttemptId, ClusterShape, Generation, LogicalNodeId, NodeTemplate, RunUid, UnixMillis, pb,
+    pb::provisioning_client::ProvisioningClient,
+    shape::example_template,
+    wire::{node_from_wire, shape_from_wire},
+};
+use tonic::{Code, transport::Channel};
+
+use super::{
+    input::{Bad, FaultMix, Input},
+    record::{ApplyKind, ApplyRecord, Phase, Resource, RunSnapshot, StepRecord, StepRef, Verdict},
+    runner::SystemUnderTest,
+    world::{RUN_ID, World, bad_shape, changed_shape},
+};
+use crate::{
+    procs::{Cluster, ClusterOptions, Proxy, Service},
+    sim::Delivery,
+};
+
+/// The driver's policy flags at level 2, short so that a run converges in
+/// seconds of real time.
+const BACKOFF_BASE_MS: u64 = 50;
+const BACKOFF_CAP_MS: u64 = 400;
+const PROBE_MS: u64 = 20;
+const OPERATION_TIMEOUT_MS: u64 = 1_500;
+const RESULT_GRACE_MS: u64 = 300;
+const STAGE_TIMEOUT_MS: u64 = 2_500;
+const SAFETY_TICK_MS: u64 = 500;
+
+/// Real time per scheduler step of a trace, and the longest one `Step` input
+/// waits.
+const STEP: Duration = Duration::from_millis(15);
+const MAX_WAIT: Duration = Duration::from_millis(400);
+/// Real time between two polls of the fair tail.
+const ROUND: Duration = Duration::from_millis(60);
+/// The longest the fair tail (or the deletion) may take in real time.
+pub const TAIL_LIMIT: Duration = Duration::from_secs(25);
+
+/// The world of a level-2 seed: its initial shape and the driver policy the
+/// flags above give (the oracle's backoff checks need the latter).
+pub fn world(seed: u64) -> World {
+    let mut w = World::new(seed, Delivery::InOrder);
+    let ms = Duration::from_millis;
+    w.policy.backoff.base = ms(BACKOFF_BASE_MS);
+    w.policy.backoff.cap = ms(BACKOFF_CAP_MS);
+    w.policy.probe_interval = ms(PROBE_MS);
+    w.policy.operation_timeout = ms(OPERATION_TIMEOUT_MS);
+    w.policy.result_grace = ms(RESULT_GRACE_MS);
+    w.policy.endpoint_timeout = ms(STAGE_TIMEOUT_MS);
+    w.policy.bootstrap_timeout = ms(STAGE_TIMEOUT_MS);
+    w.fake.endpoint_delay_ms = 0;
+    w
+}
+
+fn wall_clock() -> UnixMillis {
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    UnixMillis::new(ms)
+}
+
+/// The three services of one seed.
+#[derive(Debug)]
+pub struct ServiceSut {
+    // Declared before the runtime so that the processes are killed first.
+    cluster: Cluster,
+    proxy: Proxy,
+    client: ProvisioningClient<Channel>,
+    executor_args: Vec<String>,
+    world: World,
+    uid: Option<String>,
+    round: u64,
+    rt: tokio::runtime::Runtime,
+}
+
+fn executor_args(seed: u64, faults: FaultMix, state: &std::path::Path) -> Vec<String> {
+    let faults = if faults == FaultMix::None { "none" } else { "chaos" };
+    [
+        "--backend",
+        "fake",
+        "--fake-latency-ms",
+        "1,20",
+        "--fake-stage-interval-ms",
+        "5",
+        "--fake-faults",
+        faults,
+        "--fake-seed",
+        &seed.to_string(),
+        "--fake-state-file",
+        &state.display().to_string(),
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect()
+}
+
+impl ServiceSut {
+    /// Starts the services for `world`, with the executor's chaos on.
+    pub fn start(world: &World) -> anyhow::Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let dir = tempfile::tempdir()?;
+        let state: PathBuf = dir.path().join("fake-state.json");
+        let executor_args = executor_args(world.seed, FaultMix::Chaos, &state);
+        let (cluster, proxy, client) = rt.block_on(async {
+            let proxy = Proxy::start().await?;
+            let mut opts = ClusterOptions {
+                executor_args: executor_args.clone(),
+                ..ClusterOptions::default()
+            };
+            for (flag, v) in [
+                ("--backoff-base-ms", BACKOFF_BASE_MS),
+                ("--backoff-cap-ms", BACKOFF_CAP_MS),
+                ("--probe-interval-ms", PROBE_MS),
+                ("--operation-timeout-ms", OPERATION_TIMEOUT_MS),
+                ("--result-grace-ms", RESULT_GRACE_MS),
+                ("--endpoint-timeout-ms", STAGE_TIMEOUT_MS),
+                ("--bootstrap-timeout-ms", STAGE_TIMEOUT_MS),
+                ("--safety-tick-ms", SAFETY_TICK_MS),
+                ("--max-nodes-per-group", u64::from(super::world::LIMIT_PER_GROUP)),
+            ] {
+                opts = opts.driver(flag, &v.to_string());
+            }
+            opts.executor_via = Some(format!("http://{}", proxy.addr));
+            let cluster = Cluster::start_in(dir, opts).await?;
+            proxy.set_target(cluster.executor.addr);
+            let client = cluster.client().await?;
+            anyhow::Ok((cluster, proxy, client))
+        })?;
+        Ok(Self {
+            cluster,
+            proxy,
+            client,
+            executor_args,
+            world: world.clone(),
+            uid: None,
+            round: 0,
+            rt,
+        })
+    }
+
+    /// Stops the services.
+    pub fn stop(mut self) {
+        self.rt.block_on(async {
+            for s in [
+                &mut self.cluster.driver,
+                &mut self.cluster.executor,
+                &mut self.cluster.decider,
+            ] {
+                let _ = s.kill().await;
+            }
+        });
+    }
+
+    /// Prints the services' logs (for a failing seed).
+    pub fn dump_logs(&self) {
+        self.cluster.dump_logs();
+    }
+
+    fn at(&self, phase: Phase, input: Option<usize>) -> StepRef {
+        StepRef {
+            phase,
+            input,
+            round: self.round,
+        }
+    }
+
+    /// The run's status, or `None` once it is gone.
+    fn status(&mut self) -> anyhow::Result<Option<pb::RunStatus>> {
+        let mut c = self.client.clone();
+        let r = self.rt.block_on(c.get_run(pb::GetRunRequest {
+            run_id: RUN_ID.to_owned(),
+            include_nodes: true,
+        }));
+        match r {
+            Ok(s) => Ok(Some(s.into_inner())),
+            Err(e) if e.code() == Code::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn snapshot(&mut self) -> anyhow::Result<RunSnapshot> {
+        let uid = |s: &str| RunUid::parse("run_uid", s).unwrap_or(RunUid::from_u128(0));
+        let Some(s) = self.status()? else {
+            return Ok(RunSnapshot {
+                uid: uid(self.uid.as_deref().unwrap_or_default()),
+                gone: true,
+                deleting: true,
+                generation: Generation::new(0),
+                observed_generation: Generation::new(0),
+                shape: None,
+                converged: false,
+                next_attempt: None,
+                nodes: Default::default(),
+                spec_current: Default::default(),
+                store: None,
+                passes: 0,
+            });
+        };
+        self.uid = Some(s.run_uid.clone());
+        // Node specs travel as references into a table the status does not
+        // carry; a placeholder stands in, and `spec_current` says the rest.
+        let max_ref = s
+            .nodes
+            .iter()
+            .filter_map(|n| n.state.as_ref())
+            .map(|n| {
+                n.template_ref
+                    .max(n.retry.as_ref().map_or(0, |r| r.permanent_template_ref))
+            })
+            .max()
+            .unwrap_or(0);
+        let placeholder = Arc::new(example_template("fake", "placeholder"));
+        let templates: Vec<Arc<NodeTemplate>> = vec![placeholder; max_ref as usize + 1];
+        let mut nodes = std::collections::BTreeMap::new();
+        let mut spec_current = std::collections::BTreeMap::new();
+        for n in s.nodes {
+            let Some(state) = n.state else { continue };
+            let node = node_from_wire(state, &templates)?;
+            spec_current.insert(node.id.clone(), n.spec_current);
+            nodes.insert(node.id.clone(), node);
+        }
+        let phase = pb::RunPhase::try_from(s.phase).unwrap_or(pb::RunPhase::Unspecified);
+        Ok(RunSnapshot {
+            uid: uid(&s.run_uid),
+            gone: phase == pb::RunPhase::Deleted,
+            deleting: matches!(phase, pb::RunPhase::Deleting | pb::RunPhase::Deleted),
+            generation: Generation::new(s.generation),
+            observed_generation: Generation::new(s.observed_generation),
+            shape: s.shape.map(shape_from_wire).transpose()?,
+            converged: s.converged,
+            next_attempt: None,
+            nodes,
+            spec_current,
+            store: None,
+            passes: s.passes,
+        })
+    }
+
+    fn inventory(&mut self) -> anyhow::Result<Vec<Resource>> {
+        let Some(uid) = self.uid.clone() else {
+            return Ok(Vec::new());
+        };
+        let all = self.rt.block_on(self.cluster.inventory())?;
+        let mut out = Vec::new();
+        for r in all.into_iter().filter(|r| r.run_uid == uid) {
+            out.push(Resource {
+                node: LogicalNodeId::parse("node_id", &r.node_id)?,
+                attempt: AttemptId::new(r.attempt),
+                lease: r.lease_id,
+                session_live: r.session_live,
+            });
+        }
+        Ok(out)
+    }
+
+    fn record(
+        &mut self,
+        phase: Phase,
+        index: Option<usize>,
+        input: Option<Input>,
+        apply: Option<ApplyRecord>,
+    ) -> anyhow::Result<StepRecord> {
+        let state = self.snapshot()?;
+        let inventory = self.inventory()?;
+        let quiescent = state.gone || (state.converged && state.nodes.values().all(|n| n.pending.is_none()));
+        Ok(StepRecord {
+            at: self.at(phase, index),
+            input,
+            now: wall_clock(),
+            events: Vec::new(),
+            apply,
+            state,
+            inventory: Some(inventory),
+            quiescent,
+            probes: Vec::new(),
+        })
+    }
+
+    fn current_shape(&mut self) -> anyhow::Result<Option<ClusterShape>> {
+        Ok(self.snapshot()?.shape)
+    }
+
+    fn apply_wire(
+        &mut self,
+        kind: ApplyKind,
+        submitted: ClusterShape,
+        wire: pb::ClusterShape,
+    ) -> anyhow::Result<ApplyRecord> {
+        let before = self.snapshot()?;
+        let mut c = self.client.clone();
+        let r = self.rt.block_on(c.apply(pb::ApplyRequest { shape: Some(wire) }));
+        let verdict = match r {
+            Ok(resp) if resp.get_ref().changed => Verdict::Changed,
+            Ok(_) => Verdict::Unchanged,
+            Err(e) if matches!(e.code(), Code::InvalidArgument | Code::FailedPrecondition) => {
+                Verdict::Rejected(format!("{:?}: {}", e.code(), e.message()))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(ApplyRecord {
+            kind,
+            submitted,
+            verdict,
+            before,
+            exact: false,
+        })
+    }
+
+    fn restart_executor(&mut self, faults: FaultMix) -> anyhow::Result<()> {
+        let state = self.cluster.dir.path().join("fake-state.json");
+        let args = executor_args(self.world.seed, faults, &state);
+        let dir = self.cluster.dir.path().to_owned();
+        let svc = self.rt.block_on(async {
+            self.cluster.executor.kill().await?;
+            Service::start("executor-svc", &dir, "127.0.0.1:0", &args).await
+        })?;
+        self.proxy.set_target(svc.addr);
+        // The driver's stream went with the old process; it reconnects.
+        self.proxy.cut();
+        self.cluster.executor = svc;
+        self.executor_args = args;
+        Ok(())
+    }
+
+    fn wait(&self, d: Duration) {
+        std::thread::sleep(d);
+    }
+}
+
+impl SystemUnderTest for ServiceSut {
+    fn initial(&mut self) -> anyhow::Result<StepRecord> {
+        let shape = self.world.initial.clone();
+        let mut c = self.client.clone();
+        let created = self.rt.block_on(c.apply(pb::ApplyRequest {
+            shape: Some(pb::ClusterShape::from(&shape)),
+        }))?;
+        self.uid = Some(created.into_inner().run_uid);
+        self.record(Phase::Prefix, None, None, None)
+    }
+
+    fn input(&mut self, index: usize, input: &Input) -> anyhow::Result<Vec<StepRecord>> {
+        let phase = Phase::Prefix;
+        let apply = match input {
+            Input::Step(n) => {
+                self.wait((STEP * u32::from(*n)).min(MAX_WAIT));
+                self.round += 1;
+                None
+            }
+            Input::Apply(c) => match self.current_shape()? {
+                Some(current) => {
+                    let shape = changed_shape(&current, *c);
+                    let wire = pb::ClusterShape::from(&shape);
+                    Some(self.apply_wire(ApplyKind::Valid, shape, wire)?)
+                }
+                None => None,
+            },
+            Input::Reject(b) => match self.current_shape()? {
+                Some(current) => {
+                    let (shape, wire) = if *b == Bad::RunId {
+                        // Over the API a shape's run id addresses the run, so
+                        // another run id is another run; the run-id contract
+                        // is a group that names another run.
+                        let shape = bad_shape(&current, Bad::SameGeneration);
+                        let mut s = current.clone();
+                        s.generation = Generation::new(current.generation.get() + 1);
+                        let mut wire = pb::ClusterShape::from(&s);
+                        if let Some(g) = wire.groups.first_mut() {
+                            g.run_id = "other-run".to_owned();
+                        }
+                        (shape, wire)
+                    } else {
+                        let shape = bad_shape(&current, *b);
+                        let wire = pb::ClusterShape::from(&shape);
+                        (shape, wire)
+                    };
+                    Some(self.apply_wire(ApplyKind::Invalid, shape, wire)?)
+                }
+                None => None,
+            },
+            Input::Reapply => match self.current_shape()? {
+                Some(current) => {
+                    let wire = pb::ClusterShape::from(&current);
+                    Some(self.apply_wire(ApplyKind::Same, current, wire)?)
+                }
+                None => None,
+            },
+            Input::LinkDown => {
+                self.proxy.cut();
+                None
+            }
+            Input::Faults(m) => {
+                self.restart_executor(*m)?;
+                None
+            }
+            Input::Delete => {
+                let mut c = self.client.clone();
+                self.rt.block_on(c.delete_run(pb::DeleteRunRequest {
+                    run_id: RUN_ID.to_owned(),
+                }))?;
+                None
+            }
+            // Not drivable from outside the processes.
+            _ => None,
+        };
+        Ok(vec![self.record(
+            phase,
+            Some(index),
+            Some(input.clone()),
+            apply,
+        )?])
+    }
+
+    fn calm(&mut self) -> anyhow::Result<StepRecord> {
+        self.restart_executor(FaultMix::None)?;
+        self.record(Phase::Tail, None, None, None)
+    }
+
+    fn repair(&mut self) -> anyhow::Result<Option<StepRecord>> {
+        // Level-2 traces hold no permanently refused image and the chaos mix has
+        // no permanent faults, so there is nothing to repair.
+        Ok(None)
+    }
+
+    fn round(&mut self, phase: Phase) -> anyhow::Result<StepRecord> {
+        self.wait(ROUND);
+        self.round += 1;
+        self.record(phase, None, None, None)
+    }
+
+    fn tick(&mut self, phase: Phase) -> anyhow::Result<StepRecord> {
+        // The driver ticks on its own; waiting past one tick covers it.
+        self.wait(Duration::from_millis(SAFETY_TICK_MS + 100));
+        self.round += 1;
+        self.record(phase, None, Some(Input::Tick), None)
+    }
+
+    fn delete(&mut self) -> anyhow::Result<StepRecord> {
+        let mut c = self.client.clone();
+        self.rt.block_on(c.delete_run(pb::DeleteRunRequest {
+            run_id: RUN_ID.to_owned(),
+        }))?;
+        self.record(Phase::Teardown, None, None, None)
+    }
+
+    fn endpoint_probes(&self, _world: &World) -> u64 {
+        1
+    }
+
+    fn extra_passes(&self, elapsed: Duration) -> u64 {
+        // One full pass per safety tick.
+        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX) / SAFETY_TICK_MS + 2
+    }
+
+    fn max_rounds(&self, _bound: u64) -> u64 {
+        (TAIL_LIMIT.as_millis() / ROUND.as_millis()) as u64
+    }
+}

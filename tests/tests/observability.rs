@@ -1,0 +1,958 @@
+//! Observability of the three real binaries: one trace across the services
+//! over OTLP (received by an in-process OTLP/gRPC server), the Prometheus
+//! endpoints, JSON logs that carry trace ids, and the deploy/ configurations
+//! that match the demo's ports.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use contract::pb::{self, provisioning_client::ProvisioningClient};
+use opentelemetry_proto::tonic::{
+    collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+        trace_service_server::{TraceService, TraceServiceServer},
+    },
+    common::v1::{AnyValue, KeyValue, any_value::Value},
+};
+use provisioning_tests::{
+    procs::{Cluster, ClusterOptions, watch_until},
+    shapes::shape,
+};
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status, transport::Channel};
+
+const CONVERGE: Duration = Duration::from_secs(60);
+const SERVICES: [&str; 3] = ["decider-svc", "driver-svc", "executor-svc"];
+/// What each service is called in the traces (set with OTEL_SERVICE_NAME).
+const TRACE_NAMES: [(&str, &str); 3] = [
+    ("decider-svc", "provisioning-decider"),
+    ("driver-svc", "provisioning-driver"),
+    ("executor-svc", "provisioning-executor"),
+];
+const OUTCOME_CLASSES: [&str; 5] = [
+    "succeeded",
+    "not-ready",
+    "failed-retryable",
+    "failed-permanent",
+    "ambiguous",
+];
+
+// ---------------------------------------------------------------------------
+// An in-process OTLP trace receiver
+// ---------------------------------------------------------------------------
+
+/// One received span, flattened.
+#[derive(Debug, Clone)]
+struct Received {
+    service: String,
+    resource: BTreeMap<String, String>,
+    trace_id: String,
+    span_id: String,
+    /// Empty for a root span.
+    parent: String,
+    name: String,
+    kind: i32,
+    start_ns: u64,
+    attrs: BTreeMap<String, String>,
+    links: Vec<(String, String)>,
+}
+
+impl Received {
+    fn attr(&self, key: &str) -> Option<&str> {
+        self.attrs.get(key).map(String::as_str)
+    }
+}
+
+const KIND_SERVER: i32 = 2;
+const KIND_CLIENT: i32 = 3;
+
+fn text(v: &AnyValue) -> String {
+    match &v.value {
+        Some(Value::StringValue(s)) => s.clone(),
+        Some(Value::IntValue(i)) => i.to_string(),
+        Some(Value::BoolValue(b)) => b.to_string(),
+        Some(Value::DoubleValue(d)) => d.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn attributes(kvs: &[KeyValue]) -> BTreeMap<String, String> {
+    kvs.iter()
+        .map(|kv| (kv.key.clone(), kv.value.as_ref().map(text).unwrap_or_default()))
+        .collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[derive(Debug, Clone, Default)]
+struct Receiver {
+    spans: Arc<Mutex<Vec<Received>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: Request<ExportTraceServiceRequest>,
+    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
+        let mut out = self.spans.lock().unwrap();
+        for rs in request.into_inner().resource_spans {
+            let resource = rs.resource.map(|r| attributes(&r.attributes)).unwrap_or_default();
+            let service = resource.get("service.name").cloned().unwrap_or_default();
+            for ss in rs.scope_spans {
+                for s in ss.spans {
+                    out.push(Received {
+                        service: service.clone(),
+                        resource: resource.clone(),
+                        trace_id: hex(&s.trace_id),
+                        span_id: hex(&s.span_id),
+                        parent: hex(&s.parent_span_id),
+                        name: s.name,
+                        kind: s.kind,
+                        start_ns: s.start_time_unix_nano,
+                        attrs: attributes(&s.attributes),
+                        links: s
+                            .links
+                            .iter()
+                            .map(|l| (hex(&l.trace_id), hex(&l.span_id)))
+                            .collect(),
+                    });
+                }
+            }
+        }
+        Ok(Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+async fn start_receiver() -> (Receiver, SocketAddr) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let receiver = Receiver::default();
+    let server = tonic::transport::Server::builder()
+        .add_service(TraceServiceServer::new(receiver.clone()))
+        .serve_with_incoming(TcpListenerStream::new(listener));
+    tokio::spawn(server);
+    (receiver, addr)
+}
+
+fn now_ns() -> u64 {
+    u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()).unwrap()
+}
+
+/// The options of a traced cluster: every service exports to `otlp`, under
+/// its own service name, with a short safety tick so idle ticks happen.
+fn traced(otlp: SocketAddr) -> ClusterOptions {
+    let mut opts = ClusterOptions::default()
+        .driver("--safety-tick-ms", "250")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("http://{otlp}"))
+        .env("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+        .env("OTEL_TRACES_SAMPLER", "parentbased_always_on");
+    for (service, name) in TRACE_NAMES {
+        opts = opts.service_env(service, "OTEL_SERVICE_NAME", name);
+    }
+    opts
+}
+
+/// Applies a 6-node shape and waits for convergence.
+async fn converge(cluster: &Cluster, run: &str) -> (ProvisioningClient<Channel>, u32) {
+    let mut c = cluster.client().await.unwrap();
+    let s = shape(run, 1, "fake", &[("ctrl", 2, "img:1"), ("workers", 4, "img:1")]);
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&s)),
+    })
+    .await
+    .unwrap();
+    if let Err(e) = watch_until(&mut c, run, CONVERGE, |s| s.converged && s.generation == 1).await {
+        cluster.dump_logs();
+        panic!("{e}");
+    }
+    (c, 6)
+}
+
+/// SIGTERM to every service, the driver first (it closes its streams), so
+/// each flushes its spans on the way out.
+async fn stop(cluster: &mut Cluster) {
+    for s in [&mut cluster.driver, &mut cluster.executor, &mut cluster.decider] {
+        let status = s.terminate().await.unwrap();
+        assert!(status.success(), "{} exited with {status}", s.name);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Traces
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trace_follows_each_operation_across_the_three_services() {
+    let (receiver, otlp) = start_receiver().await;
+    let mut cluster = Cluster::start(traced(otlp)).await.unwrap();
+    let started = std::time::Instant::now();
+    let (client, nodes) = converge(&cluster, "obs").await;
+    let converge_time = started.elapsed();
+    let converged_ns = now_ns();
+    // Several safety ticks (250 ms) pass over the converged run.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let idle_end_ns = now_ns();
+    drop(client);
+    stop(&mut cluster).await;
+
+    let spans = receiver.spans.lock().unwrap().clone();
+    let by_id: BTreeMap<&str, &Received> = spans.iter().map(|s| (s.span_id.as_str(), s)).collect();
+    let name_of = |service: &str| TRACE_NAMES.iter().find(|(s, _)| *s == service).unwrap().1;
+    let (driver, decider, executor) = (
+        name_of("driver-svc"),
+        name_of("decider-svc"),
+        name_of("executor-svc"),
+    );
+
+    // Every service exported, under the name and resource the environment gave it.
+    let services: BTreeSet<&str> = spans.iter().map(|s| s.service.as_str()).collect();
+    assert_eq!(services, BTreeSet::from([driver, decider, executor]), "services");
+    assert!(
+        spans
+            .iter()
+            .all(|s| s.resource.get("deployment.environment").map(String::as_str) == Some("test")),
+        "OTEL_RESOURCE_ATTRIBUTES reaches every span's resource"
+    );
+
+    // Parent-child links are intact: every parent was received, and edges
+    // cross every process boundary.
+    let mut crossings: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+    for s in &spans {
+        if s.parent.is_empty() {
+            continue;
+        }
+        let parent = by_id
+            .get(s.parent.as_str())
+            .unwrap_or_else(|| panic!("the parent of {} ({}) was never received", s.name, s.service));
+        assert_eq!(parent.trace_id, s.trace_id, "{} left its parent's trace", s.name);
+        if parent.service != s.service {
+            *crossings
+                .entry((parent.service.as_str(), s.service.as_str()))
+                .or_default() += 1;
+        }
+    }
+    for edge in [(driver, decider), (driver, executor), (executor, driver)] {
+        assert!(
+            crossings.get(&edge).copied().unwrap_or(0) > 0,
+            "no parent-child edge {edge:?}; edges: {crossings:?}"
+        );
+    }
+
+    // The Decide call on both sides, named and attributed per the RPC
+    // conventions; the server span is the child of the client span.
+    let decide_server: Vec<&Received> = spans
+        .iter()
+        .filter(|s| s.service == decider && s.name == "provisioning.v1.Decider/Decide")
+        .collect();
+    assert!(!decide_server.is_empty(), "no Decide server span");
+    for s in &decide_server {
+        assert_eq!(s.kind, KIND_SERVER);
+        assert_eq!(s.attr("rpc.system"), Some("grpc"));
+        assert_eq!(s.attr("rpc.service"), Some("provisioning.v1.Decider"));
+        assert_eq!(s.attr("rpc.method"), Some("Decide"));
+        assert_eq!(s.attr("rpc.grpc.status_code"), Some("0"));
+        assert_eq!(s.attr("provisioning.run.id"), Some("obs"));
+        let client = by_id[s.parent.as_str()];
+        assert_eq!((client.service.as_str(), client.kind), (driver, KIND_CLIENT));
+        assert_eq!(client.name, "provisioning.v1.Decider/Decide");
+        assert_eq!(client.attr("rpc.grpc.status_code"), Some("0"));
+        assert_eq!(
+            by_id[client.parent.as_str()].name,
+            "pass",
+            "a Decide call belongs to a pass"
+        );
+    }
+
+    // Passes: attributed, and the first is the child of the Apply request.
+    let passes: Vec<&Received> = spans
+        .iter()
+        .filter(|s| s.service == driver && s.name == "pass")
+        .collect();
+    let rule_total = |rule: u32| -> u64 {
+        passes
+            .iter()
+            .filter_map(|p| p.attr(&format!("provisioning.pass.rule_{rule}")))
+            .map(|v| v.parse::<u64>().unwrap())
+            .sum()
+    };
+    assert_eq!(rule_total(0), 6, "inserts by rule 0 across passes");
+    assert_eq!(rule_total(12), 6, "create-lease by rule 12 across passes");
+    for p in &passes {
+        assert_eq!(p.attr("provisioning.run.id"), Some("obs"));
+        assert_eq!(p.attr("provisioning.run.generation"), Some("1"));
+        assert!(p.attr("provisioning.pass.nodes").is_some());
+        assert!(p.attr("provisioning.pass.result").is_some());
+    }
+    let apply = spans
+        .iter()
+        .find(|s| s.service == driver && s.name == "provisioning.v1.Provisioning/Apply")
+        .expect("the Apply request's span");
+    assert_eq!(apply.kind, KIND_SERVER);
+    assert!(
+        passes.iter().any(|p| p.parent == apply.span_id),
+        "the first pass is the child of the Apply request"
+    );
+    assert!(
+        passes.iter().any(|p| !p.links.is_empty()),
+        "passes caused by folds link to them"
+    );
+
+    // Every dispatched operation has a span with its outcome class, and the
+    // executor ran each under it.
+    let operations: Vec<&Received> = spans
+        .iter()
+        .filter(|s| s.service == driver && s.name.starts_with("operation "))
+        .collect();
+    assert!(
+        operations.len() >= 2 * nodes as usize,
+        "{} operation spans",
+        operations.len()
+    );
+    for op in &operations {
+        let outcome = op
+            .attr("provisioning.operation.outcome")
+            .unwrap_or_else(|| panic!("{} has no outcome", op.name));
+        assert!(OUTCOME_CLASSES.contains(&outcome), "{outcome}");
+        for key in [
+            "provisioning.operation.id",
+            "provisioning.operation.effect",
+            "provisioning.operation.attempt",
+        ] {
+            assert!(op.attr(key).is_some(), "{} lacks {key}", op.name);
+        }
+    }
+    let executions: Vec<&Received> = spans
+        .iter()
+        .filter(|s| s.service == executor && s.name.starts_with("execute "))
+        .collect();
+    assert_eq!(
+        executions.len(),
+        operations.len(),
+        "one backend call per operation"
+    );
+    for ex in &executions {
+        let op = by_id[ex.parent.as_str()];
+        assert!(op.name.starts_with("operation "), "{} under {}", ex.name, op.name);
+        assert_eq!(
+            ex.attr("provisioning.operation.id"),
+            op.attr("provisioning.operation.id")
+        );
+        assert_eq!(
+            ex.attr("provisioning.operation.outcome"),
+            op.attr("provisioning.operation.outcome")
+        );
+    }
+
+    // For every node: one trace holds its create-lease from the driver's
+    // pass through the decider and the executor and back to the fold.
+    for node in [
+        "ctrl-0",
+        "ctrl-1",
+        "workers-0",
+        "workers-1",
+        "workers-2",
+        "workers-3",
+    ] {
+        let op = operations
+            .iter()
+            .find(|s| s.name == "operation create-lease" && s.attr("provisioning.node.id") == Some(node))
+            .unwrap_or_else(|| panic!("no create-lease span for {node}"));
+        let in_trace: Vec<&Received> = spans.iter().filter(|s| s.trace_id == op.trace_id).collect();
+        let services: BTreeSet<&str> = in_trace.iter().map(|s| s.service.as_str()).collect();
+        assert_eq!(
+            services.len(),
+            3,
+            "{node}'s create-lease trace spans {services:?}"
+        );
+        let execute = in_trace
+            .iter()
+            .find(|s| s.parent == op.span_id && s.service == executor)
+            .unwrap_or_else(|| panic!("no executor span under {node}'s create-lease"));
+        assert!(
+            in_trace
+                .iter()
+                .any(|s| s.parent == execute.span_id && s.service == driver && s.name == "fold result"),
+            "{node}'s result is folded under the executor's span"
+        );
+        assert!(
+            in_trace.iter().any(|s| s.service == decider),
+            "{node}'s trace holds the Decide call"
+        );
+    }
+
+    // Bounded: spans per node over the convergence, and none while idle.
+    let margin = 300_000_000;
+    let during: Vec<&Received> = spans
+        .iter()
+        .filter(|s| s.start_ns <= converged_ns + margin)
+        .collect();
+    let idle: Vec<&Received> = spans
+        .iter()
+        .filter(|s| s.start_ns > converged_ns + margin && s.start_ns < idle_end_ns)
+        .collect();
+    let mut by_name: BTreeMap<(String, String), usize> = BTreeMap::new();
+    for s in &during {
+        *by_name.entry((s.service.clone(), s.name.clone())).or_default() += 1;
+    }
+    let per_node = during.len() as f64 / f64::from(nodes);
+    println!(
+        "trace figures: {} spans over a clean convergence of {nodes} nodes in {converge_time:?} = \
+         {per_node:.1} per node; {} spans over {} idle safety ticks",
+        during.len(),
+        idle.len(),
+        (idle_end_ns - converged_ns - margin) / 250_000_000
+    );
+    for ((service, name), n) in &by_name {
+        println!("  {n:4}  {service}  {name}");
+    }
+    assert!(per_node <= 50.0, "{per_node:.1} spans per node");
+    assert!(
+        idle.is_empty(),
+        "idle ticks made spans: {:?}",
+        idle.iter().map(|s| (&s.service, &s.name)).collect::<Vec<_>>()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Metrics
+// ---------------------------------------------------------------------------
+
+/// One sample of an exposition: name, labels, value.
+type Sample = (String, BTreeMap<String, String>, f64);
+
+fn parse_exposition(text: &str) -> (Vec<Sample>, BTreeSet<String>) {
+    let mut samples = Vec::new();
+    let mut families = BTreeSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            families.insert(rest.split_whitespace().next().unwrap().to_owned());
+            continue;
+        }
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap();
+        let value: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            v => v.parse().unwrap_or_else(|e| panic!("{line}: {e}")),
+        };
+        let (name, labels) = match series.split_once('{') {
+            Some((name, rest)) => {
+                let body = rest.strip_suffix('}').unwrap();
+                let labels = body
+                    .split("\",")
+                    .filter(|p| !p.is_empty())
+                    .map(|pair| {
+                        let (k, v) = pair.split_once("=\"").unwrap();
+                        (k.to_owned(), v.trim_end_matches('"').to_owned())
+                    })
+                    .collect();
+                (name.to_owned(), labels)
+            }
+            None => (series.to_owned(), BTreeMap::new()),
+        };
+        samples.push((name, labels, value));
+    }
+    (samples, families)
+}
+
+/// The sum of `name`'s samples whose labels include `want`.
+fn sum(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> f64 {
+    samples
+        .iter()
+        .filter(|(n, labels, _)| {
+            n == name
+                && want
+                    .iter()
+                    .all(|(k, v)| labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|(_, _, v)| v)
+        .sum()
+}
+
+/// `name`'s samples by the value of `label`.
+fn by_label(samples: &[Sample], name: &str, label: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for (n, labels, v) in samples {
+        if n == name
+            && let Some(l) = labels.get(label)
+        {
+            *out.entry(l.clone()).or_default() += v;
+        }
+    }
+    out
+}
+
+/// Every family each service must export (ARCHITECTURE.md, "Metrics").
+const DRIVER_FAMILIES: &[&str] = &[
+    "provisioning_workqueue_depth",
+    "provisioning_workqueue_adds_total",
+    "provisioning_workqueue_queue_duration_seconds",
+    "provisioning_workqueue_retries_total",
+    "provisioning_reconcile_total",
+    "provisioning_reconcile_errors_total",
+    "provisioning_pass_duration_seconds",
+    "provisioning_actions_total",
+    "provisioning_stale_decisions_total",
+    "provisioning_operations_dispatched_total",
+    "provisioning_operations_in_flight",
+    "provisioning_operation_duration_seconds",
+    "provisioning_folds_total",
+    "provisioning_stale_results_discarded_total",
+    "provisioning_runs_converged_total",
+    "provisioning_nodes",
+    "provisioning_runs",
+    "provisioning_executor_link_up",
+    "provisioning_executor_link_events_total",
+    "grpc_server_started_total",
+    "grpc_server_handled_total",
+    "grpc_server_handling_seconds",
+    "grpc_client_started_total",
+    "grpc_client_handled_total",
+    "grpc_client_handling_seconds",
+];
+const EXECUTOR_FAMILIES: &[&str] = &[
+    "provisioning_executor_operations_started_total",
+    "provisioning_executor_operations_completed_total",
+    "provisioning_executor_operations_replayed_total",
+    "provisioning_executor_late_completions_total",
+    "provisioning_executor_backend_call_duration_seconds",
+    "provisioning_executor_operations_running",
+    "provisioning_executor_observations_total",
+    "provisioning_executor_rejections_total",
+    "provisioning_executor_links",
+    "grpc_server_handled_total",
+];
+const DECIDER_FAMILIES: &[&str] = &[
+    "provisioning_decider_decisions_total",
+    "provisioning_decider_nodes_total",
+    "grpc_server_handled_total",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_endpoints_serve_the_documented_metrics_and_they_move() {
+    let opts = ClusterOptions::default().env("PROVISIONING_METRICS_LISTEN", "127.0.0.1:0");
+    let cluster = Cluster::start(opts).await.unwrap();
+    let (_client, nodes) = converge(&cluster, "metrics").await;
+    let nodes = f64::from(nodes);
+    // The follow-up pass after convergence and the last acknowledgements
+    // finish within moments; the numbers compared below are settled then.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let mut expositions = BTreeMap::new();
+    for s in [&cluster.driver, &cluster.executor, &cluster.decider] {
+        let text = s
+            .scrape()
+            .await
+            .unwrap_or_else(|e| panic!("scraping {}: {e}", s.name));
+        expositions.insert(s.name.as_str(), parse_exposition(&text));
+    }
+    let (driver, driver_families) = &expositions["driver-svc"];
+    let (executor, executor_families) = &expositions["executor-svc"];
+    let (decider, decider_families) = &expositions["decider-svc"];
+    for (service, families, want) in [
+        ("driver-svc", driver_families, DRIVER_FAMILIES),
+        ("executor-svc", executor_families, EXECUTOR_FAMILIES),
+        ("decider-svc", decider_families, DECIDER_FAMILIES),
+    ] {
+        for f in want {
+            assert!(families.contains(*f), "{service} does not export {f}");
+        }
+    }
+
+    // Every exported family is documented.
+    let architecture =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../ARCHITECTURE.md")).unwrap();
+    for families in [driver_families, executor_families, decider_families] {
+        for f in families {
+            let documented =
+                architecture.contains(&format!("`{f}`")) || architecture.contains(&format!("`{f}{{"));
+            assert!(documented, "{f} is not documented in ARCHITECTURE.md");
+        }
+    }
+
+    // Fault-free: every operation the driver dispatched, the executor
+    // completed once, with the same effects, and the driver folded each.
+    let dispatched = by_label(driver, "provisioning_operations_dispatched_total", "effect");
+    let completed = by_label(
+        executor,
+        "provisioning_executor_operations_completed_total",
+        "effect",
+    );
+    assert!(!dispatched.is_empty());
+    assert_eq!(
+        dispatched, completed,
+        "dispatched by the driver vs completed by the executor"
+    );
+    let total: f64 = dispatched.values().sum();
+    assert!(total >= 2.0 * nodes, "{total} operations for {nodes} nodes");
+    assert_eq!(dispatched.get("create-lease"), Some(&nodes));
+    assert_eq!(
+        sum(
+            driver,
+            "provisioning_operation_duration_seconds_count",
+            &[("outcome", "succeeded")]
+        ),
+        total,
+        "every operation folded as succeeded"
+    );
+    assert_eq!(
+        sum(driver, "provisioning_folds_total", &[("kind", "result")]),
+        total
+    );
+    assert!(sum(driver, "provisioning_folds_total", &[("kind", "observation")]) >= nodes);
+    assert_eq!(sum(driver, "provisioning_operations_in_flight", &[]), 0.0);
+    assert_eq!(
+        sum(
+            executor,
+            "provisioning_executor_backend_call_duration_seconds_count",
+            &[]
+        ),
+        total
+    );
+    assert_eq!(
+        sum(executor, "provisioning_executor_operations_running", &[]),
+        0.0
+    );
+    assert_eq!(sum(executor, "provisioning_executor_links", &[]), 1.0);
+    assert!(sum(executor, "provisioning_executor_observations_total", &[]) >= nodes);
+
+    // The work queue and the passes.
+    assert!(sum(driver, "provisioning_workqueue_adds_total", &[("name", "runs")]) >= 1.0);
+    assert!(
+        sum(
+            driver,
+            "provisioning_workqueue_queue_duration_seconds_count",
+            &[("name", "runs")]
+        ) >= 1.0
+    );
+    assert_eq!(
+        sum(driver, "provisioning_workqueue_depth", &[("name", "runs")]),
+        0.0
+    );
+    let passes = sum(driver, "provisioning_pass_duration_seconds_count", &[]);
+    assert!(passes >= 3.0, "{passes} passes");
+    assert_eq!(sum(driver, "provisioning_reconcile_total", &[]), passes);
+    assert_eq!(
+        sum(driver, "provisioning_reconcile_total", &[("result", "error")]),
+        0.0
+    );
+    assert!(sum(driver, "provisioning_reconcile_total", &[("result", "requeue")]) >= 1.0);
+    assert_eq!(
+        sum(
+            driver,
+            "provisioning_actions_total",
+            &[("rule", "0"), ("name", "insert")]
+        ),
+        nodes
+    );
+    assert_eq!(
+        sum(
+            driver,
+            "provisioning_actions_total",
+            &[("rule", "12"), ("name", "create-lease")]
+        ),
+        nodes
+    );
+    assert_eq!(sum(driver, "provisioning_runs_converged_total", &[]), 1.0);
+    assert_eq!(sum(driver, "provisioning_runs", &[("phase", "converged")]), 1.0);
+    assert_eq!(sum(driver, "provisioning_nodes", &[("stage", "dormant")]), nodes);
+    assert_eq!(sum(driver, "provisioning_nodes", &[]), nodes);
+    assert_eq!(sum(driver, "provisioning_executor_link_up", &[]), 1.0);
+    assert!(
+        sum(
+            driver,
+            "provisioning_executor_link_events_total",
+            &[("event", "sent")]
+        ) >= total
+    );
+
+    // RPC metrics on both sides of the Decide call.
+    let decide = [
+        ("grpc_service", "provisioning.v1.Decider"),
+        ("grpc_method", "Decide"),
+    ];
+    let served = sum(
+        decider,
+        "grpc_server_handled_total",
+        &[decide[0], decide[1], ("grpc_code", "OK")],
+    );
+    let called = sum(
+        driver,
+        "grpc_client_handled_total",
+        &[decide[0], decide[1], ("grpc_code", "OK")],
+    );
+    assert!(
+        served >= passes,
+        "{served} Decide calls served for {passes} passes"
+    );
+    assert_eq!(served, called, "Decide calls: decider served vs driver made");
+    let apply = [
+        ("grpc_service", "provisioning.v1.Provisioning"),
+        ("grpc_method", "Apply"),
+    ];
+    assert_eq!(
+        sum(
+            driver,
+            "grpc_server_handled_total",
+            &[apply[0], apply[1], ("grpc_code", "OK")]
+        ),
+        1.0
+    );
+    assert!(sum(decider, "provisioning_decider_nodes_total", &[]) >= nodes);
+    assert_eq!(
+        sum(
+            decider,
+            "provisioning_decider_decisions_total",
+            &[("rule", "0"), ("action", "insert")]
+        ),
+        nodes
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Logs
+// ---------------------------------------------------------------------------
+
+fn json_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}")))
+        .collect()
+}
+
+fn message(line: &serde_json::Value) -> &str {
+    line["fields"]["message"].as_str().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_carry_the_trace_and_span_ids_of_the_enclosing_span() {
+    let (receiver, otlp) = start_receiver().await;
+    let opts = traced(otlp).env("PROVISIONING_LOG_JSON", "true").service_env(
+        "decider-svc",
+        "RUST_LOG",
+        "info,decider_svc=debug",
+    );
+    let mut cluster = Cluster::start(opts).await.unwrap();
+    let (client, _) = converge(&cluster, "logs").await;
+    drop(client);
+    stop(&mut cluster).await;
+    let spans = receiver.spans.lock().unwrap().clone();
+    let span = |id: &str| spans.iter().find(|s| s.span_id == id);
+
+    // The driver's "run converged" line is written inside the pass that saw
+    // convergence: its ids are that pass span's.
+    let driver = json_lines(cluster.driver.log_file());
+    let converged = driver
+        .iter()
+        .find(|l| message(l) == "run converged")
+        .expect("a `run converged` line");
+    let (trace_id, span_id) = (
+        converged["trace_id"].as_str().expect("trace_id"),
+        converged["span_id"].as_str().expect("span_id"),
+    );
+    let pass = span(span_id).expect("the line's span was exported");
+    assert_eq!((pass.name.as_str(), pass.trace_id.as_str()), ("pass", trace_id));
+    assert_eq!(converged["span"]["name"], "pass");
+    assert_eq!(converged["level"], "INFO");
+
+    // Every "decided" line of the decider is written inside a Decide call,
+    // under the driver's trace.
+    let decider = json_lines(cluster.decider.log_file());
+    let decided: Vec<&serde_json::Value> = decider.iter().filter(|l| message(l) == "decided").collect();
+    assert!(!decided.is_empty(), "no `decided` lines");
+    for line in decided {
+        let s = span(line["span_id"].as_str().expect("span_id")).expect("the line's span was exported");
+        assert_eq!(s.name, "provisioning.v1.Decider/Decide");
+        assert_eq!(Some(s.trace_id.as_str()), line["trace_id"].as_str());
+        let client = span(&s.parent).expect("the driver's client span");
+        assert_eq!(client.service, "provisioning-driver");
+    }
+
+    // A line outside any span carries no ids.
+    let listening = driver
+        .iter()
+        .find(|l| message(l) == "listening")
+        .expect("a `listening` line");
+    assert!(listening.get("trace_id").is_none(), "{listening}");
+}
+
+// ---------------------------------------------------------------------------
+// deploy/
+// ---------------------------------------------------------------------------
+
+fn deploy(file: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy")
+        .join(file)
+}
+
+fn yaml(file: &str) -> serde_yaml::Value {
+    let text = std::fs::read_to_string(deploy(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{file}: {e}"))
+}
+
+/// `deploy/telemetry.env`: the demo deployment's telemetry addresses.
+fn telemetry_env() -> BTreeMap<String, String> {
+    std::fs::read_to_string(deploy("telemetry.env"))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        .map(|l| {
+            let (k, v) = l.split_once('=').unwrap_or_else(|| panic!("not KEY=VALUE: {l}"));
+            (k.trim().to_owned(), v.trim().to_owned())
+        })
+        .collect()
+}
+
+fn strings(v: &serde_yaml::Value) -> Vec<String> {
+    v.as_sequence()
+        .map(|s| s.iter().filter_map(|x| x.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+fn keys(v: &serde_yaml::Value) -> BTreeSet<String> {
+    v.as_mapping()
+        .map(|m| m.keys().filter_map(|k| k.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn deploy_configs_point_at_the_demo_ports_and_are_consistent() {
+    let env = telemetry_env();
+    let metrics: BTreeMap<&str, String> = SERVICES
+        .iter()
+        .map(|s| {
+            let key = format!("{}_METRICS", s.trim_end_matches("-svc").to_uppercase());
+            (
+                *s,
+                env.get(&key).unwrap_or_else(|| panic!("{key} missing")).clone(),
+            )
+        })
+        .collect();
+    let otlp = env.get("OTLP_GRPC").expect("OTLP_GRPC");
+    let distinct: BTreeSet<&String> = metrics.values().chain([otlp]).collect();
+    assert_eq!(distinct.len(), 4, "every address is distinct: {env:?}");
+
+    // Prometheus scrapes each service's metrics address, labelled with it.
+    let prometheus = yaml("prometheus.yml");
+    let jobs = prometheus["scrape_configs"]
+        .as_sequence()
+        .expect("scrape_configs");
+    let mut scraped: BTreeMap<String, String> = BTreeMap::new();
+    for job in jobs {
+        for sc in job["static_configs"].as_sequence().expect("static_configs") {
+            let service = sc["labels"]["service"]
+                .as_str()
+                .expect("a service label")
+                .to_owned();
+            for t in strings(&sc["targets"]) {
+                scraped.insert(service.clone(), t);
+            }
+        }
+        assert_eq!(job["metrics_path"].as_str().unwrap_or("/metrics"), "/metrics");
+    }
+    let want: BTreeMap<String, String> = metrics
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), v.clone()))
+        .collect();
+    assert_eq!(scraped, want, "prometheus.yml targets vs deploy/telemetry.env");
+
+    // The collector: every pipeline names components that are defined, every
+    // defined component is used, traces arrive on the services' OTLP
+    // address, and its metrics pipeline scrapes the same targets.
+    let collector = yaml("otel-collector.yaml");
+    let pipelines = collector["service"]["pipelines"]
+        .as_mapping()
+        .expect("service.pipelines");
+    assert!(pipelines.contains_key("traces"), "a traces pipeline");
+    for section in ["receivers", "processors", "exporters"] {
+        let defined = keys(&collector[section]);
+        let mut used = BTreeSet::new();
+        for (name, p) in pipelines {
+            let listed = strings(&p[section]);
+            if section != "processors" {
+                assert!(!listed.is_empty(), "pipeline {name:?} has no {section}");
+            }
+            for c in listed {
+                assert!(
+                    defined.contains(&c),
+                    "pipeline {name:?} uses undefined {section} {c}"
+                );
+                used.insert(c);
+            }
+        }
+        assert_eq!(defined, used, "{section} defined but unused");
+    }
+    let traces = &pipelines["traces"];
+    assert!(strings(&traces["receivers"]).contains(&"otlp".to_owned()));
+    assert_eq!(
+        collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].as_str(),
+        Some(otlp.as_str()),
+        "the collector receives OTLP/gRPC where the services send it"
+    );
+    let mut collector_targets = BTreeSet::new();
+    for job in collector["receivers"]["prometheus"]["config"]["scrape_configs"]
+        .as_sequence()
+        .expect("the collector's prometheus receiver")
+    {
+        for sc in job["static_configs"].as_sequence().expect("static_configs") {
+            collector_targets.extend(strings(&sc["targets"]));
+        }
+    }
+    assert_eq!(
+        collector_targets,
+        metrics.values().cloned().collect::<BTreeSet<_>>(),
+        "the collector scrapes the services' metrics addresses"
+    );
+
+    // The demo starts the services on these addresses when asked to.
+    let demo = std::fs::read_to_string(deploy("demo.sh")).unwrap();
+    assert!(
+        demo.contains("deploy/telemetry.env"),
+        "demo.sh reads deploy/telemetry.env"
+    );
+    for key in [
+        "DRIVER_METRICS",
+        "DECIDER_METRICS",
+        "EXECUTOR_METRICS",
+        "OTLP_GRPC",
+    ] {
+        assert!(demo.contains(&format!("${key}")), "demo.sh uses {key}");
+    }
+
+    // promtool, where installed (CI installs it), checks the Prometheus file
+    // and the rules it loads.
+    match std::process::Command::new("promtool")
+        .arg("check")
+        .arg("config")
+        .arg(deploy("prometheus.yml"))
+        .output()
+    {
+        Ok(out) => assert!(
+            out.status.success(),
+            "promtool check config failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => {
+            assert!(
+                std::env::var("CI").is_err(),
+                "promtool is missing in CI (.ci/run installs Debian's prometheus): {e}"
+            );
+            println!("promtool not installed ({e}); only the structural checks ran");
+        }
+    }
+}

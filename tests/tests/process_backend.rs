@@ -1,0 +1,227 @@
+//! The three services with the process backend: every lease is a real
+//! node-agent process. "No double-create" and "converged leaks nothing" are
+//! checked by counting live agent processes in the OS process table.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use contract::pb;
+use provisioning_tests::{
+    procs::{Cluster, ClusterOptions, watch_until},
+    shapes::shape,
+};
+
+const CONVERGE: Duration = Duration::from_secs(90);
+
+/// Live node agents under `root`, by `(node, attempt)`, from `/proc`.
+fn live_agents(root: &Path) -> BTreeMap<(String, String), Vec<u32>> {
+    let needle = root.display().to_string();
+    let mut out: BTreeMap<(String, String), Vec<u32>> = BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = raw
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if !args.first().is_some_and(|a| a.ends_with("node-agent"))
+            || !args.iter().any(|a| a.contains(&needle))
+        {
+            continue;
+        }
+        // A zombie has an empty command line and is skipped above.
+        let flag = |name: &str| {
+            args.iter()
+                .position(|a| a == name)
+                .and_then(|i| args.get(i + 1))
+                .cloned()
+                .unwrap_or_default()
+        };
+        out.entry((flag("--node"), flag("--attempt")))
+            .or_default()
+            .push(pid);
+    }
+    out
+}
+
+fn process_cluster(agents: &Path) -> ClusterOptions {
+    ClusterOptions::default()
+        .executor("--backend", "process")
+        .executor("--process-state-dir", &agents.display().to_string())
+        .executor("--process-kill-grace-ms", "500")
+}
+
+fn slots(m: &BTreeMap<(String, String), Vec<u32>>) -> BTreeMap<String, usize> {
+    let mut per_slot: BTreeMap<String, usize> = BTreeMap::new();
+    for ((node, _), pids) in m {
+        *per_slot.entry(node.clone()).or_default() += pids.len();
+    }
+    per_slot
+}
+
+async fn apply(cluster: &Cluster, s: &contract::ClusterShape) {
+    let mut c = cluster.client().await.unwrap();
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(s)),
+    })
+    .await
+    .unwrap();
+}
+
+async fn converged(cluster: &Cluster, generation: u64) -> pb::RunStatus {
+    let mut c = cluster.client().await.unwrap();
+    match watch_until(&mut c, "agents", CONVERGE, |s| {
+        s.converged && s.generation == generation
+    })
+    .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            cluster.dump_logs();
+            panic!("{e}");
+        }
+    }
+}
+
+fn agents_dir() -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("agents");
+    (d, p)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_agents_converge_scale_down_and_are_all_gone_after_delete() {
+    let (_keep, agents) = agents_dir();
+    let cluster = Cluster::start(process_cluster(&agents)).await.unwrap();
+    apply(
+        &cluster,
+        &shape(
+            "agents",
+            1,
+            "process",
+            &[("ctrl", 3, "img:1"), ("workers", 7, "img:1")],
+        ),
+    )
+    .await;
+    let s = converged(&cluster, 1).await;
+    assert_eq!(s.ready_count, 10);
+    let live = live_agents(&agents);
+    let per_slot = slots(&live);
+    assert_eq!(per_slot.len(), 10, "{live:?}");
+    assert!(
+        per_slot.values().all(|n| *n == 1),
+        "a slot with two live agents: {live:?}"
+    );
+
+    // Scale down: exactly the highest-index workers' agents go.
+    apply(
+        &cluster,
+        &shape(
+            "agents",
+            2,
+            "process",
+            &[("ctrl", 3, "img:1"), ("workers", 4, "img:1")],
+        ),
+    )
+    .await;
+    converged(&cluster, 2).await;
+    let per_slot = slots(&live_agents(&agents));
+    let expected: Vec<String> = [
+        "ctrl-0",
+        "ctrl-1",
+        "ctrl-2",
+        "workers-0",
+        "workers-1",
+        "workers-2",
+        "workers-3",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    assert_eq!(per_slot.keys().cloned().collect::<Vec<_>>(), expected);
+
+    // Delete: no agent process is left.
+    let mut c = cluster.client().await.unwrap();
+    c.delete_run(pb::DeleteRunRequest {
+        run_id: "agents".into(),
+    })
+    .await
+    .unwrap();
+    watch_until(&mut c, "agents", CONVERGE, |s| {
+        s.phase == pb::RunPhase::Deleted as i32
+    })
+    .await
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = live_agents(&agents);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "agents left after delete: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_killed_during_creates_never_doubles_an_agent() {
+    let (_keep, agents) = agents_dir();
+    let mut cluster = Cluster::start(process_cluster(&agents)).await.unwrap();
+    apply(
+        &cluster,
+        &shape("agents", 1, "process", &[("workers", 8, "img:1")]),
+    )
+    .await;
+    // Creates are in flight: kill the executor hard, then bring it back over
+    // the same agent directory.
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    cluster.executor.kill().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    cluster.executor.restart(cluster.dir.path()).await.unwrap();
+
+    let s = converged(&cluster, 1).await;
+    assert_eq!(s.ready_count, 8);
+    let live = live_agents(&agents);
+    let per_slot = slots(&live);
+    assert_eq!(per_slot.len(), 8, "{live:?}");
+    assert!(
+        per_slot.values().all(|n| *n == 1),
+        "a slot with two live agents: {live:?}"
+    );
+
+    let mut c = cluster.client().await.unwrap();
+    c.delete_run(pb::DeleteRunRequest {
+        run_id: "agents".into(),
+    })
+    .await
+    .unwrap();
+    watch_until(&mut c, "agents", CONVERGE, |s| {
+        s.phase == pb::RunPhase::Deleted as i32
+    })
+    .await
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !live_agents(&agents).is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "agents left: {:?}",
+            live_agents(&agents)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

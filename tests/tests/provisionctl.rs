@@ -1,0 +1,790 @@
+//! The real `provisionctl` binary against the three real services: apply
+//! (file, stdin, automatic generations, polite refusals), bad files refused
+//! before anything is sent, plan, explain, watch (exit codes, plain lines and
+//! the in-place view on a pseudo-terminal), get/list in every format, pause
+//! and resume, delete --wait, completions.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    path::PathBuf,
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use contract::pb;
+use driver_svc::client::render::{Document, Output, parse_document};
+use provisioning_tests::procs::{Cluster, ClusterOptions, bin_path};
+use tokio::io::AsyncWriteExt;
+use tonic::Code;
+
+/// No single invocation may take longer than this; a hang fails the test.
+const CALL_LIMIT: Duration = Duration::from_secs(90);
+
+#[derive(Debug)]
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Out {
+    /// Asserts the exit code, showing both streams when it is wrong.
+    fn expect(self, code: i32) -> Self {
+        assert_eq!(
+            self.code, code,
+            "exit {} (wanted {code})\n--- stdout\n{}\n--- stderr\n{}",
+            self.code, self.stdout, self.stderr
+        );
+        self
+    }
+
+    fn json(&self) -> Document {
+        parse_document(&self.stdout, Output::Json).unwrap_or_else(|e| panic!("{e}:\n{}", self.stdout))
+    }
+
+    fn yaml(&self) -> Document {
+        parse_document(&self.stdout, Output::Yaml).unwrap_or_else(|e| panic!("{e}:\n{}", self.stdout))
+    }
+}
+
+struct Ctl {
+    bin: PathBuf,
+    server: String,
+    dir: PathBuf,
+}
+
+impl Ctl {
+    fn new(cluster: &Cluster) -> Self {
+        Self {
+            bin: bin_path("provisionctl").unwrap(),
+            server: cluster.driver.url(),
+            dir: cluster.dir.path().to_path_buf(),
+        }
+    }
+
+    async fn run(&self, args: &[&str]) -> Out {
+        self.run_with(args, None).await
+    }
+
+    async fn run_with(&self, args: &[&str], stdin: Option<&str>) -> Out {
+        let mut cmd = tokio::process::Command::new(&self.bin);
+        cmd.args(args)
+            .env("PROVISIONCTL_SERVER", &self.server)
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().unwrap();
+        if let Some(input) = stdin {
+            let mut pipe = child.stdin.take().unwrap();
+            pipe.write_all(input.as_bytes()).await.unwrap();
+            drop(pipe);
+        }
+        let out = tokio::time::timeout(CALL_LIMIT, child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("provisionctl {args:?} hung"))
+            .unwrap();
+        Out {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    fn write(&self, name: &str, text: &str) -> String {
+        let p = self.dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    }
+}
+
+const SECRET: &str = "never-print-this-token";
+
+/// A shape file with a control group and a worker group, and a secret.
+fn shape(run: &str, workers: u32, worker_image: &str) -> String {
+    format!(
+        "run_id: {run}
+groups:
+  - id: ctrl
+    count: 2
+    template:
+      role: control-plane
+      image: img:1
+      provider: {{ name: fake, machine_type: standard-4, cpu: 4, memory_gib: 16 }}
+      join: {{ cluster: {run}, token: {{ value: {SECRET}, secret: true }} }}
+  - id: workers
+    count: {workers}
+    template:
+      role: worker
+      image: {worker_image}
+      provider: {{ name: fake, machine_type: standard-2, cpu: 2, memory_gib: 8 }}
+"
+    )
+}
+
+async fn generation(cluster: &Cluster, run: &str) -> Result<u64, tonic::Status> {
+    let mut c = cluster.client().await.unwrap();
+    c.get_run(pb::GetRunRequest {
+        run_id: run.into(),
+        include_nodes: false,
+    })
+    .await
+    .map(|r| r.into_inner().generation)
+}
+
+async fn start() -> (Cluster, Ctl) {
+    let cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
+    let ctl = Ctl::new(&cluster);
+    (cluster, ctl)
+}
+
+fn no_secret(out: &Out) {
+    assert!(
+        !out.stdout.contains(SECRET) && !out.stderr.contains(SECRET),
+        "a secret was printed:\n{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_from_a_file_and_stdin_with_automatic_generations() {
+    let (cluster, ctl) = start().await;
+    let file = ctl.write("a.yaml", &shape("alpha", 3, "img:1"));
+
+    let out = ctl.run(&["apply", "-f", &file]).await.expect(0);
+    assert!(
+        out.stdout.contains("run alpha created at generation 1"),
+        "{}",
+        out.stdout
+    );
+    no_secret(&out);
+    assert_eq!(generation(&cluster, "alpha").await.unwrap(), 1);
+
+    // The same file again is a no-op, not a new generation.
+    let out = ctl.run(&["apply", "-f", &file]).await.expect(0);
+    assert!(out.stdout.contains("unchanged at generation 1"), "{}", out.stdout);
+    assert_eq!(generation(&cluster, "alpha").await.unwrap(), 1);
+
+    // A change from standard input gets the next generation.
+    let out = ctl
+        .run_with(
+            &["apply", "-f", "-", "-o", "json"],
+            Some(&shape("alpha", 4, "img:1")),
+        )
+        .await
+        .expect(0);
+    let v = out.json();
+    assert_eq!(v["generation"], 2);
+    assert_eq!(v["previous_generation"], 1);
+    assert_eq!(v["changed"], true);
+    assert_eq!(generation(&cluster, "alpha").await.unwrap(), 2);
+
+    // A change of a secret value alone is a change too, although the client
+    // cannot see secrets on the server to compare them.
+    let rotated = shape("alpha", 4, "img:1").replace(SECRET, "rotated-token");
+    let out = ctl
+        .run_with(&["apply", "-f", "-"], Some(&rotated))
+        .await
+        .expect(0);
+    assert!(out.stdout.contains("updated to generation 3"), "{}", out.stdout);
+
+    // An explicit generation that is not newer is refused in plain words.
+    let stale = format!("generation: 2\n{}", shape("alpha", 5, "img:1"));
+    let out = ctl.run_with(&["apply", "-f", "-"], Some(&stale)).await.expect(1);
+    assert!(out.stderr.contains("is at generation 3"), "{}", out.stderr);
+    assert!(out.stderr.contains("remove `generation:`"), "{}", out.stderr);
+    assert!(!out.stderr.contains("FailedPrecondition"), "{}", out.stderr);
+    assert_eq!(generation(&cluster, "alpha").await.unwrap(), 3);
+
+    // --expect-generation guards an apply made after a plan.
+    let out = ctl
+        .run_with(
+            &["apply", "-f", "-", "--expect-generation", "2"],
+            Some(&shape("alpha", 5, "img:1")),
+        )
+        .await
+        .expect(1);
+    assert!(
+        out.stderr.contains("is at generation 3, not at generation 2"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(generation(&cluster, "alpha").await.unwrap(), 3);
+
+    // The run converges, and --wait follows it like watch does.
+    let out = ctl
+        .run_with(
+            &["apply", "-f", "-", "--wait", "--timeout", "60"],
+            Some(&shape("alpha", 5, "img:1")),
+        )
+        .await
+        .expect(0);
+    assert!(out.stdout.contains("converged after"), "{}", out.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_files_fail_before_anything_is_sent() {
+    let (cluster, ctl) = start().await;
+    // Three workers, so that `count: 2` names the control group only.
+    let good = shape("bad", 3, "img:1");
+    let cases: Vec<(&str, String, &str, usize)> = vec![
+        (
+            "unknown field",
+            good.replace("    count: 2\n", "    count: 2\n    colour: blue\n"),
+            "unknown field `colour`",
+            5,
+        ),
+        (
+            "wrong type",
+            good.replace(
+                "count: 2\n    template:\n      role: control",
+                "count: two\n    template:\n      role: control",
+            ),
+            "groups[0].count",
+            4,
+        ),
+        (
+            "negative count",
+            good.replace("count: 3", "count: -3"),
+            "groups[1].count must not be negative",
+            11,
+        ),
+        (
+            "duplicate group",
+            good.replace("id: workers", "id: ctrl"),
+            "groups[1].id is a duplicate",
+            10,
+        ),
+        ("syntax error", good.replace("cpu: 4,", "cpu: 4,,"), "", 8),
+    ];
+    for (what, text, needle, line) in cases {
+        let file = ctl.write("bad.yaml", &text);
+        let out = ctl.run(&["apply", "-f", &file]).await.expect(1);
+        assert!(out.stderr.contains(needle), "{what}: {}", out.stderr);
+        assert!(
+            out.stderr.contains(&format!("bad.yaml:{line}:")),
+            "{what}: no line {line}: {}",
+            out.stderr
+        );
+        assert!(out.stderr.contains("nothing was sent"), "{what}: {}", out.stderr);
+        assert_eq!(
+            out.stderr.lines().count(),
+            2,
+            "{what}: one message: {}",
+            out.stderr
+        );
+        no_secret(&out);
+        // plan refuses the same file the same way.
+        ctl.run(&["plan", "-f", &file]).await.expect(1);
+        assert_eq!(
+            generation(&cluster, "bad").await.map_err(|s| s.code()),
+            Err(Code::NotFound),
+            "{what}: the server has the run"
+        );
+    }
+    // The same mistake in JSON, from standard input, is caught too.
+    let json = r#"{"run_id": "bad", "groups": [
+  {"id": "w", "count": -1, "template": {"image": "i", "provider": {"name": "fake"}}}
+]}"#;
+    let out = ctl.run_with(&["apply", "-f", "-"], Some(json)).await.expect(1);
+    assert!(out.stderr.contains("<stdin>:2:"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("groups[0].count must not be negative"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        generation(&cluster, "bad").await.map_err(|s| s.code()),
+        Err(Code::NotFound)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_shows_inserts_scale_down_and_replacements_and_changes_nothing() {
+    let (cluster, ctl) = start().await;
+
+    // A new run: every slot is an insert (rule 0).
+    let file = ctl.write("p.yaml", &shape("plan", 6, "img:1"));
+    let out = ctl.run(&["plan", "-f", &file]).await.expect(0);
+    assert!(out.stdout.contains("a new run at generation 1"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("insert       6 nodes: workers-0..5"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("rule 0 (insert)"), "{}", out.stdout);
+    no_secret(&out);
+    let v = ctl
+        .run(&["plan", "-f", &file, "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    assert_eq!(v["summary"]["insert"], 8);
+    assert!(v["decisions"].as_array().unwrap().iter().all(|d| d["rule"] == 0));
+    assert_eq!(
+        generation(&cluster, "plan").await.map_err(|s| s.code()),
+        Err(Code::NotFound)
+    );
+
+    ctl.run(&["apply", "-f", &file, "--wait", "--timeout", "60"])
+        .await
+        .expect(0);
+
+    // Scale down: the highest slots go, with their rule.
+    let smaller = ctl.write("p2.yaml", &shape("plan", 3, "img:1"));
+    let out = ctl.run(&["plan", "-f", &smaller]).await.expect(0);
+    assert!(out.stdout.contains("generation 1 → 2"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("group workers: 6 → 3 nodes"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains("scale down   3 nodes: workers-5, workers-4, workers-3"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains("rule 4 (begin-delete): the slot is no longer desired"),
+        "{}",
+        out.stdout
+    );
+    let v = ctl
+        .run(&["plan", "-f", &smaller, "-o", "yaml"])
+        .await
+        .expect(0)
+        .yaml();
+    assert_eq!(v["scale_down"][0], "workers-5");
+    assert_eq!(v["summary"]["scale_down"], 3);
+    assert_eq!(v["summary"]["unchanged"], 5);
+    let planned: Vec<String> = v["scale_down"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap().to_owned())
+        .collect();
+
+    // An image change replaces every node of the group (rule 4).
+    let replaced = ctl.write("p3.yaml", &shape("plan", 6, "img:2"));
+    let out = ctl.run(&["plan", "-f", &replaced]).await.expect(0);
+    assert!(
+        out.stdout.contains("replace      6 nodes: workers-0..5"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("the spec changed: replace the attempt"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("unchanged    2 nodes: ctrl-0, ctrl-1"),
+        "{}",
+        out.stdout
+    );
+    no_secret(&out);
+
+    // Planning changed nothing.
+    assert_eq!(generation(&cluster, "plan").await.unwrap(), 1);
+
+    // The plan matches what then happens, node for node: the slots it named
+    // are the ones that go.
+    ctl.run(&["apply", "-f", &smaller, "--wait", "--timeout", "60"])
+        .await
+        .expect(0);
+    let v = ctl
+        .run(&["get", "plan", "--nodes", "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    let held: Vec<String> = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["node_id"].as_str().unwrap().to_owned())
+        .collect();
+    for gone in &planned {
+        assert!(!held.contains(gone), "{gone} still held: {held:?}");
+    }
+    assert_eq!(held.len(), 5, "{held:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_watch_and_their_exit_codes() {
+    let (cluster, ctl) = start().await;
+
+    // A run that cannot converge: the fake backend refuses `invalid` images
+    // for good.
+    let broken = ctl.write("broken.yaml", &shape("broken", 2, "invalid:x"));
+    ctl.run(&["apply", "-f", &broken]).await.expect(0);
+    let t = Instant::now();
+    let out = ctl.run(&["watch", "broken", "--timeout", "3"]).await.expect(3);
+    assert!(t.elapsed() < Duration::from_secs(30));
+    assert!(out.stderr.contains("did not converge within"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("provisionctl explain broken workers-"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stdout.contains("failing workers-"), "{}", out.stdout);
+    assert!(out.stdout.contains("invalid image"), "{}", out.stdout);
+    assert!(
+        !out.stdout.contains('\x1b'),
+        "escapes in plain output: {:?}",
+        out.stdout
+    );
+
+    // Ctrl-C ends a watch with 130.
+    let mut child = tokio::process::Command::new(&ctl.bin)
+        .args(["--server", &ctl.server, "watch", "broken"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap();
+    let status = tokio::time::timeout(CALL_LIMIT, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(130), "{status:?}");
+
+    // Explain says which rule holds the node and why.
+    let out = ctl.run(&["explain", "broken", "workers-0"]).await.expect(0);
+    assert!(
+        out.stdout.contains("now: rule 3 (restart-backoff)"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("permanent failure"), "{}", out.stdout);
+    assert!(out.stdout.contains("what to do: "), "{}", out.stdout);
+    let v = ctl
+        .run(&["explain", "broken", "workers-0", "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    assert_eq!(v["rule_now"]["rule"], 3);
+    assert!(
+        v["retry"]["permanent_failure"]
+            .as_str()
+            .unwrap()
+            .contains("invalid image")
+    );
+
+    // A run that converges: watch exits 0, and explain shows a ready node.
+    let good = ctl.write("good.yaml", &shape("good", 3, "img:1"));
+    ctl.run(&["apply", "-f", &good]).await.expect(0);
+    let out = ctl.run(&["watch", "good", "--timeout", "60"]).await.expect(0);
+    assert!(out.stdout.contains("run good converged after"), "{}", out.stdout);
+    let out = ctl.run(&["explain", "good", "ctrl-1"]).await.expect(0);
+    assert!(out.stdout.contains("ready, attempt"), "{}", out.stdout);
+    assert!(out.stdout.contains("now: rule 11 (ready)"), "{}", out.stdout);
+    assert!(out.stdout.contains("lease "), "{}", out.stdout);
+    no_secret(&out);
+
+    // Unknown nodes and malformed ids are the user's problem, in words.
+    let out = ctl.run(&["explain", "good", "ctrl-9"]).await.expect(1);
+    assert!(
+        out.stderr.contains("run good has no node ctrl-9"),
+        "{}",
+        out.stderr
+    );
+    let out = ctl.run(&["explain", "good", "nonsense"]).await.expect(1);
+    assert!(out.stderr.contains("is not a node id"), "{}", out.stderr);
+    drop(cluster);
+}
+
+/// The in-place view on a real pseudo-terminal (`script` from util-linux
+/// provides one), updating and exiting 0 at convergence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_redraws_in_place_on_a_terminal() {
+    let (_cluster, ctl) = start().await;
+    let file = ctl.write("t.yaml", &shape("tty", 12, "img:1"));
+    ctl.run(&["apply", "-f", &file]).await.expect(0);
+    let has_script = std::process::Command::new("script")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let out = if has_script {
+        let cmd = format!(
+            "{} --server {} watch tty --timeout 60",
+            ctl.bin.display(),
+            ctl.server
+        );
+        let mut c = tokio::process::Command::new("script");
+        c.args(["-qec", &cmd, "/dev/null"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let child = c.spawn().unwrap();
+        let o = tokio::time::timeout(CALL_LIMIT, child.wait_with_output())
+            .await
+            .unwrap()
+            .unwrap();
+        Out {
+            code: o.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        }
+    } else {
+        eprintln!("`script` is not installed: forcing the live view with --live instead of a pty");
+        ctl.run(&["watch", "tty", "--timeout", "60", "--live"]).await
+    };
+    let out = out.expect(0);
+    assert!(
+        out.stdout.contains("\x1b[2K"),
+        "no line clearing: {:?}",
+        out.stdout
+    );
+    let redraws = out.stdout.matches("A\r\x1b[2Krun tty").count();
+    assert!(
+        redraws >= 1,
+        "the view never moved up to redraw: {:?}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("[####################] 100%"),
+        "{:?}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("run tty converged after"), "{:?}", out.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_in_every_format_pause_resume_and_delete_wait() {
+    let (cluster, ctl) = start().await;
+    let file = ctl.write("r.yaml", &shape("reads", 4, "img:1"));
+    ctl.run(&["apply", "-f", &file, "--wait", "--timeout", "60"])
+        .await
+        .expect(0);
+
+    let table = ctl.run(&["get", "reads"]).await.expect(0);
+    let mut json = ctl.run(&["get", "reads", "-o", "json"]).await.expect(0).json();
+    let mut yaml = ctl.run(&["get", "reads", "-o", "yaml"]).await.expect(0).yaml();
+    // The two reads are moments apart; only the server's clock moved.
+    assert!(json["updated_at_ms"].as_u64().unwrap() <= yaml["updated_at_ms"].as_u64().unwrap());
+    json["updated_at_ms"] = Document::Null;
+    yaml["updated_at_ms"] = Document::Null;
+    assert_eq!(json, yaml, "JSON and YAML carry the same document");
+    assert_eq!(json["run_id"], "reads");
+    assert_eq!(json["phase"], "converged");
+    assert_eq!(json["generation"], 1);
+    assert_eq!(json["ready_count"], 6);
+    assert_eq!(json["desired_count"], 6);
+    assert_eq!(json["groups"][1]["group_id"], "workers");
+    assert_eq!(json["groups"][1]["stages"]["ready"], 4);
+    assert_eq!(
+        json["shape"]["groups"][0]["template"]["join"]["token"]["secret"],
+        true
+    );
+    assert!(table.stdout.contains("6/6 ready"), "{}", table.stdout);
+    assert!(
+        table.stdout.contains("converged at generation 1"),
+        "{}",
+        table.stdout
+    );
+    assert!(table.stdout.contains("workers  4      4"), "{}", table.stdout);
+    no_secret(&table);
+    let yaml_text = ctl.run(&["get", "reads", "-o", "yaml"]).await.expect(0);
+    no_secret(&yaml_text);
+
+    let nodes = ctl
+        .run(&["get", "reads", "--nodes", "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    let list = nodes["nodes"].as_array().unwrap();
+    assert_eq!(list.len(), 6);
+    assert!(
+        list.iter()
+            .all(|n| n["stage"] == "ready" && n["last_decision"]["rule"] == 11)
+    );
+
+    let listed = ctl.run(&["list", "-o", "json"]).await.expect(0).json();
+    assert_eq!(listed["runs"][0]["run_id"], "reads");
+    let listed = ctl.run(&["list"]).await.expect(0);
+    assert!(
+        listed
+            .stdout
+            .lines()
+            .any(|l| l.starts_with("reads") && l.contains("6/6")),
+        "{}",
+        listed.stdout
+    );
+
+    // Pause shows in get; resume clears it.
+    ctl.run(&["pause", "reads"]).await.expect(0);
+    let v = ctl.run(&["get", "reads", "-o", "json"]).await.expect(0).json();
+    assert_eq!(v["paused"], true);
+    assert_eq!(v["phase"], "paused");
+    let out = ctl.run(&["resume", "reads", "-o", "json"]).await.expect(0);
+    assert_eq!(out.json()["paused"], false);
+
+    // delete --wait returns once the run is gone.
+    let out = ctl
+        .run(&["delete", "reads", "--wait", "--timeout", "60"])
+        .await
+        .expect(0);
+    assert!(out.stdout.contains("run reads deleted after"), "{}", out.stdout);
+    assert_eq!(
+        generation(&cluster, "reads").await.map_err(|s| s.code()),
+        Err(Code::NotFound)
+    );
+    let out = ctl.run(&["get", "reads"]).await.expect(1);
+    assert!(out.stderr.contains("run reads does not exist"), "{}", out.stderr);
+    assert!(cluster.inventory().await.unwrap().is_empty());
+}
+
+async fn nodes_of(ctl: &Ctl, run: &str) -> Document {
+    ctl.run(&["get", run, "--nodes", "-o", "json"])
+        .await
+        .expect(0)
+        .json()
+}
+
+/// While paused, nothing new is dispatched: once the operations in flight
+/// have been folded, no result arrives and no node moves until resume. Each
+/// node is explained along the way, in whatever stage the pause caught it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_stops_dispatch_and_explain_agrees_with_itself() {
+    // Slow operations, so that the pause lands mid-run.
+    let opts = ClusterOptions::default().executor("--fake-latency-ms", "60,120");
+    let cluster = Cluster::start(opts).await.unwrap();
+    let ctl = Ctl::new(&cluster);
+    let file = ctl.write("p.yaml", &shape("paused", 20, "img:1"));
+    ctl.run(&["apply", "-f", &file]).await.expect(0);
+    // Paused once the first operations are out, so nodes are caught in
+    // several stages.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = ctl.run(&["get", "paused", "-o", "json"]).await.expect(0).json();
+        if v["pending_operations"].as_u64().unwrap() > 0 || v["ready_count"].as_u64().unwrap() > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "nothing was dispatched: {v}");
+    }
+    ctl.run(&["pause", "paused"]).await.expect(0);
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let settled = loop {
+        let v = nodes_of(&ctl, "paused").await;
+        if v["pending_operations"] == 0 {
+            break v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "operations in flight never finished: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(settled["phase"], "paused");
+    assert_ne!(
+        settled["ready_count"], 22,
+        "the pause came too late to test anything"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let later = nodes_of(&ctl, "paused").await;
+    for field in ["folded_results", "ready_count", "pending_operations"] {
+        assert_eq!(settled[field], later[field], "{field} moved while paused");
+    }
+    let stages = |v: &Document| -> Vec<String> {
+        v["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["stage"].to_string())
+            .collect()
+    };
+    assert_eq!(stages(&settled), stages(&later), "a node moved while paused");
+
+    // The text and the JSON of explain say the same, for every stage seen.
+    let mut seen = std::collections::BTreeSet::new();
+    for n in later["nodes"].as_array().unwrap() {
+        let id = n["node_id"].as_str().unwrap();
+        let stage = n["stage"].as_str().unwrap();
+        if !seen.insert(stage.to_owned()) {
+            continue;
+        }
+        let text = ctl.run(&["explain", "paused", id]).await.expect(0);
+        let json = ctl
+            .run(&["explain", "paused", id, "-o", "json"])
+            .await
+            .expect(0)
+            .json();
+        let rule = json["rule_now"]["rule"].as_u64().unwrap();
+        let name = json["rule_now"]["rule_name"].as_str().unwrap();
+        assert!(
+            text.stdout.contains(&format!("now: rule {rule} ({name})")),
+            "{id}: {}",
+            text.stdout
+        );
+        assert!(text.stdout.contains("  stage "), "{}", text.stdout);
+        assert!(text.stdout.contains(stage), "{id} at {stage}: {}", text.stdout);
+        no_secret(&text);
+    }
+
+    let out = ctl.run(&["resume", "paused"]).await.expect(0);
+    assert!(out.stdout.contains("resumed"), "{}", out.stdout);
+    ctl.run(&["watch", "paused", "--timeout", "60"]).await.expect(0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_help_and_an_unreachable_server() {
+    let bin = bin_path("provisionctl").unwrap();
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(&bin)
+            .args(args)
+            .env_remove("PROVISIONCTL_SERVER")
+            .output()
+            .unwrap();
+        (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (code, out, _) = run(&["completions", "bash"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("_provisionctl()") && out.contains("complete -F"),
+        "{out}"
+    );
+    for shell in ["zsh", "fish"] {
+        let (code, out, _) = run(&["completions", shell]);
+        assert_eq!(code, 0);
+        assert!(out.contains("provisionctl"), "{shell}: {out}");
+    }
+    let (code, out, _) = run(&["--help"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("Exit codes:"), "{out}");
+    let (code, _, err) = run(&["get", "x", "-o", "xml"]);
+    assert_eq!(code, 2, "{err}");
+
+    // A port nothing listens on: exit 4, with what to check.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let (code, _, err) = run(&["--server", &addr.to_string(), "list"]);
+    assert_eq!(code, 4, "{err}");
+    assert!(
+        err.contains("cannot reach the server") && err.contains("PROVISIONCTL_SERVER"),
+        "{err}"
+    );
+}
