@@ -2,8 +2,12 @@
 # The main job: builds the workspace, starts the decider, the executor and the
 # driver as three separate processes on loopback (ports chosen by the OS and
 # read from ready files), applies deploy/examples/shape.yaml and follows the run
-# until it converges. Exits 0 when it converges, non-zero with the reason when
-# it does not within DEMO_TIMEOUT seconds (default 120).
+# until it converges, then deletes it. Exits 0 when it converges, non-zero with
+# the reason when it does not within DEMO_TIMEOUT seconds (default 120).
+#
+# Every node is a real node-agent process (the `process` backend) listening on
+# a loopback port and streaming its bootstrap; DEMO_BACKEND=fake uses the
+# in-memory provider instead.
 #
 # With DEMO_TELEMETRY=1 the services serve Prometheus metrics and export
 # traces over OTLP/gRPC on the addresses of deploy/telemetry.env, which
@@ -15,6 +19,7 @@ cd "$(dirname "$0")/.."
 
 shape=${1:-deploy/examples/shape.yaml}
 timeout=${DEMO_TIMEOUT:-120}
+backend=${DEMO_BACKEND:-process}
 
 decider_telemetry=()
 executor_telemetry=()
@@ -37,6 +42,8 @@ work=$(mktemp -d)
 pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    # Node agents outlive their executor by design; the demo leaves none.
+    pkill -f -- "--state-dir $work/agents" 2>/dev/null || true
     wait 2>/dev/null || true
     rm -rf "$work"
 }
@@ -62,8 +69,13 @@ wait_ready() {
 pids+=($!)
 decider=$(wait_ready "$work/decider.ready" decider-svc $!)
 
+case "$backend" in
+    process) backend_args=(--backend process --process-state-dir "$work/agents" --state-dir "$work/executor-state") ;;
+    fake) backend_args=(--backend fake --fake-latency-ms 20,200 --fake-stage-interval-ms 150) ;;
+    *) echo "demo: DEMO_BACKEND must be process or fake" >&2; exit 2 ;;
+esac
 "$bin/executor-svc" --listen 127.0.0.1:0 --ready-file "$work/executor.ready" \
-    --backend fake --fake-latency-ms 20,200 --fake-stage-interval-ms 150 "${executor_telemetry[@]}" \
+    "${backend_args[@]}" "${executor_telemetry[@]}" \
     2>"$work/executor-svc.log" &
 pids+=($!)
 executor=$(wait_ready "$work/executor.ready" executor-svc $!)
@@ -78,9 +90,11 @@ echo "demo: decider $decider, executor $executor, driver $driver"
 ctl() { "$bin/provisionctl" --server "http://$driver" "$@"; }
 ctl apply -f "$shape"
 run_id=$(sed -n 's/^run_id:[[:space:]]*//p' "$shape" | head -n 1)
-if ctl watch "$run_id" --timeout "$timeout"; then
+if ctl watch "$run_id" --timeout "${timeout}s"; then
     ctl get "$run_id"
-    echo "demo: converged"
+    echo "demo: converged; deleting the run"
+    ctl delete "$run_id" --wait --timeout 60s
+    echo "demo: done"
 else
     code=$?
     echo "demo: run $run_id did not converge (exit $code); driver log tail:" >&2

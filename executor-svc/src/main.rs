@@ -63,6 +63,11 @@ struct Cli {
     /// How long a destroyed node agent gets between SIGTERM and SIGKILL.
     #[arg(long, env = "EXECUTOR_PROCESS_KILL_GRACE_MS", default_value_t = 2000)]
     process_kill_grace_ms: u64,
+    /// Keep fencing epochs and completed results here, so that after an
+    /// executor restart an old driver stays fenced and a resubmitted operation
+    /// is replayed rather than run again. Without it they are kept in memory.
+    #[arg(long, env = "EXECUTOR_STATE_DIR")]
+    state_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -152,6 +157,7 @@ async fn main() -> anyhow::Result<()> {
     let config = Config {
         link_buffer: cli.link_buffer,
         shutdown_grace: cli.common.shutdown_grace(),
+        state_dir: cli.state_dir.clone(),
         ..Config::default()
     };
     let result = server::run(listener, shutdown_signal(), config, backend, clock).await;

@@ -185,8 +185,11 @@ pub fn init(config: &TelemetryConfig<'_>) -> Result<Telemetry, TelemetryError> {
     let log_layer = if config.log_json {
         json::layer().with_filter(log_filter).boxed()
     } else {
+        // Colours only on a terminal: a log file or a journal gets plain text.
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
         tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            .with_ansi(ansi)
             .with_filter(log_filter)
             .boxed()
     };

@@ -318,11 +318,18 @@ impl Cluster {
         let decider =
             Service::start_with_env("decider-svc", dir.path(), "127.0.0.1:0", &[], &env("decider-svc"))
                 .await?;
+        // The executor keeps its fencing epochs and results in the cluster's
+        // directory, so a restarted executor replays rather than re-runs.
+        let mut executor_args = vec![
+            "--state-dir".to_owned(),
+            dir.path().join("executor-state").display().to_string(),
+        ];
+        executor_args.extend(opts.executor_args.iter().cloned());
         let executor = Service::start_with_env(
             "executor-svc",
             dir.path(),
             "127.0.0.1:0",
-            &opts.executor_args,
+            &executor_args,
             &env("executor-svc"),
         )
         .await?;

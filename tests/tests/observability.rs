@@ -542,7 +542,11 @@ const DECIDER_FAMILIES: &[&str] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_endpoints_serve_the_documented_metrics_and_they_move() {
-    let opts = ClusterOptions::default().env("PROVISIONING_METRICS_LISTEN", "127.0.0.1:0");
+    // No safety tick during the test: the three scrapes are not simultaneous,
+    // and a pass between them would make the two sides of a count differ.
+    let opts = ClusterOptions::default()
+        .driver("--safety-tick-ms", "600000")
+        .env("PROVISIONING_METRICS_LISTEN", "127.0.0.1:0");
     let cluster = Cluster::start(opts).await.unwrap();
     let (_client, nodes) = converge(&cluster, "metrics").await;
     let nodes = f64::from(nodes);
@@ -740,11 +744,12 @@ fn message(line: &serde_json::Value) -> &str {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_carry_the_trace_and_span_ids_of_the_enclosing_span() {
     let (receiver, otlp) = start_receiver().await;
-    let opts = traced(otlp).env("PROVISIONING_LOG_JSON", "true").service_env(
-        "decider-svc",
-        "RUST_LOG",
-        "info,decider_svc=debug",
-    );
+    // No safety tick: a speculative pass is not recorded, and its log lines
+    // would name spans that were never exported.
+    let opts = traced(otlp)
+        .driver("--safety-tick-ms", "600000")
+        .env("PROVISIONING_LOG_JSON", "true")
+        .service_env("decider-svc", "RUST_LOG", "info,decider_svc=debug");
     let mut cluster = Cluster::start(opts).await.unwrap();
     let (client, _) = converge(&cluster, "logs").await;
     drop(client);
