@@ -225,3 +225,104 @@ async fn an_executor_killed_during_creates_never_doubles_an_agent() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The pid of the live agent of `node` at `attempt`, if there is one.
+fn agent_of(agents: &Path, node: &str, attempt: u64) -> Option<u32> {
+    live_agents(agents)
+        .get(&(node.to_owned(), attempt.to_string()))
+        .and_then(|pids| pids.first().copied())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_mid_bootstrap_fails_its_attempt_and_is_replaced() {
+    let (_keep, agents) = agents_dir();
+    let opts = process_cluster(&agents).driver("--backoff-base-ms", "100");
+    let cluster = Cluster::start(opts).await.unwrap();
+    // Slow stages, so the bootstrap is still running when the agent dies.
+    let slow = provisioning_tests::shapes::with_template(
+        shape("agents", 1, "process", &[("workers", 3, "img:1")]),
+        "workers",
+        |t| {
+            t.boot.insert(
+                "stage_delay_ms".into(),
+                contract::Param {
+                    value: "400".into(),
+                    secret: false,
+                },
+            );
+        },
+    );
+    apply(&cluster, &slow).await;
+    let mut c = cluster.client().await.unwrap();
+    // Wait for workers-0's bootstrap to be running, then SIGKILL its agent.
+    let (attempt, pid) = loop {
+        let explained = c
+            .explain_node(pb::ExplainNodeRequest {
+                run_id: "agents".into(),
+                node_id: "workers-0".into(),
+            })
+            .await;
+        // Before the first pass inserts the node, it is not found yet.
+        let Ok(s) = explained else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let state = s.into_inner().node.and_then(|n| n.state).unwrap();
+        if state.stage == pb::NodeStage::BootstrapRunning as i32
+            && let Some(pid) = agent_of(&agents, "workers-0", state.attempt)
+        {
+            break (state.attempt, pid);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let killed = std::process::Command::new("kill")
+        .arg("-KILL")
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+    assert!(killed.success());
+
+    let s = converged(&cluster, 1).await;
+    assert_eq!(s.ready_count, 3);
+    let node = c
+        .explain_node(pb::ExplainNodeRequest {
+            run_id: "agents".into(),
+            node_id: "workers-0".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let state = node.node.and_then(|n| n.state).unwrap();
+    assert!(state.attempt > attempt, "the killed attempt was not replaced");
+    assert!(
+        state.retry.is_some_and(|r| r.consecutive_failures == 0),
+        "ready resets the failure count"
+    );
+    let per_slot = slots(&live_agents(&agents));
+    assert_eq!(per_slot.len(), 3);
+    assert!(per_slot.values().all(|n| *n == 1), "{per_slot:?}");
+    assert!(
+        agent_of(&agents, "workers-0", attempt).is_none(),
+        "the dead attempt's agent is back"
+    );
+
+    c.delete_run(pb::DeleteRunRequest {
+        run_id: "agents".into(),
+    })
+    .await
+    .unwrap();
+    watch_until(&mut c, "agents", CONVERGE, |s| {
+        s.phase == pb::RunPhase::Deleted as i32
+    })
+    .await
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !live_agents(&agents).is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "agents left: {:?}",
+            live_agents(&agents)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
