@@ -56,7 +56,7 @@ pub enum DurableChange {
     Run {
         run_uid: RunUid,
         highest_epoch: Option<Epoch>,
-        retired: Vec<AttemptId>,
+        retired: Vec<RetiredAttempt>,
     },
     /// The completed operations of one attempt: these replace every record
     /// kept for the attempt.
@@ -81,8 +81,99 @@ pub struct DurableOp {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct DurableRun {
     pub highest_epoch: Option<Epoch>,
-    pub retired: Vec<AttemptId>,
+    pub retired: Vec<RetiredAttempt>,
     pub ops: Vec<DurableOp>,
+}
+
+/// What is left of a cleaned-up attempt: the sequence numbers it used and a
+/// digest of each one's input, so that a resubmitted old id is still told
+/// apart from the same id with other input.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RetiredAttempt {
+    pub attempt: AttemptId,
+    pub ops: Vec<(u32, u64)>,
+}
+
+/// A stable 64-bit FNV-1a hasher: digests are kept across restarts, so they
+/// must not depend on the standard library's unspecified hasher.
+#[derive(Debug)]
+struct Fnv(u64);
+
+impl std::hash::Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+/// A digest of what the dedup comparison compares (`Operation::same_input`).
+pub fn input_digest(op: &Operation) -> u64 {
+    use contract::OperationInput as I;
+    use std::hash::{Hash, Hasher};
+    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+    op.run_uid.hash(&mut h);
+    op.run_id.hash(&mut h);
+    op.node.hash(&mut h);
+    op.id.hash(&mut h);
+    let params = |p: &contract::Params, h: &mut Fnv| {
+        for (k, v) in p {
+            k.hash(h);
+            v.value.hash(h);
+            v.secret.hash(h);
+        }
+        h.write_u8(0xff);
+    };
+    match &op.input {
+        I::CreateLease { template: t } => {
+            h.write_u8(1);
+            t.role.hash(&mut h);
+            t.image.hash(&mut h);
+            let p = &t.provider;
+            p.name.hash(&mut h);
+            p.machine_type.hash(&mut h);
+            p.cpu.to_bits().hash(&mut h);
+            p.memory_gib.to_bits().hash(&mut h);
+            for a in &p.accelerators {
+                a.kind.hash(&mut h);
+                a.count.hash(&mut h);
+            }
+            p.zone.hash(&mut h);
+            p.labels.hash(&mut h);
+            params(&t.boot, &mut h);
+            params(&t.join, &mut h);
+        }
+        I::LookupEndpoint { lease } => {
+            h.write_u8(2);
+            lease.as_str().hash(&mut h);
+        }
+        I::StartBootstrap {
+            lease,
+            endpoint,
+            boot,
+            join,
+        } => {
+            h.write_u8(3);
+            lease.as_str().hash(&mut h);
+            endpoint.as_str().hash(&mut h);
+            params(boot, &mut h);
+            params(join, &mut h);
+        }
+        I::CancelBootstrap { session } => {
+            h.write_u8(4);
+            session.as_ref().map(|s| s.as_str()).hash(&mut h);
+        }
+        I::DestroyLease { lease } => {
+            h.write_u8(5);
+            lease.as_ref().map(|l| l.as_str()).hash(&mut h);
+        }
+    }
+    h.finish()
 }
 
 /// A completed operation's recorded result.
@@ -142,8 +233,9 @@ struct RunState {
     /// next timeout is found without scanning the dedup table.
     deadlines: BTreeSet<(UnixMillis, OperationId)>,
     unacked: BTreeSet<OperationId>,
-    /// Attempts whose lease was destroyed and whose records were pruned.
-    retired: BTreeSet<AttemptId>,
+    /// Attempts whose lease was destroyed and whose records were pruned: the
+    /// digest of each operation id they used, by sequence number.
+    retired: BTreeMap<AttemptId, BTreeMap<u32, u64>>,
     sessions: BTreeMap<SessionId, SessionLog>,
 }
 
@@ -260,8 +352,13 @@ impl RunState {
     /// instead of making a lease nobody will ever destroy. Records not yet
     /// acknowledged stay until they are, and are dropped then.
     fn retire(&mut self, attempt: AttemptId) {
-        self.retired.insert(attempt);
         let range = OperationId::new(attempt, 0)..=OperationId::new(attempt, u32::MAX);
+        let digests = self
+            .ops
+            .range(range.clone())
+            .map(|(id, e)| (id.seq(), input_digest(&e.op)))
+            .collect();
+        self.retired.insert(attempt, digests);
         let done: Vec<OperationId> = self
             .ops
             .range(range)
@@ -407,10 +504,31 @@ impl ExecutorCore {
         }
 
         let attempt = id.attempt();
-        if run.retired.contains(&attempt) && op.input.effect().is_destructive() {
+        let digest = input_digest(&op);
+        let used = run
+            .retired
+            .get(&attempt)
+            .and_then(|ops| ops.get(&id.seq()).copied());
+        if used.is_some_and(|d| d != digest) {
+            let message = format!(
+                "operation {id} of run {run_uid} was already used by its cleaned-up attempt with other input"
+            );
+            out.push(Output::Rejected(run.rejection(
+                run_uid,
+                Some(id),
+                RejectionReason::ConflictingInput,
+                message,
+            )));
+            return out;
+        }
+        if let Some(ops) = run.retired.get_mut(&attempt)
+            && op.input.effect().is_destructive()
+        {
             // The attempt's lease is gone: a cancel or destroy for it (a retry
             // after the driver gave up waiting on the first) finds nothing,
             // and "already absent" is success. Nothing runs.
+            ops.insert(id.seq(), digest);
+            self.dirty_runs.insert(run_uid);
             run.ops.insert(
                 id,
                 OpEntry {
@@ -423,7 +541,7 @@ impl ExecutorCore {
             }
             return out;
         }
-        if run.retired.contains(&attempt) {
+        if run.retired.contains_key(&attempt) {
             let message = format!(
                 "attempt {attempt} of run {run_uid} was cleaned up (its lease was destroyed); \
                  operation {id} is refused"
@@ -587,7 +705,7 @@ impl ExecutorCore {
             && matches!(done.result.outcome, Outcome::Succeeded(_));
         run.unacked.remove(&id);
         let attempt = id.attempt();
-        if run.retired.contains(&attempt) {
+        if run.retired.contains_key(&attempt) {
             run.ops.remove(&id);
         } else if destroyed {
             run.retire(attempt);
@@ -684,7 +802,7 @@ impl ExecutorCore {
             Some(first_kept) => log.unacked.split_off(&first_kept),
             None => BTreeMap::new(),
         };
-        if log.unacked.is_empty() && run.retired.contains(&log.attempt) {
+        if log.unacked.is_empty() && run.retired.contains_key(&log.attempt) {
             run.sessions.remove(session);
         }
     }
@@ -788,7 +906,17 @@ impl ExecutorCore {
             let (highest_epoch, retired) = self
                 .runs
                 .get(&run_uid)
-                .map(|r| (r.highest_epoch, r.retired.iter().copied().collect()))
+                .map(|r| {
+                    let retired = r
+                        .retired
+                        .iter()
+                        .map(|(attempt, ops)| RetiredAttempt {
+                            attempt: *attempt,
+                            ops: ops.iter().map(|(s, d)| (*s, *d)).collect(),
+                        })
+                        .collect();
+                    (r.highest_epoch, retired)
+                })
                 .unwrap_or_default();
             changes.push(DurableChange::Run {
                 run_uid,
@@ -832,7 +960,11 @@ impl ExecutorCore {
         for (run_uid, d) in runs {
             let mut run = RunState {
                 highest_epoch: d.highest_epoch,
-                retired: d.retired.into_iter().collect(),
+                retired: d
+                    .retired
+                    .into_iter()
+                    .map(|r| (r.attempt, r.ops.into_iter().collect()))
+                    .collect(),
                 ..RunState::default()
             };
             for o in d.ops {
@@ -894,7 +1026,7 @@ impl ExecutorCore {
     pub fn is_retired(&self, run_uid: RunUid, attempt: AttemptId) -> bool {
         self.runs
             .get(&run_uid)
-            .is_some_and(|run| run.retired.contains(&attempt))
+            .is_some_and(|run| run.retired.contains_key(&attempt))
     }
 }
 
@@ -1392,6 +1524,32 @@ mod tests {
         let r = rejection(&out);
         assert_eq!(r.reason, RejectionReason::Invalid);
         assert!(r.message.contains("cleaned up"), "{}", r.message);
+        assert_eq!(core.running_count(), 0);
+
+        // The pruned destroy's id with other input is still a conflict...
+        let other = op(1, 1, 1, 100, OperationInput::DestroyLease { lease: None });
+        assert_eq!(
+            rejection(&core.submit(other, t(4))).reason,
+            RejectionReason::ConflictingInput
+        );
+        // ...while the same destroy again is answered "already absent", and so is
+        // a new cleanup of the attempt; neither runs.
+        let again = op(
+            1,
+            1,
+            1,
+            100,
+            OperationInput::DestroyLease {
+                lease: Some(lease("lease-1")),
+            },
+        );
+        assert!(
+            matches!(core.submit(again, t(4)).as_slice(), [Output::Result(r)] if matches!(r.outcome, Outcome::Succeeded(_)))
+        );
+        let cancel = op(1, 2, 1, 100, OperationInput::CancelBootstrap { session: None });
+        assert!(
+            matches!(core.submit(cancel, t(4)).as_slice(), [Output::Result(r)] if matches!(r.outcome, Outcome::Succeeded(_)))
+        );
         assert_eq!(core.running_count(), 0);
         // Other attempts are unaffected.
         assert_eq!(starts(&core.submit(op(2, 0, 1, 100, create()), t(4))), [id(2, 0)]);

@@ -23,7 +23,7 @@ use contract::{
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use crate::core::{DurableChange, DurableOp, DurableRun};
+use crate::core::{DurableChange, DurableOp, DurableRun, RetiredAttempt};
 
 const SCHEMA_VERSION: u32 = 1;
 const RUNS: TableDefinition<&str, &[u8]> = TableDefinition::new("runs");
@@ -102,7 +102,20 @@ impl ExecutorStore {
                             schema: SCHEMA_VERSION,
                             run_uid: uid.clone(),
                             highest_epoch: highest_epoch.map_or(0, Epoch::get),
-                            retired: retired.iter().map(|a| a.get()).collect(),
+                            retired: retired
+                                .iter()
+                                .map(|r| rec::RetiredAttempt {
+                                    attempt: r.attempt.get(),
+                                    ops: r
+                                        .ops
+                                        .iter()
+                                        .map(|(seq, digest)| rec::RetiredOp {
+                                            seq: *seq,
+                                            digest: *digest,
+                                        })
+                                        .collect(),
+                                })
+                                .collect(),
                         }
                         .encode_to_vec();
                         runs.insert(uid.as_str(), bytes.as_slice()).map_err(unavailable)?;
@@ -150,7 +163,14 @@ impl ExecutorStore {
                 uid,
                 DurableRun {
                     highest_epoch: (r.highest_epoch != 0).then(|| Epoch::new(r.highest_epoch)),
-                    retired: r.retired.into_iter().map(AttemptId::new).collect(),
+                    retired: r
+                        .retired
+                        .into_iter()
+                        .map(|a| RetiredAttempt {
+                            attempt: AttemptId::new(a.attempt),
+                            ops: a.ops.into_iter().map(|o| (o.seq, o.digest)).collect(),
+                        })
+                        .collect(),
                     ops: Vec::new(),
                 },
             );

@@ -317,12 +317,12 @@ pub struct Sim {
     pub tamper: Option<Box<dyn Tamper>>,
     seed: u64,
     policy: Arc<Policy>,
-    /// Forced outcomes waiting for the next operation of a slot and effect.
-    injections: Vec<(LogicalNodeId, Effect, Forced)>,
+    /// Forced outcomes waiting for the next operation of a slot (and effect).
+    injections: Vec<(LogicalNodeId, Option<Effect>, Forced)>,
     /// Aborted calls that complete anyway (late results).
     late_after_abort: BTreeSet<(RunUid, OperationId)>,
-    /// Operation ids the executor has seen.
-    seen_ids: BTreeSet<OperationId>,
+    /// Operations the executor has seen, first submission of each id.
+    seen: BTreeMap<OperationId, Operation>,
     /// Recently delivered messages, newest last.
     history: VecDeque<ToDriver>,
 }
@@ -379,7 +379,7 @@ impl Sim {
             policy,
             injections: Vec::new(),
             late_after_abort: BTreeSet::new(),
-            seen_ids: BTreeSet::new(),
+            seen: BTreeMap::new(),
             history: VecDeque::new(),
         })
     }
@@ -523,7 +523,7 @@ impl Sim {
             op: op.clone(),
             recorded,
         });
-        self.seen_ids.insert(op.id);
+        self.seen.entry(op.id).or_insert_with(|| op.clone());
         let mut outputs = self.exec.submit(op.clone(), self.now);
         self.with_tamper(|t, sim| t.executor_submit(sim, &op, &mut outputs));
         self.handle_outputs(outputs);
@@ -532,9 +532,9 @@ impl Sim {
         }
     }
 
-    /// Forces the outcome of the next operation with `effect` that the backend
-    /// runs for `node`.
-    pub fn inject(&mut self, node: LogicalNodeId, effect: Effect, forced: Forced) {
+    /// Forces the outcome of the next operation with `effect` (any effect when
+    /// `None`) that the backend runs for `node`.
+    pub fn inject(&mut self, node: LogicalNodeId, effect: Option<Effect>, forced: Forced) {
         self.injections.push((node, effect, forced));
     }
 
@@ -548,8 +548,20 @@ impl Sim {
         let i = self
             .injections
             .iter()
-            .position(|(n, e, _)| *n == op.node && *e == effect)?;
+            .position(|(n, e, _)| *n == op.node && e.is_none_or(|e| e == effect))?;
         Some(self.injections.remove(i).2)
+    }
+
+    /// Whether the backend would adopt an existing resource for this operation
+    /// (a create whose lease exists, a start whose session exists).
+    fn adopts(&self, op: &Operation) -> bool {
+        let identity = op.identity();
+        let held = self.fake.inventory().into_iter().find(|r| r.identity == identity);
+        match op.input.effect() {
+            Effect::CreateLease => held.is_some(),
+            Effect::StartBootstrap => held.is_some_and(|r| r.session_live),
+            _ => false,
+        }
     }
 
     /// The call the shell makes for a forced outcome.
@@ -559,6 +571,22 @@ impl Sim {
             latency: FORCED_LATENCY,
             outcome,
         };
+        // "Not ready" says a resource exists but is not ready yet: only a lookup
+        // or a bootstrap start can honestly say it. Elsewhere it stands for a
+        // definite failure.
+        let not_ready_ok = matches!(op.input.effect(), Effect::LookupEndpoint | Effect::StartBootstrap);
+        let forced = if forced == Forced::NotReady && !not_ready_ok {
+            Forced::Retryable
+        } else {
+            forced
+        };
+        // A backend adopts an existing resource for the identity before it
+        // creates (SPEC.md section 5), so a create that finds its lease (or a
+        // start that finds its session) cannot fail definitely: it adopts.
+        let definite_failure = matches!(forced, Forced::Retryable | Forced::Permanent | Forced::NotReady);
+        if definite_failure && self.adopts(op) {
+            return self.fake.execute(op, self.now);
+        }
         match forced {
             Forced::Retryable => definite(Outcome::Retryable { reason }),
             Forced::Permanent => definite(Outcome::Permanent { reason }),
@@ -955,17 +983,17 @@ impl Sim {
 
     /// Another client resubmits an operation id the executor has seen with
     /// different input; the executor must reject it. Nothing reaches the driver.
+    /// The `k`-th most recent id is probed.
     pub fn conflict_probe(&mut self, k: usize) {
-        let seen: Vec<Operation> = self
-            .run
-            .inflight_operations()
-            .into_iter()
-            .filter(|op| self.seen_ids.contains(&op.id))
-            .collect();
-        if seen.is_empty() || self.link_down {
+        if self.seen.is_empty() || self.link_down {
             return;
         }
-        let mut op = seen[k % seen.len()].clone();
+        let mut recent: Vec<&Operation> = self.seen.values().collect();
+        recent.sort_by_key(|op| std::cmp::Reverse(op.deadline));
+        let mut op = recent[k % recent.len()].clone();
+        // The probe speaks for the run's current owner, so that the executor
+        // compares the input instead of fencing an old epoch.
+        op.epoch = self.run.epoch();
         let other_lease = || contract::LeaseId::new("lease", "conflicting-lease").ok();
         op.input = match op.input {
             OperationInput::CreateLease { template } => {

@@ -99,7 +99,11 @@ fn replay() {
     });
     let trace = parse_trace(&text).unwrap();
     let world = World::new(seed, delivery);
-    let shrink = std::env::var_os("CONFORMANCE_TRACE").is_none().then_some(300);
+    // A given trace is replayed as it is, unless `CONFORMANCE_SHRINK` asks to
+    // shrink it further.
+    let shrink = (std::env::var_os("CONFORMANCE_TRACE").is_none()
+        || std::env::var_os("CONFORMANCE_SHRINK").is_some())
+    .then_some(300);
     match check_explicit(&world, trace, None, true, shrink) {
         Ok(out) => eprintln!(
             "seed {seed} {delivery:?}: {} rounds, the tail took {} of {} passes",
@@ -161,6 +165,21 @@ fn regression_destroy_result_after_a_clock_jump_retires_the_attempt() {
 #[test]
 fn regression_a_due_wake_up_during_a_pass_batch_window_spins() {
     check_trace(25, Delivery::InOrder, "");
+}
+
+/// The executor prunes the records of an attempt it retires (after a
+/// successful destroy is acknowledged) and answers any later cancel or destroy
+/// of that attempt as "succeeded, already absent". So a resubmission of one of
+/// the retired attempt's operation ids with other input is no longer rejected:
+/// here another client resubmits destroy `a3.3` with another lease and gets a
+/// fresh success (guarantee 7: same id, other input must be rejected).
+#[test]
+fn regression_a_retired_attempts_operation_id_with_other_input_is_not_rejected() {
+    check_trace(
+        5,
+        Delivery::InOrder,
+        "step*20 apply:scale-down:work:1 step*3 conflict:0",
+    );
 }
 
 /// Every guarantee has at least one mutant that must be caught by it.
@@ -274,6 +293,7 @@ mutant_tests! {
     mutant_restart_before_cleanup => RestartBeforeCleanup,
     mutant_two_actions_for_one_node => TwoActionsForOneNode,
     mutant_always_follow_up => AlwaysFollowUp,
+    mutant_panic_at_saturated_clock => PanicAtSaturatedClock,
     mutant_lenient_revision => LenientRevision,
     mutant_recreate_instead_of_adopt => RecreateInsteadOfAdopt,
     mutant_destroy_lies => DestroyLies,
@@ -332,7 +352,12 @@ fn the_limit_probes_reach_the_limits() {
         .probes
         .iter()
         .filter_map(|p| match p {
-            Probe::Limits { what, error, panicked, .. } => {
+            Probe::Limits {
+                what,
+                error,
+                panicked,
+                ..
+            } => {
                 assert!(panicked.is_none(), "{what} panicked");
                 Some((*what, error.clone().unwrap_or_default()))
             }
@@ -364,6 +389,7 @@ fn a_quiet_trace_converges_within_its_bound() {
 fn level2_services() {
     let seeds = env_u64("CONFORMANCE_L2_SEEDS", 8);
     let started = Instant::now();
+    let mut coverage = std::collections::BTreeMap::<String, u64>::new();
     for seed in 1..=seeds {
         let world = services::world(seed);
         let trace = generate(seed, Alphabet::Services, prefix_len(seed, Alphabet::Services));
@@ -376,17 +402,22 @@ fn level2_services() {
         }
         sut.stop();
         match result {
-            Ok(out) => eprintln!(
-                "level 2 seed {seed}: {} inputs, {} polls, highest attempt {}, failures up to {}, {} updates rejected; the tail took {} of {} passes; {:.1?}",
-                trace.len(),
-                out.rounds,
-                out.highest_attempt,
-                out.max_failures,
-                out.rejected_updates,
-                out.tail_passes,
-                out.tail_bound,
-                seed_started.elapsed()
-            ),
+            Ok(out) => {
+                for (k, v) in &out.coverage {
+                    *coverage.entry(k.clone()).or_default() += v;
+                }
+                eprintln!(
+                    "level 2 seed {seed}: {} inputs, {} polls, highest attempt {}, failures up to {}, {} updates rejected; the tail took {} of {} passes; {:.1?}",
+                    trace.len(),
+                    out.rounds,
+                    out.highest_attempt,
+                    out.max_failures,
+                    out.rejected_updates,
+                    out.tail_passes,
+                    out.tail_bound,
+                    seed_started.elapsed()
+                )
+            }
             Err(vs) => {
                 let v = &vs[0];
                 panic!(
@@ -400,7 +431,25 @@ fn level2_services() {
             }
         }
     }
-    eprintln!("level 2: {seeds} seeds in {:.1?}", started.elapsed());
+    eprintln!(
+        "level 2: {seeds} seeds in {:.1?}; coverage: {coverage:?}",
+        started.elapsed()
+    );
+    // The state checks had something to read: leases recorded by the driver
+    // and held by the backend, ready nodes, converged and deleted runs, and
+    // updates of every kind.
+    for key in [
+        "state:lease-seen-at-backend",
+        "state:ready-node",
+        "state:converged",
+        "state:gone",
+        "apply:Valid:changed",
+    ] {
+        assert!(
+            coverage.get(key).is_some_and(|n| *n > 0),
+            "level 2 never saw {key}: {coverage:?}"
+        );
+    }
 }
 
 /// Prints the generated trace of `CONFORMANCE_PRINT_TRACE=<seed>` (a tool for

@@ -187,11 +187,12 @@ pub enum Input {
     /// The current shape again, same generation: an idempotent no-op.
     Reapply,
     Faults(FaultMix),
-    /// The next `effect` the backend runs for the slot at `slot` (modulo the
-    /// slots the run holds, in slot order) ends with `outcome`.
+    /// The next operation with `effect` (any effect when `None`) that the
+    /// backend runs for the slot at `slot` (modulo the slots the run holds, in
+    /// slot order) ends with `outcome`.
     Inject {
         slot: u8,
-        effect: Effect,
+        effect: Option<Effect>,
         outcome: Forced,
     },
     /// The executor link breaks; messages on it are lost.
@@ -252,7 +253,8 @@ impl fmt::Display for Input {
                 effect,
                 outcome,
             } => {
-                write!(f, "inject:{slot}:{}:{}", effect_name(*effect), outcome.name())
+                let effect = effect.map_or("any", effect_name);
+                write!(f, "inject:{slot}:{effect}:{}", outcome.name())
             }
             Input::LinkDown => f.write_str("link-down"),
             Input::Reconnect => f.write_str("reconnect"),
@@ -340,10 +342,13 @@ impl FromStr for Input {
             ),
             "inject" => Input::Inject {
                 slot: small(1)?,
-                effect: parts
-                    .get(2)
-                    .and_then(|s| lookup(&Effect::ALL, effect_name, s))
-                    .ok_or_else(|| err("unknown effect"))?,
+                effect: match parts.get(2) {
+                    Some(&"any") => None,
+                    Some(s) => {
+                        Some(lookup(&Effect::ALL, effect_name, s).ok_or_else(|| err("unknown effect"))?)
+                    }
+                    None => return Err(err("missing effect")),
+                },
                 outcome: parts
                     .get(3)
                     .and_then(|s| lookup(&Forced::ALL, Forced::name, s))
@@ -411,7 +416,7 @@ mod tests {
         all.push(Input::Apply(Change::Bump));
         all.extend(Bad::ALL.map(Input::Reject));
         all.extend(FaultMix::ALL.map(Input::Faults));
-        for effect in Effect::ALL {
+        for effect in Effect::ALL.map(Some).into_iter().chain([None]) {
             for outcome in Forced::ALL {
                 all.push(Input::Inject {
                     slot: 7,

@@ -205,13 +205,16 @@ impl MemSut {
         out
     }
 
-    /// A pass of a copy of the driver's state under an extreme condition.
+    /// A pass of a copy of the driver's state under an extreme condition. The
+    /// pass must return an error that `expected` accepts, or (unless `must_fail`)
+    /// succeed because nothing in it reached the limit.
     fn limits_probe(
         what: &'static str,
         mut run: RunState,
         mut store: MemStore,
         now: UnixMillis,
         expected: fn(&CoreError) -> bool,
+        must_fail: bool,
     ) -> Probe {
         let before: Vec<_> = run.nodes().cloned().collect();
         let result = catch_unwind(AssertUnwindSafe(|| {
@@ -245,7 +248,7 @@ impl MemSut {
                 Probe::Limits {
                     what,
                     panicked: None,
-                    expected_error: error.as_ref().is_none_or(expected),
+                    expected_error: error.as_ref().map_or(!must_fail, expected),
                     error: error.map(|e| e.to_string()),
                     unchanged: !must_be_unchanged || before == after,
                 }
@@ -262,6 +265,7 @@ impl MemSut {
             self.sim.store.clone(),
             UnixMillis::new(u64::MAX - 1),
             |e| matches!(e, CoreError::Clock(_)),
+            false,
         )];
         let run = &self.sim.run;
         if run.is_deleting() {
@@ -290,6 +294,7 @@ impl MemSut {
                     self.sim.store.clone(),
                     self.sim.now,
                     |e| matches!(e, CoreError::AttemptsExhausted),
+                    true,
                 ));
             }
         }

@@ -1,20 +1,70 @@
 //! The conformance kit: seeded traces, an oracle for the twenty guarantees of
-//! SPEC.md section 6, a shrinker, and a battery that runs over any system under
-//! test.
+//! SPEC.md section 6 (plus no double-create and converged-leaks-nothing), a
+//! shrinker, and a battery that runs the same checks over any system under test.
 //!
-//! Layout:
+//! # How a seed is checked
+//!
+//! A seed fixes a [`World`] (initial shape, fake backend configuration, driver
+//! policy) and a generated trace: a faulty prefix of [`Input`]s (shape updates
+//! valid and invalid, fault rates, forced outcomes, link cuts, replays,
+//! resubmissions, conflicting probes, driver restarts, clock jumps, ticks,
+//! deletion). The [`runner`] applies the prefix to a system under test, then the
+//! fair tail: faults stop, forced outcomes are dropped, the link comes back, and
+//! the run must converge to its latest shape within [`TailBound`] passes; a
+//! safety tick over the converged run must change nothing; then the run is
+//! deleted and must be gone within the same bound, leaving nothing at the backend.
+//! After every round the [`oracle`] checks every guarantee. Guarantee 16 replays
+//! the trace (same state after every round) and replays it again with the cores
+//! applying independent work in reverse order (the same state, attempt ids
+//! renamed).
+//!
+//! # Levels
+//!
+//! - Level 1 ([`mem`]): the driver's `RunState`, the decider and the executor's
+//!   core over the fake provider, in memory on a virtual clock
+//!   ([`crate::sim`]), delivering in order or delayed, reordered and duplicated.
+//!   Every event is visible, so every guarantee is checked.
+//! - Level 2 ([`services`]): the three binaries over gRPC, driven through the
+//!   public API with the executor's seeded chaos, the link cut through a proxy
+//!   and the executor restarted to switch faults. Only states are visible (the
+//!   run's status with every node, and the executor's inventory), so the checks
+//!   that read states run: 1, 3, 8, 14 (ready resets), 15 (a tick over the
+//!   converged run changes no node), 17, 18, 19 (inventory), no double-create and
+//!   converged-leaks-nothing.
+//!
+//! # Replaying a failure, soaking
+//!
+//! A failure prints the guarantee, the seed, the round, the shrunk trace and a
+//! command that replays it:
+//!
+//! ```text
+//! CONFORMANCE_SEED=5 CONFORMANCE_DELIVERY=in-order CONFORMANCE_TRACE='step*20 conflict:0' \
+//!     cargo test -p provisioning-tests --test conformance replay -- --nocapture
+//! ```
+//!
+//! `CONFORMANCE_DEBUG=1` prints every round (events and every node), and
+//! `CONFORMANCE_SHRINK=1` shrinks a replayed trace further. The printed
+//! `check_trace(seed, Delivery::…, "…")` line is a regression test to paste into
+//! `tests/tests/conformance.rs`.
+//!
+//! `CONFORMANCE_SEEDS=5000` runs a soak at level 1 (256 seeds per delivery mode
+//! by default), `CONFORMANCE_L2_SEEDS` sets level 2's seed count (8 by default),
+//! and `CONFORMANCE_KEEP_GOING=1` lists every failing seed instead of stopping at
+//! the first (for triage; `CONFORMANCE_SKIP_INPUTS=conflict,advance` drops input
+//! kinds from generated traces while a known bug is being fixed).
+//!
+//! # Layout
+//!
 //! - [`input`]: the input alphabet of a trace and its replayable text form;
-//! - [`world`]: what a seed fixes besides the trace (initial shape, fake backend,
-//!   policy, delivery mode), how shape inputs become shapes, the generator;
+//! - [`world`]: what a seed fixes besides the trace, how shape inputs become
+//!   shapes, the generator;
 //! - [`record`]: what a system reports after each round;
-//! - [`oracle`]: one named check per guarantee, plus no double-create and
-//!   converged-leaks-nothing, and the fair tail's pass bound;
+//! - [`oracle`]: one named check per guarantee, and the fair tail's bound;
 //! - [`runner`]: the [`runner::SystemUnderTest`] seam, one trace with its fair
 //!   tail, guarantee 16's replays, the battery, failure reports;
 //! - [`shrink`]: delta debugging over a failing trace's inputs;
 //! - [`mutants`]: deliberately broken variants that the oracle must catch;
-//! - [`mem`]: level 1, the cores in memory with the fake backend;
-//! - [`services`]: level 2, the three real binaries over gRPC.
+//! - [`mem`] and [`services`]: the two systems under test.
 
 pub mod input;
 pub mod mem;

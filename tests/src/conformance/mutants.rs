@@ -73,6 +73,9 @@ pub enum Mutant {
     TwoActionsForOneNode,
     /// The driver queues another full pass after every step.
     AlwaysFollowUp,
+    /// A pass at a saturated clock panics (the probe's outcome, as the oracle
+    /// reads it, says so).
+    PanicAtSaturatedClock,
     /// A driver that takes other content at the same generation as a bump.
     LenientRevision,
     /// The backend destroys and re-creates instead of adopting.
@@ -82,7 +85,7 @@ pub enum Mutant {
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 24] = [
+    pub const ALL: [Mutant; 25] = [
         Mutant::ReuseAttemptIds,
         Mutant::FoldIntoCurrentAttempt,
         Mutant::CarryFactsIntoReplacement,
@@ -104,6 +107,7 @@ impl Mutant {
         Mutant::RestartBeforeCleanup,
         Mutant::TwoActionsForOneNode,
         Mutant::AlwaysFollowUp,
+        Mutant::PanicAtSaturatedClock,
         Mutant::LenientRevision,
         Mutant::RecreateInsteadOfAdopt,
         Mutant::DestroyLies,
@@ -131,7 +135,9 @@ impl Mutant {
             Mutant::LenientRevision => Guarantee::G17GenerationMonotonic,
             Mutant::ForgetOneSlot => Guarantee::G18FairConvergence,
             Mutant::RestartBeforeCleanup => Guarantee::G19ScaleDownHighestNoTwoLive,
-            Mutant::TwoActionsForOneNode | Mutant::AlwaysFollowUp => Guarantee::G20NoPanicNoSpin,
+            Mutant::TwoActionsForOneNode | Mutant::AlwaysFollowUp | Mutant::PanicAtSaturatedClock => {
+                Guarantee::G20NoPanicNoSpin
+            }
             Mutant::RecreateInsteadOfAdopt => Guarantee::NoDoubleCreate,
             Mutant::DestroyLies => Guarantee::ConvergedLeaksNothing,
         }
@@ -151,7 +157,7 @@ impl Mutant {
     pub fn view(self) -> Option<ViewTamper> {
         matches!(
             self,
-            Mutant::CarryFactsIntoReplacement | Mutant::DestroyedKeepsLease
+            Mutant::CarryFactsIntoReplacement | Mutant::DestroyedKeepsLease | Mutant::PanicAtSaturatedClock
         )
         .then(|| ViewTamper {
             mutant: self,
@@ -426,8 +432,9 @@ impl Tamper for Hooks {
     }
 }
 
-/// Tampering with the snapshot the oracle reads, for guarantees about state
-/// only: it remembers each attempt's lease and shows it where it must not be.
+/// Tampering with what the oracle reads, for checks of state or of probes run
+/// on copies: it remembers each attempt's lease and shows it where it must not
+/// be, or reports a limit probe as a panic.
 #[derive(Debug)]
 pub struct ViewTamper {
     mutant: Mutant,
@@ -436,6 +443,15 @@ pub struct ViewTamper {
 
 impl ViewTamper {
     pub fn tamper(&mut self, rec: &mut StepRecord) {
+        if self.mutant == Mutant::PanicAtSaturatedClock {
+            for p in &mut rec.probes {
+                if let super::record::Probe::Limits { what, panicked, .. } = p
+                    && what.contains("saturated")
+                {
+                    *panicked = Some("attempt to add with overflow".to_owned());
+                }
+            }
+        }
         for (id, n) in rec.state.nodes.iter_mut() {
             let remembered = self.leases.get(id).cloned();
             match (self.mutant, remembered) {

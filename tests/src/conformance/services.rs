@@ -87,7 +87,6 @@ pub struct ServiceSut {
     cluster: Cluster,
     proxy: Proxy,
     client: ProvisioningClient<Channel>,
-    executor_args: Vec<String>,
     world: World,
     uid: Option<String>,
     round: u64,
@@ -128,7 +127,7 @@ impl ServiceSut {
         let (cluster, proxy, client) = rt.block_on(async {
             let proxy = Proxy::start().await?;
             let mut opts = ClusterOptions {
-                executor_args: executor_args.clone(),
+                executor_args,
                 ..ClusterOptions::default()
             };
             for (flag, v) in [
@@ -154,7 +153,6 @@ impl ServiceSut {
             cluster,
             proxy,
             client,
-            executor_args,
             world: world.clone(),
             uid: None,
             round: 0,
@@ -342,7 +340,6 @@ impl ServiceSut {
         // The driver's stream went with the old process; it reconnects.
         self.proxy.cut();
         self.cluster.executor = svc;
-        self.executor_args = args;
         Ok(())
     }
 

@@ -267,7 +267,7 @@ pub fn bad_shape(current: &ClusterShape, bad: Bad) -> ClusterShape {
             template: Arc::new(template(Group::Work, "img:1")),
         });
     }
-    let first = |s: &mut ClusterShape| Arc::make_mut(&mut s.groups[0].template).clone();
+    let first = |s: &mut ClusterShape| (*s.groups[0].template).clone();
     match bad {
         Bad::Regress => {
             s = other_content(current);
@@ -359,19 +359,23 @@ fn pick_change(rng: &mut Rng, alphabet: Alphabet) -> Change {
 }
 
 fn pick_inject(rng: &mut Rng) -> Input {
-    let effect = pick(
-        rng,
-        &[
-            Effect::CreateLease,
-            Effect::CreateLease,
-            Effect::LookupEndpoint,
-            Effect::StartBootstrap,
-            Effect::StartBootstrap,
-            Effect::CancelBootstrap,
-            Effect::DestroyLease,
-            Effect::DestroyLease,
-        ],
-    );
+    // Most injections hit the slot's next operation whatever it is, so that
+    // they land; the rest wait for one effect (a destroy, say) to come.
+    let effect = if rng.chance(0.6) {
+        None
+    } else {
+        Some(pick(
+            rng,
+            &[
+                Effect::CreateLease,
+                Effect::LookupEndpoint,
+                Effect::StartBootstrap,
+                Effect::CancelBootstrap,
+                Effect::DestroyLease,
+                Effect::DestroyLease,
+            ],
+        ))
+    };
     let mut outcomes = vec![
         Forced::Retryable,
         Forced::AmbiguousDone,
@@ -379,11 +383,14 @@ fn pick_inject(rng: &mut Rng) -> Input {
         Forced::Hang,
         Forced::HangLate,
     ];
-    if matches!(effect, Effect::LookupEndpoint | Effect::StartBootstrap) {
+    if matches!(
+        effect,
+        None | Some(Effect::LookupEndpoint) | Some(Effect::StartBootstrap)
+    ) {
         outcomes.extend([Forced::NotReady, Forced::NotReady]);
     }
     // Permanent failures are rarer: they block a node until its spec changes.
-    let outcome = if rng.chance(0.08) {
+    let outcome = if rng.chance(0.06) {
         Forced::Permanent
     } else {
         pick(rng, &outcomes)
