@@ -951,6 +951,13 @@ impl ExecutorCore {
         changes
     }
 
+    /// Drops the record of changes, for a shell that keeps nothing durable.
+    pub fn clear_changes(&mut self) {
+        self.forgotten.clear();
+        self.dirty_runs.clear();
+        self.dirty_attempts.clear();
+    }
+
     /// A core rebuilt from what a previous incarnation kept: fencing epochs,
     /// retired attempts and completed operations (replayed on resubmission).
     /// Nothing is running after a restart; a resubmitted operation that had not

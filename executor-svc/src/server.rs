@@ -65,6 +65,9 @@ use crate::{
 /// test) is noticed within this much.
 const MAX_TIMER_SLEEP: Duration = Duration::from_secs(1);
 
+/// Events folded into one step (one store transaction) at most.
+const MAX_BATCH: usize = 1024;
+
 /// Tunables of the service.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -461,6 +464,9 @@ struct Actor {
     /// Set when the store refused a write: nothing more is accepted.
     store_failed: bool,
     metrics: ExecutorMetrics,
+    /// Messages of the current step, sent by `flush` after its changes are
+    /// durable.
+    outbox: Vec<(LinkId, pb::ExecutorMessage)>,
 }
 
 async fn sleep_for(delay: Option<Duration>) {
@@ -491,6 +497,7 @@ impl Actor {
             store: None,
             store_failed: false,
             metrics: ExecutorMetrics::new(),
+            outbox: Vec::new(),
         }
     }
 
@@ -527,6 +534,20 @@ impl Actor {
                 () = sleep_for(timer) => Event::Tick,
             };
             self.fold(event);
+            // Whatever else is already queued joins this step, so that its
+            // changes are written in one transaction (one fsync) before any of
+            // its messages leave.
+            for _ in 0..MAX_BATCH {
+                let next = match events.try_recv() {
+                    Ok(ev) => ev,
+                    Err(_) => match observations.try_recv() {
+                        Ok(raw) => Event::Observation(raw),
+                        Err(_) => break,
+                    },
+                };
+                self.fold(next);
+            }
+            self.flush();
             self.metrics.running.set(&[], self.tasks.len() as f64);
             self.metrics.links.set(&[], self.links.len() as f64);
         }
@@ -634,8 +655,8 @@ impl Actor {
         }
         match self.core.claim(&claim) {
             Ok(()) => {
-                // The epoch is durable before the driver hears it was accepted.
-                self.persist();
+                // The acceptance leaves with the step's flush, after the epoch
+                // is durable.
                 let run_uid = claim.run_uid;
                 self.routes.insert(run_uid, link);
                 let accepted = pb::executor_message::Kind::Claimed(pb::ClaimAccepted {
@@ -781,7 +802,6 @@ impl Actor {
     /// Carries out the core's outputs. Rejections go to `origin`, the link whose
     /// message caused them; the core makes none without one.
     fn apply(&mut self, out: Vec<Output>, origin: Option<LinkId>, trace: &TraceContext) {
-        self.persist();
         for output in out {
             match output {
                 Output::Start(op) => self.start(op),
@@ -822,10 +842,11 @@ impl Actor {
     /// A failed write stops the executor from accepting more work: its durable
     /// state would no longer match what drivers were told.
     fn persist(&mut self) {
-        let changes = self.core.take_changes();
         let Some(store) = &self.store else {
+            self.core.clear_changes();
             return;
         };
+        let changes = self.core.take_changes();
         if let Err(e) = store.apply(&changes) {
             tracing::error!(error = %e, "the executor store refused a write; refusing further work");
             self.store_failed = true;
@@ -907,7 +928,21 @@ impl Actor {
         }
     }
 
+    /// Queues a message for `link`; [`Actor::flush`] sends it once the step's
+    /// durable changes are written.
     fn send(&mut self, link: LinkId, msg: pb::ExecutorMessage) {
+        self.outbox.push((link, msg));
+    }
+
+    /// Writes the step's durable changes, then sends its messages.
+    fn flush(&mut self) {
+        self.persist();
+        for (link, msg) in std::mem::take(&mut self.outbox) {
+            self.send_now(link, msg);
+        }
+    }
+
+    fn send_now(&mut self, link: LinkId, msg: pb::ExecutorMessage) {
         let Some(state) = self.links.get(&link) else {
             return;
         };
