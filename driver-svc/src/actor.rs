@@ -30,7 +30,7 @@ use tokio::{
 use tracing::{Instrument as _, field::Empty};
 
 use crate::{
-    core::{AckRef, Applied, ApplyError, Fold, PassPlan, RunState},
+    core::{AbandonedNode, AckRef, Applied, ApplyError, Fold, PassPlan, RunState},
     driver::{DriverError, QUEUE, Shared},
     link::FromExecutor,
     status::run_status,
@@ -70,6 +70,16 @@ pub enum RunEvent {
     Plan {
         shape: ClusterShape,
         reply: oneshot::Sender<Result<pb::PlanResponse, ApplyError>>,
+    },
+    /// An operator abandons a node: the run forgets it, commits, and answers
+    /// with what the node left behind (`None`: no such node).
+    Abandon {
+        node: LogicalNodeId,
+        reply: oneshot::Sender<Result<Option<AbandonedNode>, DriverError>>,
+    },
+    /// The orphan sweep asks which (node, attempt) pairs the run holds.
+    Holdings {
+        reply: oneshot::Sender<Vec<(LogicalNodeId, contract::AttemptId)>>,
     },
     FromExecutor(FromExecutor),
     LinkUp(u64),
@@ -392,6 +402,34 @@ impl RunActor {
             }
             RunEvent::Plan { shape, reply } => {
                 let _ = reply.send(self.plan(shape, now));
+            }
+            RunEvent::Abandon { node, reply } => {
+                let result = match &self.halted {
+                    Some(why) => Err(DriverError::Halted(why.clone())),
+                    None => match self.run.abandon(&node, now) {
+                        Some(left) => {
+                            // The pending operation's span ends here: its
+                            // outcome will never be folded.
+                            let ops: Vec<OperationId> = self
+                                .in_flight
+                                .iter()
+                                .filter(|(_, f)| f.node == node)
+                                .map(|(id, _)| *id)
+                                .collect();
+                            for id in ops {
+                                self.close_operation(id, "abandoned", now);
+                            }
+                            self.triggered();
+                            self.commit().map(|()| Some(left))
+                        }
+                        None => Ok(None),
+                    },
+                };
+                self.changed = true;
+                let _ = reply.send(result);
+            }
+            RunEvent::Holdings { reply } => {
+                let _ = reply.send(self.run.nodes().map(|n| (n.id.clone(), n.attempt)).collect());
             }
             RunEvent::FromExecutor(msg) => self.on_executor_message(msg, now),
             RunEvent::LinkUp(generation) => self.link_up(generation),

@@ -168,16 +168,21 @@ impl Provisioning for Api {
 
     async fn abandon_node(
         &self,
-        _req: Request<pb::AbandonNodeRequest>,
+        req: Request<pb::AbandonNodeRequest>,
     ) -> Result<Response<pb::AbandonNodeResponse>, Status> {
-        Err(Status::unimplemented("abandoning a node is not available yet"))
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        let orphan = self.driver.abandon(id, &r.node_id).await.map_err(to_status)?;
+        Ok(Response::new(pb::AbandonNodeResponse { orphan: Some(orphan) }))
     }
 
     async fn list_orphans(
         &self,
         _req: Request<pb::ListOrphansRequest>,
     ) -> Result<Response<pb::ListOrphansResponse>, Status> {
-        Err(Status::unimplemented("the orphan report is not available yet"))
+        Ok(Response::new(pb::ListOrphansResponse {
+            orphans: self.driver.orphans(),
+        }))
     }
 }
 

@@ -20,6 +20,7 @@ use crate::{
     actor::{RunActor, RunEvent, RunHandle},
     core::{Applied, ApplyError, PassOutcome, Policy, RunState, RunStore, StoreError},
     link::Link,
+    orphans::{Holdings, Orphans},
 };
 
 /// Driver-wide counters, and the driver's Prometheus metrics (each is
@@ -318,6 +319,7 @@ pub(crate) struct Shared {
     pub(crate) policy: Arc<Policy>,
     pub(crate) safety_tick: Duration,
     pub(crate) metrics: Metrics,
+    pub(crate) orphans: Orphans,
     runs: RwLock<HashMap<RunId, RunHandle>>,
 }
 
@@ -397,6 +399,7 @@ impl Driver {
             policy: Arc::new(config.policy),
             safety_tick: config.safety_tick,
             metrics: Metrics::default(),
+            orphans: Orphans::new(),
             runs: RwLock::new(HashMap::new()),
         });
         register_scrape(&shared);
@@ -603,6 +606,66 @@ impl Driver {
         {
             tracing::warn!(?within, "some runs did not stop in time");
         }
+    }
+
+    /// An operator abandons a node: the run forgets it (a desired slot is
+    /// re-provisioned under a fresh attempt) and what it left behind joins
+    /// the orphan report.
+    pub async fn abandon(&self, run_id: &str, node: &str) -> Result<pb::Orphan, DriverError> {
+        let id =
+            LogicalNodeId::parse("node_id", node).map_err(|e| DriverError::Apply(ApplyError::Invalid(e)))?;
+        let left = self
+            .ask(run_id, |reply| RunEvent::Abandon { node: id, reply })
+            .await??
+            .ok_or_else(|| DriverError::NodeNotFound {
+                run: run_id.to_owned(),
+                node: node.to_owned(),
+            })?;
+        Ok(self.shared.orphans.abandoned(&left))
+    }
+
+    /// The orphan report: abandoned nodes, then what the sweep found.
+    pub fn orphans(&self) -> Vec<pb::Orphan> {
+        self.shared.orphans.list()
+    }
+
+    /// What every run holds: run uid → node → current attempt. A run whose
+    /// actor is gone is left out (it was deleted).
+    pub async fn holdings(&self) -> Holdings {
+        let handles: Vec<RunHandle> = self
+            .shared
+            .runs
+            .read()
+            .map(|r| r.values().cloned().collect())
+            .unwrap_or_default();
+        let mut held = Holdings::new();
+        for h in handles {
+            let (tx, rx) = oneshot::channel();
+            if h.tx.send(RunEvent::Holdings { reply: tx }).is_err() {
+                continue;
+            }
+            if let Ok(nodes) = rx.await {
+                held.insert(
+                    h.uid.to_string(),
+                    nodes.into_iter().map(|(n, a)| (n.to_string(), a.get())).collect(),
+                );
+            }
+        }
+        held
+    }
+
+    /// One orphan sweep over `inventory` (read from the executor just
+    /// before): compares it with what the runs hold now. Returns the orphans
+    /// this sweep reported for the first time.
+    pub async fn sweep_orphans(&self, inventory: &[pb::Resource]) -> Vec<pb::Orphan> {
+        let held = self.holdings().await;
+        let now = self.shared.clock.now().as_millis();
+        self.shared.orphans.sweep(inventory, &held, now)
+    }
+
+    /// An orphan sweep could not read the inventory.
+    pub fn sweep_failed(&self) {
+        self.shared.orphans.sweep_failed();
     }
 
     pub async fn delete(&self, run_id: &str) -> Result<pb::RunStatus, DriverError> {

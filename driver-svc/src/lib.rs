@@ -5,6 +5,7 @@
 //! commit → submit), folding of results, observations and deadlines. Around it:
 //! [`actor`] runs one single-writer task per run; [`driver`] is the registry of
 //! runs; [`link`] keeps the stream to the executor; [`api`] serves clients;
+//! [`orphans`] keeps the orphan report and runs the orphan sweep;
 //! [`status`] builds what clients read; [`server`] assembles it all.
 //! [`client`] is the logic of `provisionctl`, the command-line client, and
 //! [`shapefile`] its file format.
@@ -18,6 +19,7 @@ pub mod core;
 pub mod driver;
 pub mod durable;
 pub mod link;
+pub mod orphans;
 pub mod server;
 pub mod shapefile;
 pub mod status;

@@ -56,6 +56,10 @@ struct Cli {
     max_nodes_per_group: u32,
     #[arg(long, env = "DRIVER_MAX_NODES_TOTAL", default_value_t = 200_000)]
     max_nodes_total: u64,
+    /// How often the orphan sweep compares the executor's inventory with the
+    /// runs (the first sweep follows the executor link coming up); 0 = off.
+    #[arg(long, env = "DRIVER_ORPHAN_SWEEP_MS", default_value_t = 60_000)]
+    orphan_sweep_ms: u64,
     /// Where run state is kept: `redb` (durable, in --data-dir) or `memory`
     /// (lost when the process ends).
     #[arg(long, env = "DRIVER_STORE", value_enum, default_value_t = StoreKind::Redb)]
@@ -131,6 +135,7 @@ async fn main() -> anyhow::Result<()> {
             safety_tick: Duration::from_millis(cli.safety_tick_ms),
             store,
             clock: Arc::new(contract::SystemClock),
+            orphan_sweep: Duration::from_millis(cli.orphan_sweep_ms),
         },
     )
     .await;

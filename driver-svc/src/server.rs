@@ -5,18 +5,23 @@ use std::{sync::Arc, time::Duration};
 
 use contract::{
     Clock,
-    pb::{decider_client::DeciderClient, provisioning_server::ProvisioningServer},
+    pb::{
+        decider_client::DeciderClient, executor_client::ExecutorClient,
+        provisioning_server::ProvisioningServer,
+    },
     telemetry::grpc::{ServerLayer, traced},
 };
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Endpoint;
+use tracing::Instrument as _;
 
 use crate::{
     api::Api,
     core::{Policy, RunStore},
     driver::{Driver, DriverConfig},
     link::Link,
+    orphans::SweepConfig,
 };
 
 /// How long the runs get to stop at shutdown (a pass in flight waits for its
@@ -33,6 +38,8 @@ pub struct Config {
     pub safety_tick: Duration,
     pub store: Box<dyn RunStore>,
     pub clock: Arc<dyn Clock>,
+    /// Between orphan sweeps; zero turns the sweep off.
+    pub orphan_sweep: Duration,
 }
 
 /// Serves the driver on `listener` until `shutdown` resolves.
@@ -51,6 +58,9 @@ pub async fn run(
         .connect_timeout(Duration::from_secs(2))
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10));
+    // The orphan sweep's calls (Inventory) use their own channel, with a
+    // request timeout the long-lived link stream cannot have.
+    let inventory_endpoint = executor_endpoint.clone().timeout(Duration::from_secs(30));
     let link = Link::new();
     let driver = Driver::start(DriverConfig {
         store: config.store,
@@ -72,6 +82,20 @@ pub async fn run(
         }
     });
 
+    let sweep_task = (!config.orphan_sweep.is_zero()).then(|| {
+        let inventory = ExecutorClient::new(traced(inventory_endpoint.connect_lazy()))
+            .max_decoding_message_size(64 << 20);
+        let mut stop = stop_rx.clone();
+        let driver = driver.clone();
+        let sweep = SweepConfig::new(config.orphan_sweep);
+        tokio::spawn(async move {
+            tokio::select! {
+                () = sweep_orphans(driver, inventory, sweep) => {}
+                _ = stop.wait_for(|s| *s) => {}
+            }
+        })
+    });
+
     let (_reporter, health, reflection) =
         contract::runtime::health_and_reflection::<ProvisioningServer<Api>>().await?;
     let api = ProvisioningServer::new(Api::new(driver.clone()));
@@ -91,6 +115,66 @@ pub async fn run(
     driver.shutdown(RUNS_STOP_WITHIN).await;
     let _ = stop_tx.send(true);
     let _ = link_task.await;
+    if let Some(t) = sweep_task {
+        let _ = t.await;
+    }
     result?;
     Ok(())
+}
+
+/// The orphan sweep: shortly after the executor link comes up (each time it
+/// does), then every `config.every` while it stays up, reads the executor's
+/// inventory and compares it with the runs (see [`crate::orphans`]).
+async fn sweep_orphans(
+    driver: Driver,
+    mut executor: ExecutorClient<contract::telemetry::grpc::TracedChannel>,
+    config: SweepConfig,
+) {
+    let poll = config
+        .after_link_up
+        .min(Duration::from_millis(200))
+        .max(Duration::from_millis(10));
+    let mut seen_link: Option<u64> = None;
+    let mut next: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::time::sleep(poll).await;
+        let link = driver.link().generation();
+        if link.is_none() {
+            seen_link = None;
+            next = None;
+            continue;
+        }
+        if link != seen_link {
+            seen_link = link;
+            next = Some(tokio::time::Instant::now() + config.after_link_up);
+        }
+        if next.is_none_or(|t| t > tokio::time::Instant::now()) {
+            continue;
+        }
+        next = Some(tokio::time::Instant::now() + config.every);
+        // A sweep is routine: its span is an unsampled root, so neither the
+        // Inventory call nor the executor's side of it is recorded (an idle
+        // driver makes no spans).
+        let span = tracing::info_span!(parent: None, "orphan sweep");
+        contract::telemetry::set_unsampled_root(&span);
+        let inventory = executor
+            .inventory(contract::pb::InventoryRequest::default())
+            .instrument(span)
+            .await;
+        match inventory {
+            Ok(r) => {
+                let resources = r.into_inner().resources;
+                let new = driver.sweep_orphans(&resources).await;
+                tracing::debug!(
+                    resources = resources.len(),
+                    new_orphans = new.len(),
+                    "orphan sweep"
+                );
+            }
+            Err(status) => {
+                driver.sweep_failed();
+                tracing::warn!(%status, "orphan sweep: the executor's inventory could not be read");
+            }
+        }
+    }
 }

@@ -192,6 +192,23 @@ impl Entry {
     }
 }
 
+/// What an abandoned node left behind: its identity and the live facts the
+/// driver knew when it forgot the node (see [`RunState::abandon`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AbandonedNode {
+    pub run_uid: RunUid,
+    pub run_id: RunId,
+    pub node: LogicalNodeId,
+    pub attempt: AttemptId,
+    pub lease: Option<contract::LeaseId>,
+    pub endpoint: Option<contract::Endpoint>,
+    pub session: Option<contract::SessionId>,
+    /// The operation that was pending when the node was abandoned, if any
+    /// (its result, should one come, is discarded as unknown).
+    pub pending: Option<OperationId>,
+    pub at: UnixMillis,
+}
+
 /// Counters a run keeps for metrics and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunCounters {
@@ -333,6 +350,36 @@ impl RunState {
 
     pub fn is_paused(&self) -> bool {
         self.meta.paused
+    }
+
+    /// An operator abandons a node (its cleanup fails permanently): the node
+    /// is removed from the run state and what it left behind is returned, to
+    /// be listed as an orphan. Its pending operation, if any, is forgotten (a
+    /// late result for it is discarded). A slot that is still desired is
+    /// re-inserted by the next pass under a fresh attempt. `None` if the run
+    /// holds no such node. The removal is written by the next commit.
+    pub fn abandon(&mut self, id: &LogicalNodeId, now: UnixMillis) -> Option<AbandonedNode> {
+        let e = self.nodes.remove(id)?;
+        let n = &e.rec.node;
+        if n.pending.is_some() {
+            self.pending_ops = self.pending_ops.saturating_sub(1);
+        }
+        self.changed.remove(id);
+        self.removed.insert(id.clone());
+        // The next pass looks at the whole run (the slot is missing now).
+        self.full = true;
+        self.urgent = true;
+        Some(AbandonedNode {
+            run_uid: self.meta.uid,
+            run_id: self.meta.run_id.clone(),
+            node: id.clone(),
+            attempt: n.attempt,
+            lease: n.facts.lease.clone(),
+            endpoint: n.facts.endpoint.clone(),
+            session: n.facts.session.clone(),
+            pending: n.pending.map(|p| p.id),
+            at: now,
+        })
     }
 
     /// Deleted and every node reaped: the run can be forgotten.
@@ -1416,5 +1463,136 @@ fn human(d: Duration) -> String {
         format!("{}s", d.as_secs())
     } else {
         format!("{}ms", d.as_millis())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use crate::core::MemStore;
+
+    const T0: UnixMillis = UnixMillis::new(1_700_000_000_000);
+    const UID: RunUid = RunUid::from_u128(0xfeed);
+
+    fn shape() -> ClusterShape {
+        ClusterShape {
+            run_id: RunId::parse("run_id", "orph").unwrap(),
+            generation: Generation::new(1),
+            groups: vec![contract::NodeGroup {
+                id: contract::GroupId::parse("id", "workers").unwrap(),
+                count: 2,
+                template: Arc::new(contract::shape::example_template("fake", "img:1")),
+            }],
+        }
+    }
+
+    fn node(s: &str) -> LogicalNodeId {
+        LogicalNodeId::parse("node", s).unwrap()
+    }
+
+    fn pass(run: &mut RunState, store: &mut MemStore, now: UnixMillis) -> PassOutcome {
+        let plan = run.begin_pass(now).unwrap();
+        let out = {
+            let view = run.desired_view();
+            decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
+        };
+        run.apply_decisions(plan, out, now, store).unwrap()
+    }
+
+    /// Two nodes inserted, each with a `CreateLease` pending; `workers-0`
+    /// also knows a lease, an endpoint and a session.
+    fn run_with_live_node() -> (RunState, MemStore) {
+        let mut run = RunState::create(shape(), UID, Epoch::new(1), Arc::new(Policy::default()), T0).unwrap();
+        let mut store = MemStore::new();
+        let _ = pass(&mut run, &mut store, T0);
+        let _ = pass(&mut run, &mut store, T0);
+        assert_eq!(run.pending_count(), 2, "both nodes have a create pending");
+        let e = run.nodes.get_mut(&node("workers-0")).unwrap();
+        e.rec.node.facts.lease = Some(contract::LeaseId::new("lease", "lease-w0").unwrap());
+        e.rec.node.facts.endpoint = Some(contract::Endpoint::new("endpoint", "127.0.0.1:4000").unwrap());
+        e.rec.node.facts.session = Some(contract::SessionId::new("session", "s-w0").unwrap());
+        (run, store)
+    }
+
+    #[test]
+    fn abandon_records_identity_and_live_facts_and_forgets_the_node() {
+        let (mut run, mut store) = run_with_live_node();
+        let before = run.node(&node("workers-0")).unwrap().clone();
+        let pending = before.pending.unwrap().id;
+        let at = T0.checked_add(Duration::from_secs(5)).unwrap();
+
+        let left = run.abandon(&node("workers-0"), at).unwrap();
+        assert_eq!(left.run_uid, UID);
+        assert_eq!(left.run_id.as_str(), "orph");
+        assert_eq!(left.node, node("workers-0"));
+        assert_eq!(left.attempt, before.attempt);
+        assert_eq!(left.lease.as_ref().map(|l| l.as_str()), Some("lease-w0"));
+        assert_eq!(left.endpoint.as_ref().map(|e| e.as_str()), Some("127.0.0.1:4000"));
+        assert_eq!(left.session.as_ref().map(|s| s.as_str()), Some("s-w0"));
+        assert_eq!(left.pending, Some(pending));
+        assert_eq!(left.at, at);
+
+        assert!(run.node(&node("workers-0")).is_none());
+        assert!(
+            run.node(&node("workers-1")).is_some(),
+            "other nodes are untouched"
+        );
+        assert_eq!(run.pending_count(), 1);
+        assert!(run.uncommitted());
+        let _ = run.commit(&mut store).unwrap();
+        let stored = store.load_all().unwrap();
+        let ids: Vec<String> = stored[0].nodes.iter().map(|n| n.node.id.to_string()).collect();
+        assert_eq!(ids, vec!["workers-1".to_owned()], "the removal is committed");
+    }
+
+    #[test]
+    fn an_abandoned_desired_slot_is_reinserted_with_a_fresh_attempt() {
+        let (mut run, mut store) = run_with_live_node();
+        let old = run.node(&node("workers-0")).unwrap().attempt;
+        let highest = run.nodes().map(|n| n.attempt.get()).max().unwrap();
+        let _ = run.abandon(&node("workers-0"), T0).unwrap();
+        let _ = run.commit(&mut store).unwrap();
+        assert!(run.needs_pass(T0), "the missing slot asks for a pass");
+        let _ = pass(&mut run, &mut store, T0);
+        let again = run.node(&node("workers-0")).expect("re-inserted").attempt;
+        assert_ne!(again, old);
+        assert!(again.get() > highest, "attempts are never reused");
+    }
+
+    #[test]
+    fn a_late_result_for_the_abandoned_attempt_is_discarded() {
+        let (mut run, mut store) = run_with_live_node();
+        let p = run.node(&node("workers-0")).unwrap().pending.unwrap();
+        let _ = run.abandon(&node("workers-0"), T0).unwrap();
+        let _ = pass(&mut run, &mut store, T0);
+        let r = OperationResult {
+            run_uid: UID,
+            node: node("workers-0"),
+            id: p.id,
+            effect: p.effect,
+            outcome: Outcome::Succeeded(contract::ResultFacts::default()),
+            completed_at: T0,
+            late: false,
+            replayed: false,
+            trace: TraceContext::default(),
+        };
+        let before = format!("{:?}", run.node(&node("workers-0")));
+        assert!(matches!(run.fold_result(&r, T0).unwrap(), Fold::Discarded(_)));
+        assert_eq!(before, format!("{:?}", run.node(&node("workers-0"))));
+    }
+
+    #[test]
+    fn abandoning_an_unknown_node_changes_nothing() {
+        let (mut run, mut store) = run_with_live_node();
+        let _ = run.commit(&mut store).unwrap();
+        let before = format!("{:?}|{:?}", run.meta(), run.nodes().collect::<Vec<_>>());
+        assert!(run.abandon(&node("workers-7"), T0).is_none());
+        assert!(!run.uncommitted());
+        assert_eq!(
+            before,
+            format!("{:?}|{:?}", run.meta(), run.nodes().collect::<Vec<_>>())
+        );
     }
 }
