@@ -40,6 +40,13 @@ use crate::{
 /// past this the pass still runs, but names only its first causes.
 const MAX_CAUSES: usize = 16;
 
+/// The status is rebuilt (O(nodes)) at most this often while only counts move.
+const PUBLISH_EVERY: Duration = Duration::from_millis(100);
+
+/// What makes a status change worth publishing at once: generation,
+/// converged, deleting, paused, gone, halted.
+type PhaseKey = (u64, bool, bool, bool, bool, bool);
+
 /// Everything a run actor reacts to.
 #[derive(Debug)]
 pub enum RunEvent {
@@ -117,6 +124,10 @@ pub(crate) struct RunActor {
     decider_retry_at: Option<Instant>,
     next_safety_tick: Instant,
     changed: bool,
+    /// When the status was last published, and the phase it showed: the
+    /// status (O(nodes) to build) is published at most every
+    /// `PUBLISH_EVERY`, except that a phase change goes out at once.
+    last_publish: Option<(Instant, PhaseKey)>,
     acks: Vec<AckRef>,
     /// Set when the store refused a write: the run does nothing more.
     halted: Option<String>,
@@ -205,6 +216,7 @@ impl RunActor {
             decider_failures: 0,
             decider_retry_at: None,
             changed: true,
+            last_publish: None,
             acks: Vec::new(),
             halted: None,
             pass_span: None,
@@ -284,6 +296,11 @@ impl RunActor {
     /// safety tick.
     fn next_wake(&self) -> Instant {
         let mut wake = self.next_safety_tick;
+        if self.changed
+            && let Some((at, _)) = self.last_publish
+        {
+            wake = wake.min(at + PUBLISH_EVERY);
+        }
         if let Some(t) = self.run.poll_timeout() {
             wake = wake.min(self.instant_of(t));
         }
@@ -1013,11 +1030,34 @@ impl RunActor {
         );
     }
 
+    fn phase_key(&self) -> PhaseKey {
+        let m = self.run.meta();
+        (
+            m.shape.generation.get(),
+            m.converged_at.is_some(),
+            m.deleting,
+            m.paused,
+            self.run.is_gone(),
+            self.halted.is_some(),
+        )
+    }
+
     fn publish(&mut self) {
         if !self.changed {
             return;
         }
+        let key = self.phase_key();
+        let now = Instant::now();
+        let due = match self.last_publish {
+            None => true,
+            Some((at, last_key)) => last_key != key || now >= at + PUBLISH_EVERY,
+        };
+        if !due {
+            // `next_wake` brings the actor back when it is due.
+            return;
+        }
         self.changed = false;
+        self.last_publish = Some((now, key));
         let status = run_status(&self.run, false, self.now());
         self.status.send_replace(Arc::new(status));
     }
