@@ -35,6 +35,9 @@ pub enum FromExecutor {
 
 type Outbound = mpsc::UnboundedSender<pb::DriverMessage>;
 
+/// How long opening the link stream may take before the driver reconnects.
+const LINK_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+
 #[derive(Debug, Default)]
 struct Inner {
     current: Mutex<Option<(u64, Outbound)>>,
@@ -190,11 +193,19 @@ impl Link {
         if let Ok(mut c) = self.inner.current.lock() {
             *c = Some((generation, tx));
         }
-        let response = client.link(UnboundedReceiverStream::new(rx)).await;
+        // An executor that accepted the connection but never answers the call
+        // (its actor stalled) must not hold the link down for good: give up
+        // and reconnect.
+        let response =
+            tokio::time::timeout(LINK_OPEN_TIMEOUT, client.link(UnboundedReceiverStream::new(rx))).await;
         let mut inbound = match response {
-            Ok(r) => r.into_inner(),
-            Err(status) => {
+            Ok(Ok(r)) => r.into_inner(),
+            Ok(Err(status)) => {
                 tracing::warn!(%status, "executor refused the link");
+                return false;
+            }
+            Err(_) => {
+                tracing::warn!(timeout = ?LINK_OPEN_TIMEOUT, "executor did not answer the link; reconnecting");
                 return false;
             }
         };

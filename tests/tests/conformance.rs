@@ -6,6 +6,7 @@
 //! - `CONFORMANCE_SEEDS=N`: level-1 seeds per delivery mode (default 256), for
 //!   soak runs;
 //! - `CONFORMANCE_L2_SEEDS=N`: level-2 seeds (default 8);
+//! - `CONFORMANCE_L3_SEEDS=N`: level-3 seeds (default 16);
 //! - `CONFORMANCE_SEED`, `CONFORMANCE_DELIVERY` (`in-order` or `chaotic`) and
 //!   `CONFORMANCE_TRACE`: what the `replay` test replays (a failure prints them).
 
@@ -450,6 +451,152 @@ fn level2_services() {
             "level 2 never saw {key}: {coverage:?}"
         );
     }
+}
+
+/// Level 3: the level-2 battery against the process backend, every lease a
+/// real `node-agent` process under a state directory of the seed's own. Faults
+/// come from the agents themselves: the shapes of the faulty prefix carry
+/// `fault.*` boot parameters for some groups (crash or fail at a stage, hang,
+/// a delayed endpoint), and the fair tail applies a new generation with clean
+/// templates, to which the run must converge. On top of the level-2 checks, no
+/// double-create and converged-leaks-nothing are checked against the OS
+/// process table, sampled every 20 ms while a round waits: never two live
+/// agents for one slot (nor two PIDs for one identity), exactly one agent per
+/// node of its current attempt when converged, none once the run is deleted.
+#[test]
+fn level3_process_backend() {
+    let seeds = env_u64("CONFORMANCE_L3_SEEDS", 16);
+    let started = Instant::now();
+    let mut coverage = std::collections::BTreeMap::<String, u64>::new();
+    for seed in 1..=seeds {
+        let world = services::world_l3(seed);
+        let trace = generate(seed, Alphabet::Services, prefix_len(seed, Alphabet::Services));
+        let mut sut = ServiceSut::start_process(&world)
+            .unwrap_or_else(|e| panic!("level 3 seed {seed}: cannot start: {e:#}"));
+        let seed_started = Instant::now();
+        let result = run_sut(&mut sut, &world, &trace);
+        if result.is_err() {
+            sut.dump_logs();
+        }
+        // Every agent goes, even after a failure: the run is deleted, then
+        // anything left under the seed's directory is killed.
+        let dir = sut.agents_dir().map(std::path::Path::to_owned);
+        let killed = sut.reap_agents();
+        sut.stop();
+        if let Some(dir) = dir {
+            assert!(
+                services::live_agents(&dir).is_empty(),
+                "level 3 seed {seed}: agents outlived the test"
+            );
+        }
+        match result {
+            Ok(out) => {
+                for (k, v) in &out.coverage {
+                    *coverage.entry(k.clone()).or_default() += v;
+                }
+                // A run that passed was deleted and its agents destroyed
+                // through the product; none was left for the harness to kill.
+                assert_eq!(killed, 0, "level 3 seed {seed}: the harness had to kill agents");
+                eprintln!(
+                    "level 3 seed {seed}: {} inputs, {} polls, highest attempt {}, failures up to {}, {} updates rejected; the tail took {} of {} passes; {:.1?}",
+                    trace.len(),
+                    out.rounds,
+                    out.highest_attempt,
+                    out.max_failures,
+                    out.rejected_updates,
+                    out.tail_passes,
+                    out.tail_bound,
+                    seed_started.elapsed()
+                )
+            }
+            Err(vs) => {
+                let v = &vs[0];
+                panic!(
+                    "level 3 conformance failure: {:?} ({})\n  seed {seed} at {}\n  detail: {}\n  initial shape: {:?}\n  trace: {}",
+                    v.guarantee,
+                    v.guarantee.text(),
+                    v.at,
+                    v.detail,
+                    world.initial,
+                    format_trace(&trace)
+                );
+            }
+        }
+    }
+    eprintln!(
+        "level 3: {seeds} seeds in {:.1?}; coverage: {coverage:?}",
+        started.elapsed()
+    );
+    for key in [
+        "state:lease-seen-at-backend",
+        "state:ready-node",
+        "state:converged",
+        "state:gone",
+        "process:agent-of-current-attempt",
+        "process:counted-at-convergence",
+        "process:counted-after-delete",
+        "process:shape-with:fault.crash_at",
+        "process:shape-with:fault.fail_at",
+        "process:shape-with:fault.endpoint_delay_ms",
+    ] {
+        assert!(
+            coverage.get(key).is_some_and(|n| *n > 0),
+            "level 3 never saw {key}: {coverage:?}"
+        );
+    }
+}
+
+/// Level 3's process-table checks can fail: over a converged round of the
+/// in-memory system, a process sample that matches the inventory passes, a
+/// second live agent for one slot (or a second PID for one identity) breaks no
+/// double-create, and a missing agent breaks converged-leaks-nothing.
+#[test]
+fn level3_process_checks_can_fail() {
+    use provisioning_tests::conformance::{
+        mem::MemSut,
+        oracle::Oracle,
+        record::{Phase, StepRecord},
+        runner::SystemUnderTest,
+    };
+    let world = World::new(3, Delivery::InOrder);
+    let mut sut = MemSut::new(&world, false, None).unwrap();
+    let mut rec = sut.initial().unwrap();
+    for _ in 0..2_000 {
+        if rec.state.converged && rec.quiescent {
+            break;
+        }
+        rec = sut.round(Phase::Tail).unwrap();
+    }
+    assert!(
+        rec.state.converged && rec.quiescent,
+        "the quiet world did not converge"
+    );
+    let agents = rec.inventory.clone().unwrap();
+    assert!(agents.len() > 1, "{agents:?}");
+    let check = |processes: Vec<Vec<provisioning_tests::conformance::record::Resource>>| {
+        let mut r: StepRecord = rec.clone();
+        r.processes = processes;
+        let mut oracle = Oracle::new(world.policy.clone());
+        oracle
+            .check(&r)
+            .into_iter()
+            .map(|v| v.guarantee)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(check(vec![agents.clone()]), Vec::<Guarantee>::new());
+    // Two live agents for one slot in an earlier sample.
+    let mut doubled = agents.clone();
+    let mut second = agents[0].clone();
+    second.attempt = contract::AttemptId::new(second.attempt.get() + 1_000);
+    second.lease = "4242".to_owned();
+    doubled.push(second);
+    assert!(check(vec![doubled, agents.clone()]).contains(&Guarantee::NoDoubleCreate));
+    // One identity served by two PIDs, one sample after the other.
+    let mut respawned = agents.clone();
+    respawned[0].lease = "4243".to_owned();
+    assert!(check(vec![agents.clone(), respawned]).contains(&Guarantee::NoDoubleCreate));
+    // A converged run with a node's agent gone.
+    assert!(check(vec![agents[1..].to_vec()]).contains(&Guarantee::ConvergedLeaksNothing));
 }
 
 /// Prints the generated trace of `CONFORMANCE_PRINT_TRACE=<seed>` (a tool for

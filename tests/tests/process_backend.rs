@@ -95,10 +95,37 @@ async fn converged(cluster: &Cluster, generation: u64) -> pb::RunStatus {
     }
 }
 
-fn agents_dir() -> (tempfile::TempDir, PathBuf) {
+/// A test's agent directory. Dropping it SIGKILLs every agent still running
+/// under it, so a failing test leaves no process behind (agents outlive their
+/// executor by design).
+struct AgentsDir {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+}
+
+impl Drop for AgentsDir {
+    fn drop(&mut self) {
+        for pids in live_agents(&self.root).values() {
+            for pid in pids {
+                let _ = std::process::Command::new("kill")
+                    .arg("-KILL")
+                    .arg(pid.to_string())
+                    .status();
+            }
+        }
+    }
+}
+
+fn agents_dir() -> (AgentsDir, PathBuf) {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("agents");
-    (d, p)
+    (
+        AgentsDir {
+            _dir: d,
+            root: p.clone(),
+        },
+        p,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

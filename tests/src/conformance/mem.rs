@@ -145,6 +145,7 @@ impl MemSut {
             apply,
             state: self.snapshot(),
             inventory: Some(self.inventory()),
+            processes: Vec::new(),
             quiescent: self.sim.quiescent(),
             probes,
         };

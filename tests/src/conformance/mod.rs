@@ -31,6 +31,17 @@
 //!   that read states run: 1, 3, 8, 14 (ready resets), 15 (a tick over the
 //!   converged run changes no node), 17, 18, 19 (inventory), no double-create and
 //!   converged-leaks-nothing.
+//! - Level 3 ([`services`] with the process backend, `level3_process_backend`):
+//!   the level-2 battery with every lease a real `node-agent` process under a
+//!   state directory of the seed's own. Faults come from the agents: templates
+//!   of the faulty prefix carry `fault.*` boot parameters (crash, fail or hang at
+//!   a stage, a delayed endpoint); an executor-fault input either draws new
+//!   agent faults (a new generation) or restarts the executor over the live
+//!   agents, which it must adopt; the fair tail applies a new generation with
+//!   clean templates. On top of the level-2 checks, no double-create and
+//!   converged-leaks-nothing are checked on the OS process table, sampled every
+//!   20 ms ([`record::StepRecord::processes`]). Each seed's agents are deleted
+//!   through the run, and any left are killed, even after a failure.
 //!
 //! # Replaying a failure, soaking
 //!
@@ -49,6 +60,7 @@
 //!
 //! `CONFORMANCE_SEEDS=5000` runs a soak at level 1 (256 seeds per delivery mode
 //! by default), `CONFORMANCE_L2_SEEDS` sets level 2's seed count (8 by default),
+//! `CONFORMANCE_L3_SEEDS` level 3's (16 by default),
 //! and `CONFORMANCE_KEEP_GOING=1` lists every failing seed instead of stopping at
 //! the first (for triage; `CONFORMANCE_SKIP_INPUTS=conflict,advance` drops input
 //! kinds from generated traces while a known bug is being fixed).

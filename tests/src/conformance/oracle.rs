@@ -237,6 +237,8 @@ pub struct Oracle {
     // No double-create.
     leases_made: BTreeMap<(LogicalNodeId, AttemptId), u32>,
     lease_of: BTreeMap<(LogicalNodeId, AttemptId), String>,
+    /// Level 3: the agent PID first seen serving each identity.
+    pid_of: BTreeMap<(LogicalNodeId, AttemptId), String>,
     /// The context of the submission being read (recorded just before it).
     context: Option<(OperationId, Option<ManagedNode>)>,
 }
@@ -296,6 +298,7 @@ impl Oracle {
             barren: (UnixMillis::ZERO, 0),
             leases_made: BTreeMap::new(),
             lease_of: BTreeMap::new(),
+            pid_of: BTreeMap::new(),
             context: None,
         }
     }
@@ -436,6 +439,12 @@ impl Oracle {
             self.g19_inventory(inv);
             self.no_double_create_inventory(inv);
             self.converged_leaks_nothing(s, inv, rec.quiescent);
+        }
+        for sample in &rec.processes {
+            self.no_double_create_processes(sample);
+        }
+        if let Some(last) = rec.processes.last() {
+            self.converged_leaks_nothing_processes(s, last, rec.quiescent);
         }
         self.g04_store_agrees(s);
         self.g08_destroyed(&s.nodes, s.store.as_ref());
@@ -1695,6 +1704,56 @@ impl Oracle {
                 );
                 self.fail(Guarantee::NoDoubleCreate, detail);
             }
+        }
+    }
+
+    /// No double-create, in the OS process table (level 3): at every sample a
+    /// slot has at most one live agent process, and an identity (slot, attempt)
+    /// is only ever served by one process (a second PID for it is a second
+    /// agent spawned for one create).
+    fn no_double_create_processes(&mut self, sample: &[super::record::Resource]) {
+        let mut per_slot: BTreeMap<&LogicalNodeId, Vec<String>> = BTreeMap::new();
+        for r in sample {
+            per_slot
+                .entry(&r.node)
+                .or_default()
+                .push(format!("a{} pid {}", r.attempt.get(), r.lease));
+        }
+        for (node, agents) in per_slot {
+            if agents.len() > 1 {
+                let detail = format!(
+                    "{node} has {} live agent processes at once: {}",
+                    agents.len(),
+                    agents.join(", ")
+                );
+                self.fail(Guarantee::NoDoubleCreate, detail);
+            }
+        }
+        for r in sample {
+            let key = (r.node.clone(), r.attempt);
+            let seen = self.pid_of.entry(key).or_insert_with(|| r.lease.clone()).clone();
+            if seen != r.lease {
+                let detail = format!(
+                    "{} attempt {} was served by agent pid {seen}, now by pid {}",
+                    r.node, r.attempt, r.lease
+                );
+                self.fail(Guarantee::NoDoubleCreate, detail);
+            }
+        }
+    }
+
+    /// Converged leaks nothing, in the OS process table (level 3): the same
+    /// check as over the inventory, counting live agent processes.
+    fn converged_leaks_nothing_processes(
+        &mut self,
+        s: &RunSnapshot,
+        sample: &[super::record::Resource],
+        quiescent: bool,
+    ) {
+        let before = self.out.len();
+        self.converged_leaks_nothing(s, sample, quiescent);
+        for v in &mut self.out[before..] {
+            v.detail = format!("live node-agent processes: {}", v.detail);
         }
     }
 

@@ -149,6 +149,10 @@ pub struct StepRecord {
     pub state: RunSnapshot,
     /// The run's live resources at the backend.
     pub inventory: Option<Vec<Resource>>,
+    /// Level 3: the live node-agent processes of the run in the OS process
+    /// table, one sample per entry (taken while the round waited), the last one
+    /// taken with `state`; `lease` is the agent's PID. Empty elsewhere.
+    pub processes: Vec<Vec<Resource>>,
     /// Nothing on its way: no backend call out, no message in transit, nothing
     /// running or queued at the executor.
     pub quiescent: bool,

@@ -158,6 +158,27 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
     if rec.state.gone {
         bump("state:gone".to_owned());
     }
+    // Level 3: what the process table showed.
+    if let Some(last) = rec.processes.last() {
+        for _ in &rec.processes {
+            bump("process:sample".to_owned());
+        }
+        for n in rec.state.nodes.values() {
+            if last.iter().any(|r| r.node == n.id && r.attempt == n.attempt) {
+                bump("process:agent-of-current-attempt".to_owned());
+            }
+        }
+        if rec.quiescent && rec.state.gone {
+            bump("process:counted-after-delete".to_owned());
+        } else if rec.quiescent && rec.state.converged {
+            bump("process:counted-at-convergence".to_owned());
+        }
+        for g in rec.state.shape.iter().flat_map(|s| &s.groups) {
+            for k in g.template.boot.keys().filter(|k| k.starts_with("fault.")) {
+                bump(format!("process:shape-with:{k}"));
+            }
+        }
+    }
     if let Some(a) = &rec.apply {
         bump(format!(
             "apply:{:?}:{}",

@@ -12,15 +12,21 @@
 //! every node (attempts, stages, facts, pending operations, retry state), and
 //! the live resources. The checks that read only states therefore run here
 //! unchanged; the event checks have nothing to read.
+//!
+//! Level 3 ([`ServiceSut::start_process`]) is the same system with the process
+//! backend: agent faults travel in the templates' boot parameters
+//! ([`world_l3`], [`faulty_shape`]), the tail applies [`clean_shape`], and every
+//! round also carries samples of the live agents in the OS process table
+//! ([`live_agents`]).
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use contract::{
-    AttemptId, ClusterShape, Generation, LogicalNodeId, NodeTemplate, RunUid, UnixMillis, pb,
+    AttemptId, ClusterShape, Generation, LogicalNodeId, NodeTemplate, Param, RunUid, UnixMillis, pb,
     pb::provisioning_client::ProvisioningClient,
     shape::example_template,
     wire::{node_from_wire, shape_from_wire},
@@ -35,7 +41,7 @@ use super::{
 };
 use crate::{
     procs::{Cluster, ClusterOptions, Proxy, Service},
-    sim::Delivery,
+    sim::{Delivery, Rng},
 };
 
 /// The driver's policy flags at level 2, short so that a run converges in
@@ -80,11 +86,151 @@ fn wall_clock() -> UnixMillis {
     UnixMillis::new(ms)
 }
 
+/// Level 3: the world of `seed` for the process backend. Its initial templates
+/// carry `fault.*` boot parameters for some groups (the agents themselves fail,
+/// crash, hang or delay their endpoint), drawn from the seed.
+pub fn world_l3(seed: u64) -> World {
+    let mut w = world(seed);
+    let mut rng = Rng::new(seed ^ 0x510e_527f_ade6_82d1);
+    w.initial = faulty_shape(&w.initial, &mut rng, false);
+    w
+}
+
+/// The bootstrap stages an agent can be told to fail, crash or hang at.
+const STAGES: [&str; 5] = ["connected", "boot-check", "agent-started", "joined", "converged"];
+
+fn strip_faults(t: &mut NodeTemplate) {
+    t.boot.retain(|k, _| !k.starts_with("fault."));
+}
+
+/// `current` with fresh agent faults: every group loses its `fault.*` boot
+/// parameters and about half get one new fault (at the next generation if
+/// `bump`).
+pub fn faulty_shape(current: &ClusterShape, rng: &mut Rng, bump: bool) -> ClusterShape {
+    let mut s = current.clone();
+    if bump {
+        s.generation = Generation::new(current.generation.get() + 1);
+    }
+    for g in &mut s.groups {
+        let t = Arc::make_mut(&mut g.template);
+        strip_faults(t);
+        if !rng.chance(0.5) {
+            continue;
+        }
+        let stage = STAGES[rng.below(STAGES.len() as u64) as usize].to_owned();
+        let (key, value) = match rng.below(10) {
+            0..=2 => ("fault.crash_at", stage),
+            3..=5 => ("fault.fail_at", stage),
+            6..=8 => (
+                "fault.endpoint_delay_ms",
+                ["100", "400", "1200"][rng.below(3) as usize].to_owned(),
+            ),
+            _ => ("fault.hang_at", stage),
+        };
+        t.boot.insert(key.to_owned(), Param { value, secret: false });
+    }
+    s
+}
+
+/// `current` without any agent fault, at the next generation: what the fair
+/// tail applies at level 3.
+pub fn clean_shape(current: &ClusterShape) -> ClusterShape {
+    let mut s = current.clone();
+    s.generation = Generation::new(current.generation.get() + 1);
+    for g in &mut s.groups {
+        strip_faults(Arc::make_mut(&mut g.template));
+    }
+    s
+}
+
+/// Live node agents whose state is under `root`, from the OS process table
+/// (`/proc`), as resources whose lease is the agent's PID. A zombie has an
+/// empty command line and is not live.
+pub fn live_agents(root: &Path) -> Vec<Resource> {
+    live_agent_pids(root)
+        .into_iter()
+        .filter_map(|(pid, node, attempt)| {
+            Some(Resource {
+                node: LogicalNodeId::parse("node_id", &node).ok()?,
+                attempt: AttemptId::new(attempt.parse().ok()?),
+                lease: pid.to_string(),
+                session_live: false,
+            })
+        })
+        .collect()
+}
+
+/// `(pid, --node, --attempt)` of every live node agent under `root`.
+fn live_agent_pids(root: &Path) -> Vec<(u32, String, String)> {
+    let needle = root.display().to_string();
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = raw
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if !args.first().is_some_and(|a| a.ends_with("node-agent"))
+            || !args.iter().any(|a| a.contains(&needle))
+        {
+            continue;
+        }
+        let flag = |name: &str| {
+            args.iter()
+                .position(|a| a == name)
+                .and_then(|i| args.get(i + 1))
+                .cloned()
+                .unwrap_or_default()
+        };
+        out.push((pid, flag("--node"), flag("--attempt")));
+    }
+    out
+}
+
+/// SIGKILLs every live node agent under `root` (a test's last resort, after
+/// the run's deletion); returns how many it killed.
+pub fn kill_agents(root: &Path) -> usize {
+    let pids = live_agent_pids(root);
+    for (pid, _, _) in &pids {
+        let _ = std::process::Command::new("kill")
+            .arg("-KILL")
+            .arg(pid.to_string())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+    pids.len()
+}
+
+/// Level 3: where the agents live, the seeded faults, and the process-table
+/// samples taken since the last round.
+#[derive(Debug)]
+struct Agents {
+    dir: PathBuf,
+    rng: Rng,
+    samples: Vec<Vec<Resource>>,
+}
+
+/// Real time between two samples of the process table while a round waits.
+const SAMPLE: Duration = Duration::from_millis(20);
+
+/// How long the agents' kill grace is at level 3.
+const KILL_GRACE_MS: u64 = 200;
+
 /// The three services of one seed.
 #[derive(Debug)]
 pub struct ServiceSut {
     // Declared before the runtime so that the processes are killed first.
     cluster: Cluster,
+    agents: Option<Agents>,
     proxy: Proxy,
     client: ProvisioningClient<Channel>,
     world: World,
@@ -93,7 +239,20 @@ pub struct ServiceSut {
     rt: tokio::runtime::Runtime,
 }
 
-fn executor_args(seed: u64, faults: FaultMix, state: &std::path::Path) -> Vec<String> {
+fn executor_args(seed: u64, faults: FaultMix, state: &std::path::Path, agents: Option<&Path>) -> Vec<String> {
+    if let Some(dir) = agents {
+        return [
+            "--backend",
+            "process",
+            "--process-state-dir",
+            &dir.display().to_string(),
+            "--process-kill-grace-ms",
+            &KILL_GRACE_MS.to_string(),
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    }
     let faults = if faults == FaultMix::None { "none" } else { "chaos" };
     [
         "--backend",
@@ -117,13 +276,33 @@ fn executor_args(seed: u64, faults: FaultMix, state: &std::path::Path) -> Vec<St
 impl ServiceSut {
     /// Starts the services for `world`, with the executor's chaos on.
     pub fn start(world: &World) -> anyhow::Result<Self> {
+        Self::start_with(world, false)
+    }
+
+    /// Level 3: starts the services for `world` with the process backend, its
+    /// agents under a state directory of their own.
+    pub fn start_process(world: &World) -> anyhow::Result<Self> {
+        Self::start_with(world, true)
+    }
+
+    fn start_with(world: &World, process: bool) -> anyhow::Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()?;
         let dir = tempfile::tempdir()?;
         let state: PathBuf = dir.path().join("fake-state.json");
-        let executor_args = executor_args(world.seed, FaultMix::Chaos, &state);
+        let agents = process.then(|| Agents {
+            dir: dir.path().join("agents"),
+            rng: Rng::new(world.seed ^ 0x9b05_688c_2b3e_6c1f),
+            samples: Vec::new(),
+        });
+        let executor_args = executor_args(
+            world.seed,
+            FaultMix::Chaos,
+            &state,
+            agents.as_ref().map(|a| a.dir.as_path()),
+        );
         let (cluster, proxy, client) = rt.block_on(async {
             let proxy = Proxy::start().await?;
             let mut opts = ClusterOptions {
@@ -151,6 +330,7 @@ impl ServiceSut {
         })?;
         Ok(Self {
             cluster,
+            agents,
             proxy,
             client,
             world: world.clone(),
@@ -158,6 +338,40 @@ impl ServiceSut {
             round: 0,
             rt,
         })
+    }
+
+    /// Level 3: where the agents live.
+    pub fn agents_dir(&self) -> Option<&Path> {
+        self.agents.as_ref().map(|a| a.dir.as_path())
+    }
+
+    /// Level 3's cleanup, also after a failure: deletes the run, waits (a
+    /// little) for its agents to be destroyed, then SIGKILLs any agent left
+    /// under the state directory. Returns how many it had to kill.
+    pub fn reap_agents(&mut self) -> usize {
+        let Some(dir) = self.agents.as_ref().map(|a| a.dir.clone()) else {
+            return 0;
+        };
+        let mut c = self.client.clone();
+        let deleted = self
+            .rt
+            .block_on(async {
+                tokio::time::timeout(
+                    Duration::from_secs(2),
+                    c.delete_run(pb::DeleteRunRequest {
+                        run_id: RUN_ID.to_owned(),
+                    }),
+                )
+                .await
+            })
+            .is_ok_and(|r| r.is_ok());
+        if deleted {
+            let until = std::time::Instant::now() + Duration::from_secs(5);
+            while !live_agent_pids(&dir).is_empty() && std::time::Instant::now() < until {
+                std::thread::sleep(SAMPLE);
+            }
+        }
+        kill_agents(&dir)
     }
 
     /// Stops the services.
@@ -284,6 +498,14 @@ impl ServiceSut {
     ) -> anyhow::Result<StepRecord> {
         let state = self.snapshot()?;
         let inventory = self.inventory()?;
+        let processes = match &mut self.agents {
+            Some(a) => {
+                let mut samples = std::mem::take(&mut a.samples);
+                samples.push(live_agents(&a.dir));
+                samples
+            }
+            None => Vec::new(),
+        };
         let quiescent = state.gone || (state.converged && state.nodes.values().all(|n| n.pending.is_none()));
         Ok(StepRecord {
             at: self.at(phase, index),
@@ -293,6 +515,7 @@ impl ServiceSut {
             apply,
             state,
             inventory: Some(inventory),
+            processes,
             quiescent,
             probes: Vec::new(),
         })
@@ -330,7 +553,12 @@ impl ServiceSut {
 
     fn restart_executor(&mut self, faults: FaultMix) -> anyhow::Result<()> {
         let state = self.cluster.dir.path().join("fake-state.json");
-        let args = executor_args(self.world.seed, faults, &state);
+        let args = executor_args(
+            self.world.seed,
+            faults,
+            &state,
+            self.agents.as_ref().map(|a| a.dir.as_path()),
+        );
         let dir = self.cluster.dir.path().to_owned();
         let svc = self.rt.block_on(async {
             self.cluster.executor.kill().await?;
@@ -343,8 +571,37 @@ impl ServiceSut {
         Ok(())
     }
 
-    fn wait(&self, d: Duration) {
-        std::thread::sleep(d);
+    fn wait(&mut self, d: Duration) {
+        let Some(a) = &mut self.agents else {
+            std::thread::sleep(d);
+            return;
+        };
+        // Level 3 samples the process table while it waits.
+        let until = std::time::Instant::now() + d;
+        loop {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            std::thread::sleep(left.min(SAMPLE));
+            a.samples.push(live_agents(&a.dir));
+        }
+    }
+
+    /// Level 3: applies `shape` (a valid update) and records it.
+    fn apply_valid(&mut self, shape: ClusterShape) -> anyhow::Result<ApplyRecord> {
+        let wire = pb::ClusterShape::from(&shape);
+        self.apply_wire(ApplyKind::Valid, shape, wire)
+    }
+}
+
+impl Drop for ServiceSut {
+    /// No agent outlives its test, even one that panicked: the last resort
+    /// after [`ServiceSut::reap_agents`].
+    fn drop(&mut self) {
+        if let Some(a) = &self.agents {
+            kill_agents(&a.dir);
+        }
     }
 }
 
@@ -409,6 +666,17 @@ impl SystemUnderTest for ServiceSut {
                 self.proxy.cut();
                 None
             }
+            // Level 3: new agent faults in the templates, at a new generation;
+            // or (`none`) an executor restart over the same agents, which it
+            // must adopt.
+            Input::Faults(FaultMix::Chaos) if self.agents.is_some() => match self.current_shape()? {
+                Some(current) => {
+                    let a = self.agents.as_mut().unwrap_or_else(|| unreachable!());
+                    let shape = faulty_shape(&current, &mut a.rng, true);
+                    Some(self.apply_valid(shape)?)
+                }
+                None => None,
+            },
             Input::Faults(m) => {
                 self.restart_executor(*m)?;
                 None
@@ -432,6 +700,15 @@ impl SystemUnderTest for ServiceSut {
     }
 
     fn calm(&mut self) -> anyhow::Result<StepRecord> {
+        if self.agents.is_some() {
+            // Level 3: the faults are in the templates; a new generation with
+            // clean ones ends them.
+            let apply = match self.current_shape()? {
+                Some(current) => Some(self.apply_valid(clean_shape(&current))?),
+                None => None,
+            };
+            return self.record(Phase::Tail, None, None, apply);
+        }
         self.restart_executor(FaultMix::None)?;
         self.record(Phase::Tail, None, None, None)
     }
