@@ -477,3 +477,39 @@ impl Drop for Proxy {
         self.task.abort();
     }
 }
+
+/// `(pid, --node, --attempt)` of every live node agent under `root`, from
+/// `/proc` (a zombie has an empty command line and is not counted).
+pub fn live_agent_pids(root: &Path) -> Vec<(u32, String, String)> {
+    let needle = root.display().to_string();
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = raw
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if !args.first().is_some_and(|a| a.ends_with("node-agent"))
+            || !args.iter().any(|a| a.contains(&needle))
+        {
+            continue;
+        }
+        let flag = |name: &str| {
+            args.iter()
+                .position(|a| a == name)
+                .and_then(|i| args.get(i + 1))
+                .cloned()
+                .unwrap_or_default()
+        };
+        out.push((pid, flag("--node"), flag("--attempt")));
+    }
+    out
+}

@@ -12,7 +12,7 @@ use std::{
 
 use contract::pb;
 use provisioning_tests::{
-    procs::{Cluster, ClusterOptions, watch_until},
+    procs::{Cluster, ClusterOptions, live_agent_pids, watch_until},
     shapes::shape,
 };
 
@@ -20,38 +20,9 @@ const CONVERGE: Duration = Duration::from_secs(90);
 
 /// Live node agents under `root`, by `(node, attempt)`, from `/proc`.
 fn live_agents(root: &Path) -> BTreeMap<(String, String), Vec<u32>> {
-    let needle = root.display().to_string();
     let mut out: BTreeMap<(String, String), Vec<u32>> = BTreeMap::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in entries.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(raw) = std::fs::read(e.path().join("cmdline")) else {
-            continue;
-        };
-        let args: Vec<String> = raw
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        if !args.first().is_some_and(|a| a.ends_with("node-agent"))
-            || !args.iter().any(|a| a.contains(&needle))
-        {
-            continue;
-        }
-        // A zombie has an empty command line and is skipped above.
-        let flag = |name: &str| {
-            args.iter()
-                .position(|a| a == name)
-                .and_then(|i| args.get(i + 1))
-                .cloned()
-                .unwrap_or_default()
-        };
-        out.entry((flag("--node"), flag("--attempt")))
-            .or_default()
-            .push(pid);
+    for (pid, node, attempt) in live_agent_pids(root) {
+        out.entry((node, attempt)).or_default().push(pid);
     }
     out
 }

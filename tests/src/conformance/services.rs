@@ -40,7 +40,7 @@ use super::{
     world::{RUN_ID, World, bad_shape, changed_shape},
 };
 use crate::{
-    procs::{Cluster, ClusterOptions, Proxy, Service},
+    procs::{Cluster, ClusterOptions, Proxy, Service, live_agent_pids},
     sim::{Delivery, Rng},
 };
 
@@ -158,41 +158,6 @@ pub fn live_agents(root: &Path) -> Vec<Resource> {
             })
         })
         .collect()
-}
-
-/// `(pid, --node, --attempt)` of every live node agent under `root`.
-fn live_agent_pids(root: &Path) -> Vec<(u32, String, String)> {
-    let needle = root.display().to_string();
-    let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in entries.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(raw) = std::fs::read(e.path().join("cmdline")) else {
-            continue;
-        };
-        let args: Vec<String> = raw
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        if !args.first().is_some_and(|a| a.ends_with("node-agent"))
-            || !args.iter().any(|a| a.contains(&needle))
-        {
-            continue;
-        }
-        let flag = |name: &str| {
-            args.iter()
-                .position(|a| a == name)
-                .and_then(|i| args.get(i + 1))
-                .cloned()
-                .unwrap_or_default()
-        };
-        out.push((pid, flag("--node"), flag("--attempt")));
-    }
-    out
 }
 
 /// SIGKILLs every live node agent under `root` (a test's last resort, after
