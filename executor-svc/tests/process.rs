@@ -645,6 +645,49 @@ async fn a_stopped_agent_makes_a_start_ambiguous_and_is_still_destroyed() -> Tes
     // The kernel accepts the connection for a stopped process; nobody answers.
     let outcome = f.run(node.start(&lease, &endpoint, Params::new())).await;
     ensure!(matches!(outcome, Outcome::Ambiguous { .. }), "{outcome:?}");
+    // Cleanup cancels the ambiguous bootstrap. The agent cannot answer, so the
+    // executor ends the session on its own side, and cleanup goes on.
+    let cancelled = f.run(node.cancel(None)).await;
+    ensure!(matches!(cancelled, Outcome::Succeeded(_)), "{cancelled:?}");
+    ensure!(
+        matches!(read_stat(pid), Ok(Some(s)) if s.state == 'T'),
+        "the agent is still stopped"
+    );
+    node.deadline_ms = 10_000;
+    f.destroy(&node).await?;
+    f.assert_clean().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_agent_mid_session_is_cancelled_from_the_executor_side() -> TestResult {
+    let mut f = Fixture::new()?;
+    let mut node = Node::new("workers-9", 1)?;
+    let (lease, pid) = f.create(&node, Params::new()).await?;
+    let (endpoint, _) = f.endpoint(&node, &lease).await?;
+    let slow = boot(&[("stage_delay_ms", "300")]);
+    let session = f.start(&node, &lease, &endpoint, slow).await?;
+    f.stages_until(|s| s == BootstrapStage::Connected).await?;
+    kill(pid, rustix::process::Signal::STOP);
+    wait_for(|| matches!(read_stat(pid), Ok(Some(s)) if s.state == 'T')).await?;
+    let dir = f.backend.dir_of(&node.identity());
+    let record: SessionRecord = read_json(&dir, SESSION_RECORD)?.context("no session record")?;
+    ensure!(record.status == SessionStatus::Running, "{record:?}");
+
+    node.deadline_ms = 800;
+    let cancelled = f.run(node.cancel(Some(session))).await;
+    ensure!(matches!(cancelled, Outcome::Succeeded(_)), "{cancelled:?}");
+    // Stages relayed before the cancel are the session's; none may follow it.
+    while f.observations.try_recv().is_ok() {}
+    // The cancel waits on the agent's socket: once the agent runs again it
+    // ends the session, and the executor relays nothing more of it.
+    kill(pid, rustix::process::Signal::CONT);
+    wait_for(|| {
+        read_json::<SessionRecord>(&dir, SESSION_RECORD)
+            .is_ok_and(|r| r.is_some_and(|r| r.status == SessionStatus::Cancelled))
+    })
+    .await
+    .context("the agent never acted on the queued cancel")?;
+    f.silent_for(Duration::from_millis(700)).await?;
     node.deadline_ms = 10_000;
     f.destroy(&node).await?;
     f.assert_clean().await

@@ -181,6 +181,32 @@ impl Service {
         Ok(tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await??)
     }
 
+    /// Sets (`Some`) or removes (`None`) a flag for the next [`Service::restart`].
+    pub fn set_flag(&mut self, flag: &str, value: Option<&str>) {
+        if let Some(i) = self.args.iter().position(|a| a == flag) {
+            let end = (i + 2).min(self.args.len());
+            self.args.drain(i..end);
+        }
+        if let Some(v) = value {
+            self.args.push(flag.to_owned());
+            self.args.push(v.to_owned());
+        }
+    }
+
+    /// Waits up to `within` for the process to exit on its own; `None` if it
+    /// is still running then.
+    pub async fn wait_exit(&mut self, within: Duration) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        match tokio::time::timeout(within, self.child.wait()).await {
+            Ok(status) => Ok(Some(status?)),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// Starts the same service again on the same address.
     pub async fn restart(&mut self, dir: &Path) -> anyhow::Result<()> {
         let _ = self.child.kill().await;
@@ -313,7 +339,11 @@ impl Cluster {
         Self::start_in(dir, opts).await
     }
 
+    /// Starts the three services in `dir`. This process becomes a child
+    /// subreaper first (see [`become_subreaper`]), so node agents orphaned by
+    /// a killed executor are re-parented to the test and reaped.
     pub async fn start_in(dir: tempfile::TempDir, opts: ClusterOptions) -> anyhow::Result<Self> {
+        become_subreaper()?;
         let env = |service: &str| opts.env_of(service);
         let decider =
             Service::start_with_env("decider-svc", dir.path(), "127.0.0.1:0", &[], &env("decider-svc"))
@@ -512,4 +542,114 @@ pub fn live_agent_pids(root: &Path) -> Vec<(u32, String, String)> {
         out.push((pid, flag("--node"), flag("--attempt")));
     }
     out
+}
+
+/// Makes this process a child subreaper and starts, once, a thread that reaps
+/// the node agents re-parented to it.
+///
+/// Node agents outlive their executor by design. When a test kills an
+/// executor, its agents are re-parented to the nearest subreaper; without one
+/// they go to init (which, in a container, may never reap them). As a
+/// subreaper, this process receives them, and the thread waits on each one
+/// that has ended, by PID and only for processes named `node-agent`, so it
+/// never takes the exit status of a service child that tokio waits for.
+pub fn become_subreaper() -> anyhow::Result<()> {
+    static REAPER: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    rustix::process::set_child_subreaper(Some(rustix::process::getpid()))
+        .context("becoming a child subreaper")?;
+    REAPER.get_or_init(|| {
+        let spawned = std::thread::Builder::new()
+            .name("agent-reaper".to_owned())
+            .spawn(|| {
+                loop {
+                    reap_orphaned_agents();
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!("cannot start the agent reaper thread: {e}");
+        }
+    });
+    Ok(())
+}
+
+/// One line of `/proc/<pid>/stat`, the parts the zombie checks read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcEntry {
+    pub pid: u32,
+    /// The command name (kept by the kernel for a zombie, whose command line
+    /// is empty).
+    pub comm: String,
+    /// `R`, `S`, `T`, `Z`, ...
+    pub state: char,
+    pub ppid: u32,
+}
+
+/// Every process in `/proc`, from its `stat` line.
+pub fn proc_table() -> Vec<ProcEntry> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // `pid (comm) state ppid ...`; the name may hold spaces and parens.
+            let open = text.find('(')?;
+            let close = text.rfind(')')?;
+            let comm = text.get(open + 1..close)?.to_owned();
+            let mut rest = text.get(close + 1..)?.split_whitespace();
+            let state = rest.next()?.chars().next()?;
+            let ppid = rest.next()?.parse().ok()?;
+            Some(ProcEntry {
+                pid,
+                comm,
+                state,
+                ppid,
+            })
+        })
+        .collect()
+}
+
+/// Zombies among this process's descendants: its own children that nobody
+/// reaped, and children that a service (an executor) left unreaped.
+pub fn zombie_descendants() -> Vec<ProcEntry> {
+    let me = std::process::id();
+    let table = proc_table();
+    let parent: std::collections::HashMap<u32, u32> = table.iter().map(|p| (p.pid, p.ppid)).collect();
+    let descends = |mut pid: u32| {
+        // Bounded: a parent chain is short, and a racing table must not loop.
+        for _ in 0..64 {
+            match parent.get(&pid) {
+                Some(&p) if p == me => return true,
+                Some(&p) if p > 1 => pid = p,
+                _ => return false,
+            }
+        }
+        false
+    };
+    table
+        .into_iter()
+        .filter(|p| p.state == 'Z' && descends(p.pid))
+        .collect()
+}
+
+/// Reaps every node agent that is a zombie child of this process (an agent
+/// re-parented here whose executor was killed). Returns their PIDs.
+pub fn reap_orphaned_agents() -> Vec<u32> {
+    let me = std::process::id();
+    let mut reaped = Vec::new();
+    for p in proc_table() {
+        if p.ppid != me || p.state != 'Z' || p.comm != "node-agent" {
+            continue;
+        }
+        let Some(pid) = i32::try_from(p.pid).ok().and_then(rustix::process::Pid::from_raw) else {
+            continue;
+        };
+        if let Ok(Some(_)) = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG) {
+            reaped.push(p.pid);
+        }
+    }
+    reaped
 }

@@ -11,8 +11,15 @@ use std::{
 };
 
 use contract::pb;
+use executor_svc::process::{
+    agent_protocol::{ENDPOINT_FILE, SESSION_RECORD, SessionRecord, SessionStatus, read_json},
+    registry::STATE_DIR_FLAG,
+};
 use provisioning_tests::{
-    procs::{Cluster, ClusterOptions, live_agent_pids, watch_until},
+    procs::{
+        Cluster, ClusterOptions, ProcEntry, live_agent_pids, reap_orphaned_agents, watch_until,
+        zombie_descendants,
+    },
     shapes::shape,
 };
 
@@ -67,8 +74,9 @@ async fn converged(cluster: &Cluster, generation: u64) -> pb::RunStatus {
 }
 
 /// A test's agent directory. Dropping it SIGKILLs every agent still running
-/// under it, so a failing test leaves no process behind (agents outlive their
-/// executor by design).
+/// under it (stopped ones included) and reaps those re-parented to the test,
+/// so a failing test leaves no process behind (agents outlive their executor
+/// by design, and the cluster, dropped first, takes its executor with it).
 struct AgentsDir {
     _dir: tempfile::TempDir,
     root: PathBuf,
@@ -76,15 +84,55 @@ struct AgentsDir {
 
 impl Drop for AgentsDir {
     fn drop(&mut self) {
-        for pids in live_agents(&self.root).values() {
-            for pid in pids {
-                let _ = std::process::Command::new("kill")
-                    .arg("-KILL")
-                    .arg(pid.to_string())
-                    .status();
-            }
+        let pids: Vec<u32> = live_agents(&self.root).into_values().flatten().collect();
+        for pid in &pids {
+            let _ = std::process::Command::new("kill")
+                .arg("-KILL")
+                .arg(pid.to_string())
+                .status();
+        }
+        // The killed agents are zombies until their parent waits: the
+        // executor, or (its executor gone) this process.
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while pids
+            .iter()
+            .any(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
+            && std::time::Instant::now() < until
+        {
+            reap_orphaned_agents();
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+impl AgentsDir {
+    /// The end of every test: no agent of the test lives, and no node agent
+    /// among this process's descendants is a zombie (dead, never reaped by
+    /// the executor that spawned it, nor by this process when it inherited
+    /// it). A zombie that outlives the wait is a leak, not a moment's lag.
+    async fn assert_all_gone(&self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let live = live_agents(&self.root);
+            let zombies = zombie_agents();
+            if live.is_empty() && zombies.is_empty() {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "agents left: {live:?}; zombie agents: {zombies:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Node agents among this process's descendants that are zombies.
+fn zombie_agents() -> Vec<ProcEntry> {
+    zombie_descendants()
+        .into_iter()
+        .filter(|p| p.comm == "node-agent")
+        .collect()
 }
 
 fn agents_dir() -> (AgentsDir, PathBuf) {
@@ -101,7 +149,7 @@ fn agents_dir() -> (AgentsDir, PathBuf) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_agents_converge_scale_down_and_are_all_gone_after_delete() {
-    let (_keep, agents) = agents_dir();
+    let (keep, agents) = agents_dir();
     let cluster = Cluster::start(process_cluster(&agents)).await.unwrap();
     apply(
         &cluster,
@@ -162,23 +210,12 @@ async fn real_agents_converge_scale_down_and_are_all_gone_after_delete() {
     })
     .await
     .unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let left = live_agents(&agents);
-        if left.is_empty() {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "agents left after delete: {left:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    keep.assert_all_gone().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_killed_during_creates_never_doubles_an_agent() {
-    let (_keep, agents) = agents_dir();
+    let (keep, agents) = agents_dir();
     let mut cluster = Cluster::start(process_cluster(&agents)).await.unwrap();
     apply(
         &cluster,
@@ -213,15 +250,7 @@ async fn an_executor_killed_during_creates_never_doubles_an_agent() {
     })
     .await
     .unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !live_agents(&agents).is_empty() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "agents left: {:?}",
-            live_agents(&agents)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    keep.assert_all_gone().await;
 }
 
 /// The pid of the live agent of `node` at `attempt`, if there is one.
@@ -233,7 +262,7 @@ fn agent_of(agents: &Path, node: &str, attempt: u64) -> Option<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_killed_mid_bootstrap_fails_its_attempt_and_is_replaced() {
-    let (_keep, agents) = agents_dir();
+    let (keep, agents) = agents_dir();
     let opts = process_cluster(&agents).driver("--backoff-base-ms", "100");
     let cluster = Cluster::start(opts).await.unwrap();
     // Slow stages, so the bootstrap is still running when the agent dies.
@@ -314,13 +343,278 @@ async fn an_agent_killed_mid_bootstrap_fails_its_attempt_and_is_replaced() {
     })
     .await
     .unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !live_agents(&agents).is_empty() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "agents left: {:?}",
-            live_agents(&agents)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    keep.assert_all_gone().await;
+}
+
+/// `s` with boot parameters added to `group`'s template.
+fn with_boot(s: contract::ClusterShape, group: &str, params: &[(&str, &str)]) -> contract::ClusterShape {
+    provisioning_tests::shapes::with_template(s, group, |t| {
+        for (k, v) in params {
+            t.boot.insert(
+                (*k).to_owned(),
+                contract::Param {
+                    value: (*v).to_owned(),
+                    secret: false,
+                },
+            );
+        }
+    })
+}
+
+type Client = pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>;
+
+/// `node`'s state as the driver explains it, once the node exists.
+async fn node_state(c: &mut Client, node: &str) -> Option<pb::NodeState> {
+    let explained = c
+        .explain_node(pb::ExplainNodeRequest {
+            run_id: "agents".into(),
+            node_id: node.into(),
+        })
+        .await
+        .ok()?;
+    explained.into_inner().node.and_then(|n| n.state)
+}
+
+/// Polls `node`'s state until `done` holds; on giving up, prints the
+/// services' logs and fails.
+async fn wait_for_state(
+    cluster: &Cluster,
+    c: &mut Client,
+    node: &str,
+    what: &str,
+    done: impl Fn(&pb::NodeState) -> bool,
+) -> pb::NodeState {
+    let deadline = tokio::time::Instant::now() + CONVERGE;
+    let mut last = None;
+    loop {
+        if let Some(state) = node_state(c, node).await {
+            if done(&state) {
+                return state;
+            }
+            last = Some(state);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            cluster.dump_logs();
+            panic!("{node} never reached {what}; last state: {last:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Polls until `check` holds, or fails naming `what`.
+async fn eventually(what: &str, check: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + CONVERGE;
+    while !check() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The state directory agent `pid` was started with, from its command line.
+fn state_dir_of(pid: u32) -> Option<PathBuf> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<String> = raw
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let at = args.iter().position(|a| a == STATE_DIR_FLAG)?;
+    args.get(at + 1).map(PathBuf::from)
+}
+
+/// The scheduler state of `pid` (`T` when stopped).
+fn proc_state(pid: u32) -> Option<char> {
+    provisioning_tests::procs::proc_table()
+        .into_iter()
+        .find(|p| p.pid == pid)
+        .map(|p| p.state)
+}
+
+fn signal(pid: u32, sig: &str) {
+    let sent = std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{sig} {pid}");
+}
+
+/// Converged with exactly one live agent (by identity, in `/proc`) per slot of
+/// `expected`, none of them `gone_attempt` of `node`, whose slot holds a later
+/// attempt.
+async fn assert_replaced(
+    cluster: &Cluster,
+    c: &mut Client,
+    agents: &Path,
+    expected: &[&str],
+    node: &str,
+    gone_attempt: u64,
+) {
+    let s = converged(cluster, 1).await;
+    assert_eq!(s.ready_count as usize, expected.len());
+    let state = node_state(c, node).await.unwrap();
+    assert!(
+        state.attempt > gone_attempt,
+        "the stopped attempt was not replaced: {state:?}"
+    );
+    let live = live_agents(agents);
+    let per_slot = slots(&live);
+    assert_eq!(
+        per_slot.keys().map(String::as_str).collect::<Vec<_>>(),
+        expected,
+        "{live:?}"
+    );
+    assert!(
+        per_slot.values().all(|n| *n == 1),
+        "a slot with two live agents: {live:?}"
+    );
+    assert!(
+        agent_of(agents, node, gone_attempt).is_none(),
+        "the stopped attempt's agent outlived its cleanup: {live:?}"
+    );
+}
+
+async fn delete_run(c: &mut Client) {
+    c.delete_run(pb::DeleteRunRequest {
+        run_id: "agents".into(),
+    })
+    .await
+    .unwrap();
+    watch_until(c, "agents", CONVERGE, |s| s.phase == pb::RunPhase::Deleted as i32)
+        .await
+        .unwrap();
+}
+
+/// An agent stopped (SIGSTOP) once it has bound its endpoint, before the
+/// driver starts its bootstrap: the kernel accepts the start's connection but
+/// nobody answers, so the start times out ambiguous. Cleanup cancels the
+/// ambiguous bootstrap (the agent cannot answer, so the executor ends the
+/// session on its own side), destroys the lease (SIGTERM and SIGCONT, then
+/// SIGKILL), and the slot gets a fresh attempt. The test never resumes the
+/// agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_stopped_before_answering_its_start_is_cleaned_up_and_replaced() {
+    let (keep, agents) = agents_dir();
+    let opts = process_cluster(&agents)
+        .driver("--backoff-base-ms", "100")
+        // The agent binds its endpoint half-way between two probes, so it is
+        // stopped long before the driver learns the endpoint.
+        .driver("--probe-interval-ms", "1000")
+        .driver("--operation-timeout-ms", "1500")
+        .driver("--result-grace-ms", "500");
+    let cluster = Cluster::start(opts).await.unwrap();
+    let s = with_boot(
+        shape("agents", 1, "process", &[("workers", 2, "img:1")]),
+        "workers",
+        &[("fault.endpoint_delay_ms", "500")],
+    );
+    apply(&cluster, &s).await;
+    let mut c = cluster.client().await.unwrap();
+
+    let (attempt, pid) = loop {
+        if let Some(state) = node_state(&mut c, "workers-0").await
+            && let Some(pid) = agent_of(&agents, "workers-0", state.attempt)
+        {
+            break (state.attempt, pid);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let dir = state_dir_of(pid).unwrap();
+    eventually("the agent binds its endpoint", || {
+        dir.join(ENDPOINT_FILE).exists()
+    })
+    .await;
+    signal(pid, "STOP");
+    eventually("the agent is stopped", || proc_state(pid) == Some('T')).await;
+
+    // The start got no answer: the attempt failed with its bootstrap
+    // ambiguous, and cleanup begins with a cancel.
+    let failed = wait_for_state(&cluster, &mut c, "workers-0", "an ambiguous bootstrap", |n| {
+        n.attempt == attempt && n.facts.as_ref().is_some_and(|f| f.ambiguous_bootstrap)
+    })
+    .await;
+    assert!(
+        failed
+            .facts
+            .as_ref()
+            .is_some_and(|f| f.failure_reason.contains("start-bootstrap")),
+        "{failed:?}"
+    );
+
+    assert_replaced(
+        &cluster,
+        &mut c,
+        &agents,
+        &["workers-0", "workers-1"],
+        "workers-0",
+        attempt,
+    )
+    .await;
+    delete_run(&mut c).await;
+    keep.assert_all_gone().await;
+}
+
+/// An agent stopped (SIGSTOP) while its bootstrap streams: the session goes
+/// silent, the bootstrap deadline fails the attempt, and cleanup must still
+/// reach the destroy although the stopped agent never answers the cancel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_stopped_mid_bootstrap_times_out_and_cleanup_still_destroys_it() {
+    let (keep, agents) = agents_dir();
+    let opts = process_cluster(&agents)
+        .driver("--backoff-base-ms", "100")
+        .driver("--bootstrap-timeout-ms", "4000")
+        .driver("--operation-timeout-ms", "2000")
+        .driver("--result-grace-ms", "500");
+    let cluster = Cluster::start(opts).await.unwrap();
+    // Stages 300 ms apart: a healthy bootstrap converges well within the
+    // deadline, and one stopped after its start is caught mid-way.
+    let s = with_boot(
+        shape("agents", 1, "process", &[("workers", 2, "img:1")]),
+        "workers",
+        &[("stage_delay_ms", "300")],
+    );
+    apply(&cluster, &s).await;
+    let mut c = cluster.client().await.unwrap();
+
+    let (attempt, pid) = loop {
+        if let Some(state) = node_state(&mut c, "workers-0").await
+            && state.stage == pb::NodeStage::BootstrapRunning as i32
+            && let Some(pid) = agent_of(&agents, "workers-0", state.attempt)
+        {
+            break (state.attempt, pid);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    signal(pid, "STOP");
+    eventually("the agent is stopped", || proc_state(pid) == Some('T')).await;
+    let dir = state_dir_of(pid).unwrap();
+    let session: SessionRecord = read_json(&dir, SESSION_RECORD).unwrap().unwrap();
+    assert_eq!(
+        session.status,
+        SessionStatus::Running,
+        "stopped mid-bootstrap: {session:?}"
+    );
+
+    let failed = wait_for_state(&cluster, &mut c, "workers-0", "a bootstrap timeout", |n| {
+        n.attempt == attempt
+            && n.facts
+                .as_ref()
+                .is_some_and(|f| f.failure_reason.contains("did not converge"))
+    })
+    .await;
+    assert!(
+        failed.facts.as_ref().is_some_and(|f| !f.session_id.is_empty()),
+        "cleanup has a session to cancel: {failed:?}"
+    );
+
+    assert_replaced(
+        &cluster,
+        &mut c,
+        &agents,
+        &["workers-0", "workers-1"],
+        "workers-0",
+        attempt,
+    )
+    .await;
+    delete_run(&mut c).await;
+    keep.assert_all_gone().await;
 }

@@ -26,7 +26,9 @@
 //! that definitely left nothing behind (nothing spawned, the agent is dead, the
 //! connection was refused) is `Retryable`; a request that may have taken effect
 //! but got no answer (a spawned agent that never recorded itself before the
-//! deadline, a start or cancel sent but unanswered) is `Ambiguous`.
+//! deadline, a start sent but unanswered) is `Ambiguous`. A cancel is the
+//! exception: the session is ended on the executor's side when the agent does
+//! not answer (see `Shared::cancel`), so cleanup always reaches the destroy.
 
 pub mod agent;
 pub mod agent_protocol;
@@ -85,6 +87,11 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 /// answers itself, so its own (more precise) reason reaches the driver rather
 /// than the core's generic abandonment.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(100);
+
+/// The longest a cancel waits for the agent's answer (the operation's deadline
+/// may cut it shorter) before the executor ends the session on its own side. A
+/// running agent answers at once.
+const CANCEL_WAIT: Duration = Duration::from_secs(5);
 
 /// How the process backend runs.
 #[derive(Debug, Clone)]
@@ -676,40 +683,41 @@ impl Shared {
         let (Some(pid), Some(endpoint)) = (entry.live_pid, entry.endpoint.clone()) else {
             return done();
         };
-        let wait = self.time_left(deadline);
-        let mut conn = match tokio::time::timeout(wait, connect(&endpoint)).await {
-            Ok(Ok(conn)) => conn,
-            Ok(Err(_)) | Err(_) if !process_exists(pid) => return done(),
-            Ok(Err(e)) => {
-                return Outcome::Retryable {
-                    reason: format!("cannot reach the node agent at {endpoint}: {e}"),
-                };
-            }
-            Err(_) => {
-                return Outcome::Retryable {
-                    reason: format!("connecting to the node agent at {endpoint} timed out"),
-                };
-            }
-        };
+        let wait = self.time_left(deadline).min(CANCEL_WAIT);
         let request = Request::Cancel {
             session: session.map(|s| s.as_str().to_owned()),
         };
-        match tokio::time::timeout(wait, conn.request(&request)).await {
+        let asked = tokio::time::timeout(wait, async {
+            let mut conn = connect(&endpoint).await?;
+            conn.request(&request).await
+        })
+        .await;
+        let unanswered = match asked {
             Ok(Ok(Some(Reply::Cancelled { session, existed }))) => {
                 tracing::info!(?identity, ?session, existed, "bootstrap session cancelled");
-                done()
+                return done();
             }
-            Ok(Ok(Some(other))) => Outcome::Ambiguous {
-                reason: format!("the node agent answered the cancel with {other:?}"),
-            },
-            _ if !process_exists(pid) => done(),
-            Ok(Ok(None)) | Ok(Err(_)) => Outcome::Ambiguous {
-                reason: "the node agent closed the connection before answering the cancel".to_owned(),
-            },
-            Err(_) => Outcome::Ambiguous {
-                reason: format!("the node agent did not answer the cancel within {wait:?}"),
-            },
-        }
+            _ if !process_exists(pid) => return done(),
+            Ok(Ok(Some(other))) => format!("answered the cancel with {other:?}"),
+            Ok(Ok(None)) => "closed the connection before answering the cancel".to_owned(),
+            Ok(Err(e)) => format!("could not be asked at {endpoint}: {e}"),
+            Err(_) => format!("did not answer the cancel within {wait:?}"),
+        };
+        // Ending the session is the executor's to do, with or without the
+        // agent: it stops relaying the session, so nothing more of it reaches
+        // the driver, and a cancel it sent stays queued on the agent's socket
+        // for when the agent runs again. What follows a cancel in cleanup is
+        // the lease's destroy, which stops the agent in whatever state it is
+        // (a stopped agent included). An unanswered cancel reported as
+        // ambiguous would be retried for as long as the agent stays silent,
+        // and cleanup would never reach that destroy.
+        tracing::warn!(
+            ?identity,
+            pid,
+            agent = %unanswered,
+            "the node agent did not confirm the cancel; the session is ended on the executor's side"
+        );
+        done()
     }
 
     // -----------------------------------------------------------------------
