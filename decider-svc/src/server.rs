@@ -16,6 +16,7 @@ use std::future::Future;
 
 use contract::{
     FieldError, GroupId, UnixMillis,
+    event_trace::{self, DecisionRec, TraceEvent},
     pb::{
         self, DecideRequest, DecideResponse,
         decide_request::Part,
@@ -362,6 +363,8 @@ async fn serve_call(
     let mut slot_count: u32 = 0;
     let mut requeue_at = None;
     let mut tally = Tally::default();
+    // Every decision of the call, for the event trace (only when it is on).
+    let mut traced: Option<Vec<DecisionRec>> = event_trace::get().map(|_| Vec::new());
     loop {
         match next_part(requests).await? {
             None => return Err(CallError::NoEnd),
@@ -376,6 +379,9 @@ async fn serve_call(
                     let d = decider::decide_node(&desired, &node, now);
                     requeue_at = decider::fold_requeue(requeue_at, &d, now);
                     tally.count(&d);
+                    if let Some(t) = &mut traced {
+                        t.push(DecisionRec::of(&d));
+                    }
                     batcher.push(&d).await?;
                     decided += 1;
                 }
@@ -399,6 +405,9 @@ async fn serve_call(
     let mut inserts: u32 = 0;
     for d in decider::inserts(&desired, &slots) {
         tally.count(&d);
+        if let Some(t) = &mut traced {
+            t.push(DecisionRec::of(&d));
+        }
         batcher.push(&d).await?;
         inserts += 1;
     }
@@ -410,6 +419,17 @@ async fn serve_call(
         decided_nodes: decided,
         inserts,
     };
+    if let Some(decisions) = traced {
+        event_trace::emit(|| TraceEvent::Decide {
+            run_id: shape.run_id.to_string(),
+            now_ms: now.as_millis(),
+            generation: shape.generation.get(),
+            deleting,
+            nodes: decided,
+            inserts,
+            decisions,
+        });
+    }
     out.send(pb::decide_response::Part::Summary(summary)).await?;
     Ok(summary)
 }

@@ -30,8 +30,10 @@ use tokio::{
 use tracing::{Instrument as _, field::Empty};
 
 use crate::{
-    core::{AbandonedNode, AckRef, Applied, ApplyError, Fold, PassPlan, RunState},
+    core::{AbandonedNode, AckRef, Applied, ApplyError, Fold, OrphanResource, PassPlan, RunState},
+    crash,
     driver::{DriverError, QUEUE, Shared},
+    events::{In, RunEvents, Verdict},
     link::FromExecutor,
     status::run_status,
 };
@@ -87,6 +89,13 @@ pub enum RunEvent {
     /// The orphan sweep asks which (node, attempt) pairs the run holds.
     Holdings {
         reply: oneshot::Sender<Vec<(LogicalNodeId, contract::AttemptId)>>,
+    },
+    /// The orphan sweep hands the run resources of its own that no node
+    /// holds, to destroy through its deletion path; the answer says which
+    /// were adopted (a held slot, a pass in flight or a halted run refuses).
+    AdoptOrphans {
+        orphans: Vec<OrphanResource>,
+        reply: oneshot::Sender<Result<Vec<bool>, DriverError>>,
     },
     FromExecutor(FromExecutor),
     LinkUp(u64),
@@ -153,6 +162,8 @@ pub(crate) struct RunActor {
     deadline_folds_seen: u64,
     /// Set by `Shutdown`: start nothing new, stop once no pass is in flight.
     stopping: Option<oneshot::Sender<()>>,
+    /// The run's lines of the event trace (nothing when it is off).
+    events: RunEvents,
 }
 
 /// A pending operation as the actor tracks it for spans and metrics.
@@ -203,6 +214,7 @@ impl RunActor {
             shared.metrics.exported.in_flight.add(&[f.effect.name()], 1.0);
         }
         let deadline_folds_seen = run.counters().deadline_folds;
+        let events = RunEvents::started(&run);
         let mut actor = RunActor {
             next_safety_tick: Instant::now() + shared.safety_tick,
             run,
@@ -229,6 +241,7 @@ impl RunActor {
             in_flight,
             deadline_folds_seen,
             stopping: None,
+            events,
         };
         // A new or restored run wants its first pass at once.
         actor.want();
@@ -316,10 +329,12 @@ impl RunActor {
 
     fn on_timer(&mut self) {
         let now = self.now();
+        let before = self.events.before(&self.run);
         match self.run.handle_timeout(now) {
             Ok(n) if n > 0 => {
                 self.changed = true;
                 self.speculative = false;
+                self.events.deadlines(before, &self.run, now, n);
             }
             Ok(_) => {}
             Err(e) => tracing::error!(run = %self.run.run_id(), error = %e, "folding deadlines failed"),
@@ -375,12 +390,23 @@ impl RunActor {
                     let _ = reply.send(Err(DriverError::Halted(why.clone())));
                     return;
                 }
+                let before = self.events.before(&self.run);
                 let result = self.run.apply_shape(shape).map_err(DriverError::from);
+                self.events
+                    .request(before, &self.run, now, "shape", || match &result {
+                        Ok(Applied::Changed) => "changed".to_owned(),
+                        Ok(Applied::Unchanged) => "unchanged".to_owned(),
+                        Err(e) => format!("rejected: {e}"),
+                    });
                 let result = match result {
                     // The accepted shape is stored before the client hears so.
                     Ok(Applied::Changed) => {
                         self.request_changed(trace);
-                        self.commit().map(|()| Applied::Changed)
+                        let committed = self.commit().map(|()| Applied::Changed);
+                        if committed.is_ok() {
+                            crash::hit(crash::Point::ApplyCommitted);
+                        }
+                        committed
                     }
                     other => other,
                 };
@@ -388,18 +414,26 @@ impl RunActor {
                 let _ = reply.send(result);
             }
             RunEvent::Delete { trace, reply } => {
+                let before = self.events.before(&self.run);
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None if self.run.delete() => {
                         self.request_changed(trace);
-                        self.commit()
+                        let committed = self.commit();
+                        if committed.is_ok() {
+                            crash::hit(crash::Point::DeleteCommitted);
+                        }
+                        committed
                     }
                     None => Ok(()),
                 };
+                self.events
+                    .request(before, &self.run, now, "delete", || format!("{result:?}"));
                 self.changed = true;
                 let _ = reply.send(result.map(|()| run_status(&self.run, false, now)));
             }
             RunEvent::SetPaused { paused, trace, reply } => {
+                let before = self.events.before(&self.run);
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None if self.run.set_paused(paused) => {
@@ -408,6 +442,9 @@ impl RunActor {
                     }
                     None => Ok(()),
                 };
+                let what = if paused { "pause" } else { "resume" };
+                self.events
+                    .request(before, &self.run, now, what, || format!("{result:?}"));
                 self.changed = true;
                 let _ = reply.send(result.map(|()| run_status(&self.run, false, now)));
             }
@@ -421,6 +458,7 @@ impl RunActor {
                 let _ = reply.send(self.plan(shape, now));
             }
             RunEvent::Abandon { node, reply } => {
+                let before = self.events.before(&self.run);
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None => match self.run.abandon(&node, now) {
@@ -442,11 +480,31 @@ impl RunActor {
                         None => Ok(None),
                     },
                 };
+                let outcome = || format!("{:?}", result.as_ref().map(Option::is_some));
+                self.events.request(before, &self.run, now, "abandon", outcome);
                 self.changed = true;
                 let _ = reply.send(result);
             }
             RunEvent::Holdings { reply } => {
                 let _ = reply.send(self.run.nodes().map(|n| (n.id.clone(), n.attempt)).collect());
+            }
+            RunEvent::AdoptOrphans { orphans, reply } => {
+                let result = match &self.halted {
+                    Some(why) => Err(DriverError::Halted(why.clone())),
+                    None => {
+                        let adopted: Vec<bool> = orphans.iter().map(|o| self.run.adopt_orphan(o)).collect();
+                        if adopted.iter().any(|a| *a) {
+                            // Recorded before the sweep hears so; the pass
+                            // that cleans them up follows.
+                            self.triggered();
+                            self.commit().map(|()| adopted)
+                        } else {
+                            Ok(adopted)
+                        }
+                    }
+                };
+                self.changed = true;
+                let _ = reply.send(result);
             }
             RunEvent::FromExecutor(msg) => self.on_executor_message(msg, now),
             RunEvent::LinkUp(generation) => self.link_up(generation),
@@ -511,6 +569,13 @@ impl RunActor {
     fn on_executor_message(&mut self, msg: FromExecutor, now: UnixMillis) {
         let folded = match msg {
             FromExecutor::Claimed(epoch) => {
+                self.events.received(
+                    None,
+                    &self.run,
+                    now,
+                    In::Claimed(epoch),
+                    Verdict::Other("claimed"),
+                );
                 tracing::debug!(run = %self.run.run_id(), %epoch, "claim accepted");
                 return;
             }
@@ -530,7 +595,10 @@ impl RunActor {
                 );
                 telemetry::set_parent(&span, &r.trace);
                 let _entered = span.enter();
+                let before = self.events.before(&self.run);
                 let folded = self.run.fold_result(&r, now);
+                self.events
+                    .received(before, &self.run, now, In::Result(&r), Verdict::Fold(&folded));
                 match &folded {
                     Ok(Fold::Folded) => {
                         self.shared.metrics.exported.folds.inc(&["result"]);
@@ -556,7 +624,15 @@ impl RunActor {
                 );
                 telemetry::set_parent(&span, &o.trace);
                 let _entered = span.enter();
+                let before = self.events.before(&self.run);
                 let folded = self.run.fold_observation(&o, now);
+                self.events.received(
+                    before,
+                    &self.run,
+                    now,
+                    In::Observation(&o),
+                    Verdict::Fold(&folded),
+                );
                 match &folded {
                     Ok(Fold::Folded) => {
                         self.shared.metrics.exported.folds.inc(&["observation"]);
@@ -573,6 +649,13 @@ impl RunActor {
                     tracing::error!(run = %self.run.run_id(), epoch = %self.run.epoch(), highest = %rej.highest_epoch,
                         "fenced by the executor; no further operations will be dispatched for this run");
                     self.fenced = true;
+                    self.events.received(
+                        None,
+                        &self.run,
+                        now,
+                        In::Rejection(&rej),
+                        Verdict::Other("fenced"),
+                    );
                     return;
                 }
                 if matches!(rej.reason, RejectionReason::UnknownRun)
@@ -580,10 +663,25 @@ impl RunActor {
                 {
                     // The claim did not take (an executor restarted under us):
                     // claim again and resubmit.
+                    self.events.received(
+                        None,
+                        &self.run,
+                        now,
+                        In::Rejection(&rej),
+                        Verdict::Other("reclaim"),
+                    );
                     self.link_up(g);
                     return;
                 }
+                let before = self.events.before(&self.run);
                 let folded = self.run.fold_rejection(&rej, now);
+                self.events.received(
+                    before,
+                    &self.run,
+                    now,
+                    In::Rejection(&rej),
+                    Verdict::Fold(&folded),
+                );
                 if let (Ok(Fold::Folded), Some(id)) = (&folded, rej.id) {
                     self.shared.metrics.exported.folds.inc(&["rejection"]);
                     self.close_operation(id, "failed-retryable", now);
@@ -663,6 +761,7 @@ impl RunActor {
             run_id: self.run.run_id().to_string(),
             epoch: self.run.epoch().get(),
         };
+        self.events.claim(self.run.epoch(), generation);
         link.send(generation, message(Kind::Claim(claim), &TraceContext::default()));
         if self.fenced {
             return;
@@ -676,6 +775,7 @@ impl RunActor {
                 .map(|f| telemetry::context_of(&f.span))
                 .filter(|t| !t.traceparent.is_empty())
                 .unwrap_or_else(|| op.trace.clone());
+            self.events.dispatched(&op, true, true);
             link.send(generation, submit_message(&op, &trace));
         }
         let uid = self.run.uid().to_string();
@@ -708,6 +808,7 @@ impl RunActor {
         if self.stopping.is_some() {
             // Shutting down: nothing new is dispatched; the next driver decides
             // these nodes again.
+            self.events.pass_failed(|| "the driver is stopping".to_owned());
             self.run.abort_pass(plan);
             span.record("provisioning.pass.result", "abandoned");
             return;
@@ -716,6 +817,7 @@ impl RunActor {
         let e = &shared.metrics.exported;
         match result {
             Ok(out) => {
+                crash::hit(crash::Point::PassDecided);
                 self.decider_failures = 0;
                 if speculative
                     && out
@@ -733,6 +835,7 @@ impl RunActor {
                 self.run.set_pass_trace(telemetry::context_of(&span));
                 let requeue_after = out.requeue_at.is_some();
                 let was_converged = self.run.meta().converged_at.is_some();
+                let cx = self.events.pass_context(&self.run, &plan, &out);
                 let outcome = {
                     let mut store = match self.shared.store.lock() {
                         Ok(s) => s,
@@ -742,6 +845,7 @@ impl RunActor {
                 };
                 match outcome {
                     Ok(outcome) => {
+                        self.events.pass_decided(cx, &self.run, now, &outcome);
                         self.shared.metrics.pass(&outcome);
                         let result = if outcome.follow_up {
                             "requeue"
@@ -766,12 +870,27 @@ impl RunActor {
                             );
                         }
                         self.acks.extend(outcome.acks);
-                        for op in &outcome.operations {
+                        if !outcome.operations.is_empty() {
+                            crash::hit(if self.run.meta().deleting {
+                                crash::Point::DeletingRecorded
+                            } else {
+                                crash::Point::PassRecorded
+                            });
+                        }
+                        for (i, op) in outcome.operations.iter().enumerate() {
                             self.dispatch(op, now);
+                            if i == 0 && outcome.operations.len() > 1 {
+                                crash::hit(crash::Point::PassDispatchedOne);
+                            }
+                        }
+                        if !outcome.operations.is_empty() {
+                            crash::hit(crash::Point::PassDispatched);
                         }
                         self.changed = true;
                     }
                     Err(err) => {
+                        self.events
+                            .pass_failed(|| format!("applying the decisions failed: {err}"));
                         span.record("provisioning.pass.result", "error");
                         span.record("otel.status_code", "error");
                         e.reconcile.inc(&["error"]);
@@ -783,6 +902,7 @@ impl RunActor {
             Err(err) => {
                 // Nothing changes and nothing is dispatched while the decider is
                 // away; the pass is retried with backoff.
+                self.events.pass_failed(|| format!("the decider failed: {err}"));
                 self.run.abort_pass(plan);
                 self.decider_failures = self.decider_failures.saturating_add(1);
                 let exp = self.decider_failures.min(6);
@@ -874,8 +994,10 @@ impl RunActor {
 
     fn submit(&self, op: &contract::Operation, trace: &TraceContext) {
         if self.fenced || self.halted.is_some() {
+            self.events.dispatched(op, false, false);
             return;
         }
+        self.events.dispatched(op, self.link.is_some(), false);
         if let Some(g) = self.link {
             self.shared.link.send(g, submit_message(op, trace));
         }
@@ -890,6 +1012,7 @@ impl RunActor {
         if let Some(why) = &self.halted {
             return Err(DriverError::Halted(why.clone()));
         }
+        let dirty = self.events.dirty(&self.run);
         let acks = {
             let mut store = match self.shared.store.lock() {
                 Ok(s) => s,
@@ -898,12 +1021,18 @@ impl RunActor {
             self.run.commit(&mut **store)
         };
         match acks {
-            Ok(acks) => self.acks.extend(acks),
+            Ok(acks) => {
+                if !acks.is_empty() {
+                    crash::hit(crash::Point::FoldCommitted);
+                }
+                self.acks.extend(acks);
+            }
             Err(e) => {
                 self.halt(format!("the store refused a write: {e}"));
                 return Err(DriverError::Halted(e.to_string()));
             }
         }
+        self.events.committed(dirty);
         self.send_acks();
         self.send_replays();
         Ok(())
@@ -992,6 +1121,7 @@ impl RunActor {
             self.speculative = false;
             return;
         }
+        let before = self.events.before(&self.run);
         let plan = match self.run.begin_pass(now) {
             Ok(p) => p,
             Err(e) => {
@@ -999,6 +1129,7 @@ impl RunActor {
                 return;
             }
         };
+        self.events.pass_begun(before, &self.run, &plan);
         self.unwant(true);
         let speculative = std::mem::take(&mut self.speculative);
         let span = self.new_pass_span(&plan, speculative);

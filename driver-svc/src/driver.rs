@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use crate::{
     actor::{RunActor, RunEvent, RunHandle},
-    core::{Applied, ApplyError, PassOutcome, Policy, RunState, RunStore, StoreError},
+    core::{Applied, ApplyError, OrphanResource, PassOutcome, Policy, RunState, RunStore, StoreError},
     link::Link,
     orphans::{Holdings, Orphans},
 };
@@ -321,6 +321,8 @@ pub(crate) struct Shared {
     pub(crate) metrics: Metrics,
     pub(crate) orphans: Orphans,
     runs: RwLock<HashMap<RunId, RunHandle>>,
+    /// Reclaim runs (see `orphans`), by uid: never listed as runs.
+    reclaims: RwLock<HashMap<RunUid, RunHandle>>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -339,6 +341,9 @@ impl Shared {
             && runs.get(run_id).is_some_and(|h| h.uid == uid)
         {
             runs.remove(run_id);
+        }
+        if let Ok(mut reclaims) = self.reclaims.write() {
+            reclaims.remove(&uid);
         }
     }
 }
@@ -401,6 +406,7 @@ impl Driver {
             metrics: Metrics::default(),
             orphans: Orphans::new(),
             runs: RwLock::new(HashMap::new()),
+            reclaims: RwLock::new(HashMap::new()),
         });
         register_scrape(&shared);
         let driver = Self { shared };
@@ -421,7 +427,17 @@ impl Driver {
                     other => DriverError::Store(StoreError::Unavailable(other.to_string())),
                 })?;
             }
-            tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(), "run restored");
+            tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(),
+                reclaim = run.is_reclaim(), "run restored");
+            if run.is_reclaim() {
+                driver.shared.orphans.recovered(&run);
+                let uid = run.uid();
+                let handle = RunActor::spawn(run, driver.shared.clone(), contract::TraceContext::default());
+                if let Ok(mut reclaims) = driver.shared.reclaims.write() {
+                    reclaims.insert(uid, handle);
+                }
+                continue;
+            }
             let id = run.run_id().clone();
             let handle = RunActor::spawn(run, driver.shared.clone(), contract::TraceContext::default());
             if let Ok(mut runs) = driver.shared.runs.write() {
@@ -508,6 +524,7 @@ impl Driver {
                 other => DriverError::Store(StoreError::Unavailable(other.to_string())),
             })?;
         }
+        crate::crash::hit(crate::crash::Point::ApplyCommitted);
         let id = run.run_id().clone();
         let handle = RunActor::spawn(run, self.shared.clone(), request_trace());
         runs.insert(id, handle);
@@ -587,12 +604,13 @@ impl Driver {
     /// `within`: each abandons its pass in flight (if any) and ends its open
     /// spans, so the spans flushed at exit form whole traces.
     pub async fn shutdown(&self, within: Duration) {
-        let handles: Vec<RunHandle> = self
+        let mut handles: Vec<RunHandle> = self
             .shared
             .runs
             .read()
             .map(|r| r.values().cloned().collect())
             .unwrap_or_default();
+        handles.extend(self.reclaim_handles());
         let mut stopped = Vec::with_capacity(handles.len());
         for h in handles {
             let (done, rx) = oneshot::channel();
@@ -629,15 +647,25 @@ impl Driver {
         self.shared.orphans.list()
     }
 
+    fn reclaim_handles(&self) -> Vec<RunHandle> {
+        self.shared
+            .reclaims
+            .read()
+            .map(|r| r.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// What every run holds: run uid → node → current attempt. A run whose
-    /// actor is gone is left out (it was deleted).
+    /// actor is gone is left out (it was deleted). Reclaim runs count: what
+    /// they hold is being destroyed already.
     pub async fn holdings(&self) -> Holdings {
-        let handles: Vec<RunHandle> = self
+        let mut handles: Vec<RunHandle> = self
             .shared
             .runs
             .read()
             .map(|r| r.values().cloned().collect())
             .unwrap_or_default();
+        handles.extend(self.reclaim_handles());
         let mut held = Holdings::new();
         for h in handles {
             let (tx, rx) = oneshot::channel();
@@ -656,11 +684,139 @@ impl Driver {
 
     /// One orphan sweep over `inventory` (read from the executor just
     /// before): compares it with what the runs hold now. Returns the orphans
-    /// this sweep reported for the first time.
-    pub async fn sweep_orphans(&self, inventory: &[pb::Resource]) -> Vec<pb::Orphan> {
+    /// this sweep reported for the first time. With `destroy`, every orphan
+    /// the report holds is handed to the deletion path (see
+    /// [`Driver::destroy_orphans`]).
+    pub async fn sweep_orphans(&self, inventory: &[pb::Resource], destroy: bool) -> Vec<pb::Orphan> {
         let held = self.holdings().await;
         let now = self.shared.clock.now().as_millis();
-        self.shared.orphans.sweep(inventory, &held, now)
+        let new = self.shared.orphans.sweep(inventory, &held, now);
+        if destroy {
+            self.destroy_orphans().await;
+        }
+        new
+    }
+
+    /// Hands the orphans the sweep confirmed to the normal deletion path: a
+    /// resource of a run the driver holds is adopted by that run as a node
+    /// being deleted; a resource of a run the driver no longer has goes to a
+    /// reclaim run for that uid (created and committed here, under an epoch
+    /// above the executor's for the uid, before anything is dispatched). Each
+    /// adopted orphan stays in the report as being destroyed until it is gone
+    /// from the inventory. An older attempt of a slot its run still holds
+    /// stays reported: a run holds one attempt per slot, so it is adopted
+    /// once the slot is free.
+    pub async fn destroy_orphans(&self) {
+        let mut by_run: BTreeMap<String, Vec<pb::Resource>> = BTreeMap::new();
+        for r in self.shared.orphans.confirmed() {
+            by_run.entry(r.run_uid.clone()).or_default().push(r);
+        }
+        for (uid, resources) in by_run {
+            let Ok(uid) = RunUid::parse("run_uid", &uid) else {
+                tracing::warn!(run_uid = %uid, "an orphan with an unreadable run uid is only reported");
+                continue;
+            };
+            let mut wanted: Vec<(pb::Resource, OrphanResource)> = Vec::new();
+            for r in resources {
+                match orphan_resource(&r) {
+                    Ok(o) => wanted.push((r, o)),
+                    Err(e) => tracing::warn!(run_uid = %uid, node = %r.node_id, error = %e,
+                        "an orphan the driver cannot name is only reported"),
+                }
+            }
+            if wanted.is_empty() {
+                continue;
+            }
+            let handle = self.handle_by_uid(uid);
+            let adopted = match handle {
+                Some(h) => {
+                    let (tx, rx) = oneshot::channel();
+                    let orphans = wanted.iter().map(|(_, o)| o.clone()).collect();
+                    if h.tx.send(RunEvent::AdoptOrphans { orphans, reply: tx }).is_err() {
+                        continue;
+                    }
+                    match rx.await {
+                        Ok(Ok(adopted)) => adopted,
+                        Ok(Err(e)) => {
+                            tracing::warn!(run_uid = %uid, error = %e, "the run refused its orphans");
+                            continue;
+                        }
+                        Err(_) => continue,
+                    }
+                }
+                None => match self.reclaim(uid, &wanted) {
+                    Ok(adopted) => adopted,
+                    Err(e) => {
+                        tracing::error!(run_uid = %uid, error = %e, "could not record a reclaim run");
+                        continue;
+                    }
+                },
+            };
+            for ((r, _), adopted) in wanted.iter().zip(adopted) {
+                if adopted {
+                    self.shared.orphans.destroying(r);
+                }
+            }
+        }
+    }
+
+    /// The run (or reclaim run) with this uid.
+    fn handle_by_uid(&self, uid: RunUid) -> Option<RunHandle> {
+        let live = self
+            .shared
+            .runs
+            .read()
+            .ok()
+            .and_then(|r| r.values().find(|h| h.uid == uid).cloned());
+        live.or_else(|| {
+            self.shared
+                .reclaims
+                .read()
+                .ok()
+                .and_then(|r| r.get(&uid).cloned())
+        })
+    }
+
+    /// Creates, commits and starts a reclaim run holding `orphans`.
+    fn reclaim(
+        &self,
+        uid: RunUid,
+        orphans: &[(pb::Resource, OrphanResource)],
+    ) -> Result<Vec<bool>, DriverError> {
+        let Some((first, _)) = orphans.first() else {
+            return Ok(Vec::new());
+        };
+        let run_id =
+            RunId::parse("run_id", &first.run_id).map_err(|e| DriverError::Apply(ApplyError::Invalid(e)))?;
+        let highest = orphans.iter().map(|(r, _)| r.epoch).max().unwrap_or(0);
+        let epoch = Epoch::new(highest).next().ok_or_else(|| {
+            DriverError::Store(StoreError::Corrupt(format!("epoch of run uid {uid} exhausted")))
+        })?;
+        let now = self.shared.clock.now();
+        let mut run = RunState::reclaim(run_id, uid, epoch, self.shared.policy.clone(), now);
+        let adopted: Vec<bool> = orphans.iter().map(|(_, o)| run.adopt_orphan(o)).collect();
+        if !adopted.iter().any(|a| *a) {
+            return Ok(adopted);
+        }
+        {
+            let mut store = self.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
+            run.commit(&mut **store).map_err(|e| match e {
+                crate::core::CoreError::Store(s) => DriverError::Store(s),
+                other => DriverError::Store(StoreError::Unavailable(other.to_string())),
+            })?;
+        }
+        tracing::warn!(run = %run.run_id(), run_uid = %uid, %epoch, nodes = run.node_count(),
+            "reclaim run recorded: destroying the orphans of a run the driver no longer has");
+        let handle = RunActor::spawn(run, self.shared.clone(), contract::TraceContext::default());
+        if let Ok(mut reclaims) = self.shared.reclaims.write() {
+            reclaims.insert(uid, handle);
+        }
+        Ok(adopted)
+    }
+
+    /// Reclaim runs the driver holds (for tests and the report).
+    pub fn reclaim_count(&self) -> usize {
+        self.shared.reclaims.read().map(|r| r.len()).unwrap_or(0)
     }
 
     /// An orphan sweep could not read the inventory.
@@ -700,4 +856,20 @@ fn fresh_uid() -> RunUid {
     let hi = contract::backoff::mix64(t ^ u64::from(std::process::id()));
     let lo = contract::backoff::mix64(n ^ hi);
     RunUid::from_u128(u128::from(hi) << 64 | u128::from(lo))
+}
+
+/// An inventory resource as the run state names it.
+fn orphan_resource(r: &pb::Resource) -> Result<OrphanResource, contract::FieldError> {
+    let some = |s: &str| (!s.is_empty()).then(|| s.to_owned());
+    Ok(OrphanResource {
+        node: LogicalNodeId::parse("node_id", &r.node_id)?,
+        attempt: contract::AttemptId::new(r.attempt),
+        lease: some(&r.lease_id)
+            .map(|l| contract::LeaseId::new("lease_id", &l))
+            .transpose()?,
+        endpoint: some(&r.endpoint)
+            .map(|e| contract::Endpoint::new("endpoint", &e))
+            .transpose()?,
+        session_live: r.session_live,
+    })
 }

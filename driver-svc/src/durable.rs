@@ -8,7 +8,14 @@
 //!
 //! Records are protobuf messages (`provisioning.store.v1`), each carrying the
 //! schema version, so the format can evolve; a store written by a newer schema
-//! is refused rather than misread.
+//! is refused rather than misread, and an older one is migrated at open, in one
+//! transaction (all of it, or nothing).
+//!
+//! Schema history:
+//! - 1: runs and nodes.
+//! - 2: a run record may be a *reclaim* run (`StoredMeta.reclaim`), held only
+//!   to destroy orphans. Migrating from 1 rewrites every record under the new
+//!   version (a version-1 record is never a reclaim run).
 //!
 //! Tables: `meta` (run uid → `StoredMeta`), `nodes` ((run uid, node id) →
 //! `StoredNode`), `schema` ("version" → u32).
@@ -26,7 +33,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use crate::core::{NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};
 
 /// The schema this code writes.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const NODES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("nodes");
@@ -77,8 +84,19 @@ impl RedbStore {
                         "the store was written by schema version {v}; this driver reads up to {SCHEMA_VERSION}"
                     )));
                 }
+                Some(1) => {
+                    // Older schemas are migrated here, one version at a time,
+                    // inside this transaction: a failed migration leaves the
+                    // file as it was.
+                    drop(schema);
+                    migrate_1_to_2(&txn)?;
+                    txn.open_table(SCHEMA)
+                        .map_err(unavailable)?
+                        .insert("version", 2u32)
+                        .map_err(unavailable)?;
+                    tracing::info!("store migrated from schema version 1 to 2");
+                }
                 Some(v) => {
-                    // Older schemas are migrated here, one version at a time.
                     return Err(corrupt(format!("no migration from schema version {v}")));
                 }
             }
@@ -87,6 +105,59 @@ impl RedbStore {
         }
         txn.commit().map_err(unavailable)
     }
+
+    /// The schema version the file is at.
+    pub fn schema_version(&self) -> Result<u32, StoreError> {
+        let txn = self.db.begin_read().map_err(unavailable)?;
+        let schema = txn.open_table(SCHEMA).map_err(unavailable)?;
+        let v = schema.get("version").map_err(unavailable)?.map(|v| v.value());
+        v.ok_or_else(|| corrupt("the store has no schema version"))
+    }
+}
+
+/// Schema 1 → 2: every record is rewritten under version 2; their fields are
+/// unchanged (a version-1 run is never a reclaim run).
+fn migrate_1_to_2(txn: &redb::WriteTransaction) -> Result<(), StoreError> {
+    let mut meta = txn.open_table(META).map_err(unavailable)?;
+    let mut rows: Vec<(String, Vec<u8>)> = Vec::new();
+    for item in meta.iter().map_err(unavailable)? {
+        let (k, v) = item.map_err(unavailable)?;
+        let mut m = rec::StoredMeta::decode(v.value()).map_err(|e| corrupt(format!("run record: {e}")))?;
+        if m.schema != 1 {
+            return Err(corrupt(format!(
+                "run record {} of schema {} in a version-1 store",
+                k.value(),
+                m.schema
+            )));
+        }
+        m.schema = 2;
+        m.reclaim = false;
+        rows.push((k.value().to_owned(), m.encode_to_vec()));
+    }
+    for (k, v) in rows {
+        meta.insert(k.as_str(), v.as_slice()).map_err(unavailable)?;
+    }
+    let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
+    let mut rows: Vec<((String, String), Vec<u8>)> = Vec::new();
+    for item in nodes.iter().map_err(unavailable)? {
+        let (k, v) = item.map_err(unavailable)?;
+        let mut n = rec::StoredNode::decode(v.value()).map_err(|e| corrupt(format!("node record: {e}")))?;
+        let (uid, id) = k.value();
+        if n.schema != 1 {
+            return Err(corrupt(format!(
+                "node record {uid}/{id} of schema {} in a version-1 store",
+                n.schema
+            )));
+        }
+        n.schema = 2;
+        rows.push(((uid.to_owned(), id.to_owned()), n.encode_to_vec()));
+    }
+    for ((uid, id), v) in rows {
+        nodes
+            .insert((uid.as_str(), id.as_str()), v.as_slice())
+            .map_err(unavailable)?;
+    }
+    Ok(())
 }
 
 fn encode_meta(m: &RunMeta) -> Vec<u8> {
@@ -102,6 +173,7 @@ fn encode_meta(m: &RunMeta) -> Vec<u8> {
         next_attempt: m.next_attempt,
         created_at_ms: m.created_at.as_millis(),
         converged_at_ms: UnixMillis::to_wire(m.converged_at),
+        reclaim: m.reclaim,
     }
     .encode_to_vec()
 }
@@ -126,6 +198,7 @@ fn decode_meta(bytes: &[u8]) -> Result<RunMeta, StoreError> {
         next_attempt: m.next_attempt,
         created_at: UnixMillis::new(m.created_at_ms),
         converged_at: UnixMillis::from_wire(m.converged_at_ms),
+        reclaim: m.reclaim,
     })
 }
 

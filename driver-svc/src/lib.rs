@@ -6,7 +6,8 @@
 //! [`actor`] runs one single-writer task per run; [`driver`] is the registry of
 //! runs; [`link`] keeps the stream to the executor; [`api`] serves clients;
 //! [`orphans`] keeps the orphan report and runs the orphan sweep;
-//! [`status`] builds what clients read; [`server`] assembles it all.
+//! [`status`] builds what clients read; [`server`] assembles it all;
+//! [`crash`] holds the named crash points crash tests arm.
 //! [`client`] is the logic of `provisionctl`, the command-line client, and
 //! [`shapefile`] its file format.
 
@@ -16,8 +17,10 @@ pub mod actor;
 pub mod api;
 pub mod client;
 pub mod core;
+pub mod crash;
 pub mod driver;
 pub mod durable;
+mod events;
 pub mod link;
 pub mod orphans;
 pub mod server;

@@ -60,6 +60,11 @@ struct Cli {
     /// runs (the first sweep follows the executor link coming up); 0 = off.
     #[arg(long, env = "DRIVER_ORPHAN_SWEEP_MS", default_value_t = 60_000)]
     orphan_sweep_ms: u64,
+    /// What the sweep does with an orphan it confirmed: `destroy` it through
+    /// the normal deletion path (and report it until it is gone), or only
+    /// `report` it.
+    #[arg(long, env = "DRIVER_ORPHAN_POLICY", value_enum, default_value_t = OrphanPolicy::Destroy)]
+    orphan_policy: OrphanPolicy,
     /// Where run state is kept: `redb` (durable, in --data-dir) or `memory`
     /// (lost when the process ends).
     #[arg(long, env = "DRIVER_STORE", value_enum, default_value_t = StoreKind::Redb)]
@@ -67,6 +72,17 @@ struct Cli {
     /// The durable store's directory.
     #[arg(long, env = "DRIVER_DATA_DIR", default_value = "driver-data")]
     data_dir: std::path::PathBuf,
+    /// For crash tests: abort the process at a named point of its work, on
+    /// the point's n-th hit (`<point>[:<n>]`; points are listed in
+    /// ARCHITECTURE.md, "Crash points"). Off unless given.
+    #[arg(long, env = "DRIVER_CRASH_AT", value_parser = driver_svc::crash::parse)]
+    crash_at: Option<driver_svc::crash::Armed>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum OrphanPolicy {
+    Destroy,
+    Report,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -109,6 +125,14 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = runtime::init_telemetry("driver-svc", &cli.common)?;
     let policy = cli.policy()?;
+    if let Some(armed) = cli.crash_at {
+        driver_svc::crash::arm(armed);
+        tracing::warn!(
+            point = armed.point.name(),
+            hit = armed.nth,
+            "crash point armed: this driver will abort there"
+        );
+    }
     // The store is opened before anything listens: a store that cannot be
     // opened (or is damaged) stops the driver here, loudly.
     let store: Box<dyn driver_svc::core::RunStore> = match cli.store {
@@ -136,6 +160,7 @@ async fn main() -> anyhow::Result<()> {
             store,
             clock: Arc::new(contract::SystemClock),
             orphan_sweep: Duration::from_millis(cli.orphan_sweep_ms),
+            orphan_destroy: cli.orphan_policy == OrphanPolicy::Destroy,
         },
     )
     .await;

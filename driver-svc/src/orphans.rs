@@ -5,7 +5,8 @@
 //! resource the sweep found in the executor's inventory that matches no node
 //! the driver holds at that attempt. The report is kept in memory, in the
 //! driver's registry; it is not persisted (a restarted driver finds the
-//! still-live resources again with its first sweeps).
+//! still-live resources again with its first sweeps, and lists what its
+//! reclaim runs hold from the start).
 //!
 //! The sweep compares the executor's inventory with the driver's state. The
 //! inventory is read *before* the driver's state: a resource exists only
@@ -14,8 +15,15 @@
 //! when two consecutive sweeps find it unwanted, so a resource whose node was
 //! reaped (or whose create result is still in flight) between the two reads
 //! is not misreported. Orphans are reported (log line, `ListOrphans`,
-//! metrics), not destroyed: destroying them through the normal deletion path
-//! is not built yet.
+//! metrics) and, unless the driver runs with `--orphan-policy report`,
+//! destroyed through the normal deletion path (`Driver::destroy_orphans`): a
+//! resource of a run the driver holds is adopted by that run as a node being
+//! deleted; one of a run the driver no longer has goes to a *reclaim run*, a
+//! stored run for that uid that is deleting from the start and is never
+//! listed as a run. Either way each cleanup operation is recorded pending
+//! before it is dispatched, retried with backoff, and survives a restart. An
+//! adopted orphan stays in the report, marked as being destroyed, until it is
+//! gone from the inventory.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -33,6 +41,7 @@ use crate::core::AbandonedNode;
 /// Why an orphan is listed: the `source` label of the metrics.
 pub const ABANDONED: &str = "abandoned";
 pub const SWEEP: &str = "sweep";
+pub const DESTROYING: &str = "destroying";
 
 /// A resource's identity: (run uid, node, attempt).
 pub type ResourceKey = (String, String, u64);
@@ -71,12 +80,15 @@ struct Inner {
     swept: BTreeMap<ResourceKey, pb::Orphan>,
     /// What the previous sweep found unwanted.
     suspects: BTreeSet<ResourceKey>,
+    /// Orphans handed to a deletion path, until they leave the inventory.
+    destroying: BTreeMap<ResourceKey, pb::Orphan>,
 }
 
 #[derive(Debug, Clone)]
 struct OrphanMetrics {
     orphans: Gauge,
     sweeps: Counter,
+    destroyed: Counter,
 }
 
 impl OrphanMetrics {
@@ -84,15 +96,21 @@ impl OrphanMetrics {
         Self {
             orphans: r.gauge(
                 "provisioning_orphans",
-                "Orphans in the orphan report, by source: abandoned (nodes an operator abandoned) or \
+                "Orphans in the orphan report, by source: abandoned (nodes an operator abandoned), \
                  sweep (resources in the executor's inventory that no run wants, seen by two \
-                 consecutive sweeps).",
+                 consecutive sweeps) or destroying (orphans handed to a deletion path, until they \
+                 leave the inventory).",
                 &["source"],
             ),
             sweeps: r.counter(
                 "provisioning_orphan_sweeps_total",
                 "Orphan sweeps, by result (ok, or error when the inventory could not be read).",
                 &["result"],
+            ),
+            destroyed: r.counter(
+                "provisioning_orphans_destroyed_total",
+                "Orphans handed to a deletion path that have since left the executor's inventory.",
+                &[],
             ),
         }
     }
@@ -143,6 +161,7 @@ impl Orphans {
                     .as_ref()
                     .map_or_else(String::new, |e| e.as_str().to_owned()),
                 session_live: left.session.is_some(),
+                epoch: 0,
             }),
             reason,
             recorded_at_ms: left.at.as_millis(),
@@ -174,23 +193,28 @@ impl Orphans {
             if !inner.suspects.contains(&key) {
                 continue;
             }
+            let reason = match held.get(&r.run_uid).map(|nodes| nodes.get(&r.node_id)) {
+                Some(Some(attempt)) => format!(
+                    "found by the orphan sweep: run {} holds node {} at attempt {attempt}; this older \
+                     attempt is destroyed once the slot is free",
+                    r.run_id, r.node_id
+                ),
+                Some(None) => format!(
+                    "found by the orphan sweep: run {} holds no node {} at attempt {}",
+                    r.run_id, r.node_id, r.attempt
+                ),
+                None => format!(
+                    "found by the orphan sweep: the driver holds no run with uid {}",
+                    r.run_uid
+                ),
+            };
             let orphan = match inner.swept.get(&key) {
                 Some(known) => pb::Orphan {
                     resource: Some((*r).clone()),
-                    ..known.clone()
+                    reason,
+                    recorded_at_ms: known.recorded_at_ms,
                 },
                 None => {
-                    let reason = if held.contains_key(&r.run_uid) {
-                        format!(
-                            "found by the orphan sweep: run {} holds no node {} at attempt {}",
-                            r.run_id, r.node_id, r.attempt
-                        )
-                    } else {
-                        format!(
-                            "found by the orphan sweep: the driver holds no run with uid {}",
-                            r.run_uid
-                        )
-                    };
                     tracing::warn!(
                         run = %r.run_id, run_uid = %r.run_uid, node = %r.node_id, attempt = r.attempt,
                         lease = %r.lease_id, endpoint = %r.endpoint, session_live = r.session_live,
@@ -208,10 +232,97 @@ impl Orphans {
             swept.insert(key, orphan);
         }
         inner.suspects = unwanted.iter().map(|r| key_of(r)).collect();
+        // Being destroyed: held by a run now, so not unwanted; listed until
+        // the inventory no longer has it.
+        let live: BTreeSet<ResourceKey> = inventory.iter().map(key_of).collect();
+        let before = inner.destroying.len();
+        inner.destroying.retain(|k, _| live.contains(k));
+        let gone = before - inner.destroying.len();
+        if gone > 0 {
+            tracing::info!(destroyed = gone, "orphans destroyed");
+            self.metrics.destroyed.add(&[], gone as u64);
+        }
+        let destroying: BTreeSet<ResourceKey> = inner.destroying.keys().cloned().collect();
+        swept.retain(|k, _| !destroying.contains(k));
         inner.swept = swept;
         self.metrics.orphans.set(&[SWEEP], inner.swept.len() as f64);
+        self.metrics
+            .orphans
+            .set(&[DESTROYING], inner.destroying.len() as f64);
         self.metrics.sweeps.inc(&["ok"]);
         new
+    }
+
+    /// The resources the last sweep confirmed as orphans (not yet handed to
+    /// a deletion path).
+    pub fn confirmed(&self) -> Vec<pb::Resource> {
+        self.lock()
+            .swept
+            .values()
+            .filter_map(|o| o.resource.clone())
+            .collect()
+    }
+
+    /// An orphan was adopted by a run (or a reclaim run) and is being
+    /// destroyed through its deletion path.
+    pub fn destroying(&self, r: &pb::Resource) {
+        let key = key_of(r);
+        let mut inner = self.lock();
+        let mut orphan = inner.swept.remove(&key).unwrap_or_else(|| pb::Orphan {
+            resource: Some(r.clone()),
+            reason: "found by the orphan sweep".into(),
+            recorded_at_ms: 0,
+        });
+        orphan
+            .reason
+            .push_str("; being destroyed through the deletion path");
+        tracing::warn!(run = %r.run_id, run_uid = %r.run_uid, node = %r.node_id, attempt = r.attempt,
+            lease = %r.lease_id, "orphan handed to the deletion path");
+        inner.destroying.insert(key, orphan);
+        self.metrics.orphans.set(&[SWEEP], inner.swept.len() as f64);
+        self.metrics
+            .orphans
+            .set(&[DESTROYING], inner.destroying.len() as f64);
+    }
+
+    /// A restarted driver lists what a stored reclaim run holds as being
+    /// destroyed.
+    pub fn recovered(&self, run: &crate::core::RunState) {
+        let mut inner = self.lock();
+        for n in run.nodes() {
+            let resource = pb::Resource {
+                run_uid: run.uid().to_string(),
+                run_id: run.run_id().to_string(),
+                node_id: n.id.to_string(),
+                attempt: n.attempt.get(),
+                lease_id: n
+                    .facts
+                    .lease
+                    .as_ref()
+                    .map_or_else(String::new, |l| l.as_str().to_owned()),
+                endpoint: n
+                    .facts
+                    .endpoint
+                    .as_ref()
+                    .map_or_else(String::new, |e| e.as_str().to_owned()),
+                session_live: n.facts.session.is_some() || n.facts.ambiguous_bootstrap,
+                epoch: run.epoch().get(),
+            };
+            let key = key_of(&resource);
+            inner.destroying.insert(
+                key,
+                pb::Orphan {
+                    resource: Some(resource),
+                    reason: "found by an orphan sweep before a restart; being destroyed through the \
+                             deletion path"
+                        .into(),
+                    recorded_at_ms: run.meta().created_at.as_millis(),
+                },
+            );
+        }
+        self.metrics
+            .orphans
+            .set(&[DESTROYING], inner.destroying.len() as f64);
     }
 
     pub(crate) fn sweep_failed(&self) {
@@ -219,7 +330,7 @@ impl Orphans {
     }
 
     /// The report: abandoned nodes first (in order), then the sweep's
-    /// findings (by identity).
+    /// findings, then the orphans being destroyed (each by identity).
     pub fn list(&self) -> Vec<pb::Orphan> {
         let inner = self.lock();
         inner
@@ -227,24 +338,28 @@ impl Orphans {
             .iter()
             .cloned()
             .chain(inner.swept.values().cloned())
+            .chain(inner.destroying.values().cloned())
             .collect()
     }
 }
 
-/// How the sweep task paces itself.
+/// How the sweep task paces itself, and what it does with orphans.
 #[derive(Debug, Clone, Copy)]
 pub struct SweepConfig {
     /// Between sweeps; zero turns the sweep off.
     pub every: Duration,
     /// After the executor link comes up, before the first sweep.
     pub after_link_up: Duration,
+    /// Hand confirmed orphans to the deletion path (else only report them).
+    pub destroy: bool,
 }
 
 impl SweepConfig {
-    pub fn new(every: Duration) -> Self {
+    pub fn new(every: Duration, destroy: bool) -> Self {
         Self {
             every,
             after_link_up: every.min(Duration::from_secs(1)),
+            destroy,
         }
     }
 }

@@ -40,6 +40,9 @@ pub struct Config {
     pub clock: Arc<dyn Clock>,
     /// Between orphan sweeps; zero turns the sweep off.
     pub orphan_sweep: Duration,
+    /// Whether the sweep destroys the orphans it confirms (through the
+    /// deletion path) or only reports them.
+    pub orphan_destroy: bool,
 }
 
 /// Serves the driver on `listener` until `shutdown` resolves.
@@ -87,7 +90,7 @@ pub async fn run(
             .max_decoding_message_size(64 << 20);
         let mut stop = stop_rx.clone();
         let driver = driver.clone();
-        let sweep = SweepConfig::new(config.orphan_sweep);
+        let sweep = SweepConfig::new(config.orphan_sweep, config.orphan_destroy);
         tokio::spawn(async move {
             tokio::select! {
                 () = sweep_orphans(driver, inventory, sweep) => {}
@@ -164,7 +167,7 @@ async fn sweep_orphans(
         match inventory {
             Ok(r) => {
                 let resources = r.into_inner().resources;
-                let new = driver.sweep_orphans(&resources).await;
+                let new = driver.sweep_orphans(&resources, config.destroy).await;
                 tracing::debug!(
                     resources = resources.len(),
                     new_orphans = new.len(),

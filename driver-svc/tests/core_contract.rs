@@ -580,3 +580,117 @@ fn a_pass_applies_decisions_only_to_the_state_they_were_made_from() {
             .any(|o| o.node == node("workers-2") && o.input.effect() == Effect::LookupEndpoint)
     );
 }
+
+fn orphan(id: &str, attempt: u64, session_live: bool) -> driver_svc::core::OrphanResource {
+    driver_svc::core::OrphanResource {
+        node: node(id),
+        attempt: contract::AttemptId::new(attempt),
+        lease: Some(contract::LeaseId::new("lease", &format!("lease-{id}-{attempt}")).unwrap()),
+        endpoint: Some(contract::Endpoint::new("endpoint", "127.0.0.1:9").unwrap()),
+        session_live,
+    }
+}
+
+fn succeed(run: &mut RunState, id: &str) {
+    let r = result(run, id, Outcome::Succeeded(ResultFacts::default()));
+    assert_eq!(run.fold_result(&r, T0).unwrap(), Fold::Folded);
+}
+
+#[test]
+fn an_orphan_of_a_gone_run_is_destroyed_through_the_deletion_path() {
+    let mut run = RunState::reclaim(
+        RunId::parse("run_id", "train").unwrap(),
+        UID,
+        Epoch::new(4),
+        policy(),
+        T0,
+    );
+    let mut store = MemStore::new();
+    assert!(run.is_reclaim() && run.is_deleting());
+    assert!(run.adopt_orphan(&orphan("workers-7", 3, true)));
+    assert!(
+        !run.adopt_orphan(&orphan("workers-7", 5, false)),
+        "one attempt per slot"
+    );
+    let mut without_lease = orphan("workers-8", 1, false);
+    without_lease.lease = None;
+    assert!(!run.adopt_orphan(&without_lease), "nothing to destroy by id");
+    run.commit(&mut store).unwrap();
+    let stored = store.load_all().unwrap();
+    assert!(stored[0].meta.reclaim && stored[0].meta.deleting);
+    assert_eq!(stored[0].meta.next_attempt, 4, "attempts above the orphan's");
+
+    // Cancel first (the session id is unknown: by identity), then destroy,
+    // each recorded pending before it is returned, on ids the attempt never
+    // used.
+    let cancel = pass(&mut run, &mut store, T0);
+    assert_eq!(cancel.operations.len(), 1);
+    let op = &cancel.operations[0];
+    assert_eq!(
+        op.input,
+        contract::OperationInput::CancelBootstrap { session: None }
+    );
+    assert_eq!(op.id.attempt().get(), 3);
+    assert!(op.id.seq() >= driver_svc::core::ORPHAN_SEQ_BASE);
+    assert_eq!(op.epoch, Epoch::new(4));
+    let rec = &store.load_all().unwrap()[0].nodes[0];
+    assert_eq!(rec.node.pending.map(|p| p.id), Some(op.id));
+    succeed(&mut run, "workers-7");
+    let destroy = pass(&mut run, &mut store, T0);
+    assert_eq!(destroy.operations.len(), 1);
+    assert_eq!(
+        destroy.operations[0].input,
+        contract::OperationInput::DestroyLease {
+            lease: Some(contract::LeaseId::new("lease", "lease-workers-7-3").unwrap())
+        }
+    );
+    succeed(&mut run, "workers-7");
+    for _ in 0..3 {
+        if run.is_gone() {
+            break;
+        }
+        let _ = pass(&mut run, &mut store, T0);
+    }
+    assert!(
+        run.is_gone(),
+        "destroyed and reaped: {:?}",
+        run.nodes().collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn an_orphan_of_a_live_run_is_adopted_only_into_a_free_slot() {
+    let (mut run, mut store) = run_with_nodes();
+    let held: Vec<String> = run.nodes().map(|n| n.id.to_string()).collect();
+    assert!(!run.adopt_orphan(&orphan("workers-1", 99, false)), "held slot");
+    assert!(run.adopt_orphan(&orphan("workers-9", 2, false)));
+    let before = fingerprint_of(&run, &held);
+    let out = pass(&mut run, &mut store, T0);
+    let orphan_ops: Vec<_> = out
+        .operations
+        .iter()
+        .filter(|o| o.node == node("workers-9"))
+        .collect();
+    assert_eq!(orphan_ops.len(), 1);
+    assert_eq!(orphan_ops[0].input.effect(), Effect::DestroyLease);
+    assert!(!run.is_deleting(), "the run itself is not deleted");
+    assert_eq!(
+        fingerprint_of(&run, &held),
+        before,
+        "the run's own nodes are untouched by the adoption"
+    );
+    assert_eq!(
+        run.node(&node("workers-9")).unwrap().stage,
+        NodeStage::EndpointKnown
+    );
+}
+
+fn fingerprint_of(run: &RunState, ids: &[String]) -> String {
+    format!(
+        "{:?}",
+        run.nodes()
+            .filter(|n| ids.contains(&n.id.to_string()))
+            .map(|n| (&n.id, n.attempt, n.stage, n.pending.map(|p| p.id)))
+            .collect::<Vec<_>>()
+    )
+}

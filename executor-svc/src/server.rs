@@ -34,6 +34,7 @@ use std::{
 use contract::{
     Claim, Clock, Epoch, FieldError, Observation, Operation, OperationId, OperationResult, Outcome,
     Rejection, RejectionReason, RunUid, SessionId, TraceContext,
+    event_trace::{self, ObsRec, OpRec, RejRec, ResultRec, SeqRef, TraceEvent},
     metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS},
     pb::{
         self,
@@ -322,6 +323,30 @@ impl ExecutorService {
                 session_live: item.session_live,
                 ..pb::Resource::from(&item.identity)
             })
+            .collect::<Vec<_>>();
+        // Each resource carries its run's highest epoch, so a driver that
+        // reclaims it claims the run above that.
+        let runs: Vec<RunUid> = items_runs(&resources);
+        let (reply, epochs) = oneshot::channel();
+        self.events
+            .send(Event::Epochs {
+                runs: runs.clone(),
+                reply,
+            })
+            .await
+            .map_err(|_| RequestError::ShuttingDown)?;
+        let epochs = epochs.await.map_err(|_| RequestError::ShuttingDown)?;
+        let by_run: HashMap<String, u64> = runs
+            .iter()
+            .zip(epochs)
+            .map(|(uid, e)| (uid.to_string(), e.map_or(0, |e| e.get())))
+            .collect();
+        let resources = resources
+            .into_iter()
+            .map(|mut r| {
+                r.epoch = by_run.get(&r.run_uid).copied().unwrap_or(0);
+                r
+            })
             .collect();
         Ok(pb::InventoryResponse { resources })
     }
@@ -426,6 +451,11 @@ enum Event {
     Observation(RawObservation),
     /// The earliest deadline may have passed.
     Tick,
+    /// The inventory asks for the highest epoch of each run it lists.
+    Epochs {
+        runs: Vec<RunUid>,
+        reply: oneshot::Sender<Vec<Option<Epoch>>>,
+    },
 }
 
 /// Where the server is in its life; the actor watches it.
@@ -467,6 +497,9 @@ struct Actor {
     /// Messages of the current step, sent by `flush` after its changes are
     /// durable.
     outbox: Vec<(LinkId, pb::ExecutorMessage)>,
+    /// The current step's event-trace lines, written by `flush` with its
+    /// messages (nothing when the trace is off).
+    trace: event_trace::Deferred,
 }
 
 async fn sleep_for(delay: Option<Duration>) {
@@ -498,6 +531,7 @@ impl Actor {
             store_failed: false,
             metrics: ExecutorMetrics::new(),
             outbox: Vec::new(),
+            trace: event_trace::Deferred::default(),
         }
     }
 
@@ -574,6 +608,9 @@ impl Actor {
                 }
             }
             Event::LinkClosed { link } => self.close_link(link),
+            Event::Epochs { runs, reply } => {
+                let _ = reply.send(runs.iter().map(|uid| self.core.highest_epoch(*uid)).collect());
+            }
             Event::Completed {
                 run_uid,
                 id,
@@ -582,6 +619,15 @@ impl Actor {
                 trace,
             } => {
                 let key = (run_uid, id);
+                self.trace.push(|| TraceEvent::CallCompleted {
+                    run: run_uid.to_string(),
+                    id: id.to_string(),
+                    outcome: outcome.class_name().to_owned(),
+                    current: self
+                        .tasks
+                        .get(&key)
+                        .is_some_and(|(current, _, _)| *current == task),
+                });
                 match self.tasks.get(&key) {
                     Some((current, _, _)) if *current == task => {
                         self.tasks.remove(&key);
@@ -653,7 +699,14 @@ impl Actor {
             );
             return self.reject_invalid(link, raw_uid, None, "claim", &e, trace);
         }
-        match self.core.claim(&claim) {
+        let claimed = self.core.claim(&claim);
+        self.trace.push(|| TraceEvent::ClaimReceived {
+            run: claim.run_uid.to_string(),
+            epoch: claim.epoch.get(),
+            link: link.0,
+            accepted: claimed.is_ok(),
+        });
+        match claimed {
             Ok(()) => {
                 // The acceptance leaves with the step's flush, after the epoch
                 // is durable.
@@ -667,6 +720,10 @@ impl Actor {
                 // A new link may be a reconnect: whatever the driver has not
                 // acknowledged may never have reached it.
                 for result in self.core.unacked_results_of(run_uid) {
+                    self.trace.push(|| TraceEvent::ResultOut {
+                        result: ResultRec::of(&result),
+                        resend: true,
+                    });
                     self.send(link, result_message(&result));
                 }
                 // Observations are not re-sent here: the driver asks for each
@@ -675,6 +732,9 @@ impl Actor {
             }
             Err(rejection) => {
                 self.metrics.rejections.inc(&[rejection.reason.name()]);
+                self.trace.push(|| TraceEvent::RejectionOut {
+                    rejection: RejRec::of(&rejection),
+                });
                 self.send(link, rejection_message(&rejection, trace));
             }
         }
@@ -700,11 +760,38 @@ impl Actor {
             );
             return self.reject_invalid(link, raw_uid, raw_id, "operation", &e, &trace);
         }
+        self.trace.push(|| TraceEvent::OpReceived {
+            op: OpRec::of(&op),
+            link: link.0,
+        });
         let out = self.core.submit(op, self.clock.now());
         self.apply(out, Some(link), &trace);
     }
 
     fn on_ack(&mut self, link: LinkId, ack: pb::Ack, trace: &TraceContext) {
+        self.trace.push(|| TraceEvent::AckReceived {
+            run: ack
+                .results
+                .first()
+                .map(|r| r.run_uid.clone())
+                .or_else(|| ack.observations.first().map(|o| o.run_uid.clone()))
+                .unwrap_or_default(),
+            results: ack
+                .results
+                .iter()
+                .filter_map(|r| r.id)
+                .filter_map(|id| OperationId::try_from(id).ok())
+                .map(|id| id.to_string())
+                .collect(),
+            observations: ack
+                .observations
+                .iter()
+                .map(|o| SeqRef {
+                    session: o.session_id.clone(),
+                    seq: o.seq,
+                })
+                .collect(),
+        });
         for r in ack.results {
             let raw_uid = r.run_uid.clone();
             let parsed = RunUid::parse("run_uid", &r.run_uid).and_then(|uid| {
@@ -758,6 +845,10 @@ impl Actor {
                 continue;
             }
             for observation in self.core.observations_after(run_uid, &session, cursor.seq) {
+                self.trace.push(|| TraceEvent::ObservationOut {
+                    obs: ObsRec::of(&observation),
+                    replay: true,
+                });
                 self.send(link, observation_message(&observation));
             }
         }
@@ -768,6 +859,10 @@ impl Actor {
             Ok(uid) => uid,
             Err(e) => return self.reject_invalid(link, forget.run_uid, None, "forget", &e, trace),
         };
+        self.trace.push(|| TraceEvent::ForgetReceived {
+            run: run_uid.to_string(),
+            epoch: forget.epoch,
+        });
         let out = self.core.forget_run(run_uid, Epoch::new(forget.epoch));
         if !out.iter().any(|o| matches!(o, Output::Rejected(_))) {
             self.routes.remove(&run_uid);
@@ -795,6 +890,9 @@ impl Actor {
             highest_epoch: self.core.highest_epoch(run_uid).unwrap_or_default(),
         };
         self.metrics.rejections.inc(&[rejection.reason.name()]);
+        self.trace.push(|| TraceEvent::RejectionOut {
+            rejection: RejRec::of(&rejection),
+        });
         self.send(link, rejection_message(&rejection, trace));
         false
     }
@@ -806,6 +904,10 @@ impl Actor {
             match output {
                 Output::Start(op) => self.start(op),
                 Output::Abort { run_uid, id } => {
+                    self.trace.push(|| TraceEvent::CallAborted {
+                        run: run_uid.to_string(),
+                        id: id.to_string(),
+                    });
                     if let Some((_, handle, span)) = self.tasks.remove(&(run_uid, id)) {
                         span.record("provisioning.operation.outcome", "abandoned");
                         span.record("otel.status_code", "error");
@@ -813,6 +915,10 @@ impl Actor {
                     }
                 }
                 Output::Result(result) => {
+                    self.trace.push(|| TraceEvent::ResultOut {
+                        result: ResultRec::of(&result),
+                        resend: false,
+                    });
                     let effect = result.effect.name();
                     if result.replayed {
                         self.metrics.replayed.inc(&[effect]);
@@ -824,10 +930,17 @@ impl Actor {
                     self.route(result.run_uid, result_message(&result));
                 }
                 Output::Observation(o) => {
+                    self.trace.push(|| TraceEvent::ObservationOut {
+                        obs: ObsRec::of(&o),
+                        replay: false,
+                    });
                     self.metrics.observations.inc(&[o.stage.name()]);
                     self.route(o.run_uid, observation_message(&o));
                 }
                 Output::Rejected(rejection) => {
+                    self.trace.push(|| TraceEvent::RejectionOut {
+                        rejection: RejRec::of(&rejection),
+                    });
                     self.metrics.rejections.inc(&[rejection.reason.name()]);
                     match origin {
                         Some(link) => self.send(link, rejection_message(&rejection, trace)),
@@ -879,6 +992,7 @@ impl Actor {
             .filter(|t| !t.traceparent.is_empty())
             .unwrap_or_else(|| op.trace.clone());
         self.metrics.started.inc(&[effect.name()]);
+        self.trace.push(|| TraceEvent::CallStarted { op: OpRec::of(&op) });
         // The session's observations join the call that started it.
         let sink = ObservationSink::new(self.observations.clone(), trace.clone());
         let call = self.backend.execute(op, sink);
@@ -937,6 +1051,7 @@ impl Actor {
     /// Writes the step's durable changes, then sends its messages.
     fn flush(&mut self) {
         self.persist();
+        self.trace.write();
         for (link, msg) in std::mem::take(&mut self.outbox) {
             self.send_now(link, msg);
         }
@@ -1036,4 +1151,14 @@ fn rejection_message(rejection: &Rejection, trace: &TraceContext) -> pb::Executo
         pb::executor_message::Kind::Rejection(pb::Rejection::from(rejection)),
         trace,
     )
+}
+
+/// The distinct runs of an inventory, in order of first appearance.
+fn items_runs(resources: &[pb::Resource]) -> Vec<RunUid> {
+    let mut seen = std::collections::HashSet::new();
+    resources
+        .iter()
+        .filter_map(|r| RunUid::parse("run_uid", &r.run_uid).ok())
+        .filter(|uid| seen.insert(*uid))
+        .collect()
 }

@@ -6,10 +6,12 @@
 //! ([`time`]) and the one backoff function ([`backoff`]). With the `wire` feature
 //! (on by default) the crate also carries the `provisioning.v1` protos' generated
 //! code ([`pb`]) and the `TryFrom` conversions between wire and domain types
-//! ([`wire`]); the pure decider uses the crate without it, so it links neither
-//! tonic nor prost. The `runtime` feature adds what every service binary shares:
+//! ([`wire`]), with the entry points that fuzz what the services decode
+//! ([`fuzzing`]); the pure decider uses the crate without it, so it links
+//! neither tonic nor prost. The `runtime` feature adds what every service binary shares:
 //! flags and startup ([`runtime`]), tracing, trace propagation and logs
-//! ([`telemetry`]) and the Prometheus registry with its endpoint ([`metrics`]).
+//! ([`telemetry`]), the Prometheus registry with its endpoint ([`metrics`]) and
+//! the event trace tests read across processes ([`event_trace`]).
 
 #![forbid(unsafe_code)]
 
@@ -25,6 +27,11 @@ pub mod time;
 #[cfg(feature = "wire")]
 pub mod wire;
 
+#[cfg(feature = "wire")]
+pub mod fuzzing;
+
+#[cfg(feature = "runtime")]
+pub mod event_trace;
 #[cfg(feature = "runtime")]
 pub mod metrics;
 #[cfg(feature = "runtime")]

@@ -31,6 +31,11 @@ pub struct CommonArgs {
     /// with --ready-file, in `<ready file>.metrics`.
     #[arg(long, env = "PROVISIONING_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Append a trace of what this service receives, decides, records and
+    /// dispatches to this file, one JSON object per line (for tests and
+    /// debugging; see `contract::event_trace`). Off unless given.
+    #[arg(long, env = "PROVISIONING_EVENT_TRACE")]
+    pub event_trace: Option<PathBuf>,
 }
 
 impl CommonArgs {
@@ -40,19 +45,30 @@ impl CommonArgs {
 }
 
 /// Sets up this service's logs, traces and metrics endpoint from its flags
-/// and the standard `OTEL_*` variables (see [`crate::telemetry`]). Call it
-/// first thing in `main`, inside the runtime, and keep the result until
-/// `main` ends: shutting it down (or dropping it) flushes buffered spans.
+/// and the standard `OTEL_*` variables (see [`crate::telemetry`]), and its
+/// event trace if `--event-trace` asks for one. Call it first thing in
+/// `main`, inside the runtime, and keep the result until `main` ends:
+/// shutting it down (or dropping it) flushes buffered spans.
 pub fn init_telemetry(
     service: &'static str,
     common: &CommonArgs,
 ) -> Result<crate::telemetry::Telemetry, crate::telemetry::TelemetryError> {
-    crate::telemetry::init(&crate::telemetry::TelemetryConfig {
+    let telemetry = crate::telemetry::init(&crate::telemetry::TelemetryConfig {
         service,
         log_json: common.log_json,
         metrics_listen: common.metrics_listen,
         ready_file: common.ready_file.as_deref(),
-    })
+    })?;
+    if let Some(path) = &common.event_trace {
+        crate::event_trace::install(service, path).map_err(|source| {
+            crate::telemetry::TelemetryError::EventTrace {
+                path: path.clone(),
+                source,
+            }
+        })?;
+        tracing::info!(path = %path.display(), "event trace on");
+    }
+    Ok(telemetry)
 }
 
 /// Sets up logging only: `RUST_LOG` filters (default `info`), text or JSON

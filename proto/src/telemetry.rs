@@ -75,6 +75,11 @@ pub enum TelemetryError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error("opening the event trace {path}: {source}")]
+    EventTrace {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// The process's telemetry. Shut it down (or drop it) as `main` ends, inside

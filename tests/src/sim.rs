@@ -89,6 +89,9 @@ pub enum Cause {
     Apply,
     /// The driver restarted from its store.
     Restore,
+    /// The decider's answer as it left the decider (level 2, from its trace):
+    /// no node changes with it; the driver applies it later as `Decisions`.
+    Answer(Vec<Decision>),
 }
 
 /// One change of the driver's nodes, with the states around it.
@@ -196,6 +199,12 @@ pub enum Event {
     ConflictProbe {
         op: Operation,
         outputs: Vec<Output>,
+    },
+    /// The driver took this shape, or began deleting the run (level 2, from
+    /// its trace; in memory the round's state says so).
+    Shape {
+        shape: ClusterShape,
+        deleting: bool,
     },
     /// With nothing else to do, the driver's next wake-up was already due
     /// (`poll_timeout() <= now`) while it had no pass to run (`needs_pass` was

@@ -1,6 +1,7 @@
 //! The conformance battery (SPEC.md section 6) at level 1 (the cores in memory
-//! with the fake backend) and level 2 (the three binaries over gRPC), the
-//! mutants that show the oracle can fail, and replay of a printed failure.
+//! with the fake backend), level 2 (the three binaries over gRPC, their event
+//! traces read back for the event checks) and level 3 (the process backend),
+//! the mutants that show the oracle can fail, and replay of a printed failure.
 //!
 //! Environment:
 //! - `CONFORMANCE_SEEDS=N`: level-1 seeds per delivery mode (default 256), for
@@ -21,6 +22,7 @@ use provisioning_tests::{
         parse_trace,
         runner::{check_seed, run_battery, run_battery_all, run_sut},
         services::{self, ServiceSut},
+        traces::TraceTamper,
         world::{Alphabet, generate, prefix_len},
     },
     sim::Delivery,
@@ -384,8 +386,10 @@ fn a_quiet_trace_converges_within_its_bound() {
     assert!(out.tail_passes <= out.tail_bound);
 }
 
-/// Level 2: the same checks (those that read states) over the three real
-/// binaries, with the executor's seeded chaos on during the prefix.
+/// Level 2: the same checks over the three real binaries, with the
+/// executor's seeded chaos on during the prefix: the state checks over the
+/// API's status and the executor's inventory, and the event checks over the
+/// services' event traces (see `conformance::traces`).
 #[test]
 fn level2_services() {
     let seeds = env_u64("CONFORMANCE_L2_SEEDS", 8);
@@ -401,6 +405,7 @@ fn level2_services() {
         if result.is_err() {
             sut.dump_logs();
         }
+        let lines = sut.trace_lines().clone();
         sut.stop();
         match result {
             Ok(out) => {
@@ -408,7 +413,7 @@ fn level2_services() {
                     *coverage.entry(k.clone()).or_default() += v;
                 }
                 eprintln!(
-                    "level 2 seed {seed}: {} inputs, {} polls, highest attempt {}, failures up to {}, {} updates rejected; the tail took {} of {} passes; {:.1?}",
+                    "level 2 seed {seed}: {} inputs, {} polls, highest attempt {}, failures up to {}, {} updates rejected; the tail took {} of {} passes; trace lines read {lines:?}; {:.1?}",
                     trace.len(),
                     out.rounds,
                     out.highest_attempt,
@@ -438,17 +443,76 @@ fn level2_services() {
     );
     // The state checks had something to read: leases recorded by the driver
     // and held by the backend, ready nodes, converged and deleted runs, and
-    // updates of every kind.
+    // updates of every kind. So had the event checks, from the traces: folds,
+    // passes and their actions, submissions recorded first, backend calls,
+    // results, the decider's answers.
     for key in [
         "state:lease-seen-at-backend",
         "state:ready-node",
         "state:converged",
         "state:gone",
         "apply:Valid:changed",
+        "fold:folded",
+        "event:pass",
+        "action:create-lease",
+        "action:begin-delete",
+        "action:mark-destroyed",
+        "event:submitted:recorded=true",
+        "event:started",
+        "result:succeeded",
+        "event:decider-answer",
     ] {
         assert!(
             coverage.get(key).is_some_and(|n| *n > 0),
             "level 2 never saw {key}: {coverage:?}"
+        );
+    }
+}
+
+/// Level 2's event checks can fail: with the reading of the traces corrupted
+/// the way a broken driver would write them, the battery over the real
+/// services breaks the matching guarantee. A driver that hands operations to
+/// the link before the commit that records them pending breaks guarantee 4;
+/// one that folds a result into an attempt the result does not name breaks
+/// guarantee 2. (The binaries carry no mutants; the corruption is applied
+/// where the traces are read, so this shows the cross-process checks see
+/// such a trace, not that the binaries can be broken.)
+#[test]
+fn level2_trace_checks_can_fail() {
+    for (tamper, expected) in [
+        (
+            TraceTamper::DispatchBeforeCommit,
+            Guarantee::G04RecordedBeforeSubmitted,
+        ),
+        (
+            TraceTamper::FoldIntoOtherAttempt,
+            Guarantee::G02FoldOnlyIntoNamedAttempt,
+        ),
+    ] {
+        let started = Instant::now();
+        let mut caught = None;
+        for seed in 1..=3 {
+            let world = services::world(seed);
+            let trace = generate(seed, Alphabet::Services, prefix_len(seed, Alphabet::Services));
+            let mut sut = ServiceSut::start_tampered(&world, tamper)
+                .unwrap_or_else(|e| panic!("seed {seed}: cannot start: {e:#}"));
+            let result = run_sut(&mut sut, &world, &trace);
+            sut.stop();
+            if let Err(vs) = result {
+                caught = Some((seed, vs));
+                break;
+            }
+        }
+        let (seed, vs) = caught.unwrap_or_else(|| panic!("{tamper:?} survived 3 seeds"));
+        let broken: Vec<Guarantee> = vs.iter().map(|v| v.guarantee).collect();
+        assert!(
+            broken.contains(&expected),
+            "{tamper:?} must break {expected:?}; seed {seed} broke {broken:?}: {vs:#?}"
+        );
+        eprintln!(
+            "{tamper:?}: caught by {expected:?} at seed {seed} ({}) in {:.1?}",
+            vs[0].detail,
+            started.elapsed()
         );
     }
 }

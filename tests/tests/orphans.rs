@@ -1,7 +1,10 @@
-//! Operator abandon and the orphan report, with the three real binaries: an
-//! abandoned node is forgotten (its slot re-provisioned under a fresh
-//! attempt) and listed with what it left behind, and the orphan sweep finds
-//! its still-live resource in the executor's inventory.
+//! Operator abandon, the orphan report and the orphan sweep, with the three
+//! real binaries: an abandoned node is forgotten (its slot re-provisioned
+//! under a fresh attempt) and listed with what it left behind; the sweep finds
+//! its still-live resource in the executor's inventory, and destroys it
+//! through the run's deletion path once its slot is free. A driver that lost
+//! its store has the resources of its runs destroyed by a reclaim run, which
+//! survives a crash; with `--orphan-policy report` orphans are only listed.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use contract::pb::{self, provisioning_client::ProvisioningClient};
 use provisioning_tests::{
-    procs::{Cluster, ClusterOptions, watch_until},
+    procs::{Cluster, ClusterOptions, live_agent_pids, watch_until},
     shapes::shape,
 };
 use tonic::{Code, transport::Channel};
@@ -186,4 +189,207 @@ async fn abandoned_node_is_listed_reprovisioned_and_found_by_the_sweep() {
             && lines.contains(&"provisioning_orphans{source=\"abandoned\"} 1"),
         "{lines:?}"
     );
+    assert!(
+        swept.reason.contains("holds node workers-1 at attempt"),
+        "an older attempt of a held slot waits for the slot: {}",
+        swept.reason
+    );
+
+    // Scale down past workers-1: its current attempt goes the normal way,
+    // the slot is free, and the sweep hands the abandoned attempt to the
+    // run's deletion path; it is destroyed and leaves the report.
+    let s2 = shape(RUN, 2, "fake", &[("workers", 1, "img:1")]);
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&s2)),
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + CONVERGE;
+    loop {
+        let inventory = cluster.inventory().await.unwrap();
+        let listed = orphans(&mut c).await;
+        let left: Vec<_> = inventory.iter().filter(|x| x.node_id != "workers-0").collect();
+        if left.is_empty()
+            && listed
+                .iter()
+                .all(|o| o.reason.contains("abandoned by an operator"))
+        {
+            break;
+        }
+        if Instant::now() > deadline {
+            cluster.dump_logs();
+            panic!("the abandoned attempt was not destroyed: inventory {inventory:?}, orphans {listed:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    watch_until(&mut c, RUN, CONVERGE, |s| s.converged && s.generation == 2)
+        .await
+        .unwrap();
+    let m = cluster.driver.scrape().await.unwrap();
+    assert!(
+        m.lines().any(|l| l == "provisioning_orphans_destroyed_total 1"),
+        "{}",
+        m.lines()
+            .filter(|l| l.starts_with("provisioning_orphan"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// A test's agent directory; dropping it SIGKILLs every agent still under it.
+struct AgentsDir {
+    _dir: tempfile::TempDir,
+    root: std::path::PathBuf,
+}
+
+impl AgentsDir {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("agents");
+        Self { _dir: dir, root }
+    }
+}
+
+impl Drop for AgentsDir {
+    fn drop(&mut self) {
+        for (pid, _, _) in live_agent_pids(&self.root) {
+            let _ = std::process::Command::new("kill")
+                .arg("-KILL")
+                .arg(pid.to_string())
+                .status();
+        }
+    }
+}
+
+async fn apply_and_converge(cluster: &Cluster, c: &mut ProvisioningClient<Channel>, provider: &str, n: u32) {
+    let s = shape(RUN, 1, provider, &[("workers", n, "img:1")]);
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&s)),
+    })
+    .await
+    .unwrap();
+    if let Err(e) = watch_until(c, RUN, CONVERGE, |s| s.converged && s.generation == 1).await {
+        cluster.dump_logs();
+        panic!("{e}");
+    }
+}
+
+/// Kills the driver and removes its data directory: it comes back knowing
+/// nothing of the runs whose resources still live.
+async fn lose_the_store(cluster: &mut Cluster) {
+    cluster.driver.kill().await.unwrap();
+    std::fs::remove_dir_all(cluster.dir.path().join("driver-data")).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_that_lost_its_store_has_the_leftovers_destroyed_by_a_reclaim_run_that_survives_a_crash() {
+    let agents = AgentsDir::new();
+    let mut cluster = Cluster::start(
+        ClusterOptions::default()
+            .executor("--backend", "process")
+            .executor("--process-state-dir", &agents.root.display().to_string())
+            .executor("--process-kill-grace-ms", "300")
+            .driver("--orphan-sweep-ms", "200"),
+    )
+    .await
+    .unwrap();
+    let mut c = cluster.client().await.unwrap();
+    apply_and_converge(&cluster, &mut c, "process", 3).await;
+    assert_eq!(live_agent_pids(&agents.root).len(), 3);
+    let uid = c
+        .get_run(pb::GetRunRequest {
+            run_id: RUN.into(),
+            include_nodes: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run_uid;
+
+    // The new driver dies once its reclaim run recorded the cleanup of the
+    // leftovers, before dispatching any of it.
+    lose_the_store(&mut cluster).await;
+    cluster.driver.set_flag("--crash-at", Some("deleting-recorded"));
+    cluster.driver.restart(cluster.dir.path()).await.unwrap();
+    let exit = cluster.driver.wait_exit(Duration::from_secs(30)).await.unwrap();
+    if exit.is_none() {
+        cluster.dump_logs();
+        panic!("the sweep never recorded a reclaim run");
+    }
+    assert_eq!(live_agent_pids(&agents.root).len(), 3, "nothing was dispatched");
+
+    // The next driver restores the reclaim run from its store and lists what
+    // it holds as being destroyed; it is not a run of anyone's.
+    cluster.driver.set_flag("--crash-at", None);
+    cluster.driver.restart(cluster.dir.path()).await.unwrap();
+    let mut c = cluster.client().await.unwrap();
+    let listed = orphans(&mut c).await;
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    for o in &listed {
+        assert!(o.reason.contains("being destroyed"), "{}", o.reason);
+        assert_eq!(o.resource.as_ref().unwrap().run_uid, uid);
+    }
+    let runs = c
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(runs.runs.is_empty(), "a reclaim run is not a run: {runs:?}");
+
+    // Everything is destroyed through the deletion path, and the report empties.
+    let deadline = Instant::now() + CONVERGE;
+    loop {
+        let inventory = cluster.inventory().await.unwrap();
+        let live = live_agent_pids(&agents.root);
+        let listed = orphans(&mut c).await;
+        if inventory.is_empty() && live.is_empty() && listed.is_empty() {
+            break;
+        }
+        if Instant::now() > deadline {
+            cluster.dump_logs();
+            panic!("leftovers remain: inventory {inventory:?}, agents {live:?}, orphans {listed:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = std::fs::read_to_string(cluster.driver.log_file()).unwrap();
+    assert!(
+        log.contains("reclaim run recorded"),
+        "the reclaim went through a stored run"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_report_policy_orphans_are_listed_and_left_alone() {
+    let mut cluster = Cluster::start(
+        ClusterOptions::default()
+            .driver("--orphan-sweep-ms", "150")
+            .driver("--orphan-policy", "report"),
+    )
+    .await
+    .unwrap();
+    let mut c = cluster.client().await.unwrap();
+    apply_and_converge(&cluster, &mut c, "fake", 2).await;
+    lose_the_store(&mut cluster).await;
+    cluster.driver.restart(cluster.dir.path()).await.unwrap();
+    let mut c = cluster.client().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let listed = orphans(&mut c).await;
+        if listed.len() == 2 {
+            assert!(
+                listed.iter().all(|o| o.reason.contains("holds no run with uid")),
+                "{listed:?}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the sweep did not report the leftovers: {listed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Several more sweeps: still listed, still live, nothing destroyed.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(cluster.inventory().await.unwrap().len(), 2);
+    assert_eq!(orphans(&mut c).await.len(), 2);
 }

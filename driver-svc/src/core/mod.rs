@@ -8,7 +8,7 @@ pub mod store;
 pub use contract::{Clock, ManualClock, SystemClock};
 pub use policy::Policy;
 pub use run::{
-    AbandonedNode, AckRef, Applied, ApplyError, CoreError, Discard, Fold, LastDecision, PassOutcome,
-    PassPlan, RunState,
+    AbandonedNode, AckRef, Applied, ApplyError, CoreError, Discard, Fold, LastDecision, ORPHAN_SEQ_BASE,
+    OrphanResource, PassOutcome, PassPlan, RunState,
 };
 pub use store::{MemStore, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};

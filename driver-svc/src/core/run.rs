@@ -209,6 +209,24 @@ pub struct AbandonedNode {
     pub at: UnixMillis,
 }
 
+/// A resource of a run that the orphan sweep found and no node of the run
+/// holds: it is adopted as a node being deleted, so the normal deletion path
+/// destroys it (see [`RunState::adopt_orphan`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrphanResource {
+    pub node: LogicalNodeId,
+    pub attempt: AttemptId,
+    pub lease: Option<contract::LeaseId>,
+    pub endpoint: Option<contract::Endpoint>,
+    /// A bootstrap session may be live; its id is not known.
+    pub session_live: bool,
+}
+
+/// The first operation sequence number on an adopted orphan: above any its
+/// attempt used before, so the executor never sees one of the attempt's
+/// operation ids again with another input.
+pub const ORPHAN_SEQ_BASE: u32 = 1 << 24;
+
 /// Counters a run keeps for metrics and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunCounters {
@@ -268,6 +286,7 @@ impl RunState {
             next_attempt: 1,
             created_at: now,
             converged_at: None,
+            reclaim: false,
         };
         Ok(Self::from_parts(meta, Vec::new(), policy))
     }
@@ -380,6 +399,101 @@ impl RunState {
             pending: n.pending.map(|p| p.id),
             at: now,
         })
+    }
+
+    /// A run held only to destroy orphans of a run the driver no longer has:
+    /// deleting from the start, with no shape (its nodes come from
+    /// [`RunState::adopt_orphan`]), under `epoch` (above any the executor saw
+    /// for `uid`).
+    pub fn reclaim(run_id: RunId, uid: RunUid, epoch: Epoch, policy: Arc<Policy>, now: UnixMillis) -> Self {
+        let meta = RunMeta {
+            shape: ClusterShape {
+                run_id: run_id.clone(),
+                generation: Generation::new(1),
+                groups: Vec::new(),
+            },
+            run_id,
+            uid,
+            epoch,
+            deleting: true,
+            paused: false,
+            observed_generation: Generation::new(1),
+            next_attempt: 1,
+            created_at: now,
+            converged_at: None,
+            reclaim: true,
+        };
+        let mut run = Self::from_parts(meta, Vec::new(), policy);
+        run.meta_dirty = true;
+        run
+    }
+
+    /// Whether this is a run held only to destroy orphans.
+    pub fn is_reclaim(&self) -> bool {
+        self.meta.reclaim
+    }
+
+    /// Adopts a resource of this run that no node holds as a node being
+    /// deleted: the ladder cancels its session (by identity, the id being
+    /// unknown), destroys its lease and reaps it, each operation recorded
+    /// pending before it is dispatched, as for any node. Returns false (and
+    /// changes nothing) if the run holds a node with that id (one attempt per
+    /// slot, so an older attempt of a held slot waits until the slot is
+    /// free), or if the resource has no lease id to destroy. Written by the
+    /// next commit.
+    pub fn adopt_orphan(&mut self, o: &OrphanResource) -> bool {
+        if self.nodes.contains_key(&o.node) || self.in_pass || o.lease.is_none() {
+            return false;
+        }
+        let spec = self
+            .meta
+            .shape
+            .groups
+            .iter()
+            .find(|g| &g.id == o.node.group())
+            .map(|g| g.template.clone())
+            .unwrap_or_else(|| Arc::new(orphan_template()));
+        let stage = if o.session_live {
+            NodeStage::BootstrapRunning
+        } else if o.endpoint.is_some() {
+            NodeStage::EndpointKnown
+        } else {
+            NodeStage::LeaseCreated
+        };
+        let node = ManagedNode {
+            id: o.node.clone(),
+            attempt: o.attempt,
+            spec,
+            intent: Intent::Deleting,
+            stage,
+            facts: contract::NodeFacts {
+                lease: o.lease.clone(),
+                endpoint: o.endpoint.clone(),
+                session: None,
+                ambiguous_bootstrap: o.session_live,
+                ..contract::NodeFacts::default()
+            },
+            pending: None,
+            retry: RetryState::default(),
+            stage_deadline: None,
+        };
+        self.nodes.insert(
+            o.node.clone(),
+            Entry::new(NodeRecord {
+                node,
+                next_seq: ORPHAN_SEQ_BASE,
+                inflight: None,
+            }),
+        );
+        if o.attempt.get() >= self.meta.next_attempt {
+            self.meta.next_attempt = o.attempt.get().saturating_add(1);
+        }
+        self.meta.converged_at = None;
+        self.meta_dirty = true;
+        self.changed.insert(o.node.clone());
+        self.removed.remove(&o.node);
+        self.urgent = true;
+        true
     }
 
     /// Deleted and every node reaped: the run can be forgotten.
@@ -1463,6 +1577,26 @@ fn human(d: Duration) -> String {
         format!("{}s", d.as_secs())
     } else {
         format!("{}ms", d.as_millis())
+    }
+}
+
+/// The template of an adopted orphan whose group the run does not have: it
+/// is never created from, only cleaned up.
+fn orphan_template() -> NodeTemplate {
+    NodeTemplate {
+        role: "orphan".into(),
+        provider: contract::ProviderShape {
+            name: String::new(),
+            machine_type: String::new(),
+            cpu: 0.0,
+            memory_gib: 0.0,
+            accelerators: Vec::new(),
+            zone: String::new(),
+            labels: BTreeMap::new(),
+        },
+        image: String::new(),
+        boot: Default::default(),
+        join: Default::default(),
     }
 }
 

@@ -24,6 +24,9 @@ pub struct RunMeta {
     pub next_attempt: u64,
     pub created_at: UnixMillis,
     pub converged_at: Option<UnixMillis>,
+    /// Held only to destroy orphans of a run the driver no longer has (see
+    /// `orphans`): never listed as a run, deleting from the start.
+    pub reclaim: bool,
 }
 
 /// One slot as stored: its node, the op-sequence allocator of its attempt, and

@@ -26,11 +26,15 @@
 //!   Every event is visible, so every guarantee is checked.
 //! - Level 2 ([`services`]): the three binaries over gRPC, driven through the
 //!   public API with the executor's seeded chaos, the link cut through a proxy
-//!   and the executor restarted to switch faults. Only states are visible (the
-//!   run's status with every node, and the executor's inventory), so the checks
-//!   that read states run: 1, 3, 8, 14 (ready resets), 15 (a tick over the
-//!   converged run changes no node), 17, 18, 19 (inventory), no double-create and
-//!   converged-leaks-nothing.
+//!   and the executor restarted to switch faults. The oracle reads states (the
+//!   run's status with every node, and the executor's inventory) and events:
+//!   each service writes an event trace (`--event-trace`, JSON lines) that
+//!   [`traces`] turns back into the events the in-memory system records, so the
+//!   event checks of every guarantee run too. What still cannot be checked
+//!   across processes (guarantee 16's replays, guarantee 20's spin and limit
+//!   probes, the committed store at rest, conflicting resubmissions, the
+//!   backend's inside) is listed in [`services`]; `CONFORMANCE_KEEP_TRACES=<dir>`
+//!   keeps a failing seed's traces.
 //! - Level 3 ([`services`] with the process backend, `level3_process_backend`):
 //!   the level-2 battery with every lease a real `node-agent` process under a
 //!   state directory of the seed's own. Faults come from the agents: templates
@@ -76,7 +80,8 @@
 //!   tail, guarantee 16's replays, the battery, failure reports;
 //! - [`shrink`]: delta debugging over a failing trace's inputs;
 //! - [`mutants`]: deliberately broken variants that the oracle must catch;
-//! - [`mem`] and [`services`]: the two systems under test.
+//! - [`mem`] and [`services`]: the two systems under test;
+//! - [`traces`]: level 2's services' event traces read back as events.
 
 pub mod input;
 pub mod mem;
@@ -86,6 +91,7 @@ pub mod record;
 pub mod runner;
 pub mod services;
 pub mod shrink;
+pub mod traces;
 pub mod world;
 
 pub use input::{Input, format_trace, parse_trace};

@@ -4,8 +4,9 @@
 //! [`Oracle::check`] reads one [`StepRecord`] at a time and keeps what the
 //! checks need from earlier rounds. Checks over state snapshots run at every
 //! level; checks over events (transitions with their cause, submissions, backend
-//! calls, executor messages) run where the system reports events, which is in
-//! memory. Guarantee 16 (determinism) and the bound of guarantee 18 are whole-run
+//! calls, executor messages) run where the system reports events: in memory,
+//! and over the real services from their event traces
+//! ([`super::traces`]). Guarantee 16 (determinism) and the bound of guarantee 18 are whole-run
 //! checks that the runner makes; their functions here are the comparison and the
 //! bound it uses.
 //!
@@ -321,11 +322,14 @@ impl Oracle {
         if let Some(a) = &rec.apply {
             self.g17_revision_contract(a, &rec.state);
         }
-        if let Some(shape) = &rec.state.shape {
-            self.groups_seen.extend(shape.groups.iter().map(|g| g.id.clone()));
-            self.shape = Some(shape.clone());
+        // Where the events say when the driver took each shape (level 2's
+        // traces), the checks over them read the shape in force then, and the
+        // round's state the shape it shows; elsewhere the round's shape is the
+        // state's.
+        let shapes_in_events = rec.events.iter().any(|e| matches!(e, Event::Shape { .. }));
+        if !shapes_in_events {
+            self.take_shape(rec.state.shape.as_ref(), rec.state.deleting);
         }
-        self.deleting = rec.state.deleting;
         if rec
             .input
             .as_ref()
@@ -339,11 +343,23 @@ impl Oracle {
         for e in &rec.events {
             self.event(e);
         }
+        if shapes_in_events {
+            self.take_shape(rec.state.shape.as_ref(), rec.state.deleting);
+        }
         for p in &rec.probes {
             self.probe(p);
         }
         self.state(rec);
         std::mem::take(&mut self.out)
+    }
+
+    /// The run's desired shape (if it shows one) and deletion flag from now on.
+    fn take_shape(&mut self, shape: Option<&ClusterShape>, deleting: bool) {
+        if let Some(shape) = shape {
+            self.groups_seen.extend(shape.groups.iter().map(|g| g.id.clone()));
+            self.shape = Some(shape.clone());
+        }
+        self.deleting = deleting;
     }
 
     fn event(&mut self, e: &Event) {
@@ -396,6 +412,7 @@ impl Oracle {
                      its timer fires again at once, a busy loop until time moves on"
                 ),
             ),
+            Event::Shape { shape, deleting } => self.take_shape(Some(shape), *deleting),
             Event::Emitted(_) | Event::Completed { .. } => {}
         }
     }
@@ -1593,9 +1610,11 @@ impl Oracle {
         }
     }
 
-    /// Guarantee 20, per pass: the decider gives at most one decision per node.
+    /// Guarantee 20, per pass: the decider gives at most one decision per node,
+    /// in the answer it sends (where its trace shows it) and in what the driver
+    /// applies.
     fn g20_one_action_per_node(&mut self, t: &Transition) {
-        let Cause::Decisions(decisions) = &t.cause else {
+        let (Cause::Decisions(decisions) | Cause::Answer(decisions)) = &t.cause else {
             return;
         };
         let mut seen = BTreeSet::new();

@@ -143,7 +143,8 @@ pub struct StepRecord {
     pub at: StepRef,
     pub input: Option<Input>,
     pub now: UnixMillis,
-    /// Every event of the round (in memory only).
+    /// Every event of the round: in memory as it happens, over the real
+    /// services as their event traces tell it.
     pub events: Vec<Event>,
     pub apply: Option<ApplyRecord>,
     pub state: RunSnapshot,

@@ -118,7 +118,11 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
                 Cause::Timer => bump("deadline-fold".to_owned()),
                 Cause::Restore => bump("driver-restart".to_owned()),
                 Cause::Apply => bump("shape-applied".to_owned()),
+                Cause::Answer(_) => bump("event:decider-answer".to_owned()),
             },
+            Event::Submitted { recorded, .. } => bump(format!("event:submitted:recorded={recorded}")),
+            Event::Started(_) => bump("event:started".to_owned()),
+            Event::Pass(_) => bump("event:pass".to_owned()),
             Event::Emitted(ToDriver::Result(r)) => {
                 bump(format!("result:{}", r.outcome.class_name()));
                 if r.late {
@@ -331,6 +335,7 @@ pub fn describe_round(rec: &StepRecord) -> String {
                         .collect();
                     format!("pass [{}]", acts.join(", "))
                 }
+                Cause::Answer(ds) => format!("decider answered {} decisions", ds.len()),
                 other => format!("{other:?}"),
             },
             _ => continue,

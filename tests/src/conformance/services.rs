@@ -7,11 +7,43 @@
 //! provider's resources across the restart, as a real provider would. The fair
 //! tail restarts it with `--fake-faults none`.
 //!
-//! Across processes the oracle cannot see events, only what the API and the
-//! executor's `Inventory` show, polled after every round: the run's status with
-//! every node (attempts, stages, facts, pending operations, retry state), and
-//! the live resources. The checks that read only states therefore run here
-//! unchanged; the event checks have nothing to read.
+//! The oracle sees two things after every round. States: the run's status
+//! with every node (attempts, stages, facts, pending operations, retry state)
+//! and the executor's `Inventory` of live resources, polled. And events: each
+//! service runs with `--event-trace` and writes what it received, decided,
+//! recorded and dispatched as JSON lines, and [`super::traces`] reads the new
+//! lines after every round and rebuilds the events the in-memory system
+//! records (transitions with their cause, passes, submissions, backend calls,
+//! the executor's results), so the event checks run here too. Every executor
+//! of a seed keeps its dedup table and fencing epochs in one state directory,
+//! so a restarted executor replays what it completed, as a deployed one does.
+//!
+//! # What is still not checked across processes
+//!
+//! - Guarantee 16 (determinism): real processes on a wall clock do not replay
+//!   a trace identically; the replays run at level 1.
+//! - Guarantee 20's spin check: in memory a due wake-up with no pass to run is
+//!   seen directly; the driver writes no line for a timer that wakes and finds
+//!   nothing, so only runs of barren passes at one millisecond are counted.
+//!   Its limit probes (a pass at a saturated clock, an exhausted attempt
+//!   allocator) and guarantee 15's probe need a copy of the driver's state.
+//! - Guarantee 4 at rest: the driver's committed store is a redb file its
+//!   process holds; guarantee 4 is checked at every submission instead (the
+//!   trace's commit lines say what was committed before each dispatch).
+//!   Likewise guarantee 8's "no operation kept for resubmission" and
+//!   guarantee 1's allocator read the store.
+//! - Guarantee 7's conflicting resubmissions: nothing outside the processes
+//!   can submit on the driver's link, so the level-2 alphabet has no conflict
+//!   probe; replays and re-sends are checked.
+//! - Inside the backend: the checks on backend calls (guarantee 10, a destroy
+//!   while the session streams; guarantee 19, a create while another attempt
+//!   of the slot holds a resource; no double-create, a second lease made) read
+//!   a model built from the executor's results and observations
+//!   ([`super::traces`]), not the provider's own state; the polled inventory
+//!   (and at level 3 the process table) checks the provider's.
+//! - Forced outcomes (`inject`), resends of chosen messages, driver restarts
+//!   and clock jumps are not in the level-2 alphabet: faults come from the
+//!   fake backend's chaos, link cuts and executor restarts.
 //!
 //! Level 3 ([`ServiceSut::start_process`]) is the same system with the process
 //! backend: agent faults travel in the templates' boot parameters
@@ -37,6 +69,7 @@ use super::{
     input::{Bad, FaultMix, Input},
     record::{ApplyKind, ApplyRecord, Phase, Resource, RunSnapshot, StepRecord, StepRef, Verdict},
     runner::SystemUnderTest,
+    traces::{TracePaths, TraceTamper, Translator},
     world::{RUN_ID, World, bad_shape, changed_shape},
 };
 use crate::{
@@ -201,23 +234,34 @@ pub struct ServiceSut {
     world: World,
     uid: Option<String>,
     round: u64,
+    /// The services' event traces, read after every round.
+    traces: Translator,
+    trace_paths: TracePaths,
     rt: tokio::runtime::Runtime,
 }
 
-fn executor_args(seed: u64, faults: FaultMix, state: &std::path::Path, agents: Option<&Path>) -> Vec<String> {
-    if let Some(dir) = agents {
+/// The executor's flags. Every executor of a seed writes the same event
+/// trace (a restart appends).
+fn executor_args(seed: u64, faults: FaultMix, dir: &Path, agents: Option<&Path>) -> Vec<String> {
+    let durable = [
+        "--event-trace".to_owned(),
+        TracePaths::in_dir(dir).executor.display().to_string(),
+    ];
+    if let Some(agents) = agents {
         return [
             "--backend",
             "process",
             "--process-state-dir",
-            &dir.display().to_string(),
+            &agents.display().to_string(),
             "--process-kill-grace-ms",
             &KILL_GRACE_MS.to_string(),
         ]
         .into_iter()
         .map(str::to_owned)
+        .chain(durable)
         .collect();
     }
+    let state = dir.join("fake-state.json");
     let faults = if faults == FaultMix::None { "none" } else { "chaos" };
     [
         "--backend",
@@ -235,28 +279,35 @@ fn executor_args(seed: u64, faults: FaultMix, state: &std::path::Path, agents: O
     ]
     .into_iter()
     .map(str::to_owned)
+    .chain(durable)
     .collect()
 }
 
 impl ServiceSut {
     /// Starts the services for `world`, with the executor's chaos on.
     pub fn start(world: &World) -> anyhow::Result<Self> {
-        Self::start_with(world, false)
+        Self::start_with(world, false, None)
     }
 
     /// Level 3: starts the services for `world` with the process backend, its
     /// agents under a state directory of their own.
     pub fn start_process(world: &World) -> anyhow::Result<Self> {
-        Self::start_with(world, true)
+        Self::start_with(world, true, None)
     }
 
-    fn start_with(world: &World, process: bool) -> anyhow::Result<Self> {
+    /// Starts the services for `world` with the reading of their traces
+    /// corrupted by `tamper` (to show the trace checks can fail).
+    pub fn start_tampered(world: &World, tamper: TraceTamper) -> anyhow::Result<Self> {
+        Self::start_with(world, false, Some(tamper))
+    }
+
+    fn start_with(world: &World, process: bool, tamper: Option<TraceTamper>) -> anyhow::Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()?;
         let dir = tempfile::tempdir()?;
-        let state: PathBuf = dir.path().join("fake-state.json");
+        let trace_paths = TracePaths::in_dir(dir.path());
         let agents = process.then(|| Agents {
             dir: dir.path().join("agents"),
             rng: Rng::new(world.seed ^ 0x9b05_688c_2b3e_6c1f),
@@ -265,7 +316,7 @@ impl ServiceSut {
         let executor_args = executor_args(
             world.seed,
             FaultMix::Chaos,
-            &state,
+            dir.path(),
             agents.as_ref().map(|a| a.dir.as_path()),
         );
         let (cluster, proxy, client) = rt.block_on(async {
@@ -287,6 +338,13 @@ impl ServiceSut {
             ] {
                 opts = opts.driver(flag, &v.to_string());
             }
+            opts = opts
+                .driver("--event-trace", &trace_paths.driver.display().to_string())
+                .service_env(
+                    "decider-svc",
+                    "PROVISIONING_EVENT_TRACE",
+                    &trace_paths.decider.display().to_string(),
+                );
             opts.executor_via = Some(format!("http://{}", proxy.addr));
             let cluster = Cluster::start_in(dir, opts).await?;
             proxy.set_target(cluster.executor.addr);
@@ -301,6 +359,8 @@ impl ServiceSut {
             world: world.clone(),
             uid: None,
             round: 0,
+            traces: Translator::new(&trace_paths, tamper),
+            trace_paths,
             rt,
         })
     }
@@ -352,9 +412,31 @@ impl ServiceSut {
         });
     }
 
-    /// Prints the services' logs (for a failing seed).
+    /// Prints the services' logs and the end of their event traces (for a
+    /// failing seed).
     pub fn dump_logs(&self) {
         self.cluster.dump_logs();
+        let p = &self.trace_paths;
+        // `CONFORMANCE_KEEP_TRACES=<dir>` keeps the whole traces there.
+        let keep = std::env::var_os("CONFORMANCE_KEEP_TRACES").map(PathBuf::from);
+        for path in [&p.driver, &p.executor, &p.decider] {
+            eprintln!("--- the last lines of {} ---", path.display());
+            for line in super::traces::tail(path, 40) {
+                eprintln!("{line}");
+            }
+            if let (Some(dir), Some(name)) = (&keep, path.file_name()) {
+                let to = dir.join(format!("seed{}-{}", self.world.seed, name.to_string_lossy()));
+                match std::fs::create_dir_all(dir).and_then(|()| std::fs::copy(path, &to)) {
+                    Ok(_) => eprintln!("kept {}", to.display()),
+                    Err(e) => eprintln!("cannot keep {}: {e}", path.display()),
+                }
+            }
+        }
+    }
+
+    /// Trace lines read so far, per service.
+    pub fn trace_lines(&self) -> &std::collections::BTreeMap<String, u64> {
+        &self.traces.lines
     }
 
     fn at(&self, phase: Phase, input: Option<usize>) -> StepRef {
@@ -472,11 +554,14 @@ impl ServiceSut {
             None => Vec::new(),
         };
         let quiescent = state.gone || (state.converged && state.nodes.values().all(|n| n.pending.is_none()));
+        // Read after the state: what the traces show up to now covers at least
+        // what led to the state just read.
+        let events = self.traces.events()?;
         Ok(StepRecord {
             at: self.at(phase, index),
             input,
             now: wall_clock(),
-            events: Vec::new(),
+            events,
             apply,
             state,
             inventory: Some(inventory),
@@ -517,13 +602,27 @@ impl ServiceSut {
     }
 
     fn restart_executor(&mut self, faults: FaultMix) -> anyhow::Result<()> {
-        let state = self.cluster.dir.path().join("fake-state.json");
         let args = executor_args(
             self.world.seed,
             faults,
-            &state,
+            self.cluster.dir.path(),
             self.agents.as_ref().map(|a| a.dir.as_path()),
         );
+        // A restarted executor keeps its dedup table and fencing epochs where
+        // the cluster's first executor keeps them, so it replays what it
+        // completed rather than running it again.
+        let args: Vec<String> = [
+            "--state-dir".to_owned(),
+            self.cluster
+                .dir
+                .path()
+                .join("executor-state")
+                .display()
+                .to_string(),
+        ]
+        .into_iter()
+        .chain(args)
+        .collect();
         let dir = self.cluster.dir.path().to_owned();
         let svc = self.rt.block_on(async {
             self.cluster.executor.kill().await?;
