@@ -492,7 +492,11 @@ impl RunActor {
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None => {
+                        let before = self.events.before(&self.run);
                         let adopted: Vec<bool> = orphans.iter().map(|o| self.run.adopt_orphan(o)).collect();
+                        let outcome = || format!("adopted {adopted:?}");
+                        self.events
+                            .request(before, &self.run, now, "adopt-orphans", outcome);
                         if adopted.iter().any(|a| *a) {
                             // Recorded before the sweep hears so; the pass
                             // that cleans them up follows.

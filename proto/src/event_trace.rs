@@ -67,9 +67,10 @@ pub enum TraceEvent {
         deleting: bool,
         nodes: Vec<NodeRec>,
     },
-    /// A client request reached the run: `what` is `shape`, `delete`,
-    /// `pause`, `resume` or `abandon`; `outcome` is `changed`, `unchanged` or
-    /// the error. `shape` and `deleting` are the run's afterwards.
+    /// A request reached the run: `what` is `shape`, `delete`, `pause`,
+    /// `resume` or `abandon` from a client, or `adopt-orphans` from the orphan
+    /// sweep; `outcome` says what came of it. `shape` and `deleting` are the
+    /// run's afterwards.
     Request {
         run: String,
         now_ms: u64,

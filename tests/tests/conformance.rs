@@ -602,6 +602,9 @@ fn level3_process_backend() {
         "process:shape-with:fault.crash_at",
         "process:shape-with:fault.fail_at",
         "process:shape-with:fault.endpoint_delay_ms",
+        "fold:folded",
+        "event:submitted:recorded=true",
+        "event:started",
     ] {
         assert!(
             coverage.get(key).is_some_and(|n| *n > 0),

@@ -359,7 +359,7 @@ impl ServiceSut {
             world: world.clone(),
             uid: None,
             round: 0,
-            traces: Translator::new(&trace_paths, tamper),
+            traces: Translator::new(&trace_paths, RUN_ID, tamper),
             trace_paths,
             rt,
         })

@@ -178,6 +178,10 @@ pub struct Translator {
     leases: BTreeMap<(LogicalNodeId, AttemptId), BTreeSet<String>>,
     /// A commit line held back by [`TraceTamper::DispatchBeforeCommit`].
     held_commit: bool,
+    /// The run followed: its id, and its uid once its actor started. Lines
+    /// of other runs (the driver's reclaim runs) are skipped.
+    run_id: String,
+    uid: Option<String>,
     /// Lines read so far, per service.
     pub lines: BTreeMap<String, u64>,
 }
@@ -223,8 +227,11 @@ fn merge(mut sources: Vec<Vec<TraceLine>>) -> Vec<TraceLine> {
 }
 
 impl Translator {
-    pub fn new(paths: &TracePaths, tamper: Option<TraceTamper>) -> Self {
+    /// Follows the traces at `paths` for the run named `run_id`.
+    pub fn new(paths: &TracePaths, run_id: &str, tamper: Option<TraceTamper>) -> Self {
         Self {
+            run_id: run_id.to_owned(),
+            uid: None,
             driver: Follow::new(paths.driver.clone()),
             executor: Follow::new(paths.executor.clone()),
             decider: Follow::new(paths.decider.clone()),
@@ -305,7 +312,44 @@ impl Translator {
         }
     }
 
+    /// Whether `e` belongs to the run followed (the first run with its id
+    /// whose actor starts is the one).
+    fn ours(&mut self, e: &TraceEvent) -> bool {
+        let uid = match e {
+            TraceEvent::Started => return true,
+            TraceEvent::Decide { run_id, .. } => return *run_id == self.run_id,
+            TraceEvent::RunStarted { run, run_id, .. } => {
+                if self.uid.is_none() && *run_id == self.run_id {
+                    self.uid = Some(run.clone());
+                }
+                run
+            }
+            TraceEvent::Request { run, .. }
+            | TraceEvent::Received { run, .. }
+            | TraceEvent::Deadlines { run, .. }
+            | TraceEvent::PassBegun { run, .. }
+            | TraceEvent::PassDecided { run, .. }
+            | TraceEvent::PassFailed { run, .. }
+            | TraceEvent::Committed { run }
+            | TraceEvent::Dispatched { run, .. }
+            | TraceEvent::Claim { run, .. }
+            | TraceEvent::ClaimReceived { run, .. }
+            | TraceEvent::CallCompleted { run, .. }
+            | TraceEvent::CallAborted { run, .. }
+            | TraceEvent::AckReceived { run, .. }
+            | TraceEvent::ForgetReceived { run, .. } => run,
+            TraceEvent::OpReceived { op, .. } | TraceEvent::CallStarted { op } => &op.run,
+            TraceEvent::ResultOut { result, .. } => &result.run,
+            TraceEvent::ObservationOut { obs, .. } => &obs.run,
+            TraceEvent::RejectionOut { rejection } => &rejection.run,
+        };
+        self.uid.as_ref() == Some(uid)
+    }
+
     fn line(&mut self, line: TraceLine, out: &mut Vec<Event>) -> anyhow::Result<()> {
+        if !self.ours(&line.event) {
+            return Ok(());
+        }
         let t_us = line.t_us;
         let executor = line.svc == "executor-svc";
         if self.held_commit && !matches!(line.event, TraceEvent::Dispatched { .. }) && !executor {
@@ -359,7 +403,13 @@ impl Translator {
                     shape: contract::event_trace::shape(&shape)?,
                     deleting,
                 });
-                if !changes.is_empty() || (what == "shape" && outcome == "changed") {
+                if what == "adopt-orphans" {
+                    // Resources the run takes over from outside its own
+                    // decisions, facts and all, as from a store.
+                    if !changes.is_empty() {
+                        self.transition(out, ms(now_ms), Cause::Restore, &changes)?;
+                    }
+                } else if !changes.is_empty() || (what == "shape" && outcome == "changed") {
                     self.transition(out, ms(now_ms), Cause::Apply, &changes)?;
                 }
             }
