@@ -9,6 +9,11 @@
 # a loopback port and streaming its bootstrap; DEMO_BACKEND=fake uses the
 # in-memory provider instead.
 #
+# Everything talks TLS: `provisionctl certs` writes a development CA and a
+# certificate per service (and one for provisionctl) into the demo's temporary
+# directory; the decider and the executor take calls only from the driver's
+# certificate. DEMO_INSECURE=1 runs it all in plaintext (--insecure) instead.
+#
 # With DEMO_TELEMETRY=1 the services serve Prometheus metrics and export
 # traces over OTLP/gRPC on the addresses of deploy/telemetry.env, which
 # deploy/prometheus.yml and deploy/otel-collector.yaml point at.
@@ -39,6 +44,15 @@ cargo build --workspace --bins --locked
 bin=target/debug
 
 work=$(mktemp -d)
+if [ "${DEMO_INSECURE:-0}" = 1 ]; then
+    tls() { echo --insecure; }
+    ctl_tls=(--insecure)
+else
+    "$bin/provisionctl" certs --out "$work/certs" --days 1 >/dev/null
+    tls() { echo --tls-ca "$work/certs/ca.pem" --tls-cert "$work/certs/$1.pem" --tls-key "$work/certs/$1.key"; }
+    ctl_tls=(--tls-ca "$work/certs/ca.pem" --tls-cert "$work/certs/provisionctl.pem"
+        --tls-key "$work/certs/provisionctl.key")
+fi
 pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -64,7 +78,9 @@ wait_ready() {
     return 1
 }
 
-"$bin/decider-svc" --listen 127.0.0.1:0 --ready-file "$work/decider.ready" "${decider_telemetry[@]}" \
+# shellcheck disable=SC2046 # tls prints flags to split (the paths have no spaces)
+"$bin/decider-svc" --listen 127.0.0.1:0 --ready-file "$work/decider.ready" $(tls decider-svc) \
+    "${decider_telemetry[@]}" \
     2>"$work/decider-svc.log" &
 pids+=($!)
 decider=$(wait_ready "$work/decider.ready" decider-svc $!)
@@ -74,20 +90,22 @@ case "$backend" in
     fake) backend_args=(--backend fake --fake-latency-ms 20,200 --fake-stage-interval-ms 150) ;;
     *) echo "demo: DEMO_BACKEND must be process or fake" >&2; exit 2 ;;
 esac
-"$bin/executor-svc" --listen 127.0.0.1:0 --ready-file "$work/executor.ready" \
+# shellcheck disable=SC2046
+"$bin/executor-svc" --listen 127.0.0.1:0 --ready-file "$work/executor.ready" $(tls executor-svc) \
     "${backend_args[@]}" "${executor_telemetry[@]}" \
     2>"$work/executor-svc.log" &
 pids+=($!)
 executor=$(wait_ready "$work/executor.ready" executor-svc $!)
 
-"$bin/driver-svc" --listen 127.0.0.1:0 --ready-file "$work/driver.ready" \
-    --decider "http://$decider" --executor "http://$executor" --data-dir "$work/driver-data" \
+# shellcheck disable=SC2046
+"$bin/driver-svc" --listen 127.0.0.1:0 --ready-file "$work/driver.ready" $(tls driver-svc) \
+    --decider "$decider" --executor "$executor" --data-dir "$work/driver-data" \
     "${driver_telemetry[@]}" 2>"$work/driver-svc.log" &
 pids+=($!)
 driver=$(wait_ready "$work/driver.ready" driver-svc $!)
 
 echo "demo: decider $decider, executor $executor, driver $driver"
-ctl() { "$bin/provisionctl" --server "http://$driver" "$@"; }
+ctl() { "$bin/provisionctl" --server "$driver" "${ctl_tls[@]}" "$@"; }
 ctl apply -f "$shape"
 run_id=$(sed -n 's/^run_id:[[:space:]]*//p' "$shape" | head -n 1)
 if ctl watch "$run_id" --timeout "${timeout}s"; then

@@ -21,4 +21,4 @@ pub mod client;
 pub mod server;
 
 pub use client::{DecideError, decide, encode_request};
-pub use server::{CallError, Config, DeciderService, run};
+pub use server::{CallError, Config, DeciderService, run, serve};

@@ -2,8 +2,11 @@
 
 use anyhow::Context as _;
 use clap::Parser;
-use contract::runtime::{CommonArgs, bind_and_announce, init_telemetry, shutdown_signal};
-use decider_svc::server::{Config, DEFAULT_MAX_NODES, run};
+use contract::{
+    runtime::{CommonArgs, bind_and_announce, init_telemetry, shutdown_signal},
+    tls::{PeerArgs, PeerPolicy},
+};
+use decider_svc::server::{Config, DEFAULT_MAX_NODES, serve};
 use futures::FutureExt as _;
 
 /// The provisioning decider: a stateless gRPC service that answers the driver.
@@ -12,6 +15,8 @@ use futures::FutureExt as _;
 struct Cli {
     #[command(flatten)]
     common: CommonArgs,
+    #[command(flatten)]
+    peers: PeerArgs,
     /// The most nodes, slot indices or desired slots one Decide call may carry.
     #[arg(long, env = "DECIDER_MAX_NODES", default_value_t = DEFAULT_MAX_NODES,
           value_parser = clap::value_parser!(u32).range(1..))]
@@ -22,6 +27,7 @@ struct Cli {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = init_telemetry("decider-svc", &cli.common)?;
+    let policy = PeerPolicy::new(cli.common.transport("decider-svc")?, cli.peers.identities());
     let listener = bind_and_announce("decider-svc", cli.common.listen, cli.common.ready_file.as_deref())
         .await
         .with_context(|| format!("binding {}", cli.common.listen))?;
@@ -31,12 +37,14 @@ async fn main() -> anyhow::Result<()> {
     // process past the grace period.
     let signal = shutdown_signal().shared();
     let grace = cli.common.shutdown_grace();
-    let server = run(
+    let server = serve(
         listener,
         signal.clone(),
         Config {
             max_nodes: cli.max_nodes,
+            messages: cli.common.messages,
         },
+        &policy,
     );
     let deadline = async move {
         signal.await;

@@ -24,6 +24,7 @@ use contract::{
     },
     runtime::health_and_reflection,
     telemetry::{self, grpc::ServerLayer},
+    tls::PeerPolicy,
     wire::{TemplateTable, node_from_wire, shape_from_wire_with_table},
 };
 use decider::{DesiredView, SlotSet};
@@ -53,12 +54,15 @@ pub struct Config {
     /// The most nodes, the most slot indices and the most desired slots one call
     /// may carry; each is counted separately.
     pub max_nodes: u32,
+    /// The largest message the decider accepts and sends.
+    pub messages: contract::runtime::MessageLimits,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Self {
             max_nodes: DEFAULT_MAX_NODES,
+            messages: contract::runtime::MessageLimits::default(),
         }
     }
 }
@@ -436,11 +440,23 @@ async fn serve_call(
 
 /// Serves the `Decider` service, standard gRPC health checking (the decider
 /// reported `SERVING` until `shutdown` resolves) and server reflection on
-/// `listener`, until `shutdown` resolves and the calls in flight finish.
+/// `listener` in plaintext, until `shutdown` resolves and the calls in flight
+/// finish. For a decider embedded in a test; the binary uses [`serve`].
 pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
     config: Config,
+) -> anyhow::Result<()> {
+    serve(listener, shutdown, config, &PeerPolicy::plaintext()).await
+}
+
+/// As [`run`], secured by `policy`: with TLS, only a client whose certificate
+/// carries an allowed identity (the driver's) gets past health checks.
+pub async fn serve(
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    config: Config,
+    policy: &PeerPolicy,
 ) -> anyhow::Result<()> {
     let (reporter, health, reflection) = health_and_reflection::<DeciderServer<DeciderService>>().await?;
     let shutdown = async move {
@@ -448,11 +464,17 @@ pub async fn run(
         // Health checkers see the decider leave before its port closes.
         reporter.set_not_serving::<DeciderServer<DeciderService>>().await;
     };
-    tonic::transport::Server::builder()
+    policy
+        .server()?
         .layer(ServerLayer::new())
+        .layer(policy.layer())
         .add_service(health)
         .add_service(reflection)
-        .add_service(DeciderServer::new(DeciderService::new(config)))
+        .add_service(
+            DeciderServer::new(DeciderService::new(config))
+                .max_decoding_message_size(config.messages.recv_bytes())
+                .max_encoding_message_size(config.messages.send_bytes()),
+        )
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await?;
     Ok(())

@@ -26,6 +26,7 @@ async fn the_binary_serves_until_sigterm() {
         .env("PROVISIONING_LISTEN", "127.0.0.1:0")
         .env("PROVISIONING_READY_FILE", &ready)
         .env("DECIDER_MAX_NODES", "5000")
+        .env("PROVISIONING_INSECURE", "true")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

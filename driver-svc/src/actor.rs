@@ -175,6 +175,9 @@ struct InFlight {
     /// `Span::none()` for operations restored from the store: their dispatch
     /// belonged to an earlier process.
     span: tracing::Span,
+    /// What the executor last said it waits for before starting the call
+    /// (a budget), if it waits.
+    waiting: Option<String>,
 }
 
 impl std::fmt::Debug for RunActor {
@@ -206,6 +209,7 @@ impl RunActor {
                     effect: op.input.effect(),
                     dispatched_at,
                     span: tracing::Span::none(),
+                    waiting: None,
                 };
                 (op.id, f)
             })
@@ -547,6 +551,11 @@ impl RunActor {
             }),
             decision: self.run.explain(node, now).map(|d| pb::Decision::from(&d)),
             now_ms: now.as_millis(),
+            executor_note: n
+                .pending
+                .and_then(|p| self.in_flight.get(&p.id))
+                .and_then(|f| f.waiting.clone())
+                .unwrap_or_default(),
         })
     }
 
@@ -572,6 +581,13 @@ impl RunActor {
 
     fn on_executor_message(&mut self, msg: FromExecutor, now: UnixMillis) {
         let folded = match msg {
+            FromExecutor::Waiting(w) => {
+                // Not state: only what `explain` tells of the pending call.
+                if let Some(f) = self.in_flight.get_mut(&w.id) {
+                    f.waiting = w.reason;
+                }
+                return;
+            }
             FromExecutor::Claimed(epoch) => {
                 self.events.received(
                     None,
@@ -991,6 +1007,7 @@ impl RunActor {
                 effect,
                 dispatched_at: now,
                 span,
+                waiting: None,
             },
         );
         self.submit(op, &trace);

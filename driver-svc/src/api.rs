@@ -1,5 +1,9 @@
 //! The public gRPC API served to provisioning clients, and the one function
 //! that maps the driver's errors to gRPC statuses.
+//!
+//! Every handler first authorizes its caller (the [`crate::auth`] layer put
+//! the principal in the request): the access the method needs, then the run
+//! it touches. A refused call is answered before anything is read or changed.
 
 use std::pin::Pin;
 
@@ -8,6 +12,7 @@ use futures::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::{
+    auth::{Access, principal},
     core::{Applied, ApplyError},
     driver::{Driver, DriverError},
 };
@@ -59,7 +64,9 @@ type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::RunStatus, Status>> + Se
 #[tonic::async_trait]
 impl Provisioning for Api {
     async fn apply(&self, req: Request<pb::ApplyRequest>) -> Result<Response<pb::ApplyResponse>, Status> {
+        let who = principal(&req, Access::Write, "Apply")?;
         let shape = shape_arg(req.into_inner().shape)?;
+        who.require_run(shape.run_id.as_str())?;
         let generation = shape.generation.get();
         let out = self.driver.apply(shape).await.map_err(to_status)?;
         Ok(Response::new(pb::ApplyResponse {
@@ -71,13 +78,17 @@ impl Provisioning for Api {
     }
 
     async fn plan(&self, req: Request<pb::PlanRequest>) -> Result<Response<pb::PlanResponse>, Status> {
+        let who = principal(&req, Access::Read, "Plan")?;
         let shape = shape_arg(req.into_inner().shape)?;
+        who.require_run(shape.run_id.as_str())?;
         Ok(Response::new(self.driver.plan(shape).await.map_err(to_status)?))
     }
 
     async fn get_run(&self, req: Request<pb::GetRunRequest>) -> Result<Response<pb::RunStatus>, Status> {
+        let who = principal(&req, Access::Read, "GetRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
+        who.require_run(id)?;
         Ok(Response::new(
             self.driver.get(id, r.include_nodes).await.map_err(to_status)?,
         ))
@@ -85,11 +96,12 @@ impl Provisioning for Api {
 
     async fn list_runs(
         &self,
-        _req: Request<pb::ListRunsRequest>,
+        req: Request<pb::ListRunsRequest>,
     ) -> Result<Response<pb::ListRunsResponse>, Status> {
-        Ok(Response::new(pb::ListRunsResponse {
-            runs: self.driver.list().await,
-        }))
+        let who = principal(&req, Access::Read, "ListRuns")?;
+        let mut runs = self.driver.list().await;
+        runs.retain(|r| who.may_see(&r.run_id));
+        Ok(Response::new(pb::ListRunsResponse { runs }))
     }
 
     type WatchRunStream = WatchStream;
@@ -98,8 +110,10 @@ impl Provisioning for Api {
         &self,
         req: Request<pb::WatchRunRequest>,
     ) -> Result<Response<Self::WatchRunStream>, Status> {
+        let who = principal(&req, Access::Read, "WatchRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?.to_owned();
+        who.require_run(&id)?;
         let driver = self.driver.clone();
         let mut rx = driver.watch(&id).map_err(to_status)?;
         let include_nodes = r.include_nodes;
@@ -117,7 +131,13 @@ impl Provisioning for Api {
                 if tx.send(Ok(status)).await.is_err() || last {
                     break;
                 }
-                if rx.changed().await.is_err() {
+                let changed = tokio::select! {
+                    changed = rx.changed() => changed,
+                    // The client went away: end now, not at the run's next
+                    // change, so an idle run holds no task per past watcher.
+                    () = tx.closed() => break,
+                };
+                if changed.is_err() {
                     // The actor finished (the run is gone): send its final status.
                     let final_status = (**rx.borrow()).clone();
                     if final_status.phase == pb::RunPhase::Deleted as i32 {
@@ -134,8 +154,10 @@ impl Provisioning for Api {
         &self,
         req: Request<pb::ExplainNodeRequest>,
     ) -> Result<Response<pb::NodeExplanation>, Status> {
+        let who = principal(&req, Access::Read, "ExplainNode")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
+        who.require_run(id)?;
         Ok(Response::new(
             self.driver.explain(id, &r.node_id).await.map_err(to_status)?,
         ))
@@ -145,22 +167,28 @@ impl Provisioning for Api {
         &self,
         req: Request<pb::DeleteRunRequest>,
     ) -> Result<Response<pb::RunStatus>, Status> {
+        let who = principal(&req, Access::Write, "DeleteRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
+        who.require_run(id)?;
         Ok(Response::new(self.driver.delete(id).await.map_err(to_status)?))
     }
 
     async fn pause_run(&self, req: Request<pb::RunRef>) -> Result<Response<pb::RunStatus>, Status> {
+        let who = principal(&req, Access::Write, "PauseRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
+        who.require_run(id)?;
         Ok(Response::new(
             self.driver.set_paused(id, true).await.map_err(to_status)?,
         ))
     }
 
     async fn resume_run(&self, req: Request<pb::RunRef>) -> Result<Response<pb::RunStatus>, Status> {
+        let who = principal(&req, Access::Write, "ResumeRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
+        who.require_run(id)?;
         Ok(Response::new(
             self.driver.set_paused(id, false).await.map_err(to_status)?,
         ))
@@ -170,19 +198,22 @@ impl Provisioning for Api {
         &self,
         req: Request<pb::AbandonNodeRequest>,
     ) -> Result<Response<pb::AbandonNodeResponse>, Status> {
+        let who = principal(&req, Access::Write, "AbandonNode")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
+        who.require_run(id)?;
         let orphan = self.driver.abandon(id, &r.node_id).await.map_err(to_status)?;
         Ok(Response::new(pb::AbandonNodeResponse { orphan: Some(orphan) }))
     }
 
     async fn list_orphans(
         &self,
-        _req: Request<pb::ListOrphansRequest>,
+        req: Request<pb::ListOrphansRequest>,
     ) -> Result<Response<pb::ListOrphansResponse>, Status> {
-        Ok(Response::new(pb::ListOrphansResponse {
-            orphans: self.driver.orphans(),
-        }))
+        let who = principal(&req, Access::Read, "ListOrphans")?;
+        let mut orphans = self.driver.orphans();
+        orphans.retain(|o| who.may_see(o.resource.as_ref().map_or("", |r| r.run_id.as_str())));
+        Ok(Response::new(pb::ListOrphansResponse { orphans }))
     }
 }
 

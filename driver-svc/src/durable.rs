@@ -27,6 +27,7 @@ use contract::{
     pb::{self, store::v1 as rec},
     wire::{TemplateTable, node_from_wire, node_to_wire, shape_from_wire},
 };
+use contract::secrets::{Sealer, SecretsError, restrict_to_owner};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
@@ -54,6 +55,8 @@ fn corrupt(what: impl std::fmt::Display) -> StoreError {
 #[derive(Debug)]
 pub struct RedbStore {
     db: Database,
+    /// Seals secret parameter values before they are written.
+    sealer: Sealer,
 }
 
 impl RedbStore {
@@ -61,10 +64,20 @@ impl RedbStore {
     /// database, or one written by a newer schema, is an error: the driver
     /// refuses to start rather than run on partial state.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        Self::open_sealed(dir, Sealer::default())
+    }
+
+    /// As [`RedbStore::open`], sealing secret parameter values with the
+    /// sealer's key (see `contract::secrets`). The directory and the file are
+    /// made readable by their owner only.
+    pub fn open_sealed(dir: &Path, sealer: Sealer) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir).map_err(|e| unavailable(format!("creating {}: {e}", dir.display())))?;
         let path = dir.join(FILE_NAME);
         let db = Database::create(&path).map_err(|e| corrupt(format!("opening {}: {e}", path.display())))?;
-        let store = Self { db };
+        for p in [dir, path.as_path()] {
+            restrict_to_owner(p).map_err(|e| unavailable(format!("restricting {}: {e}", p.display())))?;
+        }
+        let store = Self { db, sealer };
         store.check_schema()?;
         Ok(store)
     }
@@ -160,13 +173,36 @@ fn migrate_1_to_2(txn: &redb::WriteTransaction) -> Result<(), StoreError> {
     Ok(())
 }
 
-fn encode_meta(m: &RunMeta) -> Vec<u8> {
-    rec::StoredMeta {
+fn sealing(e: SecretsError) -> StoreError {
+    match e {
+        SecretsError::Random(_) => unavailable(e),
+        other => corrupt(other),
+    }
+}
+
+fn seal_shape(sealer: &Sealer, shape: &mut pb::ClusterShape) -> Result<(), StoreError> {
+    for t in shape.groups.iter_mut().filter_map(|g| g.template.as_mut()) {
+        sealer.seal_template(t).map_err(sealing)?;
+    }
+    Ok(())
+}
+
+fn open_shape(sealer: &Sealer, shape: &mut pb::ClusterShape) -> Result<(), StoreError> {
+    for t in shape.groups.iter_mut().filter_map(|g| g.template.as_mut()) {
+        sealer.open_template(t).map_err(sealing)?;
+    }
+    Ok(())
+}
+
+fn encode_meta(sealer: &Sealer, m: &RunMeta) -> Result<Vec<u8>, StoreError> {
+    let mut shape = pb::ClusterShape::from(&m.shape);
+    seal_shape(sealer, &mut shape)?;
+    Ok(rec::StoredMeta {
         schema: SCHEMA_VERSION,
         run_id: m.run_id.to_string(),
         run_uid: m.uid.to_string(),
         epoch: m.epoch.get(),
-        shape: Some(pb::ClusterShape::from(&m.shape)),
+        shape: Some(shape),
         deleting: m.deleting,
         paused: m.paused,
         observed_generation: m.observed_generation.get(),
@@ -175,18 +211,17 @@ fn encode_meta(m: &RunMeta) -> Vec<u8> {
         converged_at_ms: UnixMillis::to_wire(m.converged_at),
         reclaim: m.reclaim,
     }
-    .encode_to_vec()
+    .encode_to_vec())
 }
 
-fn decode_meta(bytes: &[u8]) -> Result<RunMeta, StoreError> {
+fn decode_meta(sealer: &Sealer, bytes: &[u8]) -> Result<RunMeta, StoreError> {
     let m = rec::StoredMeta::decode(bytes).map_err(|e| corrupt(format!("run record: {e}")))?;
     if m.schema != SCHEMA_VERSION {
         return Err(corrupt(format!("run record of schema {}", m.schema)));
     }
-    let shape: ClusterShape = m
-        .shape
-        .ok_or_else(|| corrupt("run record without a shape"))
-        .and_then(|s| shape_from_wire(s).map_err(|e| corrupt(format!("stored shape: {e}"))))?;
+    let mut shape = m.shape.ok_or_else(|| corrupt("run record without a shape"))?;
+    open_shape(sealer, &mut shape)?;
+    let shape: ClusterShape = shape_from_wire(shape).map_err(|e| corrupt(format!("stored shape: {e}")))?;
     Ok(RunMeta {
         run_id: RunId::parse("run_id", &m.run_id).map_err(corrupt)?,
         uid: RunUid::parse("run_uid", &m.run_uid).map_err(corrupt)?,
@@ -202,15 +237,26 @@ fn decode_meta(bytes: &[u8]) -> Result<RunMeta, StoreError> {
     })
 }
 
-fn encode_node(r: &NodeRecord) -> Vec<u8> {
+fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, StoreError> {
     let mut table = TemplateTable::default();
     let state = node_to_wire(&r.node, &mut table);
-    rec::StoredNode {
+    let mut templates = table.into_wire();
+    for t in &mut templates {
+        sealer.seal_template(t).map_err(sealing)?;
+    }
+    let inflight = match r.inflight.as_ref().map(pb::Operation::from) {
+        Some(mut op) => {
+            sealer.seal_operation(&mut op).map_err(sealing)?;
+            Some(op)
+        }
+        None => None,
+    };
+    Ok(rec::StoredNode {
         schema: SCHEMA_VERSION,
         state: Some(state),
-        templates: table.into_wire(),
+        templates,
         next_seq: r.next_seq,
-        inflight: r.inflight.as_ref().map(pb::Operation::from),
+        inflight,
         bootstrap_detail: r
             .node
             .facts
@@ -219,13 +265,19 @@ fn encode_node(r: &NodeRecord) -> Vec<u8> {
             .map(|b| b.detail.clone())
             .unwrap_or_default(),
     }
-    .encode_to_vec()
+    .encode_to_vec())
 }
 
-fn decode_node(bytes: &[u8]) -> Result<NodeRecord, StoreError> {
-    let n = rec::StoredNode::decode(bytes).map_err(|e| corrupt(format!("node record: {e}")))?;
+fn decode_node(sealer: &Sealer, bytes: &[u8]) -> Result<NodeRecord, StoreError> {
+    let mut n = rec::StoredNode::decode(bytes).map_err(|e| corrupt(format!("node record: {e}")))?;
     if n.schema != SCHEMA_VERSION {
         return Err(corrupt(format!("node record of schema {}", n.schema)));
+    }
+    for t in &mut n.templates {
+        sealer.open_template(t).map_err(sealing)?;
+    }
+    if let Some(op) = n.inflight.as_mut() {
+        sealer.open_operation(op).map_err(sealing)?;
     }
     let templates =
         TemplateTable::from_wire(n.templates).map_err(|e| corrupt(format!("node templates: {e}")))?;
@@ -270,7 +322,7 @@ impl RunStore for RedbStore {
                 }
             } else {
                 if let Some(m) = &delta.meta {
-                    meta.insert(uid.as_str(), encode_meta(m).as_slice())
+                    meta.insert(uid.as_str(), encode_meta(&self.sealer, m)?.as_slice())
                         .map_err(unavailable)?;
                 } else if meta.get(uid.as_str()).map_err(unavailable)?.is_none() {
                     return Err(StoreError::UnknownRun(delta.uid));
@@ -278,7 +330,7 @@ impl RunStore for RedbStore {
                 for r in &delta.upserts {
                     let id = r.node.id.to_string();
                     nodes
-                        .insert((uid.as_str(), id.as_str()), encode_node(r).as_slice())
+                        .insert((uid.as_str(), id.as_str()), encode_node(&self.sealer, r)?.as_slice())
                         .map_err(unavailable)?;
                 }
                 for id in &delta.removals {
@@ -297,7 +349,7 @@ impl RunStore for RedbStore {
         let mut runs: BTreeMap<String, StoredRun> = BTreeMap::new();
         for item in meta.iter().map_err(unavailable)? {
             let (k, v) = item.map_err(unavailable)?;
-            let m = decode_meta(v.value())?;
+            let m = decode_meta(&self.sealer, v.value())?;
             if m.uid.to_string() != k.value() {
                 return Err(corrupt(format!("run record under the wrong key {}", k.value())));
             }
@@ -312,7 +364,7 @@ impl RunStore for RedbStore {
         for item in nodes.iter().map_err(unavailable)? {
             let (k, v) = item.map_err(unavailable)?;
             let (uid, id) = k.value();
-            let rec = decode_node(v.value())?;
+            let rec = decode_node(&self.sealer, v.value())?;
             if rec.node.id != LogicalNodeId::parse("node_id", id).map_err(corrupt)? {
                 return Err(corrupt(format!("node record under the wrong key {id}")));
             }
@@ -441,6 +493,51 @@ mod tests {
         // Garbage.
         std::fs::write(&path, b"definitely not a database").unwrap();
         assert!(matches!(RedbStore::open(dir.path()), Err(StoreError::Corrupt(_))));
+    }
+
+    fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+        haystack.windows(needle.len()).any(|w| w == needle)
+    }
+
+    #[test]
+    fn secret_values_are_sealed_at_rest_and_need_their_key() {
+        use contract::secrets::SecretKey;
+        let dir = tempfile::tempdir().unwrap();
+        let now = UnixMillis::new(1_700_000_000_000);
+        let key = || Sealer::new(Some(SecretKey::from_bytes(&[3u8; 32]).unwrap()));
+        let written = {
+            let mut store = RedbStore::open_sealed(dir.path(), key()).unwrap();
+            let mut run = RunState::create(
+                shape(1),
+                RunUid::from_u128(5),
+                Epoch::new(1),
+                Arc::new(Policy::default()),
+                now,
+            )
+            .unwrap();
+            // Two passes: templates in node records and creates in flight.
+            drive(&mut run, &mut store, now);
+            store.load_all().unwrap()
+        };
+        let token = &written[0].meta.shape.groups[0].template.boot["token"];
+        assert_eq!(token.value, "s3cret", "read back opened");
+        assert!(written[0].nodes.iter().all(|n| n.inflight.is_some()));
+        let bytes = std::fs::read(dir.path().join(FILE_NAME)).unwrap();
+        assert!(!contains(&bytes, b"s3cret"), "a secret value is in the file in clear");
+        assert!(contains(&bytes, b"sealed:v1:"));
+
+        assert_eq!(RedbStore::open_sealed(dir.path(), key()).unwrap().load_all().unwrap(), written);
+        let no_key = RedbStore::open(dir.path()).unwrap().load_all().unwrap_err();
+        assert!(no_key.to_string().contains("no key"), "{no_key}");
+        let other = Sealer::new(Some(SecretKey::from_bytes(&[4u8; 32]).unwrap()));
+        let wrong = RedbStore::open_sealed(dir.path(), other).unwrap().load_all().unwrap_err();
+        assert!(wrong.to_string().contains("does not open"), "{wrong}");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            let mode = std::fs::metadata(dir.path().join(FILE_NAME)).unwrap().permissions().mode();
+            assert_eq!(mode & 0o077, 0, "the store file is private: {mode:o}");
+        }
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //! [`orphans`] keeps the orphan report and runs the orphan sweep;
 //! [`status`] builds what clients read; [`server`] assembles it all;
 //! [`crash`] holds the named crash points crash tests arm.
+//! [`auth`] authenticates and authorizes the API's callers and [`limits`]
+//! bounds what they may ask of it (rates, concurrency, deadlines, watches).
 //! [`client`] is the logic of `provisionctl`, the command-line client, and
 //! [`shapefile`] its file format.
 
@@ -15,12 +17,14 @@
 
 pub mod actor;
 pub mod api;
+pub mod auth;
 pub mod client;
 pub mod core;
 pub mod crash;
 pub mod driver;
 pub mod durable;
 mod events;
+pub mod limits;
 pub mod link;
 pub mod orphans;
 pub mod server;

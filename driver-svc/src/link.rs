@@ -31,6 +31,8 @@ pub enum FromExecutor {
     Result(OperationResult),
     Observation(Observation),
     Rejection(Rejection),
+    /// The operation waits for a budget at the executor, or has started.
+    Waiting(contract::wire::Waiting),
 }
 
 type Outbound = mpsc::UnboundedSender<pb::DriverMessage>;
@@ -239,6 +241,9 @@ impl Link {
             }
             Some(Kind::Rejection(r)) => {
                 Rejection::try_from(r).map(|r| (r.run_uid, FromExecutor::Rejection(r)))
+            }
+            Some(Kind::Waiting(w)) => {
+                contract::wire::Waiting::try_from(w).map(|w| (w.run_uid, FromExecutor::Waiting(w)))
             }
             None => return,
         };

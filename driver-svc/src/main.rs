@@ -19,10 +19,11 @@ use driver_svc::{
 struct Cli {
     #[command(flatten)]
     common: runtime::CommonArgs,
-    /// The decider's address, e.g. http://127.0.0.1:7001.
+    /// The decider's address: `host:port`, or a URL whose scheme matches the
+    /// transport (https://127.0.0.1:7001 with TLS, http:// with --insecure).
     #[arg(long, env = "DRIVER_DECIDER")]
     decider: String,
-    /// The executor's address, e.g. http://127.0.0.1:7002.
+    /// The executor's address, as --decider.
     #[arg(long, env = "DRIVER_EXECUTOR")]
     executor: String,
     #[arg(long, env = "DRIVER_BACKOFF_BASE_MS", default_value_t = 1000)]
@@ -72,11 +73,20 @@ struct Cli {
     /// The durable store's directory.
     #[arg(long, env = "DRIVER_DATA_DIR", default_value = "driver-data")]
     data_dir: std::path::PathBuf,
+    /// A key file (32 bytes, raw or 64 hex digits, mode 600) to seal secret
+    /// parameter values in the store with. Without it they are stored
+    /// unsealed in an owner-only file, and a warning says so.
+    #[arg(long, env = "DRIVER_SECRETS_KEY_FILE")]
+    secrets_key_file: Option<std::path::PathBuf>,
     /// For crash tests: abort the process at a named point of its work, on
     /// the point's n-th hit (`<point>[:<n>]`; points are listed in
     /// ARCHITECTURE.md, "Crash points"). Off unless given.
     #[arg(long, env = "DRIVER_CRASH_AT", value_parser = driver_svc::crash::parse)]
     crash_at: Option<driver_svc::crash::Armed>,
+    #[command(flatten)]
+    auth: driver_svc::auth::AuthArgs,
+    #[command(flatten)]
+    limits: driver_svc::limits::LimitArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -124,7 +134,10 @@ impl Cli {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = runtime::init_telemetry("driver-svc", &cli.common)?;
+    let transport = cli.common.transport("driver-svc")?;
     let policy = cli.policy()?;
+    // Before anything is opened or bound: no authentication, no API.
+    let auth = cli.auth.authenticator()?;
     if let Some(armed) = cli.crash_at {
         driver_svc::crash::arm(armed);
         tracing::warn!(
@@ -136,10 +149,25 @@ async fn main() -> anyhow::Result<()> {
     // The store is opened before anything listens: a store that cannot be
     // opened (or is damaged) stops the driver here, loudly.
     let store: Box<dyn driver_svc::core::RunStore> = match cli.store {
-        StoreKind::Redb => Box::new(
-            driver_svc::durable::RedbStore::open(&cli.data_dir)
-                .with_context(|| format!("opening the store in {}", cli.data_dir.display()))?,
-        ),
+        StoreKind::Redb => {
+            let sealer = match &cli.secrets_key_file {
+                Some(path) => contract::secrets::Sealer::new(Some(
+                    contract::secrets::SecretKey::load(path).context("loading the secrets key")?,
+                )),
+                None => {
+                    tracing::warn!(
+                        "no --secrets-key-file: secret parameter values are stored unsealed (owner-only \
+                         file)"
+                    );
+                    contract::secrets::Sealer::default()
+                }
+            };
+            let store = driver_svc::durable::RedbStore::open_sealed(&cli.data_dir, sealer)
+                .with_context(|| format!("opening the store in {}", cli.data_dir.display()))?;
+            // Read once now: a store whose secrets this key cannot open is
+            // refused here, before anything listens.
+            Box::new(store)
+        }
         StoreKind::Memory => {
             tracing::warn!("--store memory: run state is lost when this process ends");
             Box::new(MemStore::new())
@@ -161,6 +189,9 @@ async fn main() -> anyhow::Result<()> {
             clock: Arc::new(contract::SystemClock),
             orphan_sweep: Duration::from_millis(cli.orphan_sweep_ms),
             orphan_destroy: cli.orphan_policy == OrphanPolicy::Destroy,
+            transport,
+            auth,
+            limits: cli.limits.limits(cli.common.messages),
         },
     )
     .await;

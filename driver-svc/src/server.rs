@@ -10,10 +10,10 @@ use contract::{
         provisioning_server::ProvisioningServer,
     },
     telemetry::grpc::{ServerLayer, traced},
+    tls::ClientAuth,
 };
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tonic::transport::Endpoint;
 use tracing::Instrument as _;
 
 use crate::{
@@ -43,6 +43,14 @@ pub struct Config {
     /// Whether the sweep destroys the orphans it confirms (through the
     /// deletion path) or only reports them.
     pub orphan_destroy: bool,
+    /// TLS (or plaintext) for the public API and for the channels to the
+    /// decider and the executor, where the driver's certificate is its
+    /// client identity (see [`contract::tls`]).
+    pub transport: contract::tls::Transport,
+    /// Who may call the public API (see [`crate::auth`]).
+    pub auth: Arc<crate::auth::Authenticator>,
+    /// What callers may ask of it (see [`crate::limits`]).
+    pub limits: crate::limits::ApiLimits,
 }
 
 /// Serves the driver on `listener` until `shutdown` resolves.
@@ -51,13 +59,17 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     config: Config,
 ) -> anyhow::Result<()> {
-    let decider_endpoint = Endpoint::from_shared(config.decider.clone())?
+    let decider_endpoint = config
+        .transport
+        .endpoint(&config.decider)?
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(30));
     let decider = DeciderClient::new(traced(decider_endpoint.connect_lazy()))
         .max_decoding_message_size(16 << 20)
         .max_encoding_message_size(16 << 20);
-    let executor_endpoint = Endpoint::from_shared(config.executor.clone())?
+    let executor_endpoint = config
+        .transport
+        .endpoint(&config.executor)?
         .connect_timeout(Duration::from_secs(2))
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10));
@@ -101,15 +113,32 @@ pub async fn run(
 
     let (_reporter, health, reflection) =
         contract::runtime::health_and_reflection::<ProvisioningServer<Api>>().await?;
-    let api = ProvisioningServer::new(Api::new(driver.clone()));
+    // Authentication, then the limits, around the public API only: health
+    // checks and reflection stay open.
+    let api = tower::ServiceBuilder::new()
+        .layer(config.auth.layer())
+        .layer(config.limits.layer())
+        .service(
+            ProvisioningServer::new(Api::new(driver.clone()))
+                .max_decoding_message_size(config.limits.max_recv_message_bytes)
+                .max_encoding_message_size(config.limits.max_send_message_bytes),
+        );
     let mut stop = stop_rx;
-    let served = tonic::transport::Server::builder()
+    let stopping = driver.clone();
+    // Client certificates are optional on the public API; one presented
+    // must chain to the CA.
+    let served = config
+        .transport
+        .configure_server(tonic::transport::Server::builder(), ClientAuth::Optional)?
         .layer(ServerLayer::new())
         .add_service(health)
         .add_service(reflection)
         .add_service(api)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             shutdown.await;
+            // The runs stop first: their watch streams end with them, so a
+            // client still watching does not hold the graceful shutdown open.
+            stopping.shutdown(RUNS_STOP_WITHIN).await;
             let _ = stop.wait_for(|_| true).await;
         });
     let result = served.await;

@@ -13,6 +13,10 @@
 //! The shell writes the core's changes of a step in one transaction before it
 //! sends that step's outputs: a result the driver may have seen is one a
 //! restarted executor can replay.
+//!
+//! Operations are kept with their inputs, so secret parameter values are
+//! sealed with the operator's key when one is configured (`--secrets-key-file`,
+//! see `contract::secrets`); the directory and file are private to their owner.
 
 use std::path::Path;
 
@@ -20,6 +24,7 @@ use contract::{
     AttemptId, Epoch, Operation, OperationId, OperationResult, RunUid,
     pb::{self, store::v1 as rec},
 };
+use contract::secrets::{Sealer, SecretsError, restrict_to_owner};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
@@ -52,13 +57,30 @@ fn corrupt(e: impl std::fmt::Display) -> StoreError {
 #[derive(Debug)]
 pub struct ExecutorStore {
     db: Database,
+    sealer: Sealer,
+}
+
+fn sealing(e: SecretsError) -> StoreError {
+    match e {
+        SecretsError::Random(_) => unavailable(e),
+        other => corrupt(other),
+    }
 }
 
 impl ExecutorStore {
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        Self::open_sealed(dir, Sealer::default())
+    }
+
+    /// As [`ExecutorStore::open`], sealing secret parameter values of the
+    /// operations it keeps.
+    pub fn open_sealed(dir: &Path, sealer: Sealer) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir).map_err(|e| unavailable(format!("creating {}: {e}", dir.display())))?;
         let path = dir.join(FILE_NAME);
         let db = Database::create(&path).map_err(|e| corrupt(format!("opening {}: {e}", path.display())))?;
+        for p in [dir, path.as_path()] {
+            restrict_to_owner(p).map_err(|e| unavailable(format!("restricting {}: {e}", p.display())))?;
+        }
         let txn = db.begin_write().map_err(unavailable)?;
         {
             let mut schema = txn.open_table(SCHEMA).map_err(unavailable)?;
@@ -78,7 +100,7 @@ impl ExecutorStore {
             txn.open_table(OPS).map_err(unavailable)?;
         }
         txn.commit().map_err(unavailable)?;
-        Ok(Self { db })
+        Ok(Self { db, sealer })
     }
 
     /// Writes one step's changes in one transaction.
@@ -132,9 +154,11 @@ impl ExecutorStore {
                         let uid = run_uid.to_string();
                         remove_range(&mut ops, &uid, attempt.get(), attempt.get())?;
                         for r in records {
+                            let mut op = pb::Operation::from(&r.op);
+                            self.sealer.seal_operation(&mut op).map_err(sealing)?;
                             let bytes = rec::ExecutorOp {
                                 schema: SCHEMA_VERSION,
-                                op: Some(pb::Operation::from(&r.op)),
+                                op: Some(op),
                                 result: Some(pb::OperationResult::from(&r.result)),
                                 acked: r.acked,
                             }
@@ -179,9 +203,9 @@ impl ExecutorStore {
             let (k, v) = item.map_err(unavailable)?;
             let (uid, attempt, seq) = k.value();
             let r = rec::ExecutorOp::decode(v.value()).map_err(corrupt)?;
-            let op =
-                r.op.ok_or_else(|| corrupt("operation record without its operation"))
-                    .and_then(|o| Operation::try_from(o).map_err(corrupt))?;
+            let mut op = r.op.ok_or_else(|| corrupt("operation record without its operation"))?;
+            self.sealer.open_operation(&mut op).map_err(sealing)?;
+            let op = Operation::try_from(op).map_err(corrupt)?;
             let result = r
                 .result
                 .ok_or_else(|| corrupt("operation record without its result"))

@@ -22,6 +22,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backend;
+pub mod budget;
 pub mod core;
 pub mod durable;
 pub mod fake;

@@ -10,6 +10,7 @@ use clap::{Parser, ValueEnum};
 use contract::{
     Clock, SystemClock,
     runtime::{CommonArgs, bind_and_announce, init_telemetry, shutdown_signal},
+    tls::{PeerArgs, PeerPolicy},
 };
 use executor_svc::{
     backend::Backend,
@@ -25,6 +26,8 @@ use executor_svc::{
 struct Cli {
     #[command(flatten)]
     common: CommonArgs,
+    #[command(flatten)]
+    peers: PeerArgs,
     /// Which provider backend runs the operations.
     #[arg(long, env = "EXECUTOR_BACKEND", value_enum, default_value_t = BackendKind::Fake)]
     backend: BackendKind,
@@ -68,6 +71,33 @@ struct Cli {
     /// is replayed rather than run again. Without it they are kept in memory.
     #[arg(long, env = "EXECUTOR_STATE_DIR")]
     state_dir: Option<PathBuf>,
+    /// A key file (32 bytes, raw or 64 hex digits, mode 600) to seal secret
+    /// parameter values in the state directory with. Without it they are kept
+    /// unsealed in an owner-only file, and a warning says so.
+    #[arg(long, env = "EXECUTOR_SECRETS_KEY_FILE")]
+    secrets_key_file: Option<PathBuf>,
+    /// At most this many backend calls in flight at once (the provider's
+    /// budget); more wait their turn. Unset: no cap.
+    #[arg(long, env = "EXECUTOR_BUDGET_INFLIGHT", value_parser = clap::value_parser!(u64).range(1..))]
+    budget_inflight: Option<u64>,
+    /// At most this many backend calls started per second (the provider's
+    /// budget). Unset: no cap.
+    #[arg(long, env = "EXECUTOR_BUDGET_RATE", value_parser = positive_rate)]
+    budget_rate: Option<f64>,
+    /// At most this many backend calls of one run in flight at once.
+    #[arg(long, env = "EXECUTOR_RUN_BUDGET_INFLIGHT", value_parser = clap::value_parser!(u64).range(1..))]
+    run_budget_inflight: Option<u64>,
+    /// At most this many backend calls of one run started per second.
+    #[arg(long, env = "EXECUTOR_RUN_BUDGET_RATE", value_parser = positive_rate)]
+    run_budget_rate: Option<f64>,
+}
+
+/// A rate in calls per second: a finite number above zero.
+fn positive_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("{s}: a rate is a number of calls per second above zero")),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -109,6 +139,7 @@ fn parse_latency(s: &str) -> Result<(u64, u64), String> {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = init_telemetry("executor-svc", &cli.common)?;
+    let peers = PeerPolicy::new(cli.common.transport("executor-svc")?, cli.peers.identities());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let backend: Arc<dyn Backend> = match cli.backend {
         BackendKind::Fake => {
@@ -154,10 +185,33 @@ async fn main() -> anyhow::Result<()> {
     )
     .await
     .context("binding the listen address")?;
+    let secrets = match &cli.secrets_key_file {
+        Some(path) => contract::secrets::Sealer::new(Some(
+            contract::secrets::SecretKey::load(path).context("loading the secrets key")?,
+        )),
+        None => {
+            if cli.state_dir.is_some() {
+                tracing::warn!(
+                    "no --secrets-key-file: secret parameter values are kept unsealed in the state \
+                     directory (owner-only file)"
+                );
+            }
+            contract::secrets::Sealer::default()
+        }
+    };
     let config = Config {
         link_buffer: cli.link_buffer,
         shutdown_grace: cli.common.shutdown_grace(),
+        messages: cli.common.messages,
         state_dir: cli.state_dir.clone(),
+        peers,
+        secrets,
+        budget: executor_svc::budget::BudgetConfig {
+            inflight: cli.budget_inflight.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+            rate: cli.budget_rate,
+            run_inflight: cli.run_budget_inflight.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+            run_rate: cli.run_budget_rate,
+        },
         ..Config::default()
     };
     let result = server::run(listener, shutdown_signal(), config, backend, clock).await;

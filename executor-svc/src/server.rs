@@ -22,7 +22,7 @@
 //! children. Replays of recorded results carry the resubmission's context.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     future::Future,
     sync::{
         Arc,
@@ -44,6 +44,7 @@ use contract::{
     telemetry::{self, grpc::ServerLayer},
     wire::{trace_from_wire, trace_to_wire},
 };
+use crate::budget::{Budget, BudgetConfig};
 use tokio::{
     net::TcpListener,
     sync::{
@@ -53,7 +54,7 @@ use tokio::{
     task::AbortHandle,
 };
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Request, Response, Status, Streaming, transport::Server};
+use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument as _, field::Empty};
 
 use crate::{
@@ -82,6 +83,15 @@ pub struct Config {
     /// Where the executor keeps fencing epochs and completed results across its
     /// own restarts; `None` keeps them in memory only.
     pub state_dir: Option<std::path::PathBuf>,
+    /// TLS and who may call (the driver); plaintext by default, for an
+    /// executor embedded in a test.
+    pub peers: contract::tls::PeerPolicy,
+    /// Seals secret parameter values of the operations kept in `state_dir`.
+    pub secrets: contract::secrets::Sealer,
+    /// Caps on backend calls (see `budget`).
+    pub budget: crate::budget::BudgetConfig,
+    /// The largest message the executor accepts and sends.
+    pub messages: contract::runtime::MessageLimits,
 }
 
 impl Default for Config {
@@ -93,6 +103,10 @@ impl Default for Config {
             event_buffer: 1024,
             shutdown_grace: Duration::from_secs(5),
             state_dir: None,
+            peers: contract::tls::PeerPolicy::plaintext(),
+            secrets: contract::secrets::Sealer::default(),
+            budget: crate::budget::BudgetConfig::default(),
+            messages: contract::runtime::MessageLimits::default(),
         }
     }
 }
@@ -110,6 +124,8 @@ struct ExecutorMetrics {
     observations: Counter,
     rejections: Counter,
     links: Gauge,
+    budget_waiting: Gauge,
+    budget_waits: Counter,
 }
 
 impl ExecutorMetrics {
@@ -148,6 +164,18 @@ impl ExecutorMetrics {
                 "Backend calls in progress.",
                 &[],
             ),
+            budget_waiting: r.gauge(
+                "provisioning_executor_budget_waiting",
+                "Operations waiting for the provider budget (or their run's) before their backend \
+                 call starts.",
+                &[],
+            ),
+            budget_waits: r.counter(
+                "provisioning_executor_budget_waits_total",
+                "Operations that had to wait for a budget, by what held them: provider-inflight, \
+                 provider-rate, run-inflight, run-rate.",
+                &["held"],
+            ),
             observations: r.counter(
                 "provisioning_executor_observations_total",
                 "Bootstrap observations recorded and sent, by stage.",
@@ -172,6 +200,8 @@ pub enum ServerError {
     Transport(#[from] tonic::transport::Error),
     #[error(transparent)]
     Store(#[from] crate::durable::StoreError),
+    #[error("cannot set up TLS: {0}")]
+    Tls(#[from] contract::tls::TlsError),
 }
 
 /// Why a request failed; [`to_status`] maps it to a gRPC status.
@@ -207,6 +237,9 @@ pub async fn run(
     backend: Arc<dyn Backend>,
     clock: Arc<dyn Clock>,
 ) -> Result<(), ServerError> {
+    // TLS is set up first: a certificate it cannot use stops the executor
+    // before anything else starts.
+    let server = config.peers.server()?;
     let (reporter, health, reflection) = health_and_reflection::<ExecutorServer<ExecutorService>>().await?;
 
     let (events_tx, events_rx) = mpsc::channel(config.event_buffer.max(1));
@@ -217,8 +250,9 @@ pub async fn run(
         TraceContext::default(),
     ));
     let mut actor = Actor::new(Arc::clone(&backend), clock, events_tx.clone(), observations_tx);
+    actor.budget = Budget::new(config.budget, std::time::Instant::now());
     if let Some(dir) = &config.state_dir {
-        let store = crate::durable::ExecutorStore::open(dir)?;
+        let store = crate::durable::ExecutorStore::open_sealed(dir, config.secrets.clone())?;
         actor.core = ExecutorCore::restore(store.load()?);
         actor.store = Some(store);
     }
@@ -241,11 +275,16 @@ pub async fn run(
         drain.send_replace(Lifecycle::Draining);
         let _ = drain_started.send(());
     };
-    let serve = Server::builder()
+    let serve = server
         .layer(ServerLayer::new())
+        .layer(config.peers.layer())
         .add_service(health)
         .add_service(reflection)
-        .add_service(ExecutorServer::new(service))
+        .add_service(
+            ExecutorServer::new(service)
+                .max_decoding_message_size(config.messages.recv_bytes())
+                .max_encoding_message_size(config.messages.send_bytes()),
+        )
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal);
     let grace = config.shutdown_grace;
     let grace_elapsed = async move {
@@ -500,6 +539,10 @@ struct Actor {
     /// The current step's event-trace lines, written by `flush` with its
     /// messages (nothing when the trace is off).
     trace: event_trace::Deferred,
+    /// Caps on backend calls; operations over them wait here.
+    budget: Budget,
+    /// Waiting operations the driver has been told about.
+    told_waiting: HashSet<(RunUid, OperationId)>,
 }
 
 async fn sleep_for(delay: Option<Duration>) {
@@ -532,6 +575,8 @@ impl Actor {
             metrics: ExecutorMetrics::new(),
             outbox: Vec::new(),
             trace: event_trace::Deferred::default(),
+            budget: Budget::new(BudgetConfig::default(), std::time::Instant::now()),
+            told_waiting: HashSet::new(),
         }
     }
 
@@ -548,6 +593,15 @@ impl Actor {
                 .core
                 .poll_timeout()
                 .map(|at| at.saturating_since(self.clock.now()).min(MAX_TIMER_SLEEP));
+            // A rate cap holding the queue wakes the actor when it allows a start.
+            let budget_wake = self
+                .budget
+                .next_wake()
+                .map(|at| at.saturating_duration_since(std::time::Instant::now()));
+            let timer = match (timer, budget_wake) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             let event = tokio::select! {
                 changed = lifecycle.changed() => {
                     let state = *lifecycle.borrow_and_update();
@@ -581,8 +635,12 @@ impl Actor {
                 };
                 self.fold(next);
             }
+            self.start_admitted();
             self.flush();
             self.metrics.running.set(&[], self.tasks.len() as f64);
+            self.metrics
+                .budget_waiting
+                .set(&[], self.budget.waiting() as f64);
             self.metrics.links.set(&[], self.links.len() as f64);
         }
         self.stop();
@@ -631,6 +689,7 @@ impl Actor {
                 match self.tasks.get(&key) {
                     Some((current, _, _)) if *current == task => {
                         self.tasks.remove(&key);
+                        self.budget.finished(run_uid);
                     }
                     // A newer call of the same id runs (the run was forgotten and
                     // the operation resubmitted): this one's outcome is stale.
@@ -902,16 +961,20 @@ impl Actor {
     fn apply(&mut self, out: Vec<Output>, origin: Option<LinkId>, trace: &TraceContext) {
         for output in out {
             match output {
-                Output::Start(op) => self.start(op),
+                Output::Start(op) => self.budget.enqueue(op),
                 Output::Abort { run_uid, id } => {
                     self.trace.push(|| TraceEvent::CallAborted {
                         run: run_uid.to_string(),
                         id: id.to_string(),
                     });
-                    if let Some((_, handle, span)) = self.tasks.remove(&(run_uid, id)) {
+                    if self.budget.remove(run_uid, id) {
+                        // Abandoned while it waited: it never ran.
+                        self.told_waiting.remove(&(run_uid, id));
+                    } else if let Some((_, handle, span)) = self.tasks.remove(&(run_uid, id)) {
                         span.record("provisioning.operation.outcome", "abandoned");
                         span.record("otel.status_code", "error");
                         handle.abort();
+                        self.budget.finished(run_uid);
                     }
                 }
                 Output::Result(result) => {
@@ -963,6 +1026,41 @@ impl Actor {
         if let Err(e) = store.apply(&changes) {
             tracing::error!(error = %e, "the executor store refused a write; refusing further work");
             self.store_failed = true;
+        }
+    }
+
+    /// Starts every waiting operation the budget lets start now, and tells
+    /// the driver about each that has to wait (once) and when it starts.
+    fn start_admitted(&mut self) {
+        let now = std::time::Instant::now();
+        for op in self.budget.drain(now) {
+            if self.told_waiting.remove(&(op.run_uid, op.id)) {
+                let msg = waiting_message(op.run_uid, op.id, None);
+                self.route(op.run_uid, msg);
+            }
+            self.start(op);
+        }
+        if self.budget.waiting() == self.told_waiting.len() {
+            return;
+        }
+        let untold: Vec<(RunUid, OperationId)> = self
+            .budget
+            .queued()
+            .filter(|k| !self.told_waiting.contains(k))
+            .collect();
+        for (run_uid, id) in untold {
+            let held = self.budget.hold_of(run_uid, now);
+            let reason = held.map_or_else(
+                || "waiting for earlier operations to start".to_owned(),
+                |h| {
+                    self.metrics.budget_waits.inc(&[h.name()]);
+                    self.budget.describe(h)
+                },
+            );
+            tracing::debug!(run_uid = %run_uid, id = %id, %reason, "operation waits for its budget");
+            self.told_waiting.insert((run_uid, id));
+            let msg = waiting_message(run_uid, id, Some(reason));
+            self.route(run_uid, msg);
         }
     }
 
@@ -1031,6 +1129,7 @@ impl Actor {
             .insert((run_uid, id), (task, handle.abort_handle(), span))
         {
             stale.abort();
+            self.budget.finished(run_uid);
         }
     }
 
@@ -1161,4 +1260,18 @@ fn items_runs(resources: &[pb::Resource]) -> Vec<RunUid> {
         .filter_map(|r| RunUid::parse("run_uid", &r.run_uid).ok())
         .filter(|uid| seen.insert(*uid))
         .collect()
+}
+
+/// Tells the driver an operation waits for a budget (`Some(reason)`) or has
+/// started after waiting (`None`).
+fn waiting_message(run_uid: RunUid, id: OperationId, reason: Option<String>) -> pb::ExecutorMessage {
+    pb::ExecutorMessage {
+        kind: Some(pb::executor_message::Kind::Waiting(pb::OperationWaiting {
+            run_uid: run_uid.to_string(),
+            id: Some(id.into()),
+            waiting: reason.is_some(),
+            reason: reason.unwrap_or_default(),
+        })),
+        trace: None,
+    }
 }

@@ -53,7 +53,7 @@ impl Executor {
             .append(true)
             .open(dir.join("executor.log"))?;
         let mut child = Command::new(EXECUTOR)
-            .args(["--listen", "127.0.0.1:0", "--backend", "process"])
+            .args(["--listen", "127.0.0.1:0", "--insecure", "--backend", "process"])
             .arg("--ready-file")
             .arg(&ready)
             .arg("--process-state-dir")

@@ -137,13 +137,16 @@ fn driver_message_floats(m: &mut pb::DriverMessage, f: &mut dyn FnMut(&mut f64))
 }
 
 /// Equality that compares floating-point fields by their bits, so that a NaN
-/// equals itself and `-0.0` differs from `0.0`.
+/// equals itself, but for the sign of zero: prost leaves a zero of either sign
+/// out of the encoding as the default value (tokio-rs/prost#1177; proto3 says
+/// `-0.0` is to be sent), so `-0.0` decodes as `0.0` after a round trip. The
+/// domain compares quantities numerically, so to it they are the same.
 fn bitwise_eq<M: Clone + PartialEq>(a: &M, b: &M, floats: Floats<M>) -> bool {
     let bits = |m: &M| {
         let mut m = m.clone();
         let mut out = Vec::new();
         floats(&mut m, &mut |x| {
-            out.push(x.to_bits());
+            out.push(if *x == 0.0 { 0 } else { x.to_bits() });
             *x = 0.0;
         });
         (m, out)
@@ -774,6 +777,10 @@ pub fn executor_message(data: &[u8]) -> Result<Verdict, Violation> {
             }
             Err(e) => refused(T, &e),
         },
+        Some(Kind::Waiting(w)) => match crate::wire::Waiting::try_from(w) {
+            Ok(_) => Ok(Verdict::Accepted),
+            Err(e) => refused(T, &e),
+        },
     }
 }
 
@@ -1098,28 +1105,64 @@ mod tests {
     }
 
     #[test]
-    fn bitwise_equality_sees_nan_and_the_sign_of_zero() -> Result<(), FieldError> {
-        let mut a = shape()?;
-        let provider = a.groups[0].template.as_mut().and_then(|t| t.provider.as_mut());
-        if let Some(p) = provider {
-            p.cpu = f64::NAN;
-        }
-        let b = a.clone();
-        assert_ne!(a, b, "NaN makes the derived equality fail");
-        assert!(bitwise_eq(&a, &b, shape_floats));
-        let mut c = a.clone();
-        for t in c.groups.iter_mut().filter_map(|g| g.template.as_mut()) {
-            if let Some(p) = t.provider.as_mut() {
-                p.cpu = -0.0;
+    fn bitwise_equality_sees_nan_and_the_bits_but_not_the_sign_of_zero() -> Result<(), FieldError> {
+        let with_cpu = |cpu: f64| -> Result<pb::ClusterShape, FieldError> {
+            let mut s = shape()?;
+            for p in s
+                .groups
+                .iter_mut()
+                .filter_map(|g| g.template.as_mut()?.provider.as_mut())
+            {
+                p.cpu = cpu;
             }
+            Ok(s)
+        };
+        let nan = with_cpu(f64::NAN)?;
+        assert_ne!(nan, nan.clone(), "NaN makes the derived equality fail");
+        assert!(bitwise_eq(&nan, &nan.clone(), shape_floats));
+        assert!(!bitwise_eq(
+            &nan,
+            &with_cpu(f64::from_bits(f64::NAN.to_bits() ^ 1))?,
+            shape_floats
+        ));
+        assert!(!bitwise_eq(&with_cpu(1.0)?, &with_cpu(2.0)?, shape_floats));
+        assert!(bitwise_eq(&with_cpu(-0.0)?, &with_cpu(0.0)?, shape_floats));
+        Ok(())
+    }
+
+    /// fuzz/artifacts/plan_request/crash-967c…: a cpu of `-0.0` comes back
+    /// from a round trip as `0.0`, which is the same quantity.
+    #[test]
+    fn a_negative_zero_quantity_is_accepted() -> Result<(), Box<dyn std::error::Error>> {
+        let mut s = shape()?;
+        for p in s
+            .groups
+            .iter_mut()
+            .filter_map(|g| g.template.as_mut()?.provider.as_mut())
+        {
+            p.cpu = -0.0;
         }
-        let mut d = c.clone();
-        for t in d.groups.iter_mut().filter_map(|g| g.template.as_mut()) {
-            if let Some(p) = t.provider.as_mut() {
-                p.cpu = 0.0;
-            }
-        }
-        assert!(!bitwise_eq(&c, &d, shape_floats));
+        let plan = pb::PlanRequest { shape: Some(s) }.encode_to_vec();
+        let again = pb::PlanRequest::decode(
+            pb::PlanRequest::decode(plan.as_slice())?
+                .encode_to_vec()
+                .as_slice(),
+        )?;
+        let cpu = again.shape.and_then(|s| {
+            s.groups
+                .first()?
+                .template
+                .as_ref()?
+                .provider
+                .as_ref()
+                .map(|p| p.cpu)
+        });
+        assert_eq!(
+            cpu.map(f64::to_bits),
+            Some(0.0f64.to_bits()),
+            "prost drops the sign"
+        );
+        assert_eq!(plan_request(&plan)?, Verdict::Accepted);
         Ok(())
     }
 

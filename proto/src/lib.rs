@@ -11,7 +11,8 @@
 //! neither tonic nor prost. The `runtime` feature adds what every service binary shares:
 //! flags and startup ([`runtime`]), tracing, trace propagation and logs
 //! ([`telemetry`]), the Prometheus registry with its endpoint ([`metrics`]) and
-//! the event trace tests read across processes ([`event_trace`]).
+//! the event trace tests read across processes ([`event_trace`]), and TLS with
+//! the peer-identity rule ([`tls`]).
 
 #![forbid(unsafe_code)]
 
@@ -30,6 +31,9 @@ pub mod wire;
 #[cfg(feature = "wire")]
 pub mod fuzzing;
 
+#[cfg(feature = "secrets")]
+pub mod secrets;
+
 #[cfg(feature = "runtime")]
 pub mod event_trace;
 #[cfg(feature = "runtime")]
@@ -38,6 +42,8 @@ pub mod metrics;
 pub mod runtime;
 #[cfg(feature = "runtime")]
 pub mod telemetry;
+#[cfg(feature = "runtime")]
+pub mod tls;
 
 /// Generated code for `provisioning.v1`.
 #[cfg(feature = "wire")]

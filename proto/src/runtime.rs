@@ -36,11 +36,38 @@ pub struct CommonArgs {
     /// debugging; see `contract::event_trace`). Off unless given.
     #[arg(long, env = "PROVISIONING_EVENT_TRACE")]
     pub event_trace: Option<PathBuf>,
+    /// TLS: --tls-cert, --tls-key, --tls-ca, or --insecure.
+    #[command(flatten)]
+    pub tls: crate::tls::TlsArgs,
+    /// --max-recv-message-bytes, --max-send-message-bytes.
+    #[command(flatten)]
+    pub messages: MessageLimits,
 }
 
 impl CommonArgs {
     pub fn shutdown_grace(&self) -> Duration {
         Duration::from_millis(self.shutdown_grace_ms)
+    }
+
+    /// This service's transport from the TLS flags (see [`crate::tls`]): TLS,
+    /// or plaintext with a warning when `--insecure` asks for it. An error
+    /// (no TLS settings, an incomplete set, a file that cannot be read) means
+    /// the service must not start. Call it after [`init_telemetry`].
+    pub fn transport(&self, service: &str) -> Result<crate::tls::Transport, crate::tls::TlsError> {
+        let transport = self.tls.transport()?;
+        match &transport {
+            crate::tls::Transport::Insecure => tracing::warn!(
+                service,
+                "--insecure: serving and calling in plaintext; peers are not authenticated and \
+                 anyone who can reach this port can call it"
+            ),
+            crate::tls::Transport::Tls(material) => tracing::info!(
+                service,
+                identity = %material.names().join(","),
+                "TLS on"
+            ),
+        }
+        Ok(transport)
     }
 }
 
@@ -150,4 +177,45 @@ pub async fn health_and_reflection<S: tonic::server::NamedService>() -> Result<
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     Ok((reporter, health, reflection))
+}
+
+/// The largest gRPC message a server accepts and sends, on every service
+/// (a peer cannot make it buffer more than this per message). A request over
+/// the limit is refused with tonic's `OUT_OF_RANGE` (the driver's public API
+/// answers `RESOURCE_EXHAUSTED`, as gRPC specifies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+pub struct MessageLimits {
+    /// The largest message this server accepts, in bytes.
+    #[arg(long = "max-recv-message-bytes", env = "PROVISIONING_MAX_RECV_MESSAGE_BYTES",
+          default_value_t = MessageLimits::DEFAULT_RECV, value_parser = clap::value_parser!(u32).range(1..))]
+    pub recv: u32,
+    /// The largest message this server sends, in bytes (a large run's full
+    /// status, or the executor's inventory, are the big ones).
+    #[arg(long = "max-send-message-bytes", env = "PROVISIONING_MAX_SEND_MESSAGE_BYTES",
+          default_value_t = MessageLimits::DEFAULT_SEND, value_parser = clap::value_parser!(u32).range(1..))]
+    pub send: u32,
+}
+
+impl MessageLimits {
+    /// 4 MiB: tonic's own default, which every request of the services fits.
+    pub const DEFAULT_RECV: u32 = 4 << 20;
+    /// 64 MiB: what the driver accepts from the executor and the decider.
+    pub const DEFAULT_SEND: u32 = 64 << 20;
+
+    pub fn recv_bytes(&self) -> usize {
+        self.recv as usize
+    }
+
+    pub fn send_bytes(&self) -> usize {
+        self.send as usize
+    }
+}
+
+impl Default for MessageLimits {
+    fn default() -> Self {
+        Self {
+            recv: Self::DEFAULT_RECV,
+            send: Self::DEFAULT_SEND,
+        }
+    }
 }

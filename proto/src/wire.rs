@@ -727,6 +727,27 @@ fn op_id_from_wire(field: &str, id: Option<pb::OperationId>) -> Result<Operation
     OperationId::try_from(required(field, id)?).map_err(within(field))
 }
 
+/// An executor's word that an operation waits for a budget (`Some(reason)`)
+/// or has started after waiting (`None`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiting {
+    pub run_uid: RunUid,
+    pub id: OperationId,
+    pub reason: Option<String>,
+}
+
+impl TryFrom<pb::OperationWaiting> for Waiting {
+    type Error = FieldError;
+
+    fn try_from(w: pb::OperationWaiting) -> Result<Self, FieldError> {
+        Ok(Self {
+            run_uid: RunUid::parse("run_uid", &w.run_uid)?,
+            id: op_id_from_wire("id", w.id)?,
+            reason: w.waiting.then_some(w.reason),
+        })
+    }
+}
+
 impl TryFrom<pb::PendingOperation> for PendingOp {
     type Error = FieldError;
 

@@ -4,6 +4,12 @@
 //! and announces its bound address in a ready file; nothing here guesses a
 //! port. Children are killed when their handle drops, so a failing test leaves
 //! no process behind.
+//!
+//! A cluster runs with TLS unless [`ClusterOptions::insecure`] says otherwise:
+//! it writes a development CA and certificates into `<dir>/tls/` ([`TestPki`]),
+//! and every service started in that directory gets its own certificate. The
+//! clients here connect the way the real ones do: [`Cluster::client`] as
+//! `provisionctl`, [`Cluster::executor_client`] as the driver.
 
 use std::{
     net::SocketAddr,
@@ -13,9 +19,15 @@ use std::{
 };
 
 use anyhow::Context;
-use contract::pb::{self, executor_client::ExecutorClient, provisioning_client::ProvisioningClient};
+use contract::{
+    pb::{self, executor_client::ExecutorClient, provisioning_client::ProvisioningClient},
+    tls::{
+        TlsMaterial, Transport,
+        dev::{self, Validity},
+    },
+};
 use tokio::process::{Child, Command};
-use tonic::transport::Channel;
+use tonic::transport::{Channel, Endpoint};
 
 /// Where cargo put the workspace's binaries: beside the running executable
 /// (a binary such as the bench), or one level up (a test in `deps/`).
@@ -41,11 +53,115 @@ pub fn bin_path(name: &str) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
+/// The development PKI of a test cluster: a CA and a certificate for each
+/// service and for `provisionctl`, in `<cluster dir>/tls/`.
+#[derive(Debug, Clone)]
+pub struct TestPki {
+    pub dir: PathBuf,
+    /// The CA, kept by the cluster that made it (to issue more certificates).
+    ca: Option<std::sync::Arc<dev::DevCa>>,
+}
+
+impl TestPki {
+    /// The directory under a cluster's directory that holds its PKI.
+    pub const SUBDIR: &str = "tls";
+
+    /// Writes a new CA and certificates (valid for `localhost` and
+    /// `127.0.0.1`, for a day) into `<dir>/tls/`.
+    pub fn create(dir: &Path) -> anyhow::Result<Self> {
+        let pki = dir.join(Self::SUBDIR);
+        let validity = Validity::days_from_now(1);
+        let ca = dev::DevCa::new("test CA", validity)?;
+        dev::write_pki_with(&ca, &pki, &Self::hosts(), validity)?;
+        Ok(Self {
+            dir: pki,
+            ca: Some(std::sync::Arc::new(ca)),
+        })
+    }
+
+    /// What the services' certificates are valid for.
+    pub fn hosts() -> Vec<String> {
+        vec!["localhost".to_owned(), "127.0.0.1".to_owned()]
+    }
+
+    /// The PKI a cluster wrote into `dir`, if it wrote one.
+    pub fn find(dir: &Path) -> Option<Self> {
+        let pki = dir.join(Self::SUBDIR);
+        pki.join(dev::CA_FILE)
+            .exists()
+            .then_some(Self { dir: pki, ca: None })
+    }
+
+    /// Issues one more certificate from this PKI's CA (only the [`TestPki`]
+    /// that created it has the CA) and writes it as `<stem>.pem`/`.key`.
+    pub fn issue(&self, stem: &str, leaf: &dev::Leaf) -> anyhow::Result<(PathBuf, PathBuf)> {
+        let ca = self
+            .ca
+            .as_ref()
+            .context("this PKI was found on disk; only the one that created it can issue")?;
+        Ok(dev::write_issued(&self.dir, stem, &ca.issue(leaf)?)?)
+    }
+
+    pub fn ca(&self) -> PathBuf {
+        self.dir.join(dev::CA_FILE)
+    }
+
+    /// `name`'s certificate and key files.
+    pub fn cert_and_key(&self, name: &str) -> (PathBuf, PathBuf) {
+        dev::cert_and_key(&self.dir, name)
+    }
+
+    /// The flags that start service `name` with its certificate.
+    pub fn service_args(&self, name: &str) -> Vec<String> {
+        let (cert, key) = self.cert_and_key(name);
+        vec![
+            "--tls-cert".into(),
+            cert.display().to_string(),
+            "--tls-key".into(),
+            key.display().to_string(),
+            "--tls-ca".into(),
+            self.ca().display().to_string(),
+        ]
+    }
+
+    /// The transport of a client that presents `name`'s certificate (none
+    /// with `None`) and trusts the CA.
+    pub fn transport(&self, name: Option<&str>) -> anyhow::Result<Transport> {
+        let files = name.map(|n| self.cert_and_key(n));
+        let identity = files.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+        Ok(Transport::Tls(std::sync::Arc::new(TlsMaterial::load(
+            &self.ca(),
+            identity,
+        )?)))
+    }
+
+    /// The environment that points `provisionctl` at this PKI, with its
+    /// client certificate.
+    pub fn provisionctl_env(&self) -> Vec<(String, String)> {
+        let (cert, key) = self.cert_and_key(dev::CLIENT);
+        vec![
+            ("PROVISIONCTL_TLS_CA".into(), self.ca().display().to_string()),
+            ("PROVISIONCTL_TLS_CERT".into(), cert.display().to_string()),
+            ("PROVISIONCTL_TLS_KEY".into(), key.display().to_string()),
+        ]
+    }
+}
+
+/// Whether `args` (or `env`) already choose the service's transport.
+fn chooses_transport(args: &[String], env: &[(String, String)]) -> bool {
+    args.iter().any(|a| a == "--insecure" || a == "--tls-cert")
+        || env
+            .iter()
+            .any(|(k, _)| k == "PROVISIONING_INSECURE" || k == "PROVISIONING_TLS_CERT")
+}
+
 /// One running service.
 #[derive(Debug)]
 pub struct Service {
     pub name: String,
     pub addr: SocketAddr,
+    /// The PKI the service was started with; `None` in plaintext.
+    pub tls: Option<TestPki>,
     /// Where the service serves Prometheus metrics, when it was started with
     /// `--metrics-listen` (read from `<ready file>.metrics`).
     pub metrics_addr: Option<SocketAddr>,
@@ -65,6 +181,10 @@ impl Service {
 
     /// As [`Service::start`], with extra environment variables (for example
     /// `OTEL_EXPORTER_OTLP_ENDPOINT`, or `PROVISIONING_METRICS_LISTEN`).
+    ///
+    /// Unless `args` or `env` choose the transport themselves, the service
+    /// gets its certificate from the PKI in `dir` ([`TestPki::find`]), or
+    /// `--insecure` when there is none.
     pub async fn start_with_env(
         name: &str,
         dir: &Path,
@@ -80,11 +200,23 @@ impl Service {
             .create(true)
             .append(true)
             .open(dir.join(format!("{name}.log")))?;
+        let (tls, transport_args) = if chooses_transport(args, env) {
+            (None, Vec::new())
+        } else {
+            match TestPki::find(dir) {
+                Some(pki) => {
+                    let args = pki.service_args(name);
+                    (Some(pki), args)
+                }
+                None => (None, vec!["--insecure".to_owned()]),
+            }
+        };
         let mut cmd = Command::new(bin_path(name)?);
         cmd.arg("--listen")
             .arg(listen)
             .arg("--ready-file")
             .arg(&ready_file)
+            .args(&transport_args)
             .args(args)
             .env(
                 "RUST_LOG",
@@ -123,6 +255,7 @@ impl Service {
         Ok(Self {
             name: name.to_owned(),
             addr,
+            tls,
             metrics_addr,
             child,
             args: args.to_vec(),
@@ -132,8 +265,25 @@ impl Service {
         })
     }
 
+    /// `https://` with TLS, `http://` in plaintext.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// An endpoint for this service that, with TLS, trusts the cluster's CA
+    /// and presents `as_name`'s certificate (none with `None`).
+    pub fn endpoint(&self, as_name: Option<&str>) -> anyhow::Result<Endpoint> {
+        let transport = match &self.tls {
+            Some(pki) => pki.transport(as_name)?,
+            None => Transport::Insecure,
+        };
+        Ok(transport.endpoint(&self.url())?)
+    }
+
+    /// A connection to this service as `as_name` (see [`Service::endpoint`]).
+    pub async fn channel(&self, as_name: Option<&str>) -> anyhow::Result<Channel> {
+        Ok(self.endpoint(as_name)?.connect().await?)
     }
 
     /// The file the service's stderr (its logs) goes to.
@@ -236,6 +386,8 @@ pub struct Cluster {
     pub decider: Service,
     pub executor: Service,
     pub driver: Service,
+    /// The cluster's PKI; `None` when it runs in plaintext.
+    pub tls: Option<TestPki>,
 }
 
 /// Knobs for a test cluster.
@@ -243,7 +395,9 @@ pub struct Cluster {
 pub struct ClusterOptions {
     pub executor_args: Vec<String>,
     pub driver_args: Vec<String>,
-    /// Put the driver's executor link through this address instead (a proxy).
+    /// Put the driver's executor link through this address instead (a
+    /// proxy): `host:port`, or a URL whose scheme the cluster's transport
+    /// sets (an `http://` one becomes `https://` with TLS).
     pub executor_via: Option<String>,
     /// Environment variables every service gets (for example the `OTEL_*`
     /// variables, or `PROVISIONING_METRICS_LISTEN`).
@@ -251,6 +405,9 @@ pub struct ClusterOptions {
     /// Environment variables of one service: `(service, key, value)`; they
     /// win over `env`.
     pub service_env: Vec<(String, String, String)>,
+    /// TLS between everything (the default), or plaintext with `--insecure`
+    /// everywhere ([`ClusterOptions::insecure`]).
+    pub tls: bool,
 }
 
 impl Default for ClusterOptions {
@@ -273,13 +430,19 @@ impl Default for ClusterOptions {
                 "20".into(),
                 "--safety-tick-ms".into(),
                 "2000".into(),
+                // Tests that check authentication give --tokens-file instead
+                // (`ClusterOptions::tokens_file`).
+                ALLOW_UNAUTHENTICATED.into(),
             ],
             executor_via: None,
             env: Vec::new(),
             service_env: Vec::new(),
+            tls: true,
         }
     }
 }
+
+const ALLOW_UNAUTHENTICATED: &str = "--allow-unauthenticated";
 
 fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
     match args.iter().position(|a| a == flag) {
@@ -292,6 +455,12 @@ fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
 }
 
 impl ClusterOptions {
+    /// Every service in plaintext (`--insecure`), clients too.
+    pub fn insecure(mut self) -> Self {
+        self.tls = false;
+        self
+    }
+
     /// Sets (or replaces) an executor flag.
     pub fn executor(mut self, flag: &str, value: &str) -> Self {
         set_flag(&mut self.executor_args, flag, value);
@@ -301,6 +470,14 @@ impl ClusterOptions {
     /// Sets (or replaces) a driver flag.
     pub fn driver(mut self, flag: &str, value: &str) -> Self {
         set_flag(&mut self.driver_args, flag, value);
+        self
+    }
+
+    /// The driver authenticates its callers with the tokens in `path`
+    /// (instead of `--allow-unauthenticated`).
+    pub fn tokens_file(mut self, path: &Path) -> Self {
+        self.driver_args.retain(|a| a != ALLOW_UNAUTHENTICATED);
+        set_flag(&mut self.driver_args, "--tokens-file", &path.display().to_string());
         self
     }
 
@@ -344,6 +521,11 @@ impl Cluster {
     /// a killed executor are re-parented to the test and reaped.
     pub async fn start_in(dir: tempfile::TempDir, opts: ClusterOptions) -> anyhow::Result<Self> {
         become_subreaper()?;
+        let tls = if opts.tls {
+            Some(TestPki::create(dir.path())?)
+        } else {
+            None
+        };
         let env = |service: &str| opts.env_of(service);
         let decider =
             Service::start_with_env("decider-svc", dir.path(), "127.0.0.1:0", &[], &env("decider-svc"))
@@ -363,7 +545,14 @@ impl Cluster {
             &env("executor-svc"),
         )
         .await?;
-        let executor_url = opts.executor_via.clone().unwrap_or_else(|| executor.url());
+        let executor_url = match &opts.executor_via {
+            Some(via) => {
+                let bare = via.split_once("://").map_or(via.as_str(), |(_, rest)| rest);
+                let scheme = if tls.is_some() { "https" } else { "http" };
+                format!("{scheme}://{bare}")
+            }
+            None => executor.url(),
+        };
         let data_dir = dir.path().join("driver-data").display().to_string();
         let mut args = vec![
             "--decider".into(),
@@ -382,15 +571,36 @@ impl Cluster {
             decider,
             executor,
             driver,
+            tls,
         })
     }
 
     pub async fn client(&self) -> anyhow::Result<ProvisioningClient<Channel>> {
-        Ok(ProvisioningClient::connect(self.driver.url()).await?)
+        Ok(ProvisioningClient::new(self.channel().await?))
     }
 
+    /// A connection to the driver's public API (for clients with their own
+    /// layers, such as a bearer token); with TLS it presents `provisionctl`'s
+    /// certificate.
+    pub async fn channel(&self) -> anyhow::Result<Channel> {
+        self.driver.channel(Some(dev::CLIENT)).await
+    }
+
+    /// A client of the executor that, with TLS, presents the driver's
+    /// certificate (the only identity the executor lets through).
     pub async fn executor_client(&self) -> anyhow::Result<ExecutorClient<Channel>> {
-        Ok(ExecutorClient::connect(self.executor.url()).await?)
+        Ok(ExecutorClient::new(
+            self.executor.channel(Some(contract::tls::DRIVER)).await?,
+        ))
+    }
+
+    /// The environment `provisionctl` needs to reach this cluster's driver:
+    /// the PKI with its client certificate, or `--insecure`.
+    pub fn provisionctl_env(&self) -> Vec<(String, String)> {
+        match &self.tls {
+            Some(pki) => pki.provisionctl_env(),
+            None => vec![("PROVISIONCTL_INSECURE".into(), "true".into())],
+        }
     }
 
     /// Every live resource the executor reports.

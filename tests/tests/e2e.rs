@@ -455,11 +455,9 @@ async fn every_service_answers_health_and_reflection() {
         (&cluster.executor, "provisioning.v1.Executor"),
         (&cluster.driver, "provisioning.v1.Provisioning"),
     ] {
-        let ch = tonic::transport::Endpoint::from_shared(svc.url())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+        // As the driver: the decider and the executor answer reflection
+        // only to it (health checks, to any certificate from the CA).
+        let ch = svc.channel(Some(contract::tls::DRIVER)).await.unwrap();
         let mut health = HealthClient::new(ch.clone());
         let r = health
             .check(HealthCheckRequest { service: name.into() })
@@ -533,4 +531,30 @@ async fn a_driver_restart_loses_no_accepted_work() {
             "{slot}: resources of other attempts"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_driver_while_a_client_still_watches() {
+    let mut cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
+    let mut c = cluster.client().await.unwrap();
+    apply(&mut c, &groups(2, 1, "img:1")).await;
+    converged(&cluster, &mut c, 1).await;
+    // A watcher that never hangs up.
+    let mut watch = c
+        .watch_run(pb::WatchRunRequest {
+            run_id: "e2e".into(),
+            include_nodes: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(watch.message().await.unwrap().is_some());
+    let status = cluster.driver.terminate().await.expect("the driver did not stop");
+    assert!(status.success(), "{status}");
+    // The watch ended with the driver rather than hanging.
+    let end = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Ok(Some(_)) = watch.message().await {}
+    })
+    .await;
+    assert!(end.is_ok(), "the watch stream outlived the driver");
 }

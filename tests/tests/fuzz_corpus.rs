@@ -189,10 +189,10 @@ fn example_shapes() -> anyhow::Result<Vec<(String, pb::ClusterShape)>> {
 /// `ctrl` and `workers`.
 fn nodes(shape: &ClusterShape) -> anyhow::Result<Vec<ManagedNode>> {
     let template = |g: &str| -> anyhow::Result<Arc<NodeTemplate>> {
-        Ok(shape
+        shape
             .group(&GroupId::parse("id", g)?)
             .map(|g| Arc::clone(&g.template))
-            .ok_or_else(|| anyhow::anyhow!("no group {g}"))?)
+            .ok_or_else(|| anyhow::anyhow!("no group {g}"))
     };
     let ctrl = template("ctrl")?;
     let workers = template("workers")?;
@@ -698,7 +698,8 @@ fn the_decide_seed_reaches_every_kind_of_decision() -> TestResult {
         .iter()
         .map(|n| decider::decide_node(&view, n, UnixMillis::new(NOW)).action)
         .collect();
-    let kinds: [(&str, fn(&Action) -> bool); 6] = [
+    type Is = fn(&Action) -> bool;
+    let kinds: [(&str, Is); 6] = [
         ("dispatch", |a| matches!(a, Action::Dispatch(_))),
         ("wait", |a| matches!(a, Action::Wait { .. })),
         ("restart", |a| matches!(a, Action::Restart)),

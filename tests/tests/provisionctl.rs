@@ -52,6 +52,8 @@ struct Ctl {
     bin: PathBuf,
     server: String,
     dir: PathBuf,
+    /// TLS settings for the cluster (`PROVISIONCTL_TLS_*`).
+    env: Vec<(String, String)>,
 }
 
 impl Ctl {
@@ -60,6 +62,7 @@ impl Ctl {
             bin: bin_path("provisionctl").unwrap(),
             server: cluster.driver.url(),
             dir: cluster.dir.path().to_path_buf(),
+            env: cluster.provisionctl_env(),
         }
     }
 
@@ -71,6 +74,7 @@ impl Ctl {
         let mut cmd = tokio::process::Command::new(&self.bin);
         cmd.args(args)
             .env("PROVISIONCTL_SERVER", &self.server)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(if stdin.is_some() {
                 Stdio::piped()
             } else {
@@ -445,6 +449,7 @@ async fn explain_watch_and_their_exit_codes() {
     // Ctrl-C ends a watch with 130.
     let mut child = tokio::process::Command::new(&ctl.bin)
         .args(["--server", &ctl.server, "watch", "broken"])
+        .envs(ctl.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -529,6 +534,7 @@ async fn watch_redraws_in_place_on_a_terminal() {
         );
         let mut c = tokio::process::Command::new("script");
         c.args(["-qec", &cmd, "/dev/null"])
+            .envs(ctl.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -785,7 +791,7 @@ async fn completions_help_and_an_unreachable_server() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let (code, _, err) = run(&["--server", &addr.to_string(), "list"]);
+    let (code, _, err) = run(&["--server", &addr.to_string(), "--insecure", "list"]);
     assert_eq!(code, 4, "{err}");
     assert!(
         err.contains("cannot reach the server") && err.contains("PROVISIONCTL_SERVER"),

@@ -18,15 +18,22 @@ use super::{error::EXIT_CODES_HELP, render::Output};
     after_help = EXIT_CODES_HELP,
 )]
 pub struct Cli {
-    /// The driver's address.
+    /// The driver's address: `host:port` (https, or http with --insecure),
+    /// or a URL with the matching scheme.
     #[arg(
         long,
         global = true,
         env = "PROVISIONCTL_SERVER",
-        default_value = "http://127.0.0.1:7000",
+        default_value = "127.0.0.1:7000",
         value_name = "URL"
     )]
     pub server: String,
+    #[command(flatten)]
+    pub tls: super::tls::TlsClientArgs,
+    /// A file holding the bearer token to call the server with (the token
+    /// may instead be in PROVISIONCTL_TOKEN; `token new` makes one).
+    #[arg(long, global = true, env = "PROVISIONCTL_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -154,11 +161,60 @@ pub enum Command {
         #[command(flatten)]
         output: OutputArg,
     },
+    /// Make bearer tokens for the driver's tokens file (no server involved).
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// Write a development CA and certificates for the three services and for
+    /// provisionctl (no server involved).
+    ///
+    /// `provisionctl certs --out certs/` writes `ca.pem`, and `<name>.pem`
+    /// with `<name>.key` (owner-only) for decider-svc, executor-svc,
+    /// driver-svc and provisionctl. Each certificate's identity is the URI
+    /// `spiffe://provisioning/<name>`; the services' are valid for --host.
+    Certs {
+        /// The directory to write into (created if missing; files in it are replaced).
+        #[arg(long, value_name = "DIR")]
+        out: std::path::PathBuf,
+        /// A host name or IP address the services' certificates are valid
+        /// for (repeat for several).
+        #[arg(long = "host", value_name = "HOST", default_values_t = contract::tls::dev::DEFAULT_HOSTS.map(String::from))]
+        hosts: Vec<String>,
+        /// How long the certificates are valid, in days.
+        #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=3650))]
+        days: u32,
+    },
     /// Print a shell completion script: `provisionctl completions bash > /etc/bash_completion.d/provisionctl`.
     Completions {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum TokenCommand {
+    /// Make a fresh random token: its tokens-file entry (name, SHA-256,
+    /// access, runs) goes to standard output, the token itself to --save
+    /// (or, without it, to standard error, shown once).
+    ///
+    /// `provisionctl token new ci --access write --save ci.token >> tokens.yaml`
+    New {
+        /// The token holder's name (in the driver's logs and limits).
+        name: String,
+        /// `read`: get, list, watch, explain, plan, orphans; `write`: those
+        /// and apply, delete, pause, resume, abandon.
+        #[arg(long, value_enum)]
+        access: crate::auth::Access,
+        /// Limit the token to this run (repeat for several); without it,
+        /// every run.
+        #[arg(long = "run", value_name = "RUN")]
+        runs: Vec<String>,
+        /// Write the token to this new file (mode 600; never overwritten).
+        #[arg(long, value_name = "PATH")]
+        save: Option<std::path::PathBuf>,
+    },
+    /// Print the SHA-256 (hex) of the token on standard input, as the
+    /// tokens file keeps it.
+    Hash,
 }
 
 /// A duration: a number of seconds, or a number with `ms`, `s`, `m` or `h`.

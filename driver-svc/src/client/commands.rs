@@ -13,7 +13,7 @@ use contract::{
 };
 use serde_json::json;
 use tokio::time::Instant;
-use tonic::{Code, transport::Channel};
+use tonic::{Code, service::interceptor::InterceptedService, transport::Channel};
 
 use super::{
     cli::{Cli, Command, FollowArgs},
@@ -21,19 +21,31 @@ use super::{
     explain, plan,
     render::{self, Output},
     text,
+    token::BearerToken,
     watch::{Failing, NODE_DETAIL_LIMIT, Painter, is_failing},
 };
 use crate::shapefile::{self, Format, ShapeFile, ShapeFileError};
 
-type Client = ProvisioningClient<Channel>;
+type Client = ProvisioningClient<InterceptedService<Channel, BearerToken>>;
 
 /// The live view's fastest redraw.
 const LIVE_REDRAW: Duration = Duration::from_millis(100);
 
 /// Runs one command line; the `Exit` is the process's exit code.
 pub async fn run(cli: Cli) -> Result<Exit, CliError> {
-    let server = normalize_server(&cli.server);
-    let ctx = Ctx { server };
+    if let Command::Certs { out, hosts, days } = &cli.command {
+        return super::tls::write_certs(out, hosts, *days);
+    }
+    let server = cli.server.clone();
+    if let Command::Token(cmd) = cli.command {
+        return super::token::run(cmd);
+    }
+    let token = BearerToken::from_args(cli.token_file.as_deref())?;
+    let ctx = Ctx {
+        server,
+        token,
+        tls: cli.tls.clone(),
+    };
     match cli.command {
         Command::Apply {
             file,
@@ -93,6 +105,9 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
             output,
         } => ctx.abandon(&run, &node, yes, output.output).await,
         Command::Orphans { output } => ctx.orphans(output.output).await,
+        // Answered above, without a server.
+        Command::Token(cmd) => super::token::run(cmd),
+        Command::Certs { out, hosts, days } => super::tls::write_certs(&out, &hosts, days),
         Command::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             let mut buf = Vec::new();
@@ -100,15 +115,6 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
             write_bytes(&buf)?;
             Ok(Exit::Success)
         }
-    }
-}
-
-/// `host:port` means `http://host:port`: the scheme is what users forget.
-fn normalize_server(s: &str) -> String {
-    if s.contains("://") {
-        s.to_owned()
-    } else {
-        format!("http://{s}")
     }
 }
 
@@ -290,6 +296,10 @@ fn refusal(r: &Refusal<'_>) -> CliError {
 #[derive(Debug)]
 struct Ctx {
     server: String,
+    /// Sent on every call (see `client::token`).
+    token: BearerToken,
+    /// TLS or plaintext, resolved when a command first calls the server.
+    tls: super::tls::TlsClientArgs,
 }
 
 impl Ctx {
@@ -301,8 +311,13 @@ impl Ctx {
                 self.server
             ),
         };
-        let endpoint = tonic::transport::Endpoint::from_shared(self.server.clone())
-            .map_err(|e| CliError::Other(format!("{:?} is not a server address: {e}", self.server)))?
+        // `host:port` gets the transport's scheme (https, or http with
+        // --insecure); a URL must carry the matching one.
+        let endpoint = self
+            .tls
+            .transport()?
+            .endpoint(&self.server)
+            .map_err(super::tls::tls_error)?
             .connect_timeout(Duration::from_secs(5));
         let channel = endpoint.connect().await.map_err(|e| {
             let mut reason = e.to_string();
@@ -313,7 +328,7 @@ impl Ctx {
             }
             unreachable(reason)
         })?;
-        Ok(ProvisioningClient::new(channel))
+        Ok(ProvisioningClient::with_interceptor(channel, self.token.clone()))
     }
 
     fn status_error(&self, s: &tonic::Status, doing: Doing<'_>) -> CliError {
@@ -1051,12 +1066,6 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
     use super::*;
-
-    #[test]
-    fn servers_without_a_scheme_get_http() {
-        assert_eq!(normalize_server("127.0.0.1:7000"), "http://127.0.0.1:7000");
-        assert_eq!(normalize_server("https://x:1"), "https://x:1");
-    }
 
     #[test]
     fn redacted_comparison_ignores_the_generation_and_sees_changes() {

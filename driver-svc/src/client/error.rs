@@ -160,11 +160,25 @@ pub fn from_status(status: &tonic::Status, doing: Doing<'_>, server: &str) -> Cl
         Code::FailedPrecondition => CliError::refused(format!("the server refused to {doing}: {msg}"), None),
         Code::ResourceExhausted => CliError::refused(
             format!("the server is too busy to {doing} right now: {msg}"),
-            Some("try again in a little while".to_owned()),
+            Some(
+                match status
+                    .metadata()
+                    .get("grpc-retry-pushback-ms")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok())
+                {
+                    Some(ms) => format!("the server asks to try again in {ms} ms"),
+                    None => "try again in a little while".to_owned(),
+                },
+            ),
         ),
         Code::Unauthenticated => CliError::refused(
             format!("the server at {server} did not accept our credentials: {msg}"),
-            None,
+            Some(
+                "give a token with --token-file PATH or PROVISIONCTL_TOKEN (the driver's operator makes \
+                 one with `provisionctl token new`)"
+                    .to_owned(),
+            ),
         ),
         Code::PermissionDenied => {
             CliError::refused(format!("you are not allowed to {doing} on {server}: {msg}"), None)

@@ -204,6 +204,9 @@ pub fn explain_text(run: &str, e: &pb::NodeExplanation) -> Vec<String> {
         }
         None => out.push("now: no rule (the server gave no decision)".to_owned()),
     }
+    if !e.executor_note.is_empty() {
+        out.push(format!("executor: {}", e.executor_note));
+    }
     if let Some(last) = &node.last_decision {
         out.push(format!(
             "last pass: {}: {}",
@@ -232,6 +235,9 @@ pub fn explain_json(run: &str, e: &pb::NodeExplanation) -> Value {
             r
         });
         m.insert("rule_now".into(), rule.unwrap_or(Value::Null));
+        if !e.executor_note.is_empty() {
+            m.insert("executor_note".into(), json!(e.executor_note));
+        }
     }
     v
 }
@@ -265,6 +271,7 @@ mod tests {
                 until_ms: 40_000,
             }),
             now_ms: 10_000,
+            executor_note: "waiting for the provider budget: 4 calls in flight, cap 4".into(),
         }
     }
 
@@ -276,6 +283,10 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("new, attempt 7"), "{text}");
+        assert!(
+            text.contains("executor: waiting for the provider budget: 4 calls in flight, cap 4"),
+            "{text}"
+        );
         assert!(
             text.contains("create-lease (operation 7.2), sent 1.0s ago, deadline in 30.0s"),
             "{text}"

@@ -7,6 +7,9 @@
 //! [`watch`] (the live view and its plain form), with [`names`] for the
 //! words and [`text`] for layout. [`error`] turns every failure into a
 //! sentence about the user's problem and an exit code from one table.
+//! [`token`] is the bearer token sent on every call and the `token`
+//! commands that make one. [`tls`] is how the client reaches the driver (TLS,
+//! or plaintext with `--insecure`) and the `certs` command.
 //!
 //! The client never prints a secret: shapes it shows come redacted from the
 //! server (and are redacted again here), and a local file is only ever echoed
@@ -20,4 +23,6 @@ pub mod names;
 pub mod plan;
 pub mod render;
 pub mod text;
+pub mod tls;
+pub mod token;
 pub mod watch;

@@ -606,7 +606,13 @@ async fn bench_throughput(t: &mut Table, n: u64) -> anyhow::Result<()> {
         String::new(),
     );
 
-    let cluster = Cluster::start(ClusterOptions::default().executor("--fake-latency-ms", "0,0")).await?;
+    // Plaintext, like the echo it is compared with.
+    let cluster = Cluster::start(
+        ClusterOptions::default()
+            .insecure()
+            .executor("--fake-latency-ms", "0,0"),
+    )
+    .await?;
     let real = link_rate(cluster.executor.url(), n, true).await?;
     t.add(
         "throughput",

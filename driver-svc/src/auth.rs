@@ -1,0 +1,816 @@
+//! Who may call the public API, and what they may do.
+//!
+//! **Authentication** is one tower layer, [`AuthLayer`], around the
+//! `Provisioning` service only (health checks and reflection stay open): it
+//! reads the `authorization: Bearer <token>` metadata, hashes the token
+//! (SHA-256) and looks the hash up among the operator's tokens, comparing in
+//! constant time. Without a token, a client certificate (TLS) whose identity
+//! (`spiffe://provisioning/<name>`, see `contract::tls`) an entry names
+//! authenticates the call instead. A call that neither authenticates is
+//! answered `UNAUTHENTICATED` there and never reaches a handler; an accepted
+//! one carries its [`Principal`] in the request's extensions.
+//!
+//! **Authorization** is per method and per run, in the handlers (`api.rs`),
+//! through [`principal`] and [`Principal::require_run`]: a token grants `read`
+//! (`GetRun`, `ListRuns`, `WatchRun`, `ExplainNode`, `Plan`, `ListOrphans`)
+//! or `write` (those, and `Apply`, `DeleteRun`, `PauseRun`, `ResumeRun`,
+//! `AbandonNode`), optionally only for named runs. A call beyond its grant is
+//! answered `PERMISSION_DENIED` before it touches anything; lists show only
+//! the runs a token may read.
+//!
+//! The tokens file (`--tokens-file`) is a YAML (or JSON) list of entries
+//! `{name, sha256 | client_cert, access, runs}`; it holds hashes, never
+//! tokens.
+//! `provisionctl token new` makes a token and its entry. SIGHUP reloads the
+//! file; a file that does not load keeps the tokens already loaded.
+//!
+//! Without a tokens file the driver starts only with
+//! `--allow-unauthenticated`, and then every caller is the anonymous
+//! principal with write access to every run.
+
+use std::{
+    collections::BTreeSet,
+    convert::Infallible,
+    fmt,
+    path::{Path, PathBuf},
+    sync::{Arc, RwLock},
+    task::{Context, Poll},
+};
+
+use contract::metrics::{Counter, global};
+use futures::future::{BoxFuture, FutureExt as _};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+use tonic::{
+    Status,
+    body::Body,
+    server::NamedService,
+    transport::server::{TcpConnectInfo, TlsConnectInfo},
+};
+use tower::{Layer, Service};
+
+/// What a token may do. `Write` includes `Read`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Access {
+    Read,
+    Write,
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Access::Read => "read",
+            Access::Write => "write",
+        })
+    }
+}
+
+/// One entry of the tokens file: a token (by its hash) or a client
+/// certificate (by its identity), and what it may do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenEntry {
+    /// Who holds the token (logs and per-client limits use it).
+    pub name: String,
+    /// SHA-256 of the token, 64 hexadecimal digits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    /// Instead of a token: the identity of a client certificate, a name
+    /// (`ops` is `spiffe://provisioning/ops`) or the whole URI.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert: Option<String>,
+    pub access: Access,
+    /// Only these runs; absent: every run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runs: Option<Vec<String>>,
+}
+
+/// A tokens file that cannot be used, said in terms of the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TokensFileError {
+    #[error("cannot read the tokens file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the tokens file {path} is not a list of token entries: {reason}")]
+    Syntax { path: PathBuf, reason: String },
+    #[error("the tokens file {path}, entry {index} ({name:?}): {problem}")]
+    Entry {
+        path: PathBuf,
+        index: usize,
+        name: String,
+        problem: String,
+    },
+}
+
+/// The tokens the driver accepts, as loaded from the file.
+#[derive(Debug, Clone, Default)]
+pub struct TokenSet {
+    entries: Vec<Loaded>,
+}
+
+#[derive(Debug, Clone)]
+struct Loaded {
+    credential: Credential,
+    principal: Principal,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Credential {
+    /// A bearer token's SHA-256.
+    Token([u8; 32]),
+    /// A client certificate's identity URI.
+    Certificate(String),
+}
+
+impl TokenSet {
+    /// Parses a tokens file's text; `path` only names it in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, TokensFileError> {
+        let entries: Option<Vec<TokenEntry>> =
+            serde_yaml::from_str(text).map_err(|e| TokensFileError::Syntax {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })?;
+        let mut out = Vec::new();
+        let mut names = BTreeSet::new();
+        let mut hashes = BTreeSet::new();
+        let mut certs = BTreeSet::new();
+        for (index, e) in entries.unwrap_or_default().into_iter().enumerate() {
+            let bad = |problem: String| TokensFileError::Entry {
+                path: path.to_owned(),
+                index,
+                name: e.name.clone(),
+                problem,
+            };
+            if e.name.trim().is_empty() {
+                return Err(bad("name must not be empty".into()));
+            }
+            if !names.insert(e.name.clone()) {
+                return Err(bad("name is a duplicate".into()));
+            }
+            let credential = match (&e.sha256, &e.client_cert) {
+                (Some(sha256), None) => {
+                    let hash = parse_hash(sha256).ok_or_else(|| {
+                        bad("sha256 must be 64 hexadecimal digits (the token's SHA-256)".into())
+                    })?;
+                    if !hashes.insert(hash) {
+                        return Err(bad("sha256 is the same as another entry's".into()));
+                    }
+                    Credential::Token(hash)
+                }
+                (None, Some(cert)) if !cert.trim().is_empty() => {
+                    let identity = contract::tls::identity_of(cert.trim());
+                    if !certs.insert(identity.clone()) {
+                        return Err(bad("client_cert is the same as another entry's".into()));
+                    }
+                    Credential::Certificate(identity)
+                }
+                _ => {
+                    return Err(bad(
+                        "give exactly one of sha256 (a token's hash) or client_cert (a certificate's \
+                         identity)"
+                            .into(),
+                    ));
+                }
+            };
+            let runs = match &e.runs {
+                None => None,
+                Some(runs) => {
+                    let mut set = BTreeSet::new();
+                    for r in runs {
+                        contract::RunId::parse("runs", r).map_err(|f| bad(f.to_string()))?;
+                        set.insert(r.clone());
+                    }
+                    Some(Arc::new(set))
+                }
+            };
+            out.push(Loaded {
+                credential,
+                principal: Principal {
+                    name: Some(Arc::from(e.name.as_str())),
+                    access: e.access,
+                    runs,
+                },
+            });
+        }
+        Ok(Self { entries: out })
+    }
+
+    /// Reads and parses the file at `path`.
+    pub fn load(path: &Path) -> Result<Self, TokensFileError> {
+        let text = std::fs::read_to_string(path).map_err(|source| TokensFileError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(path, &text)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The principal whose token is `token`. Every entry is compared, in
+    /// constant time, so the time taken says nothing about which (if any)
+    /// matched.
+    pub fn find(&self, token: &str) -> Option<&Principal> {
+        let hash = hash_token(token);
+        let mut found = None;
+        for e in &self.entries {
+            if let Credential::Token(h) = &e.credential
+                && constant_time_eq(h, &hash)
+            {
+                found = Some(&e.principal);
+            }
+        }
+        found
+    }
+
+    /// The principal of the first entry naming one of a client
+    /// certificate's `identities`.
+    pub fn find_certificate(&self, identities: &[String]) -> Option<&Principal> {
+        self.entries.iter().find_map(|e| match &e.credential {
+            Credential::Certificate(id) if identities.contains(id) => Some(&e.principal),
+            _ => None,
+        })
+    }
+}
+
+/// SHA-256 of a token, as the tokens file keeps it.
+pub fn hash_token(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+/// `hash` as 64 lowercase hexadecimal digits.
+pub fn to_hex(hash: &[u8; 32]) -> String {
+    hash.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn parse_hash(s: &str) -> Option<[u8; 32]> {
+    let s = s.trim();
+    if s.len() != 64 || !s.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Whether `a == b`, in time that does not depend on where they differ.
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// A fresh random token: `prov_` and 64 hexadecimal digits (256 bits from
+/// the operating system's generator).
+pub fn new_token() -> Result<String, getrandom::Error> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes)?;
+    Ok(format!("prov_{}", to_hex(&bytes)))
+}
+
+/// The tokens-file entry for `token`.
+pub fn entry_for(name: &str, token: &str, access: Access, runs: Option<Vec<String>>) -> TokenEntry {
+    TokenEntry {
+        name: name.to_owned(),
+        sha256: Some(to_hex(&hash_token(token))),
+        client_cert: None,
+        access,
+        runs,
+    }
+}
+
+/// Who made a call: a token's holder, or the anonymous caller of a driver
+/// started with `--allow-unauthenticated`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    /// The token's name; `None` for the anonymous caller.
+    name: Option<Arc<str>>,
+    access: Access,
+    /// Only these runs; `None`: every run.
+    runs: Option<Arc<BTreeSet<String>>>,
+}
+
+impl Principal {
+    /// The caller of a driver without authentication: writes every run.
+    pub fn anonymous() -> Self {
+        Self {
+            name: None,
+            access: Access::Write,
+            runs: None,
+        }
+    }
+
+    /// The token's name, or `None` when calls are not authenticated.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn who(&self) -> String {
+        match &self.name {
+            Some(n) => format!("token {n:?}"),
+            None => "an unauthenticated caller".to_owned(),
+        }
+    }
+
+    /// `PERMISSION_DENIED` unless the principal has `need` for `method`.
+    pub fn require(&self, need: Access, method: &str) -> Result<(), Status> {
+        if self.access >= need {
+            Ok(())
+        } else {
+            Err(denied(format!(
+                "{} has {} access; {method} needs {need} access",
+                self.who(),
+                self.access
+            )))
+        }
+    }
+
+    /// `PERMISSION_DENIED` unless the principal may act on `run`.
+    pub fn require_run(&self, run: &str) -> Result<(), Status> {
+        if self.may_see(run) {
+            Ok(())
+        } else {
+            let allowed: Vec<&str> = self.runs.iter().flat_map(|r| r.iter().map(String::as_str)).collect();
+            Err(denied(format!(
+                "{} is limited to runs [{}]; run {run:?} is not one of them",
+                self.who(),
+                allowed.join(", ")
+            )))
+        }
+    }
+
+    /// Whether the principal may read `run` (lists show only those).
+    pub fn may_see(&self, run: &str) -> bool {
+        self.runs.as_ref().is_none_or(|r| r.contains(run))
+    }
+}
+
+fn denied(message: String) -> Status {
+    refusals().inc(&["permission_denied"]);
+    Status::permission_denied(message)
+}
+
+/// The caller of `req`, checked for `need` on `method`: what the handlers
+/// call first. `UNAUTHENTICATED` if the request did not come through the
+/// [`AuthLayer`] (the API is never served without it).
+pub fn principal<T>(req: &tonic::Request<T>, need: Access, method: &str) -> Result<Principal, Status> {
+    let p = req
+        .extensions()
+        .get::<Principal>()
+        .cloned()
+        .ok_or_else(|| Status::unauthenticated("the call was not authenticated"))?;
+    p.require(need, method)?;
+    Ok(p)
+}
+
+/// Public API calls refused before they were served, by reason (the limits
+/// layer counts its own refusals in the same family).
+pub(crate) fn refusals() -> Counter {
+    global().counter(
+        "provisioning_api_refused_total",
+        "Public API calls refused, by reason: unauthenticated, permission_denied, overloaded, \
+         rate_limited, watch_limit, deadline, too_large.",
+        &["reason"],
+    )
+}
+
+/// The driver's authentication flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AuthArgs {
+    /// The tokens file: a YAML (or JSON) list of `{name, sha256, access:
+    /// read|write, runs: [..]}` entries (`provisionctl token new` makes one).
+    /// Every public API call must then carry one of its tokens. SIGHUP
+    /// reloads it.
+    #[arg(long, env = "DRIVER_TOKENS_FILE", value_name = "PATH")]
+    pub tokens_file: Option<PathBuf>,
+    /// Serve the public API without authentication: anyone who can reach
+    /// the port may change any run. Required when there is no --tokens-file.
+    #[arg(long, env = "DRIVER_ALLOW_UNAUTHENTICATED", conflicts_with = "tokens_file")]
+    pub allow_unauthenticated: bool,
+}
+
+/// Why the driver cannot set up authentication.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthSetupError {
+    #[error(
+        "refusing to serve the public API without authentication: give --tokens-file PATH \
+         (`provisionctl token new` makes a token and its entry), or --allow-unauthenticated to let \
+         anyone who reaches the port change any run"
+    )]
+    NoTokens,
+    #[error(transparent)]
+    TokensFile(#[from] TokensFileError),
+}
+
+impl AuthArgs {
+    /// The authenticator these flags ask for (with SIGHUP reloads of a
+    /// tokens file), or why there is none. Call it inside the runtime.
+    pub fn authenticator(&self) -> Result<Arc<Authenticator>, AuthSetupError> {
+        match (&self.tokens_file, self.allow_unauthenticated) {
+            (Some(path), _) => {
+                let auth = Authenticator::from_file(path)?;
+                auth.reload_on_sighup();
+                Ok(auth)
+            }
+            (None, true) => {
+                tracing::warn!(
+                    "--allow-unauthenticated: the public API accepts every caller, with write access to \
+                     every run"
+                );
+                Ok(Authenticator::open())
+            }
+            (None, false) => Err(AuthSetupError::NoTokens),
+        }
+    }
+}
+
+/// How the driver authenticates callers.
+#[derive(Debug)]
+pub struct Authenticator {
+    mode: Mode,
+}
+
+#[derive(Debug)]
+enum Mode {
+    /// `--allow-unauthenticated`: every caller is [`Principal::anonymous`].
+    Open,
+    Tokens { path: PathBuf, set: RwLock<Arc<TokenSet>> },
+}
+
+impl Authenticator {
+    /// Every caller is anonymous with write access (`--allow-unauthenticated`).
+    pub fn open() -> Arc<Self> {
+        Arc::new(Self { mode: Mode::Open })
+    }
+
+    /// Tokens from the file at `path`, loaded now (an unusable file is an error).
+    pub fn from_file(path: &Path) -> Result<Arc<Self>, TokensFileError> {
+        let set = TokenSet::load(path)?;
+        warn_if_writable(path);
+        if set.is_empty() {
+            tracing::warn!(path = %path.display(), "the tokens file has no tokens: every API call will be refused");
+        }
+        tracing::info!(path = %path.display(), tokens = set.len(), "client authentication: bearer tokens");
+        Ok(Arc::new(Self {
+            mode: Mode::Tokens {
+                path: path.to_owned(),
+                set: RwLock::new(Arc::new(set)),
+            },
+        }))
+    }
+
+    /// Tokens from `set` (for tests and embedding); reloads read nothing.
+    pub fn with_tokens(set: TokenSet) -> Arc<Self> {
+        Arc::new(Self {
+            mode: Mode::Tokens {
+                path: PathBuf::new(),
+                set: RwLock::new(Arc::new(set)),
+            },
+        })
+    }
+
+    /// Whether callers must present a token.
+    pub fn requires_tokens(&self) -> bool {
+        matches!(self.mode, Mode::Tokens { .. })
+    }
+
+    /// Reads the tokens file again; on failure the tokens loaded before stay.
+    pub fn reload(&self) -> Result<usize, TokensFileError> {
+        let Mode::Tokens { path, set } = &self.mode else {
+            return Ok(0);
+        };
+        let fresh = TokenSet::load(path)?;
+        let n = fresh.len();
+        if let Ok(mut guard) = set.write() {
+            *guard = Arc::new(fresh);
+        }
+        Ok(n)
+    }
+
+    /// Reloads the tokens file on every SIGHUP, for as long as the process runs.
+    pub fn reload_on_sighup(self: &Arc<Self>) {
+        if !self.requires_tokens() {
+            return;
+        }
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let me = Arc::clone(self);
+            match signal(SignalKind::hangup()) {
+                Ok(mut hup) => {
+                    tokio::spawn(async move {
+                        while hup.recv().await.is_some() {
+                            match me.reload() {
+                                Ok(n) => tracing::info!(tokens = n, "SIGHUP: tokens file reloaded"),
+                                Err(e) => tracing::error!(
+                                    error = %e,
+                                    "SIGHUP: the tokens file was not reloaded; the tokens loaded before stay"
+                                ),
+                            }
+                        }
+                    });
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot listen for SIGHUP: the tokens file is read once"),
+            }
+        }
+    }
+
+    /// The principal the request's metadata (a bearer token) or, without
+    /// one, its client certificate's `peer_identities` prove, or
+    /// `UNAUTHENTICATED` saying what is missing or wrong (never echoing the
+    /// token).
+    pub fn authenticate(&self, headers: &http::HeaderMap, peer_identities: &[String]) -> Result<Principal, Status> {
+        let set = match &self.mode {
+            Mode::Open => return Ok(Principal::anonymous()),
+            Mode::Tokens { set, .. } => set.read().map(|s| Arc::clone(&s)).unwrap_or_default(),
+        };
+        let Some(value) = headers.get(http::header::AUTHORIZATION) else {
+            if let Some(p) = set.find_certificate(peer_identities) {
+                return Ok(p.clone());
+            }
+            let certificate = if peer_identities.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ", and the client certificate's identity ({}) is not one this server accepts",
+                    peer_identities.join(", ")
+                )
+            };
+            return Err(Status::unauthenticated(format!(
+                "no credentials: this server requires a bearer token (metadata `authorization: Bearer \
+                 <token>`; provisionctl takes --token-file or PROVISIONCTL_TOKEN){certificate}"
+            )));
+        };
+        let token = value
+            .to_str()
+            .ok()
+            .and_then(|v| {
+                let (scheme, rest) = v.trim().split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+            })
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                Status::unauthenticated("the authorization metadata is not of the form `Bearer <token>`")
+            })?;
+        set.find(token).cloned().ok_or_else(|| {
+            Status::unauthenticated(
+                "the bearer token is not one this server accepts (mistyped, revoked, or for another server)",
+            )
+        })
+    }
+
+    /// The layer that authenticates every call of the service it wraps.
+    pub fn layer(self: &Arc<Self>) -> AuthLayer {
+        AuthLayer {
+            auth: Arc::clone(self),
+        }
+    }
+}
+
+/// A tokens file others may write lets them add their own token.
+fn warn_if_writable(path: &Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        if let Ok(meta) = std::fs::metadata(path)
+            && meta.permissions().mode() & 0o022 != 0
+        {
+            tracing::warn!(
+                path = %path.display(),
+                mode = format!("{:o}", meta.permissions().mode() & 0o777),
+                "the tokens file is writable by group or others: they could add a token"
+            );
+        }
+    }
+}
+
+/// The identities in the client certificate of the request's connection
+/// (none in plaintext, or when the client presented no certificate).
+fn peer_identities(req: &http::Request<Body>) -> Vec<String> {
+    req.extensions()
+        .get::<TlsConnectInfo<TcpConnectInfo>>()
+        .and_then(TlsConnectInfo::peer_certs)
+        .and_then(|certs| certs.first().map(contract::tls::identities_in))
+        .unwrap_or_default()
+}
+
+/// Authenticates each call; see the module documentation.
+#[derive(Debug, Clone)]
+pub struct AuthLayer {
+    auth: Arc<Authenticator>,
+}
+
+impl<S> Layer<S> for AuthLayer {
+    type Service = Authenticated<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Authenticated {
+            inner,
+            auth: Arc::clone(&self.auth),
+            refused: refusals(),
+        }
+    }
+}
+
+/// See [`AuthLayer`].
+#[derive(Debug, Clone)]
+pub struct Authenticated<S> {
+    inner: S,
+    auth: Arc<Authenticator>,
+    refused: Counter,
+}
+
+impl<S: NamedService> NamedService for Authenticated<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> Service<http::Request<Body>> for Authenticated<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
+        match self.auth.authenticate(req.headers(), &peer_identities(&req)) {
+            Ok(principal) => {
+                req.extensions_mut().insert(principal);
+                // The service that was polled ready is the one called.
+                let clone = self.inner.clone();
+                let mut inner = std::mem::replace(&mut self.inner, clone);
+                inner.call(req).boxed()
+            }
+            Err(status) => {
+                self.refused.inc(&["unauthenticated"]);
+                futures::future::ready(Ok(status.into_http())).boxed()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn file(entries: &[TokenEntry]) -> TokenSet {
+        TokenSet::parse(Path::new("t.yaml"), &serde_yaml::to_string(entries).unwrap()).unwrap()
+    }
+
+    fn bearer(token: &str) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        h.insert(http::header::AUTHORIZATION, format!("Bearer {token}").parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn a_known_token_is_its_principal_and_others_are_refused() {
+        let t1 = new_token().unwrap();
+        let t2 = new_token().unwrap();
+        assert_ne!(t1, t2);
+        let set = file(&[
+            entry_for("ci", &t1, Access::Write, None),
+            entry_for("viewer", &t2, Access::Read, Some(vec!["demo".into()])),
+        ]);
+        let auth = Authenticator::with_tokens(set);
+        let ci = auth.authenticate(&bearer(&t1), &[]).unwrap();
+        assert_eq!(ci.name(), Some("ci"));
+        ci.require(Access::Write, "Apply").unwrap();
+        let viewer = auth.authenticate(&bearer(&t2), &[]).unwrap();
+        assert_eq!(viewer.require(Access::Write, "Apply").unwrap_err().code(), tonic::Code::PermissionDenied);
+        viewer.require(Access::Read, "GetRun").unwrap();
+        viewer.require_run("demo").unwrap();
+        let e = viewer.require_run("other").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(e.message().contains("\"other\"") && e.message().contains("[demo]"), "{}", e.message());
+
+        for headers in [http::HeaderMap::new(), bearer("prov_nope"), bearer("")] {
+            let e = auth.authenticate(&headers, &[]).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Unauthenticated);
+            assert!(!e.message().contains("prov_nope"));
+        }
+        let mut basic = http::HeaderMap::new();
+        basic.insert(http::header::AUTHORIZATION, format!("Basic {t1}").parse().unwrap());
+        assert_eq!(auth.authenticate(&basic, &[]).unwrap_err().code(), tonic::Code::Unauthenticated);
+        // The scheme is case-insensitive, as HTTP has it.
+        let mut lower = http::HeaderMap::new();
+        lower.insert(http::header::AUTHORIZATION, format!("bearer {t1}").parse().unwrap());
+        assert_eq!(auth.authenticate(&lower, &[]).unwrap().name(), Some("ci"));
+    }
+
+    #[test]
+    fn the_file_holds_hashes_and_bad_entries_are_named() {
+        let token = "prov_0123";
+        let entry = entry_for("ci", token, Access::Read, None);
+        assert_eq!(entry.sha256, Some(to_hex(&hash_token(token))));
+        assert!(!serde_yaml::to_string(&[entry.clone()]).unwrap().contains(token));
+        // Known answer: SHA-256("abc").
+        assert_eq!(
+            to_hex(&hash_token("abc")),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+
+        let p = Path::new("tokens.yaml");
+        let cases = [
+            ("- {name: a, sha256: abc, access: read}", "entry 0 (\"a\"): sha256 must be 64"),
+            (
+                "- {name: a, sha256: ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad, access: admin}",
+                "not a list of token entries",
+            ),
+            (
+                "- {name: a, sha256: ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad, access: read, colour: red}",
+                "unknown field",
+            ),
+            (
+                "- {name: a, sha256: ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad, access: read, runs: [Bad_Run]}",
+                "entry 0 (\"a\"): runs",
+            ),
+            (
+                "- {name: a, sha256: ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad, access: read}\n\
+                 - {name: a, sha256: ca7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad, access: read}",
+                "entry 1 (\"a\"): name is a duplicate",
+            ),
+        ];
+        for (text, want) in cases {
+            let e = TokenSet::parse(p, text).unwrap_err().to_string();
+            assert!(e.contains(want), "{text}: {e}");
+            assert!(e.contains("tokens.yaml"), "{e}");
+        }
+        assert!(TokenSet::parse(p, "").unwrap().is_empty());
+        assert!(TokenSet::parse(p, "[]").unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_listed_client_certificate_authenticates_without_a_token() {
+        let token = new_token().unwrap();
+        let text = format!(
+            "- {{name: ops, client_cert: ops, access: read, runs: [demo]}}\n- {}",
+            serde_yaml::to_string(&entry_for("ci", &token, Access::Write, None))
+                .unwrap()
+                .replace('\n', "\n  ")
+                .trim_end()
+        );
+        let auth = Authenticator::with_tokens(TokenSet::parse(Path::new("t.yaml"), &text).unwrap());
+        let ops = ["spiffe://provisioning/ops".to_owned()];
+        let p = auth.authenticate(&http::HeaderMap::new(), &ops).unwrap();
+        assert_eq!(p.name(), Some("ops"));
+        assert!(p.require(Access::Write, "Apply").is_err() && !p.may_see("other"));
+        // A token, when given, is what counts.
+        assert_eq!(auth.authenticate(&bearer(&token), &ops).unwrap().name(), Some("ci"));
+        assert!(auth.authenticate(&bearer("prov_wrong"), &ops).is_err());
+        // A certificate no entry names, or none at all.
+        let e = auth
+            .authenticate(&http::HeaderMap::new(), &["spiffe://provisioning/other".to_owned()])
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(e.message().contains("spiffe://provisioning/other"), "{}", e.message());
+        // One credential per entry.
+        let both = "- {name: x, client_cert: ops, sha256: ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad, access: read}";
+        assert!(TokenSet::parse(Path::new("t.yaml"), both).unwrap_err().to_string().contains("exactly one"));
+    }
+
+    #[test]
+    fn open_mode_makes_everyone_anonymous_with_write_access() {
+        let auth = Authenticator::open();
+        let p = auth.authenticate(&http::HeaderMap::new(), &[]).unwrap();
+        assert_eq!(p, Principal::anonymous());
+        p.require(Access::Write, "Apply").unwrap();
+        assert!(p.may_see("anything"));
+    }
+
+    #[test]
+    fn a_reload_that_fails_keeps_the_tokens_loaded_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens.yaml");
+        let (a, b) = (new_token().unwrap(), new_token().unwrap());
+        std::fs::write(&path, serde_yaml::to_string(&[entry_for("a", &a, Access::Read, None)]).unwrap()).unwrap();
+        let auth = Authenticator::from_file(&path).unwrap();
+        assert!(auth.authenticate(&bearer(&a), &[]).is_ok());
+        std::fs::write(&path, "not: [a list").unwrap();
+        assert!(auth.reload().is_err());
+        assert!(auth.authenticate(&bearer(&a), &[]).is_ok());
+        std::fs::write(&path, serde_yaml::to_string(&[entry_for("b", &b, Access::Read, None)]).unwrap()).unwrap();
+        assert_eq!(auth.reload().unwrap(), 1);
+        assert!(auth.authenticate(&bearer(&a), &[]).is_err());
+        assert_eq!(auth.authenticate(&bearer(&b), &[]).unwrap().name(), Some("b"));
+    }
+}

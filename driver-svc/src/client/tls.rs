@@ -1,0 +1,145 @@
+//! How `provisionctl` reaches the driver (TLS, or plaintext only with
+//! `--insecure`) and the `certs` command that writes a development CA and
+//! certificates.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use contract::tls::{
+    TlsError, TlsMaterial, Transport,
+    dev::{self, Validity},
+};
+
+use super::error::{CliError, Exit};
+
+/// The TLS flags, global to every command that calls the server.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TlsClientArgs {
+    /// The CA bundle (PEM) the driver's certificate is verified against.
+    /// TLS is on when it is given.
+    #[arg(long, global = true, env = "PROVISIONCTL_TLS_CA", value_name = "PEM")]
+    pub tls_ca: Option<PathBuf>,
+    /// A client certificate (PEM) to present to the driver; with --tls-key.
+    #[arg(
+        long,
+        global = true,
+        env = "PROVISIONCTL_TLS_CERT",
+        value_name = "PEM",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(
+        long,
+        global = true,
+        env = "PROVISIONCTL_TLS_KEY",
+        value_name = "PEM",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// Talk to the driver in plaintext (a driver started with --insecure).
+    #[arg(long, global = true, env = "PROVISIONCTL_INSECURE", default_value_t = false)]
+    pub insecure: bool,
+}
+
+impl TlsClientArgs {
+    /// The transport these flags ask for. Neither `--tls-ca` nor
+    /// `--insecure`, or both, is a usage error (exit 2); a file that cannot
+    /// be read or holds no PEM fails the command (exit 1).
+    pub fn transport(&self) -> Result<Transport, CliError> {
+        let usage = |message: &str| -> ! {
+            <super::cli::Cli as clap::CommandFactory>::command()
+                .error(clap::error::ErrorKind::MissingRequiredArgument, message)
+                .exit()
+        };
+        match (&self.tls_ca, self.insecure) {
+            (None, false) => usage(
+                "no TLS settings: give --tls-ca (or PROVISIONCTL_TLS_CA) to reach the driver over TLS, \
+                 or --insecure for a driver that serves plaintext",
+            ),
+            (Some(_), true) => usage("--insecure (plaintext) cannot be combined with --tls-ca: choose one"),
+            (None, true) => Ok(Transport::Insecure),
+            (Some(ca), false) => {
+                let identity = match (&self.tls_cert, &self.tls_key) {
+                    (Some(cert), Some(key)) => Some((cert.as_path(), key.as_path())),
+                    _ => None,
+                };
+                let material = TlsMaterial::load(ca, identity).map_err(tls_error)?;
+                Ok(Transport::Tls(std::sync::Arc::new(material)))
+            }
+        }
+    }
+}
+
+/// A TLS setup error as the client reports it.
+pub fn tls_error(e: TlsError) -> CliError {
+    match e {
+        TlsError::Read { what, path, source } => CliError::Read {
+            path: path.display().to_string(),
+            reason: format!("{source} (it should hold {what})"),
+        },
+        other => CliError::Other(other.to_string()),
+    }
+}
+
+/// `provisionctl certs`: writes the development CA and certificates into
+/// `out` and says how to use them.
+pub fn write_certs(out: &Path, hosts: &[String], days: u32) -> Result<Exit, CliError> {
+    let written = dev::write_dev_pki(out, hosts, Validity::days_from_now(days))
+        .map_err(|e| CliError::Other(format!("cannot write the certificates: {e}")))?;
+    let dir = out.display();
+    let mut text = String::new();
+    for path in &written {
+        text.push_str(&format!("wrote {}\n", path.display()));
+    }
+    text.push_str(&format!(
+        "\nvalid {days} days for {hosts}; identities spiffe://provisioning/<name>.\n\
+         Start each service with --tls-ca {dir}/ca.pem --tls-cert {dir}/<service>.pem --tls-key {dir}/<service>.key\n\
+         and call the driver with provisionctl --tls-ca {dir}/ca.pem --tls-cert {dir}/provisionctl.pem \
+         --tls-key {dir}/provisionctl.key\n",
+        hosts = hosts.join(", "),
+    ));
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
+        Ok(()) => Ok(Exit::Success),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(Exit::Success),
+        Err(e) => Err(CliError::Other(format!("cannot write the output: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn written_certificates_load_and_name_their_holders() {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts: Vec<String> = dev::DEFAULT_HOSTS.iter().map(|h| (*h).to_owned()).collect();
+        dev::write_dev_pki(dir.path(), &hosts, Validity::days_from_now(1)).unwrap();
+        for name in dev::SERVICES.iter().chain([&dev::CLIENT]) {
+            let (cert, key) = dev::cert_and_key(dir.path(), name);
+            let material = TlsMaterial::load(&dir.path().join(dev::CA_FILE), Some((&cert, &key))).unwrap();
+            assert_eq!(material.names(), [format!("spiffe://provisioning/{name}")]);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt as _;
+                let mode = std::fs::metadata(&key).unwrap().permissions().mode();
+                assert_eq!(mode & 0o077, 0, "{name}'s key is readable by others: {mode:o}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let args = TlsClientArgs {
+            tls_ca: Some("/nonexistent/ca.pem".into()),
+            ..TlsClientArgs::default()
+        };
+        let e = args.transport().unwrap_err();
+        assert!(
+            matches!(&e, CliError::Read { path, .. } if path == "/nonexistent/ca.pem"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,666 @@
+//! The public API's limits, in one tower layer ([`LimitsLayer`]) around the
+//! `Provisioning` service, inside the authentication layer (so it knows the
+//! caller). Health checks and reflection are not limited.
+//!
+//! In the order a call meets them:
+//!
+//! 1. **Per-client rate limit**: at most `--rate-limit` calls per
+//!    `--rate-limit-window-ms` per client, a client being a token (its name)
+//!    or, without authentication, a peer IP address. Each client has its own
+//!    `tower::limit::RateLimit`; a call over it is refused at once.
+//! 2. **Watch streams per client** (`--max-watches-per-client`) and in all
+//!    (`--max-watches`): a `WatchRun` takes a slot for as long as its
+//!    response stream lives, and gives it back when the stream ends or the
+//!    client goes away.
+//! 3. **Concurrency limit with load shedding**: at most
+//!    `--max-concurrent-requests` calls in flight (a watch counts until its
+//!    stream starts); one more is shed at once (`tower::load_shed` over
+//!    `tower::limit::ConcurrencyLimit`), never queued.
+//! 4. **Request deadline**: a call that has not answered within
+//!    `--request-timeout-ms` is ended (`tower::timeout`).
+//!
+//! Refusals are `RESOURCE_EXHAUSTED` (the deadline: `DEADLINE_EXCEEDED`)
+//! with a message naming the limit and its flag; a shed call and one over its
+//! rate carry a retry hint, `grpc-retry-pushback-ms`, in their metadata.
+//! None reaches a handler, so none changes anything. A request larger than
+//! `--max-recv-message-bytes`, which tonic answers `OUT_OF_RANGE`, is
+//! answered `RESOURCE_EXHAUSTED` as gRPC specifies.
+
+use std::{
+    collections::HashMap,
+    convert::Infallible,
+    fmt,
+    net::IpAddr,
+    pin::Pin,
+    sync::{Arc, Mutex, MutexGuard},
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
+
+use contract::{
+    metrics::{Counter, Gauge, global},
+    runtime::MessageLimits,
+};
+use futures::future::{BoxFuture, FutureExt as _};
+use http_body::Frame;
+use tonic::{Code, Status, body::Body, metadata::MetadataValue, server::NamedService};
+use tower::{
+    Layer, Service, ServiceBuilder, ServiceExt as _,
+    limit::{ConcurrencyLimit, ConcurrencyLimitLayer, RateLimit, rate::Rate},
+    load_shed::{LoadShed, LoadShedLayer, error::Overloaded},
+    timeout::{Timeout, TimeoutLayer, error::Elapsed},
+};
+
+use crate::auth::{Principal, refusals};
+
+/// The metadata key of gRPC's retry hint (milliseconds).
+pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
+
+const WATCH_PATH: &str = "/provisioning.v1.Provisioning/WatchRun";
+
+/// Clients whose rate is tracked before idle ones are forgotten, and the
+/// most tracked at all (beyond it, new clients are shed until some go idle).
+const CLIENTS_SOFT_CAP: usize = 1024;
+const CLIENTS_HARD_CAP: usize = 65_536;
+
+pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
+pub const DEFAULT_MAX_CONCURRENT_REQUESTS: u32 = 64;
+pub const DEFAULT_OVERLOAD_RETRY_MS: u64 = 250;
+pub const DEFAULT_RATE_LIMIT: u64 = 100;
+pub const DEFAULT_RATE_LIMIT_WINDOW_MS: u64 = 1_000;
+pub const DEFAULT_MAX_WATCHES_PER_CLIENT: u32 = 16;
+pub const DEFAULT_MAX_WATCHES: u32 = 1_024;
+
+/// The public API's limits as flags (each with an environment variable).
+#[derive(Debug, Clone, clap::Args)]
+pub struct LimitArgs {
+    /// A public API call not answered within this long is ended with
+    /// DEADLINE_EXCEEDED (a watch: until its stream starts).
+    #[arg(long, env = "DRIVER_REQUEST_TIMEOUT_MS", default_value_t = DEFAULT_REQUEST_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub request_timeout_ms: u64,
+    /// Public API calls in flight at once; one more is refused at once with
+    /// RESOURCE_EXHAUSTED and a retry hint (load shedding), never queued.
+    #[arg(long, env = "DRIVER_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_requests: u32,
+    /// The retry hint (grpc-retry-pushback-ms) a shed call carries.
+    #[arg(long, env = "DRIVER_OVERLOAD_RETRY_MS", default_value_t = DEFAULT_OVERLOAD_RETRY_MS)]
+    pub overload_retry_ms: u64,
+    /// Calls one client (a token, or a peer address without authentication)
+    /// may make per --rate-limit-window-ms; more are refused with
+    /// RESOURCE_EXHAUSTED. 0 = no limit.
+    #[arg(long, env = "DRIVER_RATE_LIMIT", default_value_t = DEFAULT_RATE_LIMIT)]
+    pub rate_limit: u64,
+    /// The window of --rate-limit.
+    #[arg(long, env = "DRIVER_RATE_LIMIT_WINDOW_MS", default_value_t = DEFAULT_RATE_LIMIT_WINDOW_MS,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub rate_limit_window_ms: u64,
+    /// Watch streams one client may have open; one more is refused with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "DRIVER_MAX_WATCHES_PER_CLIENT", default_value_t = DEFAULT_MAX_WATCHES_PER_CLIENT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_watches_per_client: u32,
+    /// Watch streams open at once, all clients together.
+    #[arg(long, env = "DRIVER_MAX_WATCHES", default_value_t = DEFAULT_MAX_WATCHES,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_watches: u32,
+}
+
+impl LimitArgs {
+    /// The limits, with the message sizes every service takes
+    /// (`contract::runtime::MessageLimits`).
+    pub fn limits(&self, messages: MessageLimits) -> ApiLimits {
+        ApiLimits {
+            request_timeout: Duration::from_millis(self.request_timeout_ms),
+            max_concurrent_requests: self.max_concurrent_requests.max(1) as usize,
+            overload_retry: Duration::from_millis(self.overload_retry_ms),
+            rate_limit: (self.rate_limit > 0).then_some(self.rate_limit),
+            rate_limit_window: Duration::from_millis(self.rate_limit_window_ms.max(1)),
+            max_watches_per_client: self.max_watches_per_client.max(1) as usize,
+            max_watches: self.max_watches.max(1) as usize,
+            max_recv_message_bytes: messages.recv_bytes(),
+            max_send_message_bytes: messages.send_bytes(),
+        }
+    }
+}
+
+/// The public API's limits (see the module documentation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiLimits {
+    pub request_timeout: Duration,
+    pub max_concurrent_requests: usize,
+    pub overload_retry: Duration,
+    /// Calls per client per window; `None`: no rate limit.
+    pub rate_limit: Option<u64>,
+    pub rate_limit_window: Duration,
+    pub max_watches_per_client: usize,
+    pub max_watches: usize,
+    /// The largest request and response messages (`--max-recv-message-bytes`,
+    /// `--max-send-message-bytes`, flags every service takes).
+    pub max_recv_message_bytes: usize,
+    pub max_send_message_bytes: usize,
+}
+
+impl Default for ApiLimits {
+    fn default() -> Self {
+        Self {
+            request_timeout: Duration::from_millis(DEFAULT_REQUEST_TIMEOUT_MS),
+            max_concurrent_requests: DEFAULT_MAX_CONCURRENT_REQUESTS as usize,
+            overload_retry: Duration::from_millis(DEFAULT_OVERLOAD_RETRY_MS),
+            rate_limit: Some(DEFAULT_RATE_LIMIT),
+            rate_limit_window: Duration::from_millis(DEFAULT_RATE_LIMIT_WINDOW_MS),
+            max_watches_per_client: DEFAULT_MAX_WATCHES_PER_CLIENT as usize,
+            max_watches: DEFAULT_MAX_WATCHES as usize,
+            max_recv_message_bytes: MessageLimits::default().recv_bytes(),
+            max_send_message_bytes: MessageLimits::default().send_bytes(),
+        }
+    }
+}
+
+impl ApiLimits {
+    /// The layer that applies these limits to the service it wraps.
+    pub fn layer(&self) -> LimitsLayer {
+        LimitsLayer {
+            shared: Arc::new(Shared {
+                limits: self.clone(),
+                rates: Mutex::new(HashMap::new()),
+                watches: Mutex::new(Watches::default()),
+                refused: refusals(),
+                open_watches: global().gauge(
+                    "provisioning_api_watches",
+                    "WatchRun streams open on the public API.",
+                    &[],
+                ),
+            }),
+        }
+    }
+}
+
+/// Whose budget a call spends: a token's, or a peer address's.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum ClientKey {
+    Token(Arc<str>),
+    Peer(IpAddr),
+    /// No token and no peer address (not over TCP): one shared budget.
+    Unknown,
+}
+
+impl fmt::Display for ClientKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClientKey::Token(name) => write!(f, "token {name:?}"),
+            ClientKey::Peer(ip) => write!(f, "client {ip}"),
+            ClientKey::Unknown => f.write_str("this client"),
+        }
+    }
+}
+
+fn client_key(req: &http::Request<Body>) -> ClientKey {
+    if let Some(name) = req.extensions().get::<Principal>().and_then(Principal::name) {
+        return ClientKey::Token(Arc::from(name));
+    }
+    // tonic's own reading of the peer address (plain TCP or TLS).
+    let mut probe = http::Request::new(());
+    *probe.extensions_mut() = req.extensions().clone();
+    match tonic::Request::from_http(probe).remote_addr() {
+        Some(addr) => ClientKey::Peer(addr.ip()),
+        None => ClientKey::Unknown,
+    }
+}
+
+/// Admits one call per unit of a `RateLimit`'s budget.
+#[derive(Debug, Clone, Copy)]
+struct Admit;
+
+impl Service<()> for Admit {
+    type Response = ();
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<(), Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, (): ()) -> Self::Future {
+        std::future::ready(Ok(()))
+    }
+}
+
+#[derive(Debug)]
+struct ClientRate {
+    limiter: RateLimit<Admit>,
+    last_call: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Watches {
+    per_client: HashMap<ClientKey, usize>,
+    total: usize,
+}
+
+#[derive(Debug)]
+struct Shared {
+    limits: ApiLimits,
+    rates: Mutex<HashMap<ClientKey, ClientRate>>,
+    watches: Mutex<Watches>,
+    refused: Counter,
+    open_watches: Gauge,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A refusal and the reason it is counted under.
+struct Refusal {
+    reason: &'static str,
+    status: Status,
+}
+
+fn exhausted(reason: &'static str, message: String, retry: Option<Duration>) -> Refusal {
+    let mut status = Status::resource_exhausted(message);
+    if let Some(retry) = retry
+        && let Ok(v) = MetadataValue::try_from(retry.as_millis().to_string())
+    {
+        status.metadata_mut().insert(RETRY_PUSHBACK, v);
+    }
+    Refusal { reason, status }
+}
+
+impl Shared {
+    /// Spends one call of `key`'s rate budget, or refuses.
+    fn admit(&self, key: &ClientKey) -> Result<(), Refusal> {
+        let Some(per_window) = self.limits.rate_limit else {
+            return Ok(());
+        };
+        let window = self.limits.rate_limit_window;
+        let now = Instant::now();
+        let mut rates = lock(&self.rates);
+        if !rates.contains_key(key) && rates.len() >= CLIENTS_SOFT_CAP {
+            // A client idle for two windows has a full budget again: its
+            // limiter can go.
+            rates.retain(|_, r| now.duration_since(r.last_call) < 2 * window);
+            if rates.len() >= CLIENTS_HARD_CAP {
+                return Err(exhausted(
+                    "overloaded",
+                    format!(
+                        "the driver is tracking {} clients, its limit; retry in {} ms",
+                        rates.len(),
+                        window.as_millis()
+                    ),
+                    Some(window),
+                ));
+            }
+        }
+        let client = rates.entry(key.clone()).or_insert_with(|| ClientRate {
+            limiter: RateLimit::new(Admit, Rate::new(per_window, window)),
+            last_call: now,
+        });
+        client.last_call = now;
+        // One poll, never a wait: `unconstrained` so that tokio's cooperative
+        // budget cannot make a limiter with budget look exhausted.
+        let ready = tokio::task::unconstrained(std::future::poll_fn(|cx| client.limiter.poll_ready(cx)))
+            .now_or_never();
+        match ready {
+            Some(Ok(())) => {
+                let _ = client.limiter.call(());
+                Ok(())
+            }
+            _ => Err(exhausted(
+                "rate_limited",
+                format!(
+                    "{key} is over its rate limit of {per_window} calls per {} ms (--rate-limit); retry \
+                     in at most {} ms",
+                    window.as_millis(),
+                    window.as_millis()
+                ),
+                Some(window),
+            )),
+        }
+    }
+
+    /// A watch slot for `key`, or a refusal.
+    fn open_watch(self: &Arc<Self>, key: &ClientKey) -> Result<WatchSlot, Refusal> {
+        let mut w = lock(&self.watches);
+        let mine = w.per_client.get(key).copied().unwrap_or(0);
+        if mine >= self.limits.max_watches_per_client {
+            return Err(exhausted(
+                "watch_limit",
+                format!(
+                    "{key} has {mine} watch streams open, its limit (--max-watches-per-client); close one \
+                     before opening another"
+                ),
+                None,
+            ));
+        }
+        if w.total >= self.limits.max_watches {
+            return Err(exhausted(
+                "watch_limit",
+                format!(
+                    "the driver has {} watch streams open, its limit (--max-watches); retry in {} ms",
+                    w.total,
+                    self.limits.overload_retry.as_millis()
+                ),
+                Some(self.limits.overload_retry),
+            ));
+        }
+        *w.per_client.entry(key.clone()).or_insert(0) += 1;
+        w.total += 1;
+        self.open_watches.set(&[], w.total as f64);
+        Ok(WatchSlot {
+            shared: Arc::clone(self),
+            key: key.clone(),
+        })
+    }
+
+    fn refuse(&self, r: Refusal) -> http::Response<Body> {
+        self.refused.inc(&[r.reason]);
+        r.status.into_http()
+    }
+}
+
+/// One open watch stream's place in the counts; given back on drop.
+#[derive(Debug)]
+struct WatchSlot {
+    shared: Arc<Shared>,
+    key: ClientKey,
+}
+
+impl Drop for WatchSlot {
+    fn drop(&mut self) {
+        let mut w = lock(&self.shared.watches);
+        if let Some(n) = w.per_client.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                w.per_client.remove(&self.key);
+            }
+        }
+        w.total = w.total.saturating_sub(1);
+        self.shared.open_watches.set(&[], w.total as f64);
+    }
+}
+
+/// A watch's response body, holding its slot until the stream is dropped
+/// (it ended, or the client went away).
+struct WatchBody {
+    inner: Body,
+    _slot: WatchSlot,
+}
+
+impl http_body::Body for WatchBody {
+    type Data = <Body as http_body::Body>::Data;
+    type Error = <Body as http_body::Body>::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Applies [`ApiLimits`]; see the module documentation.
+#[derive(Debug, Clone)]
+pub struct LimitsLayer {
+    shared: Arc<Shared>,
+}
+
+impl<S> Layer<S> for LimitsLayer {
+    type Service = Limited<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let limits = &self.shared.limits;
+        Limited {
+            shared: Arc::clone(&self.shared),
+            // Built once: clones share the concurrency limit's semaphore.
+            inner: ServiceBuilder::new()
+                .layer(LoadShedLayer::new())
+                .layer(ConcurrencyLimitLayer::new(limits.max_concurrent_requests))
+                .layer(TimeoutLayer::new(limits.request_timeout))
+                .service(inner),
+        }
+    }
+}
+
+/// See [`LimitsLayer`].
+#[derive(Debug, Clone)]
+pub struct Limited<S> {
+    shared: Arc<Shared>,
+    inner: LoadShed<ConcurrencyLimit<Timeout<S>>>,
+}
+
+impl<S: NamedService> NamedService for Limited<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> Service<http::Request<Body>> for Limited<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // Every limit is checked per call, in `call`: never a wait here.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let shared = Arc::clone(&self.shared);
+        let key = client_key(&req);
+        if let Err(r) = shared.admit(&key) {
+            return futures::future::ready(Ok(shared.refuse(r))).boxed();
+        }
+        let slot = if req.uri().path() == WATCH_PATH {
+            match shared.open_watch(&key) {
+                Ok(slot) => Some(slot),
+                Err(r) => return futures::future::ready(Ok(shared.refuse(r))).boxed(),
+            }
+        } else {
+            None
+        };
+        let inner = self.inner.clone();
+        async move {
+            match inner.oneshot(req).await {
+                Ok(response) => Ok(finish(&shared, response, slot)),
+                Err(e) => {
+                    let limits = &shared.limits;
+                    let refusal = if e.is::<Overloaded>() {
+                        exhausted(
+                            "overloaded",
+                            format!(
+                                "the driver is at its limit of {} calls in flight (--max-concurrent-requests); \
+                                 retry in {} ms",
+                                limits.max_concurrent_requests,
+                                limits.overload_retry.as_millis()
+                            ),
+                            Some(limits.overload_retry),
+                        )
+                    } else if e.is::<Elapsed>() {
+                        Refusal {
+                            reason: "deadline",
+                            status: Status::deadline_exceeded(format!(
+                                "the call did not finish within the server's limit of {} ms \
+                                 (--request-timeout-ms); it may still take effect: read the run before \
+                                 retrying",
+                                limits.request_timeout.as_millis()
+                            )),
+                        }
+                    } else {
+                        Refusal {
+                            reason: "internal",
+                            status: Status::internal(format!("the call failed: {e}")),
+                        }
+                    };
+                    Ok(shared.refuse(refusal))
+                }
+            }
+        }
+        .boxed()
+    }
+}
+
+/// The handler's response, with a watch's slot attached to its body and a
+/// request tonic found too large re-answered as gRPC specifies.
+fn finish(shared: &Shared, response: http::Response<Body>, slot: Option<WatchSlot>) -> http::Response<Body> {
+    if response.headers().get("grpc-status").is_some_and(|v| v == "11")
+        && let Some(status) = Status::from_header_map(response.headers())
+        && status.code() == Code::OutOfRange
+        && status.message().contains("decoded message length too large")
+    {
+        return shared.refuse(Refusal {
+            reason: "too_large",
+            status: Status::resource_exhausted(format!(
+                "the request is larger than this server accepts (--max-recv-message-bytes): {}",
+                status.message()
+            )),
+        });
+    }
+    match slot {
+        Some(slot) => response.map(|inner| Body::new(WatchBody { inner, _slot: slot })),
+        None => response,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn shared(limits: ApiLimits) -> Arc<Shared> {
+        limits.layer().shared
+    }
+
+    #[tokio::test]
+    async fn each_client_has_its_own_rate_budget() {
+        let s = shared(ApiLimits {
+            rate_limit: Some(3),
+            rate_limit_window: Duration::from_secs(60),
+            ..ApiLimits::default()
+        });
+        let a = ClientKey::Token(Arc::from("a"));
+        let b = ClientKey::Peer("127.0.0.1".parse().unwrap());
+        for _ in 0..3 {
+            assert!(s.admit(&a).is_ok());
+        }
+        let r = s.admit(&a).err().unwrap();
+        assert_eq!(r.status.code(), Code::ResourceExhausted);
+        assert_eq!(r.status.metadata().get(RETRY_PUSHBACK).unwrap(), "60000");
+        assert!(r.status.message().contains("token \"a\"") && r.status.message().contains("--rate-limit"));
+        assert!(s.admit(&b).is_ok(), "another client's budget is its own");
+    }
+
+    #[tokio::test]
+    async fn a_rate_budget_comes_back_after_its_window() {
+        let s = shared(ApiLimits {
+            rate_limit: Some(1),
+            rate_limit_window: Duration::from_millis(30),
+            ..ApiLimits::default()
+        });
+        let a = ClientKey::Unknown;
+        assert!(s.admit(&a).is_ok());
+        assert!(s.admit(&a).is_err());
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert!(s.admit(&a).is_ok());
+    }
+
+    /// A stand-in for the API: answers OK once `gate` opens.
+    fn gated(gate: Arc<tokio::sync::Notify>) -> impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = Infallible,
+        Future = impl Future<Output = Result<http::Response<Body>, Infallible>> + Send,
+    > + Clone
+    + Send
+    + 'static {
+        tower::service_fn(move |_req: http::Request<Body>| {
+            let gate = Arc::clone(&gate);
+            async move {
+                gate.notified().await;
+                Ok::<_, Infallible>(Status::ok("").into_http())
+            }
+        })
+    }
+
+    fn status_of(r: &http::Response<Body>) -> Status {
+        Status::from_header_map(r.headers()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_call_over_the_concurrency_limit_is_shed_at_once_with_a_retry_hint() {
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let limits = ApiLimits {
+            max_concurrent_requests: 1,
+            overload_retry: Duration::from_millis(150),
+            ..ApiLimits::default()
+        };
+        let svc = limits.layer().layer(gated(Arc::clone(&gate)));
+        let first = tokio::spawn(svc.clone().oneshot(http::Request::new(Body::empty())));
+        tokio::task::yield_now().await;
+        // The first call holds the only slot until the gate opens: the
+        // second is answered without waiting for it.
+        let second = svc.clone().oneshot(http::Request::new(Body::empty())).await.unwrap();
+        let status = status_of(&second);
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert!(status.message().contains("--max-concurrent-requests"), "{}", status.message());
+        assert_eq!(second.headers().get(RETRY_PUSHBACK).unwrap(), "150");
+        gate.notify_one();
+        assert_eq!(status_of(&first.await.unwrap().unwrap()).code(), Code::Ok);
+        // The slot is free again.
+        gate.notify_one();
+        let third = svc.oneshot(http::Request::new(Body::empty())).await.unwrap();
+        assert_eq!(status_of(&third).code(), Code::Ok);
+    }
+
+    #[tokio::test]
+    async fn a_call_past_the_request_timeout_is_ended_with_deadline_exceeded() {
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let limits = ApiLimits {
+            request_timeout: Duration::from_millis(20),
+            ..ApiLimits::default()
+        };
+        let svc = limits.layer().layer(gated(gate));
+        let r = svc.oneshot(http::Request::new(Body::empty())).await.unwrap();
+        let status = status_of(&r);
+        assert_eq!(status.code(), Code::DeadlineExceeded);
+        assert!(status.message().contains("--request-timeout-ms"), "{}", status.message());
+    }
+
+    #[test]
+    fn watch_slots_are_counted_per_client_and_given_back() {
+        let s = shared(ApiLimits {
+            max_watches_per_client: 2,
+            max_watches: 3,
+            ..ApiLimits::default()
+        });
+        let a = ClientKey::Token(Arc::from("a"));
+        let b = ClientKey::Token(Arc::from("b"));
+        let a1 = s.open_watch(&a).ok().unwrap();
+        let _a2 = s.open_watch(&a).ok().unwrap();
+        let r = s.open_watch(&a).err().unwrap();
+        assert_eq!(r.status.code(), Code::ResourceExhausted);
+        assert!(r.status.message().contains("--max-watches-per-client"));
+        let _b1 = s.open_watch(&b).ok().unwrap();
+        let r = s.open_watch(&b).err().unwrap();
+        assert!(r.status.message().contains("--max-watches)"), "{}", r.status.message());
+        drop(a1);
+        let _a3 = s.open_watch(&a).ok().unwrap();
+        assert_eq!(lock(&s.watches).total, 3);
+        assert_eq!(lock(&s.watches).per_client[&a], 2);
+    }
+}

@@ -1,0 +1,579 @@
+//! Transport security: TLS (rustls) on every listener and channel, mutual TLS
+//! between the services, and the rule that only the driver may call the
+//! decider and the executor.
+//!
+//! **Identity.** A peer is named by the SPIFFE-style URI in its certificate's
+//! subject alternative names, `spiffe://provisioning/<name>` (the driver is
+//! `spiffe://provisioning/driver-svc`). A host name cannot serve: on one
+//! machine every service answers to `localhost`, so a DNS name says where a
+//! service runs, not which one it is. The certificate must chain to the CA
+//! bundle given with `--tls-ca`; rustls checks the chain, the validity dates
+//! and the key usages during the handshake, and [`PeerIdentityLayer`] then
+//! checks the name, in one tower layer in front of every handler.
+//!
+//! **Modes.** A service runs with TLS ([`Transport::Tls`]: its certificate,
+//! key and the CA bundle) or, only when asked with `--insecure`, in plaintext
+//! ([`Transport::Insecure`], which logs a warning at start). With neither it
+//! refuses to start. The decider and the executor require a client
+//! certificate ([`ClientAuth::Required`]) and let only the allowed identities
+//! through (`--tls-allow-client`, the driver by default); health checks are
+//! answered to any client the handshake admitted, so a probe needs a
+//! certificate from the CA but not the driver's. The driver's public API
+//! serves TLS with client certificates optional ([`ClientAuth::Optional`]);
+//! one that is presented must chain to the CA.
+//!
+//! With the `certgen` feature, [`dev`] writes a development CA and the
+//! certificates of every service and of `provisionctl`.
+
+use std::{
+    future::Future,
+    path::{Path, PathBuf},
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use http::{Request, Response};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
+use tonic::transport::{
+    Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig,
+    server::{TcpConnectInfo, TlsConnectInfo},
+};
+use tower::{Layer, Service};
+
+/// The trust domain of every identity this system issues and checks.
+pub const TRUST_DOMAIN: &str = "provisioning";
+
+/// The driver's name; the decider and the executor allow its identity by default.
+pub const DRIVER: &str = "driver-svc";
+
+/// How long a TLS handshake may take before the connection is dropped.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The URI a certificate carries for `name`: `spiffe://provisioning/<name>`.
+/// A value that already is a URI (it contains `://`) is returned unchanged.
+pub fn identity_of(name: &str) -> String {
+    if name.contains("://") {
+        name.to_owned()
+    } else {
+        format!("spiffe://{TRUST_DOMAIN}/{name}")
+    }
+}
+
+/// The SPIFFE identities (`spiffe://...` URI SANs) of a DER certificate; empty
+/// when it has none or does not parse.
+pub fn identities_in(cert: &CertificateDer<'_>) -> Vec<String> {
+    match webpki::EndEntityCert::try_from(cert) {
+        Ok(cert) => cert
+            .valid_uri_names()
+            .filter(|uri| uri.starts_with("spiffe://"))
+            .map(str::to_owned)
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// What went wrong setting up TLS. Each message names the flag or the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error(
+        "no TLS settings: give --tls-cert, --tls-key and --tls-ca (or PROVISIONING_TLS_CERT, \
+         PROVISIONING_TLS_KEY, PROVISIONING_TLS_CA), or --insecure (PROVISIONING_INSECURE=true) to run \
+         in plaintext"
+    )]
+    NoSettings,
+    #[error("--insecure (plaintext) cannot be combined with {flag}: choose one")]
+    Conflict { flag: &'static str },
+    #[error("{missing} is missing: TLS needs --tls-cert, --tls-key and --tls-ca together")]
+    Incomplete { missing: &'static str },
+    #[error("reading {what} {}: {source}", path.display())]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{} holds no {what} in PEM form", path.display())]
+    Pem { what: &'static str, path: PathBuf },
+    #[error("{url:?} is not an address to connect to: {reason}")]
+    Url { url: String, reason: String },
+    #[error("{url} is {scheme}:// but {mode}")]
+    Scheme {
+        url: String,
+        scheme: String,
+        mode: &'static str,
+    },
+    #[error("this side has no certificate of its own to serve TLS with")]
+    NoIdentity,
+    #[error(transparent)]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// The PEM files of one side of a TLS connection, read and checked.
+#[derive(Clone)]
+pub struct TlsMaterial {
+    /// The CA bundle peers are verified against.
+    ca: Vec<u8>,
+    /// This side's certificate chain and private key, when it has them.
+    identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// The identities (SPIFFE URIs) this side's certificate carries.
+    names: Vec<String>,
+}
+
+impl std::fmt::Debug for TlsMaterial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("TlsMaterial")
+            .field("names", &self.names)
+            .field("has_identity", &self.identity.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        what,
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn certificates(
+    what: &'static str,
+    path: &Path,
+    pem: &[u8],
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs: Vec<_> = CertificateDer::pem_slice_iter(pem)
+        .filter_map(Result::ok)
+        .collect();
+    if certs.is_empty() {
+        return Err(TlsError::Pem {
+            what,
+            path: path.to_owned(),
+        });
+    }
+    Ok(certs)
+}
+
+impl TlsMaterial {
+    /// Reads the CA bundle and, if given, a certificate chain with its key.
+    pub fn load(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<Self, TlsError> {
+        let ca_pem = read("the CA bundle", ca)?;
+        certificates("CA certificate", ca, &ca_pem)?;
+        let mut names = Vec::new();
+        let identity = match identity {
+            None => None,
+            Some((cert, key)) => {
+                let cert_pem = read("the certificate", cert)?;
+                let key_pem = read("the private key", key)?;
+                let chain = certificates("certificate", cert, &cert_pem)?;
+                if PrivateKeyDer::from_pem_slice(&key_pem).is_err() {
+                    return Err(TlsError::Pem {
+                        what: "private key",
+                        path: key.to_owned(),
+                    });
+                }
+                if let Some(leaf) = chain.first() {
+                    names = identities_in(leaf);
+                }
+                Some((cert_pem, key_pem))
+            }
+        };
+        Ok(Self {
+            ca: ca_pem,
+            identity,
+            names,
+        })
+    }
+
+    /// The identities this side's certificate carries (empty without one).
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    fn client_config(&self) -> ClientTlsConfig {
+        let config = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&self.ca))
+            .timeout(HANDSHAKE_TIMEOUT);
+        match &self.identity {
+            Some((cert, key)) => config.identity(Identity::from_pem(cert, key)),
+            None => config,
+        }
+    }
+
+    fn server_config(&self, auth: ClientAuth) -> Result<ServerTlsConfig, TlsError> {
+        let (cert, key) = self.identity.as_ref().ok_or(TlsError::NoIdentity)?;
+        Ok(ServerTlsConfig::new()
+            .identity(Identity::from_pem(cert, key))
+            .client_ca_root(Certificate::from_pem(&self.ca))
+            .client_auth_optional(auth == ClientAuth::Optional)
+            .timeout(HANDSHAKE_TIMEOUT))
+    }
+}
+
+/// Whether a TLS server asks its clients for a certificate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientAuth {
+    /// The handshake fails without a certificate that chains to the CA.
+    Required,
+    /// A client may present one (it must then chain to the CA) or none.
+    Optional,
+}
+
+/// How one process talks: TLS with its material, or plaintext.
+#[derive(Debug, Clone)]
+pub enum Transport {
+    /// Plaintext, only behind `--insecure`.
+    Insecure,
+    Tls(Arc<TlsMaterial>),
+}
+
+impl Transport {
+    pub fn is_tls(&self) -> bool {
+        matches!(self, Self::Tls(_))
+    }
+
+    /// `https` with TLS, `http` without.
+    pub fn scheme(&self) -> &'static str {
+        if self.is_tls() { "https" } else { "http" }
+    }
+
+    /// `url` with this transport's scheme: `host:port` gets it, a URL must
+    /// already have it (an `http://` URL with TLS on is refused rather than
+    /// quietly sent in plaintext, and the other way round).
+    pub fn url(&self, url: &str) -> Result<String, TlsError> {
+        match url.split_once("://") {
+            None => Ok(format!("{}://{url}", self.scheme())),
+            Some((scheme, _)) if scheme.eq_ignore_ascii_case(self.scheme()) => Ok(url.to_owned()),
+            Some((scheme, _)) => Err(TlsError::Scheme {
+                url: url.to_owned(),
+                scheme: scheme.to_owned(),
+                mode: if self.is_tls() {
+                    "TLS is on: use https:// (or --insecure for plaintext)"
+                } else {
+                    "this side runs in plaintext (--insecure): use http://"
+                },
+            }),
+        }
+    }
+
+    /// A channel endpoint for `url` (see [`Transport::url`]) that verifies the
+    /// server against the CA bundle and presents this side's certificate, if
+    /// it has one.
+    pub fn endpoint(&self, url: &str) -> Result<Endpoint, TlsError> {
+        let url = self.url(url)?;
+        let endpoint = Endpoint::from_shared(url.clone()).map_err(|e| TlsError::Url {
+            url: url.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok(match self {
+            Self::Insecure => endpoint,
+            Self::Tls(material) => endpoint.tls_config(material.client_config())?,
+        })
+    }
+
+    /// Sets up `server` to serve TLS (with `auth` for client certificates);
+    /// plaintext leaves it as it is.
+    pub fn configure_server<L>(&self, server: Server<L>, auth: ClientAuth) -> Result<Server<L>, TlsError> {
+        match self {
+            Self::Insecure => Ok(server),
+            Self::Tls(material) => Ok(server.tls_config(material.server_config(auth)?)?),
+        }
+    }
+}
+
+/// The TLS flags every service takes (flattened into
+/// [`crate::runtime::CommonArgs`]).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TlsArgs {
+    /// This service's certificate chain (PEM), leaf first. Its identity is
+    /// the URI SAN `spiffe://provisioning/<name>`.
+    #[arg(long, env = "PROVISIONING_TLS_CERT", value_name = "PEM")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "PROVISIONING_TLS_KEY", value_name = "PEM")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA bundle (PEM) peers' certificates are verified against: the
+    /// servers this service calls, and its clients.
+    #[arg(long, env = "PROVISIONING_TLS_CA", value_name = "PEM")]
+    pub tls_ca: Option<PathBuf>,
+    /// Serve and call in plaintext, without TLS and without checking who the
+    /// peer is. For development only; logs a warning at start. A service
+    /// with neither this nor the three --tls-* files refuses to start.
+    #[arg(long, env = "PROVISIONING_INSECURE", default_value_t = false)]
+    pub insecure: bool,
+}
+
+impl TlsArgs {
+    /// Reads and checks the TLS files, or accepts plaintext when `--insecure`
+    /// asks for it; refuses neither, both, or an incomplete set.
+    pub fn transport(&self) -> Result<Transport, TlsError> {
+        let given = [
+            ("--tls-cert", self.tls_cert.as_deref()),
+            ("--tls-key", self.tls_key.as_deref()),
+            ("--tls-ca", self.tls_ca.as_deref()),
+        ];
+        if self.insecure {
+            if let Some((flag, _)) = given.iter().find(|(_, p)| p.is_some()) {
+                return Err(TlsError::Conflict { flag });
+            }
+            return Ok(Transport::Insecure);
+        }
+        if given.iter().all(|(_, p)| p.is_none()) {
+            return Err(TlsError::NoSettings);
+        }
+        match given {
+            [(_, Some(cert)), (_, Some(key)), (_, Some(ca))] => Ok(Transport::Tls(Arc::new(
+                TlsMaterial::load(ca, Some((cert, key)))?,
+            ))),
+            _ => {
+                let missing = given
+                    .iter()
+                    .find(|(_, p)| p.is_none())
+                    .map_or("--tls-ca", |(flag, _)| flag);
+                Err(TlsError::Incomplete { missing })
+            }
+        }
+    }
+}
+
+/// The flag of a service only the driver may call: which client identities
+/// it lets through.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PeerArgs {
+    /// A client identity allowed to call this service: a name (`driver-svc`
+    /// means `spiffe://provisioning/driver-svc`) or a whole `spiffe://` URI.
+    /// Repeat it (or separate with commas) to allow several. Health checks
+    /// are open to any client with a certificate from the CA.
+    #[arg(
+        long = "tls-allow-client",
+        env = "PROVISIONING_TLS_ALLOW_CLIENT",
+        value_name = "NAME",
+        value_delimiter = ',',
+        default_value = DRIVER
+    )]
+    pub allow: Vec<String>,
+}
+
+impl PeerArgs {
+    /// The allowed identities as URIs.
+    pub fn identities(&self) -> Vec<String> {
+        self.allow.iter().map(|n| identity_of(n.trim())).collect()
+    }
+}
+
+/// How a service that only the driver may call is secured: its transport,
+/// with client certificates required, and the identities let through.
+#[derive(Debug, Clone)]
+pub struct PeerPolicy {
+    transport: Transport,
+    allowed: Arc<[String]>,
+}
+
+impl PeerPolicy {
+    /// Plaintext, nobody checked: for a server embedded in a test.
+    pub fn plaintext() -> Self {
+        Self {
+            transport: Transport::Insecure,
+            allowed: Arc::from(Vec::new()),
+        }
+    }
+
+    /// `transport`, and with TLS only clients whose certificate carries one
+    /// of `allowed` (URIs, see [`identity_of`]).
+    pub fn new(transport: Transport, allowed: Vec<String>) -> Self {
+        Self {
+            transport,
+            allowed: Arc::from(allowed),
+        }
+    }
+
+    /// A server builder set up for this policy's transport, client
+    /// certificates required.
+    pub fn server(&self) -> Result<Server, TlsError> {
+        self.transport
+            .configure_server(Server::builder(), ClientAuth::Required)
+    }
+
+    /// The layer that checks the client's identity (it lets everything
+    /// through in plaintext, where there is none to check).
+    pub fn layer(&self) -> PeerIdentityLayer {
+        PeerIdentityLayer {
+            allowed: self.transport.is_tls().then(|| Arc::clone(&self.allowed)),
+        }
+    }
+}
+
+/// Lets a call through only if the client's certificate carries an allowed
+/// identity; answers others `PERMISSION_DENIED` (and a connection without a
+/// certificate `UNAUTHENTICATED`) before any handler runs. Health checks pass
+/// unchecked. See [`PeerPolicy::layer`].
+#[derive(Debug, Clone)]
+pub struct PeerIdentityLayer {
+    /// `None`: no check (plaintext).
+    allowed: Option<Arc<[String]>>,
+}
+
+impl PeerIdentityLayer {
+    /// Lets only `allowed` identities through.
+    pub fn allow(allowed: Vec<String>) -> Self {
+        Self {
+            allowed: Some(Arc::from(allowed)),
+        }
+    }
+}
+
+impl<S> Layer<S> for PeerIdentityLayer {
+    type Service = PeerIdentity<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        PeerIdentity {
+            inner,
+            allowed: self.allowed.clone(),
+        }
+    }
+}
+
+/// See [`PeerIdentityLayer`].
+#[derive(Debug, Clone)]
+pub struct PeerIdentity<S> {
+    inner: S,
+    allowed: Option<Arc<[String]>>,
+}
+
+const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
+
+/// Whether the call may go on: the verdict for a request's path and the
+/// certificates its connection presented.
+fn admit(
+    allowed: &[String],
+    path: &str,
+    peer_certs: Option<&[CertificateDer<'static>]>,
+) -> Result<(), tonic::Status> {
+    if path.starts_with(HEALTH_PREFIX) {
+        return Ok(());
+    }
+    let Some(leaf) = peer_certs.and_then(<[_]>::first) else {
+        return Err(tonic::Status::unauthenticated(
+            "this service takes calls only from a client with a certificate; none was presented",
+        ));
+    };
+    let presented = identities_in(leaf);
+    if presented.iter().any(|id| allowed.contains(id)) {
+        return Ok(());
+    }
+    let presented = if presented.is_empty() {
+        "a certificate with no spiffe:// identity".to_owned()
+    } else {
+        presented.join(", ")
+    };
+    Err(tonic::Status::permission_denied(format!(
+        "{presented} may not call this service (allowed: {})",
+        allowed.join(", ")
+    )))
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for PeerIdentity<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: Default + Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        if let Some(allowed) = &self.allowed {
+            let certs = req
+                .extensions()
+                .get::<TlsConnectInfo<TcpConnectInfo>>()
+                .and_then(TlsConnectInfo::peer_certs);
+            if let Err(status) = admit(allowed, req.uri().path(), certs.as_deref().map(Vec::as_slice)) {
+                tracing::warn!(
+                    path = req.uri().path(),
+                    code = ?status.code(),
+                    reason = status.message(),
+                    "call refused"
+                );
+                return Box::pin(std::future::ready(Ok(status.into_http())));
+            }
+        }
+        Box::pin(self.inner.call(req))
+    }
+}
+
+#[cfg(feature = "certgen")]
+pub mod dev;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_become_spiffe_uris() {
+        assert_eq!(identity_of("driver-svc"), "spiffe://provisioning/driver-svc");
+        assert_eq!(identity_of("spiffe://other/x"), "spiffe://other/x");
+    }
+
+    #[test]
+    fn urls_take_the_transport_scheme() {
+        let insecure = Transport::Insecure;
+        assert_eq!(
+            insecure.url("127.0.0.1:7000").ok().as_deref(),
+            Some("http://127.0.0.1:7000")
+        );
+        assert_eq!(insecure.url("http://h:1").ok().as_deref(), Some("http://h:1"));
+        assert!(matches!(
+            insecure.url("https://h:1"),
+            Err(TlsError::Scheme { .. })
+        ));
+    }
+
+    #[test]
+    fn plaintext_needs_to_be_asked_for() {
+        let none = TlsArgs::default();
+        assert!(matches!(none.transport(), Err(TlsError::NoSettings)));
+        let insecure = TlsArgs {
+            insecure: true,
+            ..TlsArgs::default()
+        };
+        assert!(matches!(insecure.transport(), Ok(Transport::Insecure)));
+        let both = TlsArgs {
+            insecure: true,
+            tls_ca: Some("ca.pem".into()),
+            ..TlsArgs::default()
+        };
+        assert!(matches!(
+            both.transport(),
+            Err(TlsError::Conflict { flag: "--tls-ca" })
+        ));
+        let partial = TlsArgs {
+            tls_cert: Some("c.pem".into()),
+            tls_ca: Some("ca.pem".into()),
+            ..TlsArgs::default()
+        };
+        assert!(matches!(
+            partial.transport(),
+            Err(TlsError::Incomplete { missing: "--tls-key" })
+        ));
+    }
+
+    #[test]
+    fn health_is_open_and_everything_else_needs_a_certificate() {
+        let allowed = vec![identity_of(DRIVER)];
+        assert!(admit(&allowed, "/grpc.health.v1.Health/Check", None).is_ok());
+        let refused = admit(&allowed, "/provisioning.v1.Executor/Inventory", None);
+        assert!(matches!(refused, Err(s) if s.code() == tonic::Code::Unauthenticated));
+        let garbage = [CertificateDer::from(vec![1u8, 2, 3])];
+        let refused = admit(&allowed, "/provisioning.v1.Executor/Inventory", Some(&garbage));
+        assert!(matches!(refused, Err(s) if s.code() == tonic::Code::PermissionDenied));
+    }
+}

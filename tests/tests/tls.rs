@@ -1,0 +1,422 @@
+//! TLS between the real binaries: the executor and the decider take calls
+//! only from a client whose certificate chains to the CA, is in its validity
+//! period and names the driver (`spiffe://provisioning/driver-svc`); plaintext
+//! needs `--insecure` on both sides.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    path::Path,
+    process::Stdio,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use contract::{
+    TraceContext, UnixMillis,
+    pb::{self, decide_response::Part, decider_client::DeciderClient, executor_client::ExecutorClient},
+    tls::{
+        TlsMaterial, Transport,
+        dev::{Leaf, Validity},
+    },
+};
+use provisioning_tests::{
+    procs::{Cluster, ClusterOptions, Service, TestPki, bin_path, watch_until},
+    shapes::shape,
+};
+use tonic::{Code, Status};
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+/// A channel to `svc` over `transport`, or the status a failed connection
+/// amounts to.
+async fn channel(svc: &Service, transport: &Transport) -> Result<tonic::transport::Channel, Status> {
+    let url = format!("{}://{}", transport.scheme(), svc.addr);
+    let endpoint = transport
+        .endpoint(&url)
+        .map_err(|e| Status::internal(format!("endpoint: {e}")))?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(10));
+    endpoint
+        .connect()
+        .await
+        .map_err(|e| Status::unavailable(format!("connect: {e:?}")))
+}
+
+/// One `Inventory` call to the executor.
+async fn inventory(executor: &Service, transport: &Transport) -> Result<usize, Status> {
+    let mut client = ExecutorClient::new(channel(executor, transport).await?);
+    let r = client.inventory(pb::InventoryRequest::default()).await?;
+    Ok(r.into_inner().resources.len())
+}
+
+/// One whole `Decide` call (a run of one group, no nodes yet); the number of
+/// decisions in the answer.
+async fn decide(decider: &Service, transport: &Transport) -> Result<usize, Status> {
+    let mut client = DeciderClient::new(channel(decider, transport).await?);
+    let s = shape("tls", 1, "fake", &[("w", 2, "img:1")]);
+    let requests = decider_svc::encode_request(
+        &s,
+        false,
+        [],
+        &decider::SlotSet::new(),
+        UnixMillis::new(1_000),
+        &TraceContext::default(),
+    );
+    let mut answer = client.decide(tokio_stream::iter(requests)).await?.into_inner();
+    let mut decisions = 0;
+    while let Some(msg) = answer.message().await? {
+        match msg.part {
+            Some(Part::Decisions(batch)) => decisions += batch.decisions.len(),
+            Some(Part::Summary(_)) => return Ok(decisions),
+            _ => {}
+        }
+    }
+    Err(Status::internal("the answer ended without a summary"))
+}
+
+/// A health check of `service` on `svc`.
+async fn health(svc: &Service, transport: &Transport, service: &str) -> Result<ServingStatus, Status> {
+    let mut client = HealthClient::new(channel(svc, transport).await?);
+    let r = client
+        .check(HealthCheckRequest {
+            service: service.to_owned(),
+        })
+        .await?;
+    Ok(r.into_inner().status())
+}
+
+/// A failure of the TLS handshake (the server closes the connection), as
+/// opposed to an answer from the server.
+fn refused_in_handshake<T: std::fmt::Debug>(what: &str, r: &Result<T, Status>) {
+    match r {
+        Err(s) if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled) => {}
+        other => panic!("{what}: expected the handshake to fail, got {other:?}"),
+    }
+}
+
+fn denied<T: std::fmt::Debug>(what: &str, r: &Result<T, Status>) {
+    match r {
+        Err(s) if s.code() == Code::PermissionDenied => {
+            assert!(s.message().contains("may not call"), "{what}: {}", s.message());
+        }
+        other => panic!("{what}: expected PERMISSION_DENIED, got {other:?}"),
+    }
+}
+
+/// The material of a client that trusts `pki`'s CA and presents `stem`'s
+/// certificate from `holder` (another PKI, or the same).
+fn client_of(pki: &TestPki, holder: &TestPki, stem: &str) -> Transport {
+    let (cert, key) = holder.cert_and_key(stem);
+    Transport::Tls(Arc::new(
+        TlsMaterial::load(&pki.ca(), Some((&cert, &key))).unwrap(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_executor_and_the_decider_take_calls_only_from_the_driver() {
+    let cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
+    let pki = cluster.tls.clone().expect("a cluster runs with TLS by default");
+
+    // Another CA's certificate for the driver's very name.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let other_ca = TestPki::create(elsewhere.path()).unwrap();
+    // The driver's name, from the right CA, but expired yesterday.
+    let day = Duration::from_secs(86_400);
+    let now = SystemTime::now();
+    pki.issue(
+        "expired-driver",
+        &Leaf::service(
+            contract::tls::DRIVER,
+            &TestPki::hosts(),
+            Validity {
+                not_before: now - 3 * day,
+                not_after: now - day,
+            },
+        ),
+    )
+    .unwrap();
+
+    let no_cert = pki.transport(None).unwrap();
+    let wrong_ca = client_of(&pki, &other_ca, "driver-svc");
+    let expired = client_of(&pki, &pki, "expired-driver");
+    let provisionctl = pki.transport(Some("provisionctl")).unwrap();
+    let executor_cert = pki.transport(Some("executor-svc")).unwrap();
+    let driver = pki.transport(Some("driver-svc")).unwrap();
+
+    // The executor.
+    let ex = &cluster.executor;
+    refused_in_handshake("executor, no certificate", &inventory(ex, &no_cert).await);
+    refused_in_handshake("executor, another CA", &inventory(ex, &wrong_ca).await);
+    refused_in_handshake("executor, expired", &inventory(ex, &expired).await);
+    denied(
+        "executor, provisionctl's certificate",
+        &inventory(ex, &provisionctl).await,
+    );
+    denied(
+        "executor, its own certificate",
+        &inventory(ex, &executor_cert).await,
+    );
+    assert!(
+        inventory(ex, &driver).await.is_ok(),
+        "the driver's certificate must be accepted by the executor"
+    );
+
+    // The decider.
+    let de = &cluster.decider;
+    refused_in_handshake("decider, no certificate", &decide(de, &no_cert).await);
+    refused_in_handshake("decider, another CA", &decide(de, &wrong_ca).await);
+    refused_in_handshake("decider, expired", &decide(de, &expired).await);
+    denied(
+        "decider, provisionctl's certificate",
+        &decide(de, &provisionctl).await,
+    );
+    denied(
+        "decider, the executor's certificate",
+        &decide(de, &executor_cert).await,
+    );
+    let decisions = decide(de, &driver).await;
+    assert!(
+        matches!(decisions, Ok(n) if n == 2),
+        "the driver's certificate must be accepted by the decider (two inserts): {decisions:?}"
+    );
+
+    // Health checks are open to any certificate from the CA, and to no other.
+    for (svc, name) in [(ex, "provisioning.v1.Executor"), (de, "provisioning.v1.Decider")] {
+        let ok = health(svc, &provisionctl, name).await;
+        assert!(matches!(ok, Ok(ServingStatus::Serving)), "{name}: {ok:?}");
+        refused_in_handshake(name, &health(svc, &no_cert, name).await);
+        refused_in_handshake(name, &health(svc, &wrong_ca, name).await);
+    }
+
+    // The refusals were logged, each with who was refused.
+    let log = std::fs::read_to_string(ex.log_file()).unwrap();
+    assert!(
+        log.contains("call refused") && log.contains("spiffe://provisioning/provisionctl"),
+        "{log}"
+    );
+
+    // And the driver, with its certificate, drives a run to convergence
+    // through both.
+    let mut c = cluster.client().await.unwrap();
+    let s = shape("tls", 1, "fake", &[("w", 3, "img:1")]);
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&s)),
+    })
+    .await
+    .unwrap();
+    if let Err(e) = watch_until(&mut c, "tls", Duration::from_secs(60), |s| s.converged).await {
+        cluster.dump_logs();
+        panic!("{e}");
+    }
+    assert_eq!(cluster.inventory().await.unwrap().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plaintext_does_not_reach_a_tls_service() {
+    let cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
+    let plaintext = Transport::Insecure;
+    for (svc, name) in [
+        (&cluster.decider, "provisioning.v1.Decider"),
+        (&cluster.executor, "provisioning.v1.Executor"),
+        (&cluster.driver, "provisioning.v1.Provisioning"),
+    ] {
+        let r = health(svc, &plaintext, name).await;
+        assert!(r.is_err(), "{name} answered a plaintext client: {r:?}");
+    }
+    // The driver's public API takes a client with no certificate of its own
+    // (client certificates are optional there), but only over TLS.
+    let pki = cluster.tls.clone().unwrap();
+    let ok = health(
+        &cluster.driver,
+        &pki.transport(None).unwrap(),
+        "provisioning.v1.Provisioning",
+    )
+    .await;
+    assert!(matches!(ok, Ok(ServingStatus::Serving)), "{ok:?}");
+}
+
+/// Runs `name` with `args` and a clean environment until it exits (within
+/// 20 s): its exit code and standard error.
+async fn run_to_exit(name: &str, args: &[&str]) -> (Option<i32>, String) {
+    let mut cmd = tokio::process::Command::new(bin_path(name).unwrap());
+    cmd.args(args)
+        .env_clear()
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(20), cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("{name} {args:?} did not exit"))
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_without_tls_settings_or_insecure_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::create(dir.path()).unwrap();
+    let ca = pki.ca().display().to_string();
+    let listen = ["--listen", "127.0.0.1:0"];
+    let driver_extra = [
+        "--decider",
+        "127.0.0.1:1",
+        "--executor",
+        "127.0.0.1:2",
+        "--store",
+        "memory",
+    ];
+    for name in ["decider-svc", "executor-svc", "driver-svc"] {
+        let extra: &[&str] = if name == "driver-svc" { &driver_extra } else { &[] };
+        let args: Vec<&str> = listen.iter().chain(extra).copied().collect();
+        let (code, err) = run_to_exit(name, &args).await;
+        assert_ne!(code, Some(0), "{name} started without TLS settings");
+        assert!(
+            err.contains("no TLS settings") && err.contains("--insecure") && err.contains("--tls-cert"),
+            "{name}: {err}"
+        );
+
+        let mut conflicting = args.clone();
+        conflicting.extend(["--insecure", "--tls-ca", &ca]);
+        let (code, err) = run_to_exit(name, &conflicting).await;
+        assert_ne!(code, Some(0), "{name} started with --insecure and --tls-ca");
+        assert!(err.contains("cannot be combined with --tls-ca"), "{name}: {err}");
+
+        let mut partial = args.clone();
+        partial.extend(["--tls-ca", &ca]);
+        let (code, err) = run_to_exit(name, &partial).await;
+        assert_ne!(code, Some(0), "{name} started with only --tls-ca");
+        assert!(err.contains("--tls-cert is missing"), "{name}: {err}");
+    }
+
+    // With --insecure it starts, and says loudly that it is in plaintext.
+    let svc = Service::start(
+        "decider-svc",
+        dir.path(),
+        "127.0.0.1:0",
+        &["--insecure".to_owned()],
+    )
+    .await
+    .unwrap();
+    let log = std::fs::read_to_string(svc.log_file()).unwrap();
+    assert!(
+        log.contains("WARN") && log.contains("--insecure: serving and calling in plaintext"),
+        "{log}"
+    );
+    let ok = health(&svc, &Transport::Insecure, "provisioning.v1.Decider").await;
+    assert!(matches!(ok, Ok(ServingStatus::Serving)), "{ok:?}");
+}
+
+/// `provisionctl` with args and environment; its exit code, stdout and stderr.
+async fn provisionctl(args: &[&str], env: &[(String, String)]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(bin_path("provisionctl").unwrap())
+        .args(args)
+        .env_remove("PROVISIONCTL_SERVER")
+        .env_remove("PROVISIONCTL_INSECURE")
+        .env_remove("PROVISIONCTL_TLS_CA")
+        .env_remove("PROVISIONCTL_TLS_CERT")
+        .env_remove("PROVISIONCTL_TLS_KEY")
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn mode(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisionctl_writes_certificates_the_services_run_with() {
+    // `provisionctl certs` writes a CA and a certificate per holder.
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let out_dir = certs.display().to_string();
+    let (code, out, err) = provisionctl(&["certs", "--out", &out_dir, "--days", "2"], &[]).await;
+    assert_eq!(code, 0, "{err}");
+    for name in ["decider-svc", "executor-svc", "driver-svc", "provisionctl"] {
+        let key = certs.join(format!("{name}.key"));
+        assert!(out.contains(&key.display().to_string()), "{out}");
+        assert_eq!(mode(&key), 0o600, "{name}.key");
+        assert!(certs.join(format!("{name}.pem")).exists());
+    }
+    assert!(certs.join("ca.pem").exists());
+
+    // A decider started with them answers the driver's certificate from the
+    // same set, and refuses provisionctl's.
+    let tls_args = |name: &str| -> Vec<String> {
+        vec![
+            "--tls-cert".into(),
+            certs.join(format!("{name}.pem")).display().to_string(),
+            "--tls-key".into(),
+            certs.join(format!("{name}.key")).display().to_string(),
+            "--tls-ca".into(),
+            certs.join("ca.pem").display().to_string(),
+        ]
+    };
+    let decider = Service::start("decider-svc", dir.path(), "127.0.0.1:0", &tls_args("decider-svc"))
+        .await
+        .unwrap();
+    let as_holder = |name: &str| {
+        let cert = certs.join(format!("{name}.pem"));
+        let key = certs.join(format!("{name}.key"));
+        Transport::Tls(Arc::new(
+            TlsMaterial::load(&certs.join("ca.pem"), Some((&cert, &key))).unwrap(),
+        ))
+    };
+    assert!(matches!(decide(&decider, &as_holder("driver-svc")).await, Ok(2)));
+    denied(
+        "decider, provisionctl",
+        &decide(&decider, &as_holder("provisionctl")).await,
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisionctl_talks_tls_and_plaintext_only_when_told() {
+    let cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
+    let addr = cluster.driver.addr.to_string();
+    let env = cluster.provisionctl_env();
+
+    // TLS with the cluster's CA and provisionctl's certificate.
+    let (code, out, err) = provisionctl(&["--server", &addr, "list"], &env).await;
+    assert_eq!(code, 0, "{out}{err}");
+
+    // Neither TLS settings nor --insecure: a usage error naming both.
+    let (code, _, err) = provisionctl(&["--server", &addr, "list"], &[]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--tls-ca") && err.contains("--insecure"), "{err}");
+
+    // Plaintext to a TLS driver does not get through.
+    let (code, out, err) = provisionctl(&["--server", &addr, "--insecure", "list"], &[]).await;
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.is_empty() && err.contains("could not list runs"),
+        "{out}{err}"
+    );
+
+    // An http:// URL with TLS on is refused rather than sent in plaintext.
+    let url = format!("http://{addr}");
+    let (code, _, err) = provisionctl(&["--server", &url, "list"], &env).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("use https://"), "{err}");
+
+    // A CA that did not sign the driver's certificate: the server is not trusted.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let other = TestPki::create(elsewhere.path()).unwrap();
+    let (code, _, err) = provisionctl(&["--server", &addr, "list"], &other.provisionctl_env()).await;
+    assert_eq!(code, 4, "{err}");
+}
