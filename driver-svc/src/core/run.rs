@@ -14,7 +14,7 @@
 //! one batch, and only then returns the operations to submit.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     sync::Arc,
     time::Duration,
 };
@@ -177,6 +177,16 @@ struct Entry {
     wake_at: Option<UnixMillis>,
     last: Option<LastDecision>,
     trace: TraceContext,
+    /// What the run's indexes hold for this entry (see `RunState::reindex`).
+    indexed: Indexed,
+}
+
+/// An entry's keys in the run's indexes, as last synced.
+#[derive(Debug, Clone, Copy, Default)]
+struct Indexed {
+    dirty: bool,
+    wake: Option<UnixMillis>,
+    deadline: Option<UnixMillis>,
 }
 
 impl Entry {
@@ -188,6 +198,7 @@ impl Entry {
             wake_at: None,
             last: None,
             trace: TraceContext::default(),
+            indexed: Indexed::default(),
         }
     }
 }
@@ -259,9 +270,18 @@ pub struct RunState {
     /// Nodes with a pending operation.
     pending_ops: usize,
     /// Sessions whose observations to ask the executor for again.
-    replays: Vec<contract::SessionId>,
+    replays: Vec<(LogicalNodeId, contract::SessionId)>,
     counters: RunCounters,
     pass_trace: TraceContext,
+    /// Indexes over the nodes, so that what the shell asks after every event
+    /// (`needs_pass`, `poll_timeout`) and a pass's plan cost no scan of the
+    /// run: dirty nodes, decision wake-ups, deadlines (operation deadline
+    /// plus grace, or an active node's stage deadline), nodes held per group.
+    /// Synced by `reindex` after every change to an entry.
+    dirty_ids: BTreeSet<LogicalNodeId>,
+    wakes: BTreeSet<(UnixMillis, LogicalNodeId)>,
+    deadlines: BTreeSet<(UnixMillis, LogicalNodeId)>,
+    held: HashMap<contract::GroupId, u64>,
 }
 
 impl RunState {
@@ -318,7 +338,12 @@ impl RunState {
             .map(|r| (r.node.id.clone(), Entry::new(r)))
             .collect();
         let pending_ops = nodes.values().filter(|e| e.rec.node.pending.is_some()).count();
-        Self {
+        let ids: Vec<LogicalNodeId> = nodes.keys().cloned().collect();
+        let mut run = Self {
+            dirty_ids: BTreeSet::new(),
+            wakes: BTreeSet::new(),
+            deadlines: BTreeSet::new(),
+            held: HashMap::new(),
             urgent: false,
             batch_from: None,
             pending_ops,
@@ -334,7 +359,126 @@ impl RunState {
             replays: Vec::new(),
             counters: RunCounters::default(),
             pass_trace: TraceContext::default(),
+        };
+        for id in ids {
+            *run.held.entry(id.group().clone()).or_default() += 1;
+            run.reindex(&id);
         }
+        run
+    }
+
+    // ----- indexes -------------------------------------------------------
+
+    /// Brings the indexes in line with the entry of `id` (which exists).
+    fn reindex(&mut self, id: &LogicalNodeId) {
+        let grace = self.policy.result_grace;
+        let Some(e) = self.nodes.get_mut(id) else {
+            return;
+        };
+        let n = &e.rec.node;
+        let deadline = [
+            n.pending.and_then(|p| p.deadline.checked_add(grace).ok()),
+            n.stage_deadline.filter(|_| n.intent == Intent::Active),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let now = Indexed {
+            dirty: e.dirty,
+            wake: e.wake_at,
+            deadline,
+        };
+        let was = std::mem::replace(&mut e.indexed, now);
+        if was.dirty != now.dirty {
+            if now.dirty {
+                self.dirty_ids.insert(id.clone());
+            } else {
+                self.dirty_ids.remove(id);
+            }
+        }
+        if was.wake != now.wake {
+            if let Some(t) = was.wake {
+                self.wakes.remove(&(t, id.clone()));
+            }
+            if let Some(t) = now.wake {
+                self.wakes.insert((t, id.clone()));
+            }
+        }
+        if was.deadline != now.deadline {
+            if let Some(t) = was.deadline {
+                self.deadlines.remove(&(t, id.clone()));
+            }
+            if let Some(t) = now.deadline {
+                self.deadlines.insert((t, id.clone()));
+            }
+        }
+    }
+
+    /// Inserts an entry and indexes it.
+    fn insert_entry(&mut self, id: LogicalNodeId, e: Entry) {
+        if let Some(old) = self.nodes.insert(id.clone(), e) {
+            self.unindex(&id, &old);
+        } else {
+            *self.held.entry(id.group().clone()).or_default() += 1;
+        }
+        self.reindex(&id);
+    }
+
+    /// Removes an entry and its index keys.
+    fn remove_entry(&mut self, id: &LogicalNodeId) -> Option<Entry> {
+        let e = self.nodes.remove(id)?;
+        self.unindex(id, &e);
+        if let Some(n) = self.held.get_mut(id.group()) {
+            *n = n.saturating_sub(1);
+        }
+        Some(e)
+    }
+
+    fn unindex(&mut self, id: &LogicalNodeId, e: &Entry) {
+        if e.indexed.dirty {
+            self.dirty_ids.remove(id);
+        }
+        if let Some(t) = e.indexed.wake {
+            self.wakes.remove(&(t, id.clone()));
+        }
+        if let Some(t) = e.indexed.deadline {
+            self.deadlines.remove(&(t, id.clone()));
+        }
+    }
+
+    /// Whether the indexes match a scan of the nodes (for tests and debug
+    /// builds).
+    pub fn indexes_consistent(&self) -> bool {
+        let grace = self.policy.result_grace;
+        let dirty: BTreeSet<LogicalNodeId> =
+            self.nodes.iter().filter(|(_, e)| e.dirty).map(|(id, _)| id.clone()).collect();
+        let wakes: BTreeSet<(UnixMillis, LogicalNodeId)> = self
+            .nodes
+            .iter()
+            .filter_map(|(id, e)| e.wake_at.map(|t| (t, id.clone())))
+            .collect();
+        let deadlines: BTreeSet<(UnixMillis, LogicalNodeId)> = self
+            .nodes
+            .iter()
+            .filter_map(|(id, e)| {
+                let n = &e.rec.node;
+                [
+                    n.pending.and_then(|p| p.deadline.checked_add(grace).ok()),
+                    n.stage_deadline.filter(|_| n.intent == Intent::Active),
+                ]
+                .into_iter()
+                .flatten()
+                .min()
+                .map(|t| (t, id.clone()))
+            })
+            .collect();
+        let mut held: HashMap<contract::GroupId, u64> = HashMap::new();
+        for id in self.nodes.keys() {
+            *held.entry(id.group().clone()).or_default() += 1;
+        }
+        let held_now: HashMap<contract::GroupId, u64> =
+            self.held.iter().filter(|(_, n)| **n > 0).map(|(g, n)| (g.clone(), *n)).collect();
+        dirty == self.dirty_ids && wakes == self.wakes && deadlines == self.deadlines && held == held_now
     }
 
     // ----- reads ---------------------------------------------------------
@@ -378,7 +522,7 @@ impl RunState {
     /// re-inserted by the next pass under a fresh attempt. `None` if the run
     /// holds no such node. The removal is written by the next commit.
     pub fn abandon(&mut self, id: &LogicalNodeId, now: UnixMillis) -> Option<AbandonedNode> {
-        let e = self.nodes.remove(id)?;
+        let e = self.remove_entry(id)?;
         let n = &e.rec.node;
         if n.pending.is_some() {
             self.pending_ops = self.pending_ops.saturating_sub(1);
@@ -477,7 +621,7 @@ impl RunState {
             retry: RetryState::default(),
             stage_deadline: None,
         };
-        self.nodes.insert(
+        self.insert_entry(
             o.node.clone(),
             Entry::new(NodeRecord {
                 node,
@@ -579,19 +723,15 @@ impl RunState {
     /// When the run next needs attention on its own: a decision's wake time, an
     /// operation's deadline plus grace, or a stage deadline.
     pub fn poll_timeout(&self) -> Option<UnixMillis> {
-        let grace = self.policy.result_grace;
         let batch = self.batch_end();
-        self.nodes
-            .values()
-            .flat_map(|e| {
-                let n = &e.rec.node;
-                let op = n.pending.and_then(|p| p.deadline.checked_add(grace).ok());
-                let stage = n.stage_deadline.filter(|_| n.intent == Intent::Active);
-                [e.wake_at, op, stage]
-            })
-            .flatten()
-            .chain(batch)
-            .min()
+        [
+            self.wakes.first().map(|(t, _)| *t),
+            self.deadlines.first().map(|(t, _)| *t),
+            batch,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     // ----- desired state -------------------------------------------------
@@ -683,10 +823,10 @@ impl RunState {
         }
         // A due wake-up never waits for the batch window: its deadline is
         // what `poll_timeout` reported, and waiting would spin the timer.
-        if self.nodes.values().any(|e| e.wake_at.is_some_and(|t| t <= now)) {
+        if self.wakes.first().is_some_and(|(t, _)| *t <= now) {
             return true;
         }
-        let wanted = self.nodes.values().any(|e| e.dirty) || self.missing_slots();
+        let wanted = !self.dirty_ids.is_empty() || self.missing_slots();
         wanted && self.batch_end().is_none_or(|end| end <= now)
     }
 
@@ -710,17 +850,11 @@ impl RunState {
         if self.meta.deleting {
             return false;
         }
-        let held = |g: &contract::GroupId| {
-            self.nodes
-                .range(LogicalNodeId::new(g.clone(), 0)..)
-                .take_while(|(id, _)| id.group() == g)
-                .count() as u64
-        };
         self.meta
             .shape
             .groups
             .iter()
-            .any(|g| held(&g.id) < u64::from(g.count))
+            .any(|g| self.held.get(&g.id).copied().unwrap_or(0) < u64::from(g.count))
     }
 
     /// Starts a pass: folds expired deadlines, then names the nodes to decide.
@@ -728,14 +862,18 @@ impl RunState {
         if self.in_pass {
             return Err(CoreError::PassInProgress);
         }
+        debug_assert!(self.indexes_consistent(), "run indexes out of step before a pass");
         self.handle_timeout(now)?;
         let full = self.full;
-        let nodes = self
-            .nodes
-            .iter()
-            .filter(|(_, e)| full || e.dirty || e.wake_at.is_some_and(|t| t <= now))
-            .map(|(id, e)| (id.clone(), e.version))
-            .collect();
+        let nodes = if full {
+            self.nodes.iter().map(|(id, e)| (id.clone(), e.version)).collect()
+        } else {
+            let mut ids: BTreeSet<&LogicalNodeId> = self.dirty_ids.iter().collect();
+            ids.extend(self.wakes.iter().take_while(|(t, _)| *t <= now).map(|(_, id)| id));
+            ids.into_iter()
+                .filter_map(|id| self.nodes.get(id).map(|e| (id.clone(), e.version)))
+                .collect()
+        };
         self.full = false;
         self.urgent = false;
         self.batch_from = None;
@@ -795,6 +933,7 @@ impl RunState {
             {
                 e.dirty = false;
                 e.wake_at = None;
+                self.reindex(id);
             }
         }
         let mut ops = Vec::new();
@@ -812,6 +951,7 @@ impl RunState {
                 self.urgent = true;
                 if let Some(e) = self.nodes.get_mut(&d.node) {
                     e.dirty = true;
+                    self.reindex(&d.node);
                 }
                 continue;
             }
@@ -844,6 +984,7 @@ impl RunState {
         out.acks = self.commit(store)?;
         self.counters.operations += ops.len() as u64;
         out.operations = ops;
+        debug_assert!(self.indexes_consistent(), "run indexes out of step after a pass");
         Ok(out)
     }
 
@@ -854,6 +995,7 @@ impl RunState {
                 decision: d.clone(),
                 at: now,
             });
+            self.reindex(&d.node);
         }
     }
 
@@ -881,10 +1023,10 @@ impl RunState {
                 });
                 self.removed.remove(&d.node);
                 self.changed.insert(d.node.clone());
-                self.nodes.insert(d.node, e);
+                self.insert_entry(d.node, e);
             }
             Action::Reap => {
-                self.nodes.remove(&d.node);
+                self.remove_entry(&d.node);
                 self.changed.remove(&d.node);
                 self.removed.insert(d.node);
             }
@@ -963,6 +1105,7 @@ impl RunState {
                 at: now,
             });
             self.changed.insert(id.clone());
+            self.reindex(id);
         }
     }
 
@@ -1047,6 +1190,7 @@ impl RunState {
             at: now,
         });
         self.changed.insert(d.node.clone());
+        self.reindex(&d.node);
         Ok(Some(op))
     }
 
@@ -1264,7 +1408,7 @@ impl RunState {
                     // before it (left unacknowledged): ask for the session
                     // after what is folded. Stages acknowledged by then are
                     // not sent twice.
-                    self.replays.push(session.clone());
+                    self.replays.push((id.clone(), session.clone()));
                     n.facts.session = Some(session.clone());
                     n.facts.ambiguous_bootstrap = false;
                     n.facts.bootstrap = None;
@@ -1303,6 +1447,7 @@ impl RunState {
             }
         }
         self.changed.insert(id.clone());
+        self.reindex(id);
         Ok(())
     }
 
@@ -1357,6 +1502,7 @@ impl RunState {
             }
         }
         self.changed.insert(o.node.clone());
+        self.reindex(&o.node);
         self.note_fold(now);
         self.unacked.push(AckRef::Observation {
             session: o.session.clone(),
@@ -1398,11 +1544,11 @@ impl RunState {
         let sessions = std::mem::take(&mut self.replays);
         sessions
             .into_iter()
-            .map(|session| {
+            .map(|(node, session)| {
                 let after = self
                     .nodes
-                    .values()
-                    .find(|e| e.rec.node.facts.session.as_ref() == Some(&session))
+                    .get(&node)
+                    .filter(|e| e.rec.node.facts.session.as_ref() == Some(&session))
                     .and_then(|e| e.rec.node.facts.bootstrap.as_ref().map(|b| b.seq))
                     .unwrap_or(0);
                 (session, after)
@@ -1489,7 +1635,17 @@ impl RunState {
         let grace = self.policy.result_grace;
         let mut expired_ops = Vec::new();
         let mut expired_stages = Vec::new();
-        for (id, e) in &self.nodes {
+        // Only nodes with a deadline due can expire: the index names them.
+        let due: Vec<LogicalNodeId> = self
+            .deadlines
+            .iter()
+            .take_while(|(t, _)| *t <= now)
+            .map(|(_, id)| id.clone())
+            .collect();
+        for id in &due {
+            let Some(e) = self.nodes.get(id) else {
+                continue;
+            };
             let n = &e.rec.node;
             if let Some(p) = n.pending
                 && p.deadline.checked_add(grace).is_ok_and(|t| t <= now)
@@ -1540,6 +1696,7 @@ impl RunState {
                 e.version += 1;
                 e.dirty = true;
                 e.wake_at = None;
+                self.reindex(&id);
                 self.changed.insert(id);
                 self.counters.stage_timeouts += 1;
                 folded += 1;
