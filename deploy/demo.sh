@@ -14,6 +14,10 @@
 # directory; the decider and the executor take calls only from the driver's
 # certificate. DEMO_INSECURE=1 runs it all in plaintext (--insecure) instead.
 #
+# Clients authenticate: the demo makes a write token (`provisionctl token
+# new`), gives the driver its hash in a tokens file (--tokens-file) and
+# provisionctl the token (PROVISIONCTL_TOKEN_FILE).
+#
 # With DEMO_TELEMETRY=1 the services serve Prometheus metrics and export
 # traces over OTLP/gRPC on the addresses of deploy/telemetry.env, which
 # deploy/prometheus.yml and deploy/otel-collector.yaml point at.
@@ -97,9 +101,17 @@ esac
 pids+=($!)
 executor=$(wait_ready "$work/executor.ready" executor-svc $!)
 
+# Client authentication: a write token for the demo. `provisionctl token new`
+# prints the token's tokens-file entry (its SHA-256, never the token) and saves
+# the token itself, which provisionctl then sends (PROVISIONCTL_TOKEN_FILE).
+"$bin/provisionctl" token new demo --access write --save "$work/demo.token" \
+    >"$work/tokens.yaml" 2>/dev/null
+export PROVISIONCTL_TOKEN_FILE="$work/demo.token"
+
 # shellcheck disable=SC2046
 "$bin/driver-svc" --listen 127.0.0.1:0 --ready-file "$work/driver.ready" $(tls driver-svc) \
     --decider "$decider" --executor "$executor" --data-dir "$work/driver-data" \
+    --tokens-file "$work/tokens.yaml" \
     "${driver_telemetry[@]}" 2>"$work/driver-svc.log" &
 pids+=($!)
 driver=$(wait_ready "$work/driver.ready" driver-svc $!)

@@ -243,14 +243,22 @@ async fn calls_over_max_nodes_are_resource_exhausted() {
     assert!(held > sent);
     // At the limit exactly (the slot indices are the largest count), the call
     // goes through.
-    let server = Server::start(Config { max_nodes: held, ..Config::default() }).await;
+    let server = Server::start(Config {
+        max_nodes: held,
+        ..Config::default()
+    })
+    .await;
     let out = decide(&mut server.client().await, requests(&m, false))
         .await
         .unwrap();
     assert_eq!(out, in_process(&m, false));
     server.stop().await;
 
-    let server = Server::start(Config { max_nodes: sent - 1, ..Config::default() }).await;
+    let server = Server::start(Config {
+        max_nodes: sent - 1,
+        ..Config::default()
+    })
+    .await;
     let status = refusal(&server, requests(&m, true)).await;
     assert_eq!(status.code(), Code::ResourceExhausted);
     assert!(
@@ -269,7 +277,11 @@ async fn calls_over_max_nodes_are_resource_exhausted() {
     assert!(status.message().contains("slot indices"), "{}", status.message());
 
     // And so do the desired slots, which would all become inserts.
-    let small = Server::start(Config { max_nodes: 13, ..Config::default() }).await;
+    let small = Server::start(Config {
+        max_nodes: 13,
+        ..Config::default()
+    })
+    .await;
     let empty = decider::SlotSet::new();
     let status = refusal(
         &small,

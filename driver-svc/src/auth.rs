@@ -90,10 +90,7 @@ pub struct TokenEntry {
 #[derive(Debug, thiserror::Error)]
 pub enum TokensFileError {
     #[error("cannot read the tokens file {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("the tokens file {path} is not a list of token entries: {reason}")]
     Syntax { path: PathBuf, reason: String },
     #[error("the tokens file {path}, entry {index} ({name:?}): {problem}")]
@@ -339,7 +336,11 @@ impl Principal {
         if self.may_see(run) {
             Ok(())
         } else {
-            let allowed: Vec<&str> = self.runs.iter().flat_map(|r| r.iter().map(String::as_str)).collect();
+            let allowed: Vec<&str> = self
+                .runs
+                .iter()
+                .flat_map(|r| r.iter().map(String::as_str))
+                .collect();
             Err(denied(format!(
                 "{} is limited to runs [{}]; run {run:?} is not one of them",
                 self.who(),
@@ -443,7 +444,10 @@ pub struct Authenticator {
 enum Mode {
     /// `--allow-unauthenticated`: every caller is [`Principal::anonymous`].
     Open,
-    Tokens { path: PathBuf, set: RwLock<Arc<TokenSet>> },
+    Tokens {
+        path: PathBuf,
+        set: RwLock<Arc<TokenSet>>,
+    },
 }
 
 impl Authenticator {
@@ -519,7 +523,9 @@ impl Authenticator {
                         }
                     });
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot listen for SIGHUP: the tokens file is read once"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot listen for SIGHUP: the tokens file is read once")
+                }
             }
         }
     }
@@ -528,7 +534,11 @@ impl Authenticator {
     /// one, its client certificate's `peer_identities` prove, or
     /// `UNAUTHENTICATED` saying what is missing or wrong (never echoing the
     /// token).
-    pub fn authenticate(&self, headers: &http::HeaderMap, peer_identities: &[String]) -> Result<Principal, Status> {
+    pub fn authenticate(
+        &self,
+        headers: &http::HeaderMap,
+        peer_identities: &[String],
+    ) -> Result<Principal, Status> {
         let set = match &self.mode {
             Mode::Open => return Ok(Principal::anonymous()),
             Mode::Tokens { set, .. } => set.read().map(|s| Arc::clone(&s)).unwrap_or_default(),
@@ -678,7 +688,10 @@ mod tests {
 
     fn bearer(token: &str) -> http::HeaderMap {
         let mut h = http::HeaderMap::new();
-        h.insert(http::header::AUTHORIZATION, format!("Bearer {token}").parse().unwrap());
+        h.insert(
+            http::header::AUTHORIZATION,
+            format!("Bearer {token}").parse().unwrap(),
+        );
         h
     }
 
@@ -696,12 +709,19 @@ mod tests {
         assert_eq!(ci.name(), Some("ci"));
         ci.require(Access::Write, "Apply").unwrap();
         let viewer = auth.authenticate(&bearer(&t2), &[]).unwrap();
-        assert_eq!(viewer.require(Access::Write, "Apply").unwrap_err().code(), tonic::Code::PermissionDenied);
+        assert_eq!(
+            viewer.require(Access::Write, "Apply").unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
         viewer.require(Access::Read, "GetRun").unwrap();
         viewer.require_run("demo").unwrap();
         let e = viewer.require_run("other").unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        assert!(e.message().contains("\"other\"") && e.message().contains("[demo]"), "{}", e.message());
+        assert!(
+            e.message().contains("\"other\"") && e.message().contains("[demo]"),
+            "{}",
+            e.message()
+        );
 
         for headers in [http::HeaderMap::new(), bearer("prov_nope"), bearer("")] {
             let e = auth.authenticate(&headers, &[]).unwrap_err();
@@ -709,11 +729,20 @@ mod tests {
             assert!(!e.message().contains("prov_nope"));
         }
         let mut basic = http::HeaderMap::new();
-        basic.insert(http::header::AUTHORIZATION, format!("Basic {t1}").parse().unwrap());
-        assert_eq!(auth.authenticate(&basic, &[]).unwrap_err().code(), tonic::Code::Unauthenticated);
+        basic.insert(
+            http::header::AUTHORIZATION,
+            format!("Basic {t1}").parse().unwrap(),
+        );
+        assert_eq!(
+            auth.authenticate(&basic, &[]).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
         // The scheme is case-insensitive, as HTTP has it.
         let mut lower = http::HeaderMap::new();
-        lower.insert(http::header::AUTHORIZATION, format!("bearer {t1}").parse().unwrap());
+        lower.insert(
+            http::header::AUTHORIZATION,
+            format!("bearer {t1}").parse().unwrap(),
+        );
         assert_eq!(auth.authenticate(&lower, &[]).unwrap().name(), Some("ci"));
     }
 
@@ -722,7 +751,11 @@ mod tests {
         let token = "prov_0123";
         let entry = entry_for("ci", token, Access::Read, None);
         assert_eq!(entry.sha256, Some(to_hex(&hash_token(token))));
-        assert!(!serde_yaml::to_string(&[entry.clone()]).unwrap().contains(token));
+        assert!(
+            !serde_yaml::to_string(std::slice::from_ref(&entry))
+                .unwrap()
+                .contains(token)
+        );
         // Known answer: SHA-256("abc").
         assert_eq!(
             to_hex(&hash_token("abc")),
@@ -731,7 +764,10 @@ mod tests {
 
         let p = Path::new("tokens.yaml");
         let cases = [
-            ("- {name: a, sha256: abc, access: read}", "entry 0 (\"a\"): sha256 must be 64"),
+            (
+                "- {name: a, sha256: abc, access: read}",
+                "entry 0 (\"a\"): sha256 must be 64",
+            ),
             (
                 "- {name: a, sha256: ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad, access: admin}",
                 "not a list of token entries",
@@ -775,17 +811,32 @@ mod tests {
         assert_eq!(p.name(), Some("ops"));
         assert!(p.require(Access::Write, "Apply").is_err() && !p.may_see("other"));
         // A token, when given, is what counts.
-        assert_eq!(auth.authenticate(&bearer(&token), &ops).unwrap().name(), Some("ci"));
+        assert_eq!(
+            auth.authenticate(&bearer(&token), &ops).unwrap().name(),
+            Some("ci")
+        );
         assert!(auth.authenticate(&bearer("prov_wrong"), &ops).is_err());
         // A certificate no entry names, or none at all.
         let e = auth
-            .authenticate(&http::HeaderMap::new(), &["spiffe://provisioning/other".to_owned()])
+            .authenticate(
+                &http::HeaderMap::new(),
+                &["spiffe://provisioning/other".to_owned()],
+            )
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        assert!(e.message().contains("spiffe://provisioning/other"), "{}", e.message());
+        assert!(
+            e.message().contains("spiffe://provisioning/other"),
+            "{}",
+            e.message()
+        );
         // One credential per entry.
         let both = "- {name: x, client_cert: ops, sha256: ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad, access: read}";
-        assert!(TokenSet::parse(Path::new("t.yaml"), both).unwrap_err().to_string().contains("exactly one"));
+        assert!(
+            TokenSet::parse(Path::new("t.yaml"), both)
+                .unwrap_err()
+                .to_string()
+                .contains("exactly one")
+        );
     }
 
     #[test]
@@ -802,13 +853,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokens.yaml");
         let (a, b) = (new_token().unwrap(), new_token().unwrap());
-        std::fs::write(&path, serde_yaml::to_string(&[entry_for("a", &a, Access::Read, None)]).unwrap()).unwrap();
+        std::fs::write(
+            &path,
+            serde_yaml::to_string(&[entry_for("a", &a, Access::Read, None)]).unwrap(),
+        )
+        .unwrap();
         let auth = Authenticator::from_file(&path).unwrap();
         assert!(auth.authenticate(&bearer(&a), &[]).is_ok());
         std::fs::write(&path, "not: [a list").unwrap();
         assert!(auth.reload().is_err());
         assert!(auth.authenticate(&bearer(&a), &[]).is_ok());
-        std::fs::write(&path, serde_yaml::to_string(&[entry_for("b", &b, Access::Read, None)]).unwrap()).unwrap();
+        std::fs::write(
+            &path,
+            serde_yaml::to_string(&[entry_for("b", &b, Access::Read, None)]).unwrap(),
+        )
+        .unwrap();
         assert_eq!(auth.reload().unwrap(), 1);
         assert!(auth.authenticate(&bearer(&a), &[]).is_err());
         assert_eq!(auth.authenticate(&bearer(&b), &[]).unwrap().name(), Some("b"));

@@ -34,7 +34,7 @@ use std::{
     pin::Pin,
     sync::{Arc, Mutex, MutexGuard},
     task::{Context, Poll},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use contract::{
@@ -43,6 +43,7 @@ use contract::{
 };
 use futures::future::{BoxFuture, FutureExt as _};
 use http_body::Frame;
+use tokio::time::Instant;
 use tonic::{Code, Status, body::Body, metadata::MetadataValue, server::NamedService};
 use tower::{
     Layer, Service, ServiceBuilder, ServiceExt as _,
@@ -304,7 +305,8 @@ impl Shared {
             .now_or_never();
         match ready {
             Some(Ok(())) => {
-                let _ = client.limiter.call(());
+                // Spends the budget; the answer (a ready unit) is not needed.
+                drop(client.limiter.call(()));
                 Ok(())
             }
             _ => Err(exhausted(
@@ -580,7 +582,9 @@ mod tests {
     }
 
     /// A stand-in for the API: answers OK once `gate` opens.
-    fn gated(gate: Arc<tokio::sync::Notify>) -> impl Service<
+    fn gated(
+        gate: Arc<tokio::sync::Notify>,
+    ) -> impl Service<
         http::Request<Body>,
         Response = http::Response<Body>,
         Error = Infallible,
@@ -614,10 +618,18 @@ mod tests {
         tokio::task::yield_now().await;
         // The first call holds the only slot until the gate opens: the
         // second is answered without waiting for it.
-        let second = svc.clone().oneshot(http::Request::new(Body::empty())).await.unwrap();
+        let second = svc
+            .clone()
+            .oneshot(http::Request::new(Body::empty()))
+            .await
+            .unwrap();
         let status = status_of(&second);
         assert_eq!(status.code(), Code::ResourceExhausted);
-        assert!(status.message().contains("--max-concurrent-requests"), "{}", status.message());
+        assert!(
+            status.message().contains("--max-concurrent-requests"),
+            "{}",
+            status.message()
+        );
         assert_eq!(second.headers().get(RETRY_PUSHBACK).unwrap(), "150");
         gate.notify_one();
         assert_eq!(status_of(&first.await.unwrap().unwrap()).code(), Code::Ok);
@@ -638,7 +650,11 @@ mod tests {
         let r = svc.oneshot(http::Request::new(Body::empty())).await.unwrap();
         let status = status_of(&r);
         assert_eq!(status.code(), Code::DeadlineExceeded);
-        assert!(status.message().contains("--request-timeout-ms"), "{}", status.message());
+        assert!(
+            status.message().contains("--request-timeout-ms"),
+            "{}",
+            status.message()
+        );
     }
 
     #[test]
@@ -657,7 +673,11 @@ mod tests {
         assert!(r.status.message().contains("--max-watches-per-client"));
         let _b1 = s.open_watch(&b).ok().unwrap();
         let r = s.open_watch(&b).err().unwrap();
-        assert!(r.status.message().contains("--max-watches)"), "{}", r.status.message());
+        assert!(
+            r.status.message().contains("--max-watches)"),
+            "{}",
+            r.status.message()
+        );
         drop(a1);
         let _a3 = s.open_watch(&a).ok().unwrap();
         assert_eq!(lock(&s.watches).total, 3);

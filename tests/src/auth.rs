@@ -104,5 +104,8 @@ pub async fn client(cluster: &Cluster, token: Option<&str>) -> anyhow::Result<Au
         Some(t) => BearerToken::new(t).map_err(anyhow::Error::msg)?,
         None => BearerToken::none(),
     };
-    Ok(ProvisioningClient::with_interceptor(cluster.channel().await?, bearer))
+    Ok(ProvisioningClient::with_interceptor(
+        cluster.channel().await?,
+        bearer,
+    ))
 }

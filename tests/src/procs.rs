@@ -477,7 +477,11 @@ impl ClusterOptions {
     /// (instead of `--allow-unauthenticated`).
     pub fn tokens_file(mut self, path: &Path) -> Self {
         self.driver_args.retain(|a| a != ALLOW_UNAUTHENTICATED);
-        set_flag(&mut self.driver_args, "--tokens-file", &path.display().to_string());
+        set_flag(
+            &mut self.driver_args,
+            "--tokens-file",
+            &path.display().to_string(),
+        );
         self
     }
 

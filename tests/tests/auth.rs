@@ -84,7 +84,11 @@ fn refused<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, says: &[
     let status = r.expect_err("the call should have been refused");
     assert_eq!(status.code(), code, "{status:?}");
     for s in says {
-        assert!(status.message().contains(s), "{:?} does not say {s:?}", status.message());
+        assert!(
+            status.message().contains(s),
+            "{:?} does not say {s:?}",
+            status.message()
+        );
     }
 }
 
@@ -149,7 +153,9 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
     )
     .unwrap();
     let cluster = start(dir, &tokens).await;
-    let mut admin = client(&cluster, Some(tokens.token("admin").unwrap())).await.unwrap();
+    let mut admin = client(&cluster, Some(tokens.token("admin").unwrap()))
+        .await
+        .unwrap();
     for run in RUNS {
         admin.apply(apply_req(run, 1, 2)).await.unwrap();
     }
@@ -170,7 +176,13 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
         Code::Unauthenticated,
         &["no credentials"],
     );
-    every_write_refused(&mut anonymous, "alpha", Code::Unauthenticated, &["no credentials"]).await;
+    every_write_refused(
+        &mut anonymous,
+        "alpha",
+        Code::Unauthenticated,
+        &["no credentials"],
+    )
+    .await;
 
     // A token the server does not know (well formed, never issued).
     let stranger = driver_svc::auth::new_token().unwrap();
@@ -180,14 +192,29 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
         Code::Unauthenticated,
         &["not one this server accepts"],
     );
-    every_write_refused(&mut wrong, "beta", Code::Unauthenticated, &["not one this server accepts"]).await;
+    every_write_refused(
+        &mut wrong,
+        "beta",
+        Code::Unauthenticated,
+        &["not one this server accepts"],
+    )
+    .await;
     let e = wrong.get_run(get_req("beta")).await.unwrap_err();
     assert!(!e.message().contains(&stranger), "the refusal echoes the token");
 
     // A read-only token reads everything and writes nothing.
-    let mut viewer = client(&cluster, Some(tokens.token("viewer").unwrap())).await.unwrap();
-    let listed = viewer.list_runs(pb::ListRunsRequest {}).await.unwrap().into_inner();
-    assert_eq!(listed.runs.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(), RUNS);
+    let mut viewer = client(&cluster, Some(tokens.token("viewer").unwrap()))
+        .await
+        .unwrap();
+    let listed = viewer
+        .list_runs(pb::ListRunsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        listed.runs.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(),
+        RUNS
+    );
     viewer.get_run(get_req("beta")).await.unwrap();
     viewer
         .plan(pb::PlanRequest {
@@ -224,10 +251,16 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
 
     // A token limited to alpha touches nothing of beta, reads included,
     // and lists only alpha.
-    let mut alpha_ops = client(&cluster, Some(tokens.token("alpha-ops").unwrap())).await.unwrap();
+    let mut alpha_ops = client(&cluster, Some(tokens.token("alpha-ops").unwrap()))
+        .await
+        .unwrap();
     let scoped = ["limited to runs [alpha]", "run \"beta\" is not one of them"];
     every_write_refused(&mut alpha_ops, "beta", Code::PermissionDenied, &scoped).await;
-    refused(alpha_ops.get_run(get_req("beta")).await, Code::PermissionDenied, &scoped);
+    refused(
+        alpha_ops.get_run(get_req("beta")).await,
+        Code::PermissionDenied,
+        &scoped,
+    );
     refused(
         alpha_ops
             .watch_run(pb::WatchRunRequest {
@@ -257,16 +290,44 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
         Code::PermissionDenied,
         &scoped,
     );
-    let listed = alpha_ops.list_runs(pb::ListRunsRequest {}).await.unwrap().into_inner();
-    assert_eq!(listed.runs.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(), ["alpha"]);
-    let orphans = alpha_ops.list_orphans(pb::ListOrphansRequest {}).await.unwrap().into_inner();
-    assert!(orphans.orphans.iter().all(|o| o.resource.as_ref().is_some_and(|r| r.run_id == "alpha")));
+    let listed = alpha_ops
+        .list_runs(pb::ListRunsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        listed.runs.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(),
+        ["alpha"]
+    );
+    let orphans = alpha_ops
+        .list_orphans(pb::ListOrphansRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        orphans
+            .orphans
+            .iter()
+            .all(|o| o.resource.as_ref().is_some_and(|r| r.run_id == "alpha"))
+    );
 
     // A read token limited to alpha: reads alpha, not beta, writes neither.
-    let mut alpha_viewer = client(&cluster, Some(tokens.token("alpha-viewer").unwrap())).await.unwrap();
+    let mut alpha_viewer = client(&cluster, Some(tokens.token("alpha-viewer").unwrap()))
+        .await
+        .unwrap();
     alpha_viewer.get_run(get_req("alpha")).await.unwrap();
-    refused(alpha_viewer.get_run(get_req("beta")).await, Code::PermissionDenied, &scoped);
-    every_write_refused(&mut alpha_viewer, "alpha", Code::PermissionDenied, &["needs write access"]).await;
+    refused(
+        alpha_viewer.get_run(get_req("beta")).await,
+        Code::PermissionDenied,
+        &scoped,
+    );
+    every_write_refused(
+        &mut alpha_viewer,
+        "alpha",
+        Code::PermissionDenied,
+        &["needs write access"],
+    )
+    .await;
 
     // Health and reflection stay open without a token.
     let mut health = tonic_health::pb::health_client::HealthClient::new(cluster.channel().await.unwrap());
@@ -277,7 +338,10 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(served.status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    assert_eq!(
+        served.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
 
     // Not one refused call changed anything.
     let after = state(&mut admin, &RUNS).await;
@@ -297,7 +361,11 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
         })
         .await
         .unwrap();
-    let r = alpha_ops.apply(apply_req("alpha", 2, 3)).await.unwrap().into_inner();
+    let r = alpha_ops
+        .apply(apply_req("alpha", 2, 3))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(r.changed);
     let r = admin.apply(apply_req("beta", 2, 4)).await.unwrap().into_inner();
     assert!(r.changed);
@@ -310,12 +378,7 @@ struct Ctl {
 }
 
 impl Ctl {
-    async fn run(
-        server: &str,
-        env: &[(String, String)],
-        token_file: Option<&Path>,
-        args: &[&str],
-    ) -> Self {
+    async fn run(server: &str, env: &[(String, String)], token_file: Option<&Path>, args: &[&str]) -> Self {
         let mut cmd = tokio::process::Command::new(bin_path("provisionctl").unwrap());
         cmd.arg("--server")
             .arg(server)
@@ -355,7 +418,9 @@ async fn provisionctl_tokens_and_a_reload_on_sighup() {
     let cluster = start(tempfile::tempdir().unwrap(), &tokens).await;
     let server = cluster.driver.url();
     let env = cluster.provisionctl_env();
-    let mut admin = client(&cluster, Some(tokens.token("admin").unwrap())).await.unwrap();
+    let mut admin = client(&cluster, Some(tokens.token("admin").unwrap()))
+        .await
+        .unwrap();
     admin.apply(apply_req("alpha", 1, 1)).await.unwrap();
     converged(&mut admin, "alpha", 1).await;
 
@@ -365,7 +430,9 @@ async fn provisionctl_tokens_and_a_reload_on_sighup() {
         &server,
         &env,
         None,
-        &["token", "new", "ops", "--access", "read", "--run", "alpha", "--save"],
+        &[
+            "token", "new", "ops", "--access", "read", "--run", "alpha", "--save",
+        ],
     )
     .await;
     // `--save` wants its path: the call above is a usage error.
@@ -392,16 +459,19 @@ async fn provisionctl_tokens_and_a_reload_on_sighup() {
     let token = std::fs::read_to_string(&saved).unwrap();
     assert!(!entry.contains(token.trim()), "the entry holds the token itself");
     assert!(
-        entry.contains(&driver_svc::auth::to_hex(&driver_svc::auth::hash_token(token.trim()))),
+        entry.contains(&driver_svc::auth::to_hex(&driver_svc::auth::hash_token(
+            token.trim()
+        ))),
         "{entry}"
     );
 
     // Unknown to the driver until the file is reloaded.
-    Ctl::run(&server, &env, Some(&saved), &["get", "alpha"]).await.expect(
-        1,
-        &["did not accept our credentials", "--token-file"],
-    );
-    Ctl::run(&server, &env, None, &["list"]).await.expect(1, &["did not accept our credentials"]);
+    Ctl::run(&server, &env, Some(&saved), &["get", "alpha"])
+        .await
+        .expect(1, &["did not accept our credentials", "--token-file"]);
+    Ctl::run(&server, &env, None, &["list"])
+        .await
+        .expect(1, &["did not accept our credentials"]);
 
     let mut file = std::fs::read_to_string(&tokens.path).unwrap();
     file.push_str(&entry);
@@ -455,7 +525,9 @@ async fn provisionctl_tokens_and_a_reload_on_sighup() {
         .status()
         .unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Ctl::run(&server, &env, Some(&saved), &["get", "alpha"]).await.expect(0, &[]);
+    Ctl::run(&server, &env, Some(&saved), &["get", "alpha"])
+        .await
+        .expect(0, &[]);
     let log = std::fs::read_to_string(cluster.driver.log_file()).unwrap();
     assert!(log.contains("the tokens file was not reloaded"), "{log}");
 }
@@ -479,7 +551,8 @@ async fn the_driver_refuses_to_start_without_authentication_unless_told() {
     assert!(e.to_string().contains("exited early"), "{e}");
     let log = std::fs::read_to_string(dir.path().join("driver-svc.log")).unwrap();
     assert!(
-        log.contains("refusing to serve the public API without authentication") && log.contains("--tokens-file"),
+        log.contains("refusing to serve the public API without authentication")
+            && log.contains("--tokens-file"),
         "{log}"
     );
 
@@ -503,7 +576,10 @@ async fn the_driver_refuses_to_start_without_authentication_unless_told() {
         .await
         .unwrap();
     let log = std::fs::read_to_string(driver.log_file()).unwrap();
-    assert!(log.contains("--allow-unauthenticated: the public API accepts every caller"), "{log}");
+    assert!(
+        log.contains("--allow-unauthenticated: the public API accepts every caller"),
+        "{log}"
+    );
 }
 
 /// Without a token, a client certificate (TLS) whose identity the tokens
@@ -519,7 +595,9 @@ async fn a_listed_client_certificate_authenticates_without_a_token() {
     let cluster = start(tempfile::tempdir().unwrap(), &tokens).await;
     assert!(cluster.tls.is_some(), "the cluster runs with TLS");
 
-    let mut admin = client(&cluster, Some(tokens.token("admin").unwrap())).await.unwrap();
+    let mut admin = client(&cluster, Some(tokens.token("admin").unwrap()))
+        .await
+        .unwrap();
     admin.apply(apply_req("alpha", 1, 1)).await.unwrap();
     converged(&mut admin, "alpha", 1).await;
     let before = settled(&mut admin, &["alpha"]).await;

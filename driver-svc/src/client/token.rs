@@ -68,8 +68,9 @@ impl BearerToken {
             });
         }
         match std::env::var(TOKEN_ENV) {
-            Ok(token) if !token.trim().is_empty() => Self::new(&token)
-                .map_err(|why| CliError::Other(format!("{TOKEN_ENV} cannot be used: {why}"))),
+            Ok(token) if !token.trim().is_empty() => {
+                Self::new(&token).map_err(|why| CliError::Other(format!("{TOKEN_ENV} cannot be used: {why}")))
+            }
             _ => Ok(Self::none()),
         }
     }
@@ -122,10 +123,12 @@ pub fn run(cmd: TokenCommand) -> Result<Exit, CliError> {
         }
         TokenCommand::Hash => {
             let mut text = String::new();
-            std::io::stdin().read_to_string(&mut text).map_err(|e| CliError::Read {
-                path: "standard input".to_owned(),
-                reason: e.to_string(),
-            })?;
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .map_err(|e| CliError::Read {
+                    path: "standard input".to_owned(),
+                    reason: e.to_string(),
+                })?;
             let token = text.trim();
             if token.is_empty() {
                 return Err(CliError::Other("no token on standard input".to_owned()));
@@ -186,7 +189,13 @@ mod tests {
         let r = t.call(Request::new(())).unwrap();
         assert_eq!(r.metadata().get("authorization").unwrap(), "Bearer prov_abc");
         let mut none = BearerToken::none();
-        assert!(none.call(Request::new(())).unwrap().metadata().get("authorization").is_none());
+        assert!(
+            none.call(Request::new(()))
+                .unwrap()
+                .metadata()
+                .get("authorization")
+                .is_none()
+        );
         assert!(BearerToken::new("  ").is_err());
         assert!(BearerToken::new("caf\u{e9}").is_err());
     }
@@ -202,7 +211,12 @@ mod tests {
             use std::os::unix::fs::PermissionsExt as _;
             assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
         }
-        assert!(save_token(&p, "prov_y").unwrap_err().to_string().contains("never overwritten"));
+        assert!(
+            save_token(&p, "prov_y")
+                .unwrap_err()
+                .to_string()
+                .contains("never overwritten")
+        );
         let t = BearerToken::from_args(Some(&p)).unwrap();
         assert!(format!("{t:?}").contains("redacted"));
     }
