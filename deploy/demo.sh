@@ -48,15 +48,23 @@ cargo build --workspace --bins --locked
 bin=target/debug
 
 work=$(mktemp -d)
-if [ "${DEMO_INSECURE:-0}" = 1 ]; then
-    tls() { echo --insecure; }
-    ctl_tls=(--insecure)
-else
+# Each holder's TLS flags, by name (decider-svc, executor-svc, driver-svc,
+# provisionctl), into the array named by the first argument.
+if [ "${DEMO_INSECURE:-0}" != 1 ]; then
     "$bin/provisionctl" certs --out "$work/certs" --days 1 >/dev/null
-    tls() { echo --tls-ca "$work/certs/ca.pem" --tls-cert "$work/certs/$1.pem" --tls-key "$work/certs/$1.key"; }
-    ctl_tls=(--tls-ca "$work/certs/ca.pem" --tls-cert "$work/certs/provisionctl.pem"
-        --tls-key "$work/certs/provisionctl.key")
 fi
+tls_for() {
+    local -n flags=$1
+    if [ "${DEMO_INSECURE:-0}" = 1 ]; then
+        flags=(--insecure)
+    else
+        flags=(--tls-ca "$work/certs/ca.pem" --tls-cert "$work/certs/$2.pem" --tls-key "$work/certs/$2.key")
+    fi
+}
+tls_for decider_tls decider-svc
+tls_for executor_tls executor-svc
+tls_for driver_tls driver-svc
+tls_for ctl_tls provisionctl
 pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -82,8 +90,7 @@ wait_ready() {
     return 1
 }
 
-# shellcheck disable=SC2046 # tls prints flags to split (the paths have no spaces)
-"$bin/decider-svc" --listen 127.0.0.1:0 --ready-file "$work/decider.ready" $(tls decider-svc) \
+"$bin/decider-svc" --listen 127.0.0.1:0 --ready-file "$work/decider.ready" "${decider_tls[@]}" \
     "${decider_telemetry[@]}" \
     2>"$work/decider-svc.log" &
 pids+=($!)
@@ -94,8 +101,7 @@ case "$backend" in
     fake) backend_args=(--backend fake --fake-latency-ms 20,200 --fake-stage-interval-ms 150) ;;
     *) echo "demo: DEMO_BACKEND must be process or fake" >&2; exit 2 ;;
 esac
-# shellcheck disable=SC2046
-"$bin/executor-svc" --listen 127.0.0.1:0 --ready-file "$work/executor.ready" $(tls executor-svc) \
+"$bin/executor-svc" --listen 127.0.0.1:0 --ready-file "$work/executor.ready" "${executor_tls[@]}" \
     "${backend_args[@]}" "${executor_telemetry[@]}" \
     2>"$work/executor-svc.log" &
 pids+=($!)
@@ -108,8 +114,7 @@ executor=$(wait_ready "$work/executor.ready" executor-svc $!)
     >"$work/tokens.yaml" 2>/dev/null
 export PROVISIONCTL_TOKEN_FILE="$work/demo.token"
 
-# shellcheck disable=SC2046
-"$bin/driver-svc" --listen 127.0.0.1:0 --ready-file "$work/driver.ready" $(tls driver-svc) \
+"$bin/driver-svc" --listen 127.0.0.1:0 --ready-file "$work/driver.ready" "${driver_tls[@]}" \
     --decider "$decider" --executor "$executor" --data-dir "$work/driver-data" \
     --tokens-file "$work/tokens.yaml" \
     "${driver_telemetry[@]}" 2>"$work/driver-svc.log" &
