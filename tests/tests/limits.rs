@@ -384,3 +384,59 @@ async fn the_executor_and_the_decider_refuse_over_large_messages() {
     // Still serving: a small call is answered.
     x.inventory(pb::InventoryRequest::default()).await.unwrap();
 }
+
+/// The shape-size limits (`--max-groups`, `--max-nodes-per-group`,
+/// `--max-nodes-total`) refuse a shape over them with `INVALID_ARGUMENT`
+/// naming the field, for apply and plan alike, and nothing is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shapes_over_the_node_and_group_limits_are_refused() {
+    let opts = ClusterOptions::default()
+        .driver("--max-groups", "2")
+        .driver("--max-nodes-per-group", "3")
+        .driver("--max-nodes-total", "4");
+    let cluster = Cluster::start(opts).await.unwrap();
+    let mut c = cluster.client().await.unwrap();
+    let cases = [
+        (
+            shape("big", 1, "fake", &[("workers", 4, "img:1")]),
+            "groups[0].count is 4; the limit is 3",
+        ),
+        (
+            shape("big", 1, "fake", &[("a", 3, "img:1"), ("b", 2, "img:1")]),
+            "groups is 5; the limit is 4",
+        ),
+        (
+            shape(
+                "big",
+                1,
+                "fake",
+                &[("a", 1, "img:1"), ("b", 1, "img:1"), ("c", 1, "img:1")],
+            ),
+            "groups is 3; the limit is 2",
+        ),
+    ];
+    for (s, says) in cases {
+        let wire = Some(pb::ClusterShape::from(&s));
+        let e = c
+            .apply(pb::ApplyRequest { shape: wire.clone() })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(says), "{} does not say {says}", e.message());
+        let e = c.plan(pb::PlanRequest { shape: wire }).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    }
+    let runs = c.list_runs(pb::ListRunsRequest {}).await.unwrap().into_inner();
+    assert!(runs.runs.is_empty(), "{runs:?}");
+    // At the limits exactly, it is accepted.
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&shape(
+            "big",
+            1,
+            "fake",
+            &[("a", 3, "img:1"), ("b", 1, "img:1")],
+        ))),
+    })
+    .await
+    .unwrap();
+}
