@@ -22,12 +22,12 @@
 
 use std::{collections::BTreeMap, path::Path};
 
+use contract::secrets::{Sealer, SecretsError, restrict_to_owner};
 use contract::{
     ClusterShape, Epoch, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
     pb::{self, store::v1 as rec},
     wire::{TemplateTable, node_from_wire, node_to_wire, shape_from_wire},
 };
-use contract::secrets::{Sealer, SecretsError, restrict_to_owner};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
@@ -330,7 +330,10 @@ impl RunStore for RedbStore {
                 for r in &delta.upserts {
                     let id = r.node.id.to_string();
                     nodes
-                        .insert((uid.as_str(), id.as_str()), encode_node(&self.sealer, r)?.as_slice())
+                        .insert(
+                            (uid.as_str(), id.as_str()),
+                            encode_node(&self.sealer, r)?.as_slice(),
+                        )
                         .map_err(unavailable)?;
                 }
                 for id in &delta.removals {
@@ -523,19 +526,34 @@ mod tests {
         assert_eq!(token.value, "s3cret", "read back opened");
         assert!(written[0].nodes.iter().all(|n| n.inflight.is_some()));
         let bytes = std::fs::read(dir.path().join(FILE_NAME)).unwrap();
-        assert!(!contains(&bytes, b"s3cret"), "a secret value is in the file in clear");
+        assert!(
+            !contains(&bytes, b"s3cret"),
+            "a secret value is in the file in clear"
+        );
         assert!(contains(&bytes, b"sealed:v1:"));
 
-        assert_eq!(RedbStore::open_sealed(dir.path(), key()).unwrap().load_all().unwrap(), written);
+        assert_eq!(
+            RedbStore::open_sealed(dir.path(), key())
+                .unwrap()
+                .load_all()
+                .unwrap(),
+            written
+        );
         let no_key = RedbStore::open(dir.path()).unwrap().load_all().unwrap_err();
         assert!(no_key.to_string().contains("no key"), "{no_key}");
         let other = Sealer::new(Some(SecretKey::from_bytes(&[4u8; 32]).unwrap()));
-        let wrong = RedbStore::open_sealed(dir.path(), other).unwrap().load_all().unwrap_err();
+        let wrong = RedbStore::open_sealed(dir.path(), other)
+            .unwrap()
+            .load_all()
+            .unwrap_err();
         assert!(wrong.to_string().contains("does not open"), "{wrong}");
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt as _;
-            let mode = std::fs::metadata(dir.path().join(FILE_NAME)).unwrap().permissions().mode();
+            let mode = std::fs::metadata(dir.path().join(FILE_NAME))
+                .unwrap()
+                .permissions()
+                .mode();
             assert_eq!(mode & 0o077, 0, "the store file is private: {mode:o}");
         }
     }

@@ -245,7 +245,12 @@ impl Budget {
         let runs = self
             .queue
             .iter()
-            .filter_map(|q| self.runs.get(&q.run_uid).and_then(|u| u.bucket.as_ref()).map(Bucket::due))
+            .filter_map(|q| {
+                self.runs
+                    .get(&q.run_uid)
+                    .and_then(|u| u.bucket.as_ref())
+                    .map(Bucket::due)
+            })
             .min();
         match (provider, runs) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -280,7 +285,8 @@ impl Budget {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    // The budget takes `now` as an argument; tests need some instant to start at.
+    #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
 
     use contract::{AttemptId, Epoch, LogicalNodeId, OperationInput, RunId, TraceContext, UnixMillis};
 

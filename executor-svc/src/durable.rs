@@ -20,11 +20,11 @@
 
 use std::path::Path;
 
+use contract::secrets::{Sealer, SecretsError, restrict_to_owner};
 use contract::{
     AttemptId, Epoch, Operation, OperationId, OperationResult, RunUid,
     pb::{self, store::v1 as rec},
 };
-use contract::secrets::{Sealer, SecretsError, restrict_to_owner};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
@@ -203,7 +203,8 @@ impl ExecutorStore {
             let (k, v) = item.map_err(unavailable)?;
             let (uid, attempt, seq) = k.value();
             let r = rec::ExecutorOp::decode(v.value()).map_err(corrupt)?;
-            let mut op = r.op.ok_or_else(|| corrupt("operation record without its operation"))?;
+            let mut op =
+                r.op.ok_or_else(|| corrupt("operation record without its operation"))?;
             self.sealer.open_operation(&mut op).map_err(sealing)?;
             let op = Operation::try_from(op).map_err(corrupt)?;
             let result = r

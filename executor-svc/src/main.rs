@@ -207,9 +207,13 @@ async fn main() -> anyhow::Result<()> {
         peers,
         secrets,
         budget: executor_svc::budget::BudgetConfig {
-            inflight: cli.budget_inflight.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+            inflight: cli
+                .budget_inflight
+                .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
             rate: cli.budget_rate,
-            run_inflight: cli.run_budget_inflight.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+            run_inflight: cli
+                .run_budget_inflight
+                .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
             run_rate: cli.run_budget_rate,
         },
         ..Config::default()

@@ -31,6 +31,7 @@ use std::{
     time::Duration,
 };
 
+use crate::budget::{Budget, BudgetConfig};
 use contract::{
     Claim, Clock, Epoch, FieldError, Observation, Operation, OperationId, OperationResult, Outcome,
     Rejection, RejectionReason, RunUid, SessionId, TraceContext,
@@ -44,7 +45,6 @@ use contract::{
     telemetry::{self, grpc::ServerLayer},
     wire::{trace_from_wire, trace_to_wire},
 };
-use crate::budget::{Budget, BudgetConfig};
 use tokio::{
     net::TcpListener,
     sync::{
@@ -250,7 +250,7 @@ pub async fn run(
         TraceContext::default(),
     ));
     let mut actor = Actor::new(Arc::clone(&backend), clock, events_tx.clone(), observations_tx);
-    actor.budget = Budget::new(config.budget, std::time::Instant::now());
+    actor.budget = Budget::new(config.budget, tokio::time::Instant::now().into_std());
     if let Some(dir) = &config.state_dir {
         let store = crate::durable::ExecutorStore::open_sealed(dir, config.secrets.clone())?;
         actor.core = ExecutorCore::restore(store.load()?);
@@ -575,7 +575,7 @@ impl Actor {
             metrics: ExecutorMetrics::new(),
             outbox: Vec::new(),
             trace: event_trace::Deferred::default(),
-            budget: Budget::new(BudgetConfig::default(), std::time::Instant::now()),
+            budget: Budget::new(BudgetConfig::default(), tokio::time::Instant::now().into_std()),
             told_waiting: HashSet::new(),
         }
     }
@@ -597,7 +597,7 @@ impl Actor {
             let budget_wake = self
                 .budget
                 .next_wake()
-                .map(|at| at.saturating_duration_since(std::time::Instant::now()));
+                .map(|at| at.saturating_duration_since(tokio::time::Instant::now().into_std()));
             let timer = match (timer, budget_wake) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
@@ -638,9 +638,7 @@ impl Actor {
             self.start_admitted();
             self.flush();
             self.metrics.running.set(&[], self.tasks.len() as f64);
-            self.metrics
-                .budget_waiting
-                .set(&[], self.budget.waiting() as f64);
+            self.metrics.budget_waiting.set(&[], self.budget.waiting() as f64);
             self.metrics.links.set(&[], self.links.len() as f64);
         }
         self.stop();
@@ -1032,7 +1030,7 @@ impl Actor {
     /// Starts every waiting operation the budget lets start now, and tells
     /// the driver about each that has to wait (once) and when it starts.
     fn start_admitted(&mut self) {
-        let now = std::time::Instant::now();
+        let now = tokio::time::Instant::now().into_std();
         for op in self.budget.drain(now) {
             if self.told_waiting.remove(&(op.run_uid, op.id)) {
                 let msg = waiting_message(op.run_uid, op.id, None);

@@ -111,7 +111,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())
@@ -279,7 +279,11 @@ mod tests {
         let sealed = s.seal("token", "hunter2").unwrap();
         assert!(sealed.starts_with(PREFIX));
         assert!(!sealed.contains("hunter2"));
-        assert_ne!(sealed, s.seal("token", "hunter2").unwrap(), "fresh nonce per value");
+        assert_ne!(
+            sealed,
+            s.seal("token", "hunter2").unwrap(),
+            "fresh nonce per value"
+        );
         assert_eq!(s.open("token", &sealed).unwrap(), "hunter2");
     }
 
@@ -295,14 +299,20 @@ mod tests {
         damaged[last] = if damaged[last] == b'0' { b'1' } else { b'0' };
         let damaged = String::from_utf8(damaged).unwrap();
         assert!(matches!(s.open("token", &damaged), Err(SecretsError::Open(_))));
-        assert!(matches!(Sealer::new(None).open("token", &sealed), Err(SecretsError::NoKey)));
+        assert!(matches!(
+            Sealer::new(None).open("token", &sealed),
+            Err(SecretsError::NoKey)
+        ));
     }
 
     #[test]
     fn without_a_key_values_pass_through_and_unsealed_values_read_as_they_are() {
         let none = Sealer::new(None);
         assert_eq!(none.seal("token", "hunter2").unwrap(), "hunter2");
-        assert_eq!(Sealer::new(Some(key())).open("token", "hunter2").unwrap(), "hunter2");
+        assert_eq!(
+            Sealer::new(Some(key())).open("token", "hunter2").unwrap(),
+            "hunter2"
+        );
     }
 
     #[test]
@@ -337,7 +347,11 @@ mod tests {
         std::fs::write(&raw, [9u8; 32]).unwrap();
         restrict_to_owner(&raw).unwrap();
         let hexed = dir.join("hex");
-        std::fs::write(&hexed, format!("{}\n", SecretKey::from_bytes(&[9u8; 32]).unwrap().to_hex())).unwrap();
+        std::fs::write(
+            &hexed,
+            format!("{}\n", SecretKey::from_bytes(&[9u8; 32]).unwrap().to_hex()),
+        )
+        .unwrap();
         restrict_to_owner(&hexed).unwrap();
         let a = Sealer::new(Some(SecretKey::load(&raw).unwrap()));
         let b = Sealer::new(Some(SecretKey::load(&hexed).unwrap()));
@@ -352,7 +366,10 @@ mod tests {
         {
             use std::os::unix::fs::PermissionsExt as _;
             std::fs::set_permissions(&raw, std::fs::Permissions::from_mode(0o644)).unwrap();
-            assert!(matches!(SecretKey::load(&raw), Err(SecretsError::Permissions { .. })));
+            assert!(matches!(
+                SecretKey::load(&raw),
+                Err(SecretsError::Permissions { .. })
+            ));
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

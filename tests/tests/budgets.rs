@@ -89,7 +89,9 @@ async fn an_inflight_cap_is_never_exceeded_and_waiting_shows_in_explain() {
     assert!(max_running >= 2.0, "the cap was never approached: {max_running}");
     assert!(max_waiting > 0.0, "nothing ever waited for the budget");
     assert!(
-        notes.iter().any(|n| n.contains("waiting for the provider budget")),
+        notes
+            .iter()
+            .any(|n| n.contains("waiting for the provider budget")),
         "explain never showed a wait: {notes:?}"
     );
     let text = cluster.executor.scrape().await.unwrap();
@@ -105,9 +107,16 @@ async fn an_inflight_cap_is_never_exceeded_and_waiting_shows_in_explain() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_budget_flag_is_refused_at_start() {
-    for (flag, value) in [("--budget-inflight", "0"), ("--budget-rate", "-1"), ("--run-budget-rate", "x")] {
+    for (flag, value) in [
+        ("--budget-inflight", "0"),
+        ("--budget-rate", "-1"),
+        ("--run-budget-rate", "x"),
+    ] {
         let started = Cluster::start(ClusterOptions::default().executor(flag, value)).await;
         let err = started.expect_err("the executor started with a bad budget");
-        assert!(err.to_string().contains("executor-svc exited early"), "{flag}: {err}");
+        assert!(
+            err.to_string().contains("executor-svc exited early"),
+            "{flag}: {err}"
+        );
     }
 }

@@ -192,7 +192,11 @@ async fn stop(cluster: &mut Cluster) {
             Err(e) => {
                 let log = std::fs::read_to_string(s.log_file()).unwrap_or_default();
                 let tail: Vec<&str> = log.lines().rev().take(40).collect();
-                panic!("{} did not stop: {e}; last log lines (newest first):\n{}", s.name, tail.join("\n"));
+                panic!(
+                    "{} did not stop: {e}; last log lines (newest first):\n{}",
+                    s.name,
+                    tail.join("\n")
+                );
             }
         };
         assert!(status.success(), "{} exited with {status}", s.name);
@@ -1045,7 +1049,10 @@ async fn a_secret_never_appears_in_logs_spans_metrics_reads_or_stores() {
     reads.push(format!("{run:?}"));
     reads.push(format!(
         "{:?}",
-        c.list_runs(pb::ListRunsRequest::default()).await.unwrap().into_inner()
+        c.list_runs(pb::ListRunsRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
     ));
     for n in &run.nodes {
         let id = n.state.as_ref().map(|s| s.node_id.clone()).unwrap_or_default();
@@ -1080,7 +1087,10 @@ async fn a_secret_never_appears_in_logs_spans_metrics_reads_or_stores() {
     reads.push(format!("{:?}", watch.message().await.unwrap()));
     reads.push(format!(
         "{:?}",
-        c.list_orphans(pb::ListOrphansRequest {}).await.unwrap().into_inner()
+        c.list_orphans(pb::ListOrphansRequest {})
+            .await
+            .unwrap()
+            .into_inner()
     ));
     for (i, r) in reads.iter().enumerate() {
         assert!(!r.contains(SECRET), "read #{i} shows the secret: {r}");

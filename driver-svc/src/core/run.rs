@@ -450,8 +450,12 @@ impl RunState {
     /// builds).
     pub fn indexes_consistent(&self) -> bool {
         let grace = self.policy.result_grace;
-        let dirty: BTreeSet<LogicalNodeId> =
-            self.nodes.iter().filter(|(_, e)| e.dirty).map(|(id, _)| id.clone()).collect();
+        let dirty: BTreeSet<LogicalNodeId> = self
+            .nodes
+            .iter()
+            .filter(|(_, e)| e.dirty)
+            .map(|(id, _)| id.clone())
+            .collect();
         let wakes: BTreeSet<(UnixMillis, LogicalNodeId)> = self
             .nodes
             .iter()
@@ -476,8 +480,12 @@ impl RunState {
         for id in self.nodes.keys() {
             *held.entry(id.group().clone()).or_default() += 1;
         }
-        let held_now: HashMap<contract::GroupId, u64> =
-            self.held.iter().filter(|(_, n)| **n > 0).map(|(g, n)| (g.clone(), *n)).collect();
+        let held_now: HashMap<contract::GroupId, u64> = self
+            .held
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(g, n)| (g.clone(), *n))
+            .collect();
         dirty == self.dirty_ids && wakes == self.wakes && deadlines == self.deadlines && held == held_now
     }
 
