@@ -186,12 +186,12 @@ pub async fn health_and_reflection<S: tonic::server::NamedService>() -> Result<
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
 pub struct MessageLimits {
     /// The largest message this server accepts, in bytes.
-    #[arg(long = "max-recv-message-bytes", env = "PROVISIONING_MAX_RECV_MESSAGE_BYTES",
+    #[arg(long = "max-recv-message-bytes", env = "PROVISIONING_MAX_RECV_MESSAGE_BYTES", value_name = "BYTES",
           default_value_t = MessageLimits::DEFAULT_RECV, value_parser = clap::value_parser!(u32).range(1..))]
     pub recv: u32,
     /// The largest message this server sends, in bytes (a large run's full
     /// status, or the executor's inventory, are the big ones).
-    #[arg(long = "max-send-message-bytes", env = "PROVISIONING_MAX_SEND_MESSAGE_BYTES",
+    #[arg(long = "max-send-message-bytes", env = "PROVISIONING_MAX_SEND_MESSAGE_BYTES", value_name = "BYTES",
           default_value_t = MessageLimits::DEFAULT_SEND, value_parser = clap::value_parser!(u32).range(1..))]
     pub send: u32,
 }
