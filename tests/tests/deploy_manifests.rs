@@ -2036,10 +2036,22 @@ fn systemd_analyze_accepts_the_units() {
 fn kubernetes_validate_accepts_the_manifests() {
     let tool = "kubernetes-validate";
     let version = Command::new(tool).arg("--version").output();
-    let Ok(version) = version else {
-        panic!(
-            "{tool} is not on PATH: `python3 -m pip install {tool}=={KUBERNETES_VALIDATE_VERSION}` (.ci/run installs it)"
-        )
+    let version = match version {
+        Ok(v) => v,
+        Err(e) => {
+            // CI installs it (.ci/run) and must run this check; elsewhere it
+            // is optional, like promtool.
+            assert!(
+                std::env::var("CI").is_err(),
+                "{tool} is not on PATH in CI: `python3 -m pip install \
+                 {tool}=={KUBERNETES_VALIDATE_VERSION}` (.ci/run installs it): {e}"
+            );
+            println!(
+                "{tool} not installed ({e}); the schema check did not run (`python3 -m pip install \
+                 {tool}=={KUBERNETES_VALIDATE_VERSION}`)"
+            );
+            return;
+        }
     };
     assert_eq!(
         String::from_utf8_lossy(&version.stdout).trim(),
