@@ -194,7 +194,7 @@ fn open_shape(sealer: &Sealer, shape: &mut pb::ClusterShape) -> Result<(), Store
     Ok(())
 }
 
-fn encode_meta(sealer: &Sealer, m: &RunMeta) -> Result<Vec<u8>, StoreError> {
+pub(crate) fn encode_meta(sealer: &Sealer, m: &RunMeta) -> Result<Vec<u8>, StoreError> {
     let mut shape = pb::ClusterShape::from(&m.shape);
     seal_shape(sealer, &mut shape)?;
     Ok(rec::StoredMeta {
@@ -214,7 +214,7 @@ fn encode_meta(sealer: &Sealer, m: &RunMeta) -> Result<Vec<u8>, StoreError> {
     .encode_to_vec())
 }
 
-fn decode_meta(sealer: &Sealer, bytes: &[u8]) -> Result<RunMeta, StoreError> {
+pub(crate) fn decode_meta(sealer: &Sealer, bytes: &[u8]) -> Result<RunMeta, StoreError> {
     let m = rec::StoredMeta::decode(bytes).map_err(|e| corrupt(format!("run record: {e}")))?;
     if m.schema != SCHEMA_VERSION {
         return Err(corrupt(format!("run record of schema {}", m.schema)));
@@ -237,7 +237,7 @@ fn decode_meta(sealer: &Sealer, bytes: &[u8]) -> Result<RunMeta, StoreError> {
     })
 }
 
-fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, StoreError> {
+pub(crate) fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, StoreError> {
     let mut table = TemplateTable::default();
     let state = node_to_wire(&r.node, &mut table);
     let mut templates = table.into_wire();
@@ -268,7 +268,7 @@ fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, StoreError> {
     .encode_to_vec())
 }
 
-fn decode_node(sealer: &Sealer, bytes: &[u8]) -> Result<NodeRecord, StoreError> {
+pub(crate) fn decode_node(sealer: &Sealer, bytes: &[u8]) -> Result<NodeRecord, StoreError> {
     let mut n = rec::StoredNode::decode(bytes).map_err(|e| corrupt(format!("node record: {e}")))?;
     if n.schema != SCHEMA_VERSION {
         return Err(corrupt(format!("node record of schema {}", n.schema)));

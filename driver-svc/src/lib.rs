@@ -23,6 +23,8 @@ pub mod core;
 pub mod crash;
 pub mod driver;
 pub mod durable;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 mod events;
 pub mod limits;
 pub mod link;

@@ -87,6 +87,9 @@ struct Cli {
     auth: driver_svc::auth::AuthArgs,
     #[command(flatten)]
     limits: driver_svc::limits::LimitArgs,
+    #[cfg(feature = "etcd")]
+    #[command(flatten)]
+    etcd: driver_svc::etcd::EtcdArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -99,6 +102,9 @@ enum OrphanPolicy {
 enum StoreKind {
     Redb,
     Memory,
+    /// In etcd (built with the `etcd` feature): --etcd-endpoints.
+    #[cfg(feature = "etcd")]
+    Etcd,
 }
 
 impl Cli {
@@ -148,20 +154,23 @@ async fn main() -> anyhow::Result<()> {
     }
     // The store is opened before anything listens: a store that cannot be
     // opened (or is damaged) stops the driver here, loudly.
+    let sealer = || -> anyhow::Result<contract::secrets::Sealer> {
+        Ok(match &cli.secrets_key_file {
+            Some(path) => contract::secrets::Sealer::new(Some(
+                contract::secrets::SecretKey::load(path).context("loading the secrets key")?,
+            )),
+            None => {
+                tracing::warn!(
+                    "no --secrets-key-file: secret parameter values are stored unsealed (owner-only \
+                     file)"
+                );
+                contract::secrets::Sealer::default()
+            }
+        })
+    };
     let store: Box<dyn driver_svc::core::RunStore> = match cli.store {
         StoreKind::Redb => {
-            let sealer = match &cli.secrets_key_file {
-                Some(path) => contract::secrets::Sealer::new(Some(
-                    contract::secrets::SecretKey::load(path).context("loading the secrets key")?,
-                )),
-                None => {
-                    tracing::warn!(
-                        "no --secrets-key-file: secret parameter values are stored unsealed (owner-only \
-                         file)"
-                    );
-                    contract::secrets::Sealer::default()
-                }
-            };
+            let sealer = sealer()?;
             let store = driver_svc::durable::RedbStore::open_sealed(&cli.data_dir, sealer)
                 .with_context(|| format!("opening the store in {}", cli.data_dir.display()))?;
             // Read once now: a store whose secrets this key cannot open is
@@ -171,6 +180,14 @@ async fn main() -> anyhow::Result<()> {
         StoreKind::Memory => {
             tracing::warn!("--store memory: run state is lost when this process ends");
             Box::new(MemStore::new())
+        }
+        #[cfg(feature = "etcd")]
+        StoreKind::Etcd => {
+            let config = cli.etcd.config()?;
+            let store = driver_svc::etcd::EtcdStore::open(config, sealer()?).with_context(|| {
+                format!("opening the etcd store at {}", cli.etcd.etcd_endpoints.join(","))
+            })?;
+            Box::new(store)
         }
     };
     let listener =

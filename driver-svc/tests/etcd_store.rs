@@ -1,0 +1,362 @@
+//! The etcd store against a real etcd (`/usr/bin/etcd`, Debian's
+//! `etcd-server`), started on loopback with a temporary data directory per
+//! test: what is committed is what is loaded, a run owned by one replica
+//! refuses another's writes, ownership moves when the owner's lease goes, a
+//! large delta commits whole, and a replica whose keep-alive fails stops
+//! writing at once.
+//!
+//! Run with `cargo test -p driver-svc --features etcd --test etcd_store`.
+
+#![cfg(feature = "etcd")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    net::{TcpListener, TcpStream},
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::Duration,
+};
+
+use tokio::time::Instant;
+
+use contract::{ClusterShape, Epoch, Generation, RunId, RunUid, UnixMillis, secrets::Sealer};
+use driver_svc::{
+    core::{MemStore, Policy, RunDelta, RunState, RunStore, StoreError, StoredRun},
+    etcd::{EtcdConfig, EtcdStore},
+};
+
+const NOW: UnixMillis = UnixMillis::new(1_700_000_000_000);
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One etcd member on loopback; killed when dropped.
+struct Etcd {
+    child: Child,
+    endpoint: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Etcd {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, peer) = (free_port(), free_port());
+        let client_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = Command::new("/usr/bin/etcd")
+            .args(["--name", "test", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args(["--listen-client-urls", &client_url])
+            .args(["--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer_url])
+            .args(["--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("test={peer_url}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting /usr/bin/etcd (Debian package etcd-server)");
+        let etcd = Self {
+            child,
+            endpoint: format!("127.0.0.1:{client}"),
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(&etcd.endpoint).is_err() {
+            assert!(Instant::now() < deadline, "etcd did not start listening");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        etcd
+    }
+
+    fn config(&self, owner: &str) -> EtcdConfig {
+        EtcdConfig {
+            lease_ttl: Duration::from_secs(3),
+            ..EtcdConfig::new(vec![self.endpoint.clone()], owner)
+        }
+    }
+
+    /// A store for `owner`, retried while etcd finishes starting.
+    fn store(&self, owner: &str) -> EtcdStore {
+        self.store_with(self.config(owner))
+    }
+
+    fn store_with(&self, cfg: EtcdConfig) -> EtcdStore {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match EtcdStore::open(cfg.clone(), Sealer::default()) {
+                Ok(s) => return s,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "etcd store did not open: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn shape(count: u32) -> ClusterShape {
+    let mut s = ClusterShape {
+        run_id: RunId::parse("r", "train").unwrap(),
+        generation: Generation::new(1),
+        groups: vec![contract::NodeGroup {
+            id: contract::GroupId::parse("g", "workers").unwrap(),
+            count,
+            template: Arc::new(contract::shape::example_template("fake", "img:1")),
+        }],
+    };
+    Arc::make_mut(&mut s.groups[0].template).boot.insert(
+        "token".into(),
+        contract::Param {
+            value: "s3cret".into(),
+            secret: true,
+        },
+    );
+    s
+}
+
+fn run(count: u32, uid: u128) -> RunState {
+    RunState::create(
+        shape(count),
+        RunUid::from_u128(uid),
+        Epoch::new(3),
+        Arc::new(Policy::default()),
+        NOW,
+    )
+    .unwrap()
+}
+
+/// Two passes: the run's records, then its nodes with creates in flight.
+fn drive(run: &mut RunState, store: &mut dyn RunStore) {
+    for _ in 0..2 {
+        let plan = run.begin_pass(NOW).unwrap();
+        let out = {
+            let view = run.desired_view();
+            decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), NOW)
+        };
+        let _ = run.apply_decisions(plan, out, NOW, store).unwrap();
+    }
+}
+
+/// A delta that rewrites everything stored for `stored`, paused.
+fn rewrite_delta(stored: &StoredRun) -> RunDelta {
+    let mut delta = RunDelta::new(stored.meta.uid);
+    let mut meta = stored.meta.clone();
+    meta.paused = !meta.paused;
+    delta.meta = Some(meta);
+    delta.upserts = stored.nodes.clone();
+    delta
+}
+
+fn refused_for_ownership(r: Result<(), StoreError>) {
+    match r {
+        Err(StoreError::Unavailable(msg)) => assert!(
+            msg.contains("does not own") || msg.contains("lost its etcd lease"),
+            "{msg}"
+        ),
+        other => panic!("a write without ownership was not refused: {other:?}"),
+    }
+}
+
+#[test]
+fn what_is_committed_is_what_is_loaded() {
+    let etcd = Etcd::start();
+    let mut store = etcd.store("a");
+    let mut mem = MemStore::new();
+    let mut a = run(4, 9);
+    let mut b = a.clone();
+    let mut other = run(2, 10);
+    let mut other_mem = other.clone();
+    drive(&mut a, &mut store);
+    drive(&mut b, &mut mem);
+    drive(&mut other, &mut store);
+    drive(&mut other_mem, &mut mem);
+    let loaded = store.load_all().unwrap();
+    assert_eq!(loaded, mem.load_all().unwrap());
+    assert_eq!(loaded.len(), 2);
+    assert_eq!(loaded[0].nodes.len(), 4);
+    assert!(
+        loaded[0]
+            .nodes
+            .iter()
+            .all(|n| n.inflight.is_some() && n.node.pending.is_some())
+    );
+    assert_eq!(
+        loaded[0].meta.shape.groups[0].template.boot["token"].value,
+        "s3cret"
+    );
+
+    // Another replica reads the same (loading needs no ownership).
+    let reader = etcd.store("b");
+    assert_eq!(reader.load_all().unwrap(), loaded);
+
+    // A node delta for a run never stored is refused as such.
+    let mut unknown = RunDelta::new(RunUid::from_u128(77));
+    unknown.removals.push(loaded[0].nodes[0].node.id.clone());
+    assert!(matches!(store.commit(&unknown), Err(StoreError::UnknownRun(_))));
+
+    // Dropping a run leaves nothing of it, and frees it for another owner.
+    let mut drop_run = RunDelta::new(RunUid::from_u128(9));
+    drop_run.drop_run = true;
+    store.commit(&drop_run).unwrap();
+    mem.commit(&drop_run).unwrap();
+    assert_eq!(store.load_all().unwrap(), mem.load_all().unwrap());
+    let mut reader = reader;
+    let mut again = run(1, 9);
+    drive(&mut again, &mut reader);
+    assert_eq!(reader.load_all().unwrap().len(), 2);
+}
+
+#[test]
+fn a_replica_cannot_write_a_run_another_owns() {
+    let etcd = Etcd::start();
+    let mut first = etcd.store("first");
+    let mut second = etcd.store("second");
+    let mut r = run(4, 5);
+    drive(&mut r, &mut first);
+    let before = first.load_all().unwrap();
+
+    refused_for_ownership(second.commit(&rewrite_delta(&before[0])));
+    let mut drop_run = RunDelta::new(RunUid::from_u128(5));
+    drop_run.drop_run = true;
+    refused_for_ownership(second.commit(&drop_run));
+    assert_eq!(
+        first.load_all().unwrap(),
+        before,
+        "a refused write changed the store"
+    );
+
+    // The owner still writes.
+    first.commit(&rewrite_delta(&before[0])).unwrap();
+    assert!(first.load_all().unwrap()[0].meta.paused);
+}
+
+#[test]
+fn when_the_owner_lease_goes_another_replica_takes_the_run() {
+    let etcd = Etcd::start();
+    let mut first = etcd.store("first");
+    let mut second = etcd.store("second");
+    let mut r = run(4, 5);
+    drive(&mut r, &mut first);
+    let before = first.load_all().unwrap();
+    refused_for_ownership(second.commit(&rewrite_delta(&before[0])));
+
+    first.release().unwrap();
+    assert!(first.is_fenced());
+    let taken = rewrite_delta(&before[0]);
+    second.commit(&taken).unwrap();
+    let after = second.load_all().unwrap();
+    assert!(after[0].meta.paused);
+    assert_eq!(after[0].nodes, before[0].nodes);
+
+    // The old owner's writes now fail and change nothing.
+    refused_for_ownership(first.commit(&rewrite_delta(&after[0])));
+    assert_eq!(second.load_all().unwrap(), after);
+
+    // A third replica is refused too: the run is the second's now.
+    let mut third = etcd.store("third");
+    refused_for_ownership(third.commit(&rewrite_delta(&after[0])));
+    assert_eq!(third.load_all().unwrap(), after);
+}
+
+#[test]
+fn an_expired_lease_lets_another_replica_take_the_run() {
+    let etcd = Etcd::start();
+    let mut first = etcd.store("first");
+    let mut r = run(2, 5);
+    drive(&mut r, &mut first);
+    let before = first.load_all().unwrap();
+    let mut second = etcd.store("second");
+    refused_for_ownership(second.commit(&rewrite_delta(&before[0])));
+    // The first replica goes away without releasing: its keep-alive stops
+    // and its lease (3 s) expires unrenewed.
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match second.commit(&rewrite_delta(&before[0])) {
+            Ok(()) => break,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "the run was never taken over: {e}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+    assert!(second.load_all().unwrap()[0].meta.paused);
+}
+
+#[test]
+fn a_large_delta_commits_and_loads_back_whole() {
+    let etcd = Etcd::start();
+    let mut store = etcd.store("a");
+    let mut mem = MemStore::new();
+    let mut a = run(1000, 11);
+    let mut b = a.clone();
+    drive(&mut a, &mut store);
+    drive(&mut b, &mut mem);
+    let loaded = store.load_all().unwrap();
+    assert_eq!(loaded[0].nodes.len(), 1000);
+    assert_eq!(loaded, mem.load_all().unwrap());
+
+    // A second large rewrite, and one removing nodes, still read back whole.
+    let mut delta = rewrite_delta(&loaded[0]);
+    delta.removals = loaded[0].nodes[..300].iter().map(|n| n.node.id.clone()).collect();
+    delta.upserts.drain(..300);
+    store.commit(&delta).unwrap();
+    mem.commit(&delta).unwrap();
+    let loaded = store.load_all().unwrap();
+    assert_eq!(loaded[0].nodes.len(), 700);
+    assert!(loaded[0].meta.paused);
+    assert_eq!(loaded, mem.load_all().unwrap());
+
+    // A small transaction limit splits even modest deltas the same way.
+    let mut small = etcd.store_with(EtcdConfig {
+        max_txn_ops: 8,
+        prefix: "/small/".into(),
+        ..etcd.config("s")
+    });
+    let mut mem = MemStore::new();
+    let mut a = run(50, 12);
+    let mut b = a.clone();
+    drive(&mut a, &mut small);
+    drive(&mut b, &mut mem);
+    assert_eq!(small.load_all().unwrap(), mem.load_all().unwrap());
+}
+
+#[test]
+fn a_replica_whose_keep_alive_fails_stops_writing_at_once() {
+    let mut etcd = Etcd::start();
+    let mut store = etcd.store("a");
+    let mut r = run(2, 5);
+    drive(&mut r, &mut store);
+    let stored = store.load_all().unwrap();
+    assert!(!store.is_fenced());
+
+    etcd.child.kill().unwrap();
+    etcd.child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !store.is_fenced() {
+        assert!(
+            Instant::now() < deadline,
+            "the store kept writing without a lease"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let t = Instant::now();
+    let err = store.commit(&rewrite_delta(&stored[0])).unwrap_err();
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "the refusal waited for etcd"
+    );
+    assert!(err.to_string().contains("lost its etcd lease"), "{err}");
+}
