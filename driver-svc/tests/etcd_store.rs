@@ -308,6 +308,15 @@ fn a_large_delta_commits_and_loads_back_whole() {
     assert_eq!(loaded[0].nodes.len(), 1000);
     assert_eq!(loaded, mem.load_all().unwrap());
 
+    // What a rewrite cut short leaves (records under the next generation)
+    // is not part of the run, and the next rewrite clears it.
+    let uid = loaded[0].meta.uid;
+    let gen_key = format!("/provisioning/v1/runs/{uid}/gen");
+    let generation: u64 = raw_get(&etcd, &gen_key).unwrap().parse().unwrap();
+    let junk = format!("/provisioning/v1/runs/{uid}/nodes/{}/junk", generation + 1);
+    raw_put(&etcd, &junk, "not a node record");
+    assert_eq!(store.load_all().unwrap(), mem.load_all().unwrap());
+
     // A second large rewrite, and one removing nodes, still read back whole.
     let mut delta = rewrite_delta(&loaded[0]);
     delta.removals = loaded[0].nodes[..300].iter().map(|n| n.node.id.clone()).collect();
@@ -316,6 +325,8 @@ fn a_large_delta_commits_and_loads_back_whole() {
     mem.commit(&delta).unwrap();
     let loaded = store.load_all().unwrap();
     assert_eq!(loaded[0].nodes.len(), 700);
+    assert_eq!(raw_get(&etcd, &junk), None);
+    assert_eq!(raw_get(&etcd, &gen_key), Some((generation + 1).to_string()));
     assert!(loaded[0].meta.paused);
     assert_eq!(loaded, mem.load_all().unwrap());
 
@@ -359,4 +370,85 @@ fn a_replica_whose_keep_alive_fails_stops_writing_at_once() {
         "the refusal waited for etcd"
     );
     assert!(err.to_string().contains("lost its etcd lease"), "{err}");
+}
+
+fn raw<T>(etcd: &Etcd, f: impl AsyncFnOnce(etcd_client::Client) -> T) -> T {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = etcd_client::Client::connect([etcd.endpoint.as_str()], None)
+            .await
+            .unwrap();
+        f(client).await
+    })
+}
+
+fn raw_get(etcd: &Etcd, key: &str) -> Option<String> {
+    raw(etcd, async |mut c| {
+        let r = c.get(key, None).await.unwrap();
+        r.kvs().first().map(|kv| kv.value_str().unwrap().to_owned())
+    })
+}
+
+fn raw_put(etcd: &Etcd, key: &str, value: &str) {
+    raw(etcd, async |mut c| {
+        c.put(key, value, None).await.unwrap();
+    })
+}
+
+/// Revokes `lease` from outside the store that holds it (as etcd does when
+/// it expires the lease), so that store has not noticed yet.
+fn revoke_behind_its_back(etcd: &Etcd, lease: i64) {
+    raw(etcd, async |mut c| {
+        c.lease_revoke(lease).await.unwrap();
+    });
+}
+
+#[test]
+fn a_write_after_ownership_moved_fails_in_its_transaction() {
+    let etcd = Etcd::start();
+    // A long lease: its keep-alive does not run during the test, so the
+    // refusal below comes from the transaction's comparison, not from the
+    // store noticing the lost lease.
+    let mut first = etcd.store_with(EtcdConfig {
+        lease_ttl: Duration::from_secs(60),
+        ..etcd.config("first")
+    });
+    let mut second = etcd.store("second");
+    let mut r = run(200, 5);
+    drive(&mut r, &mut first);
+    let before = first.load_all().unwrap();
+
+    revoke_behind_its_back(&etcd, first.lease_id());
+    assert!(!first.is_fenced());
+    // The second takes the run with a small write (the node records stay
+    // where they are, so only the ownership comparison stands in the way).
+    let mut taken = RunDelta::new(RunUid::from_u128(5));
+    taken.meta = rewrite_delta(&before[0]).meta;
+    second.commit(&taken).unwrap();
+    let after = second.load_all().unwrap();
+    assert!(after[0].meta.paused);
+
+    // A small delta (one transaction) and a large one (a rewrite).
+    let mut small = RunDelta::new(RunUid::from_u128(5));
+    small.upserts.push(before[0].nodes[0].clone());
+    small.meta = Some(before[0].meta.clone());
+    for delta in [small, rewrite_delta(&after[0])] {
+        match first.commit(&delta) {
+            Err(StoreError::Unavailable(msg)) => {
+                assert!(
+                    msg.contains("does not own run") && msg.contains("second"),
+                    "{msg}"
+                )
+            }
+            other => panic!("the old owner's write was not refused: {other:?}"),
+        }
+        assert_eq!(
+            second.load_all().unwrap(),
+            after,
+            "a refused write changed the store"
+        );
+    }
 }
