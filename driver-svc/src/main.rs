@@ -66,8 +66,9 @@ struct Cli {
     /// `report` it.
     #[arg(long, env = "DRIVER_ORPHAN_POLICY", value_enum, default_value_t = OrphanPolicy::Destroy)]
     orphan_policy: OrphanPolicy,
-    /// Where run state is kept: `redb` (durable, in --data-dir) or `memory`
-    /// (lost when the process ends).
+    /// Where run state is kept: `redb` (durable, in --data-dir), `memory`
+    /// (lost when the process ends), or `etcd` (in builds with the `etcd`
+    /// feature: --etcd-endpoints).
     #[arg(long, env = "DRIVER_STORE", value_enum, default_value_t = StoreKind::Redb)]
     store: StoreKind,
     /// The durable store's directory.
