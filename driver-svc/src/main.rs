@@ -155,15 +155,14 @@ async fn main() -> anyhow::Result<()> {
     }
     // The store is opened before anything listens: a store that cannot be
     // opened (or is damaged) stops the driver here, loudly.
-    let sealer = || -> anyhow::Result<contract::secrets::Sealer> {
+    let sealer = |at_rest: &str| -> anyhow::Result<contract::secrets::Sealer> {
         Ok(match &cli.secrets_key_file {
             Some(path) => contract::secrets::Sealer::new(Some(
                 contract::secrets::SecretKey::load(path).context("loading the secrets key")?,
             )),
             None => {
                 tracing::warn!(
-                    "no --secrets-key-file: secret parameter values are stored unsealed (owner-only \
-                     file)"
+                    "no --secrets-key-file: secret parameter values are stored unsealed ({at_rest})"
                 );
                 contract::secrets::Sealer::default()
             }
@@ -171,7 +170,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let store: Box<dyn driver_svc::core::RunStore> = match cli.store {
         StoreKind::Redb => {
-            let sealer = sealer()?;
+            let sealer = sealer("owner-only file")?;
             let store = driver_svc::durable::RedbStore::open_sealed(&cli.data_dir, sealer)
                 .with_context(|| format!("opening the store in {}", cli.data_dir.display()))?;
             // Read once now: a store whose secrets this key cannot open is
@@ -185,9 +184,11 @@ async fn main() -> anyhow::Result<()> {
         #[cfg(feature = "etcd")]
         StoreKind::Etcd => {
             let config = cli.etcd.config()?;
-            let store = driver_svc::etcd::EtcdStore::open(config, sealer()?).with_context(|| {
-                format!("opening the etcd store at {}", cli.etcd.etcd_endpoints.join(","))
-            })?;
+            let store = driver_svc::etcd::EtcdStore::open(
+                config,
+                sealer("readable by whoever can read the etcd prefix")?,
+            )
+            .with_context(|| format!("opening the etcd store at {}", cli.etcd.etcd_endpoints.join(",")))?;
             Box::new(store)
         }
     };

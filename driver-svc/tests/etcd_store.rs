@@ -452,3 +452,26 @@ fn a_write_after_ownership_moved_fails_in_its_transaction() {
         );
     }
 }
+
+#[test]
+fn a_restarted_replica_with_the_same_owner_id_moves_its_runs_to_its_new_lease() {
+    let etcd = Etcd::start();
+    let mut first = etcd.store("first");
+    let mut r = run(2, 5);
+    drive(&mut r, &mut first);
+    let before = first.load_all().unwrap();
+    let owner_key = "/provisioning/v1/owners/".to_owned() + &before[0].meta.uid.to_string();
+    let lease_of = |etcd: &Etcd| {
+        raw(etcd, async |mut c| {
+            let r = c.get(owner_key.as_str(), None).await.unwrap();
+            r.kvs().first().map(|kv| kv.lease())
+        })
+    };
+    assert_eq!(lease_of(&etcd), Some(first.lease_id()));
+    drop(first);
+
+    let mut restarted = etcd.store("first");
+    restarted.commit(&rewrite_delta(&before[0])).unwrap();
+    assert_eq!(lease_of(&etcd), Some(restarted.lease_id()));
+    assert!(restarted.load_all().unwrap()[0].meta.paused);
+}
