@@ -20,7 +20,10 @@
 //! took the run) fails as [`StoreError::Unavailable`] instead of landing. When
 //! keep-alive fails, or the lease may have expired by the local clock (counted
 //! from when the last acknowledged keep-alive was *sent*), the store refuses
-//! every further write at once, without asking etcd.
+//! every further write at once, without asking etcd, and for good (the
+//! process must restart to write again). The lease is not revoked when the
+//! store is dropped: a stopped replica's runs are free once its lease
+//! expires (or at once after [`EtcdStore::release`]).
 //!
 //! **Atomicity.** A delta that fits one transaction (at most `max_txn_ops`
 //! operations, etcd's `--max-txn-ops`, 128 by default, and about 1 MiB, under
@@ -66,7 +69,10 @@ pub const DEFAULT_MAX_TXN_OPS: usize = 128;
 /// is 1.5 MiB).
 const MAX_TXN_BYTES: usize = 1 << 20;
 /// Keys read per range request when loading.
-const PAGE: i64 = 512;
+const PAGE: i64 = 256;
+/// The largest answer a read accepts (tonic's default is 4 MiB; a page of
+/// node records can be larger).
+const MAX_ANSWER_BYTES: usize = 64 << 20;
 
 /// How an [`EtcdStore`] connects and identifies itself.
 #[derive(Debug, Clone)]
@@ -250,7 +256,7 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
 
 /// Every key-value under `prefix`, read at one revision, page by page.
 async fn get_prefix(client: &Client, prefix: Vec<u8>) -> Result<Vec<KeyValue>, StoreError> {
-    let mut kv = client.kv_client();
+    let mut kv = client.kv_client().max_decoding_message_size(MAX_ANSWER_BYTES);
     let end = prefix_end(&prefix);
     let mut from = prefix;
     let mut revision = 0;
