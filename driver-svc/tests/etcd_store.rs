@@ -75,7 +75,7 @@ impl Etcd {
 
     fn config(&self, owner: &str) -> EtcdConfig {
         EtcdConfig {
-            lease_ttl: Duration::from_secs(3),
+            lease_ttl: Duration::from_secs(5),
             ..EtcdConfig::new(vec![self.endpoint.clone()], owner)
         }
     }
@@ -280,7 +280,7 @@ fn an_expired_lease_lets_another_replica_take_the_run() {
     let mut second = etcd.store("second");
     refused_for_ownership(second.commit(&rewrite_delta(&before[0])));
     // The first replica goes away without releasing: its keep-alive stops
-    // and its lease (3 s) expires unrenewed.
+    // and its lease (5 s) expires unrenewed.
     drop(first);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
