@@ -86,7 +86,6 @@ const OPERATION_TIMEOUT_MS: u64 = 1_500;
 const RESULT_GRACE_MS: u64 = 300;
 const STAGE_TIMEOUT_MS: u64 = 2_500;
 const SAFETY_TICK_MS: u64 = 500;
-const ORPHAN_SWEEP_MS: u64 = 300;
 
 /// Real time per scheduler step of a trace, and the longest one `Step` input
 /// waits.
@@ -335,10 +334,6 @@ impl ServiceSut {
                 ("--endpoint-timeout-ms", STAGE_TIMEOUT_MS),
                 ("--bootstrap-timeout-ms", STAGE_TIMEOUT_MS),
                 ("--safety-tick-ms", SAFETY_TICK_MS),
-                // The orphan sweep runs (and destroys what it confirms)
-                // through the faults, so a sweep that took a resource a run
-                // still wants would break the run's guarantees here.
-                ("--orphan-sweep-ms", ORPHAN_SWEEP_MS),
                 ("--max-nodes-per-group", u64::from(super::world::LIMIT_PER_GROUP)),
             ] {
                 opts = opts.driver(flag, &v.to_string());
