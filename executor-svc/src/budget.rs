@@ -29,12 +29,6 @@ pub struct BudgetConfig {
     pub run_rate: Option<f64>,
 }
 
-impl BudgetConfig {
-    pub fn is_unlimited(&self) -> bool {
-        *self == Self::default()
-    }
-}
-
 /// A token bucket holding up to one second of its rate (at least one token).
 #[derive(Debug, Clone)]
 struct Bucket {
@@ -119,10 +113,6 @@ impl Budget {
             runs: HashMap::new(),
             queue: VecDeque::new(),
         }
-    }
-
-    pub fn config(&self) -> &BudgetConfig {
-        &self.config
     }
 
     /// Calls running now.

@@ -867,3 +867,46 @@ pub fn reap_orphaned_agents() -> Vec<u32> {
     }
     reaped
 }
+
+/// A test's node-agent directory (pass `root` to the executor's
+/// `--process-state-dir`). Dropping it SIGKILLs every agent still running
+/// under it (stopped ones included) and reaps those re-parented to the test,
+/// so a failing test leaves no process behind: agents outlive their executor
+/// by design.
+#[derive(Debug)]
+pub struct AgentsDir {
+    _dir: tempfile::TempDir,
+    pub root: PathBuf,
+}
+
+impl AgentsDir {
+    pub fn new() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let root = dir.path().join("agents");
+        Ok(Self { _dir: dir, root })
+    }
+}
+
+impl Drop for AgentsDir {
+    fn drop(&mut self) {
+        let pids: Vec<u32> = live_agent_pids(&self.root)
+            .into_iter()
+            .map(|(pid, _, _)| pid)
+            .collect();
+        for pid in &pids {
+            let _ = std::process::Command::new("kill")
+                .arg("-KILL")
+                .arg(pid.to_string())
+                .status();
+        }
+        // The killed agents are zombies until their parent waits: the
+        // executor, or (its executor gone) this process.
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while pids.iter().any(|pid| Path::new(&format!("/proc/{pid}")).exists())
+            && std::time::Instant::now() < until
+        {
+            reap_orphaned_agents();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}

@@ -15,7 +15,7 @@
 
 use std::{
     collections::BTreeMap,
-    path::{Path, PathBuf},
+    path::Path,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -25,7 +25,7 @@ use std::{
 
 use contract::{ClusterShape, Param, pb};
 use provisioning_tests::{
-    procs::{Cluster, ClusterOptions, live_agent_pids, watch_until},
+    procs::{AgentsDir, Cluster, ClusterOptions, live_agent_pids, watch_until},
     shapes::{shape, with_template},
     sim::Rng,
 };
@@ -35,32 +35,6 @@ const RUN: &str = "crashy";
 const CONVERGE: Duration = Duration::from_secs(90);
 /// How long a driver armed at a crash point may take to reach it.
 const REACH: Duration = Duration::from_secs(30);
-
-/// A test's agent directory. Dropping it SIGKILLs every agent still running
-/// under it, so a failing test leaves no process behind.
-struct AgentsDir {
-    _dir: tempfile::TempDir,
-    root: PathBuf,
-}
-
-impl AgentsDir {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("agents");
-        Self { _dir: dir, root }
-    }
-}
-
-impl Drop for AgentsDir {
-    fn drop(&mut self) {
-        for (pid, _, _) in live_agent_pids(&self.root) {
-            let _ = std::process::Command::new("kill")
-                .arg("-KILL")
-                .arg(pid.to_string())
-                .status();
-        }
-    }
-}
 
 /// Samples the live agents every few milliseconds until stopped, and keeps
 /// every sample in which an identity or a slot had two live agents.
@@ -354,7 +328,7 @@ fn generation(g: u64) -> ClusterShape {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_driver_crashed_at_each_named_point_loses_nothing_and_doubles_nothing() {
-    let agents = AgentsDir::new();
+    let agents = AgentsDir::new().unwrap();
     let mut cluster = Cluster::start(options(&agents.root)).await.unwrap();
     let sampler = Sampler::start(&agents.root);
 
@@ -465,7 +439,7 @@ async fn random_kills(victim: Victim, kills: usize, salt: u64) {
     let seed = seed(salt);
     eprintln!("{victim:?} kills, seed {seed} (CRASH_SEED={})", seed ^ salt);
     let mut rng = Rng::new(seed);
-    let agents = AgentsDir::new();
+    let agents = AgentsDir::new().unwrap();
     let mut cluster = Cluster::start(options(&agents.root)).await.unwrap();
     let sampler = Sampler::start(&agents.root);
 

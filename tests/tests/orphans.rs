@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use contract::pb::{self, provisioning_client::ProvisioningClient};
 use provisioning_tests::{
-    procs::{Cluster, ClusterOptions, live_agent_pids, watch_until},
+    procs::{AgentsDir, Cluster, ClusterOptions, live_agent_pids, watch_until},
     shapes::shape,
 };
 use tonic::{Code, transport::Channel};
@@ -236,31 +236,6 @@ async fn abandoned_node_is_listed_reprovisioned_and_found_by_the_sweep() {
     );
 }
 
-/// A test's agent directory; dropping it SIGKILLs every agent still under it.
-struct AgentsDir {
-    _dir: tempfile::TempDir,
-    root: std::path::PathBuf,
-}
-
-impl AgentsDir {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("agents");
-        Self { _dir: dir, root }
-    }
-}
-
-impl Drop for AgentsDir {
-    fn drop(&mut self) {
-        for (pid, _, _) in live_agent_pids(&self.root) {
-            let _ = std::process::Command::new("kill")
-                .arg("-KILL")
-                .arg(pid.to_string())
-                .status();
-        }
-    }
-}
-
 async fn apply_and_converge(cluster: &Cluster, c: &mut ProvisioningClient<Channel>, provider: &str, n: u32) {
     let s = shape(RUN, 1, provider, &[("workers", n, "img:1")]);
     c.apply(pb::ApplyRequest {
@@ -283,7 +258,7 @@ async fn lose_the_store(cluster: &mut Cluster) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_driver_that_lost_its_store_has_the_leftovers_destroyed_by_a_reclaim_run_that_survives_a_crash() {
-    let agents = AgentsDir::new();
+    let agents = AgentsDir::new().unwrap();
     let mut cluster = Cluster::start(
         ClusterOptions::default()
             .executor("--backend", "process")

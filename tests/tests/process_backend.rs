@@ -17,8 +17,7 @@ use executor_svc::process::{
 };
 use provisioning_tests::{
     procs::{
-        Cluster, ClusterOptions, ProcEntry, live_agent_pids, reap_orphaned_agents, watch_until,
-        zombie_descendants,
+        AgentsDir, Cluster, ClusterOptions, ProcEntry, live_agent_pids, watch_until, zombie_descendants,
     },
     shapes::shape,
 };
@@ -73,57 +72,23 @@ async fn converged(cluster: &Cluster, generation: u64) -> pb::RunStatus {
     }
 }
 
-/// A test's agent directory. Dropping it SIGKILLs every agent still running
-/// under it (stopped ones included) and reaps those re-parented to the test,
-/// so a failing test leaves no process behind (agents outlive their executor
-/// by design, and the cluster, dropped first, takes its executor with it).
-struct AgentsDir {
-    _dir: tempfile::TempDir,
-    root: PathBuf,
-}
-
-impl Drop for AgentsDir {
-    fn drop(&mut self) {
-        let pids: Vec<u32> = live_agents(&self.root).into_values().flatten().collect();
-        for pid in &pids {
-            let _ = std::process::Command::new("kill")
-                .arg("-KILL")
-                .arg(pid.to_string())
-                .status();
+/// The end of every test: no agent of the test lives, and no node agent
+/// among this process's descendants is a zombie (dead, never reaped by
+/// the executor that spawned it, nor by this process when it inherited
+/// it). A zombie that outlives the wait is a leak, not a moment's lag.
+async fn assert_all_gone(agents: &AgentsDir) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let live = live_agents(&agents.root);
+        let zombies = zombie_agents();
+        if live.is_empty() && zombies.is_empty() {
+            return;
         }
-        // The killed agents are zombies until their parent waits: the
-        // executor, or (its executor gone) this process.
-        let until = std::time::Instant::now() + Duration::from_secs(5);
-        while pids
-            .iter()
-            .any(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
-            && std::time::Instant::now() < until
-        {
-            reap_orphaned_agents();
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl AgentsDir {
-    /// The end of every test: no agent of the test lives, and no node agent
-    /// among this process's descendants is a zombie (dead, never reaped by
-    /// the executor that spawned it, nor by this process when it inherited
-    /// it). A zombie that outlives the wait is a leak, not a moment's lag.
-    async fn assert_all_gone(&self) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-        loop {
-            let live = live_agents(&self.root);
-            let zombies = zombie_agents();
-            if live.is_empty() && zombies.is_empty() {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "agents left: {live:?}; zombie agents: {zombies:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "agents left: {live:?}; zombie agents: {zombies:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -136,15 +101,9 @@ fn zombie_agents() -> Vec<ProcEntry> {
 }
 
 fn agents_dir() -> (AgentsDir, PathBuf) {
-    let d = tempfile::tempdir().unwrap();
-    let p = d.path().join("agents");
-    (
-        AgentsDir {
-            _dir: d,
-            root: p.clone(),
-        },
-        p,
-    )
+    let keep = AgentsDir::new().unwrap();
+    let root = keep.root.clone();
+    (keep, root)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -210,7 +169,7 @@ async fn real_agents_converge_scale_down_and_are_all_gone_after_delete() {
     })
     .await
     .unwrap();
-    keep.assert_all_gone().await;
+    assert_all_gone(&keep).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,7 +209,7 @@ async fn an_executor_killed_during_creates_never_doubles_an_agent() {
     })
     .await
     .unwrap();
-    keep.assert_all_gone().await;
+    assert_all_gone(&keep).await;
 }
 
 /// The pid of the live agent of `node` at `attempt`, if there is one.
@@ -343,7 +302,7 @@ async fn an_agent_killed_mid_bootstrap_fails_its_attempt_and_is_replaced() {
     })
     .await
     .unwrap();
-    keep.assert_all_gone().await;
+    assert_all_gone(&keep).await;
 }
 
 /// `s` with boot parameters added to `group`'s template.
@@ -550,7 +509,7 @@ async fn an_agent_stopped_before_answering_its_start_is_cleaned_up_and_replaced(
     )
     .await;
     delete_run(&mut c).await;
-    keep.assert_all_gone().await;
+    assert_all_gone(&keep).await;
 }
 
 /// An agent stopped (SIGSTOP) while its bootstrap streams: the session goes
@@ -616,5 +575,5 @@ async fn an_agent_stopped_mid_bootstrap_times_out_and_cleanup_still_destroys_it(
     )
     .await;
     delete_run(&mut c).await;
-    keep.assert_all_gone().await;
+    assert_all_gone(&keep).await;
 }
