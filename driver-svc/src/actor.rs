@@ -775,6 +775,9 @@ impl RunActor {
 
     fn link_up(&mut self, generation: u64) {
         self.link = Some(generation);
+        if self.halted.is_some() || !self.owned() {
+            return;
+        }
         let link = &self.shared.link;
         let claim = pb::Claim {
             run_uid: self.run.uid().to_string(),
@@ -1013,8 +1016,22 @@ impl RunActor {
         self.submit(op, &trace);
     }
 
-    fn submit(&self, op: &contract::Operation, trace: &TraceContext) {
-        if self.fenced || self.halted.is_some() {
+    /// Whether this driver still owns the run (always, on a store of its
+    /// own). Checked before each pass and each dispatch, from local state
+    /// only: a replica whose lease may have lapsed stops at once, even when
+    /// the store cannot be reached. A run found not owned is halted.
+    fn owned(&mut self) -> bool {
+        if self.shared.owns(self.run.uid()) {
+            return true;
+        }
+        if self.halted.is_none() {
+            self.halt("this driver replica no longer owns the run".to_owned());
+        }
+        false
+    }
+
+    fn submit(&mut self, op: &contract::Operation, trace: &TraceContext) {
+        if self.fenced || self.halted.is_some() || !self.owned() {
             self.events.dispatched(op, false, false);
             return;
         }
@@ -1133,6 +1150,9 @@ impl RunActor {
             || self.halted.is_some()
             || self.stopping.is_some()
         {
+            return;
+        }
+        if !self.owned() {
             return;
         }
         let now = self.now();

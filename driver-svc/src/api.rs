@@ -27,8 +27,38 @@ pub fn to_status(e: DriverError) -> Status {
         | DriverError::Apply(e @ ApplyError::Deleting(_)) => Status::failed_precondition(e.to_string()),
         e @ (DriverError::NotFound(_) | DriverError::NodeNotFound { .. }) => Status::not_found(e.to_string()),
         e @ DriverError::Store(_) => Status::unavailable(e.to_string()),
-        e @ (DriverError::ActorGone | DriverError::Halted(_)) => Status::unavailable(e.to_string()),
+        e @ (DriverError::ActorGone | DriverError::Halted(_) | DriverError::Moving(_)) => {
+            Status::unavailable(e.to_string())
+        }
+        DriverError::Elsewhere { run, owner } => elsewhere(&run, &owner),
     }
+}
+
+/// The metadata key naming the address of the replica that serves a run, on
+/// a `FAILED_PRECONDITION` from a replica that does not.
+pub const OWNER_ADDRESS: &str = "provisioning-owner-address";
+/// The metadata key naming that replica's owner id.
+pub const OWNER_ID: &str = "provisioning-owner-id";
+
+/// Another replica serves the run: `FAILED_PRECONDITION` (this replica will
+/// not serve it), with the owner's address in the message and in the
+/// `provisioning-owner-address` metadata, which clients follow.
+fn elsewhere(run: &str, owner: &crate::replicas::Owner) -> Status {
+    let e = DriverError::Elsewhere {
+        run: run.to_owned(),
+        owner: owner.clone(),
+    };
+    let mut status = Status::failed_precondition(e.to_string());
+    let md = status.metadata_mut();
+    if let Ok(v) = owner.id.parse() {
+        md.insert(OWNER_ID, v);
+    }
+    if let Some(a) = &owner.address
+        && let Ok(v) = a.parse()
+    {
+        md.insert(OWNER_ADDRESS, v);
+    }
+    status
 }
 
 /// `INVALID_ARGUMENT` naming the field, with the field path also in the
@@ -115,7 +145,7 @@ impl Provisioning for Api {
         let id = run_id_arg(&r.run_id)?.to_owned();
         who.require_run(&id)?;
         let driver = self.driver.clone();
-        let mut rx = driver.watch(&id).map_err(to_status)?;
+        let mut rx = driver.watch(&id).await.map_err(to_status)?;
         let include_nodes = r.include_nodes;
         let stream = async_stream(move |tx| async move {
             loop {

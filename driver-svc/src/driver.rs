@@ -21,6 +21,7 @@ use crate::{
     core::{Applied, ApplyError, OrphanResource, PassOutcome, Policy, RunState, RunStore, StoreError},
     link::Link,
     orphans::{Holdings, Orphans},
+    replicas::{Claim, Owner, Placement, Replicas},
 };
 
 /// Driver-wide counters, and the driver's Prometheus metrics (each is
@@ -323,6 +324,12 @@ pub(crate) struct Shared {
     runs: RwLock<HashMap<RunId, RunHandle>>,
     /// Reclaim runs (see `orphans`), by uid: never listed as runs.
     reclaims: RwLock<HashMap<RunUid, RunHandle>>,
+    /// With a store shared by several drivers: which replica owns which run
+    /// (see [`crate::replicas`]); `None` when this driver owns every run it
+    /// stores.
+    pub(crate) replicas: Option<Arc<dyn Replicas>>,
+    /// Held while a run is taken over, so one run is never restored twice.
+    takeover: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -334,6 +341,12 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
+    /// Whether this driver may write `uid` now (always, without replicas).
+    /// Reads local state only.
+    pub(crate) fn owns(&self, uid: RunUid) -> bool {
+        self.replicas.as_ref().is_none_or(|r| r.owns(uid))
+    }
+
     /// Drops a run from the registry once it is gone (only the incarnation
     /// with this uid: a new run with the same id may already exist).
     pub(crate) fn forget(&self, run_id: &RunId, uid: RunUid) {
@@ -363,6 +376,13 @@ pub enum DriverError {
     ActorGone,
     #[error("the run is halted after a store failure ({0}); restart the driver")]
     Halted(String),
+    /// Another replica serves the run: call it there.
+    #[error("run {run} is served by driver replica {} at {}; call it there", .owner.id,
+        .owner.address.as_deref().unwrap_or("an address it has not announced"))]
+    Elsewhere { run: String, owner: Owner },
+    /// The run's owner went and no replica has taken it over yet.
+    #[error("run {0} is between owners (its replica went); retry shortly")]
+    Moving(String),
 }
 
 /// What an apply did.
@@ -390,12 +410,36 @@ pub struct DriverConfig {
     pub link: Link,
     pub policy: Policy,
     pub safety_tick: Duration,
+    /// Set with a store several drivers share: this driver then restores
+    /// only the runs it claims ([`Driver::take_over_unowned`]).
+    pub replicas: Option<Arc<dyn Replicas>>,
+}
+
+/// Runs `f` (which may block on the store) off the async workers.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, DriverError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| DriverError::ActorGone)?
+        .map_err(DriverError::Store)
+}
+
+fn store_error(e: crate::core::CoreError) -> DriverError {
+    match e {
+        crate::core::CoreError::Store(s) => DriverError::Store(s),
+        other => DriverError::Store(StoreError::Unavailable(other.to_string())),
+    }
 }
 
 impl Driver {
     /// Builds the driver and restores every stored run under a new epoch.
     pub fn start(config: DriverConfig) -> Result<Self, DriverError> {
-        let stored = config.store.load_all()?;
+        // Replicas sharing the store restore only what they claim.
+        let stored = match config.replicas {
+            Some(_) => Vec::new(),
+            None => config.store.load_all()?,
+        };
         let shared = Arc::new(Shared {
             store: Mutex::new(config.store),
             clock: config.clock,
@@ -407,44 +451,138 @@ impl Driver {
             orphans: Orphans::new(),
             runs: RwLock::new(HashMap::new()),
             reclaims: RwLock::new(HashMap::new()),
+            replicas: config.replicas,
+            takeover: tokio::sync::Mutex::new(()),
         });
         register_scrape(&shared);
         let driver = Self { shared };
         for s in stored {
-            // A new, strictly larger epoch per run, made durable before the run
-            // can claim it at the executor.
-            let epoch = s.meta.epoch.next().ok_or_else(|| {
-                DriverError::Store(StoreError::Corrupt(format!(
-                    "epoch of run {} exhausted",
-                    s.meta.run_id
-                )))
-            })?;
-            let mut run = RunState::restore(s, epoch, driver.shared.policy.clone());
-            {
-                let mut store = driver.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
-                run.commit(&mut **store).map_err(|e| match e {
-                    crate::core::CoreError::Store(s) => DriverError::Store(s),
-                    other => DriverError::Store(StoreError::Unavailable(other.to_string())),
-                })?;
-            }
-            tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(),
-                reclaim = run.is_reclaim(), "run restored");
-            if run.is_reclaim() {
-                driver.shared.orphans.recovered(&run);
-                let uid = run.uid();
-                let handle = RunActor::spawn(run, driver.shared.clone(), contract::TraceContext::default());
-                if let Ok(mut reclaims) = driver.shared.reclaims.write() {
-                    reclaims.insert(uid, handle);
-                }
-                continue;
-            }
-            let id = run.run_id().clone();
-            let handle = RunActor::spawn(run, driver.shared.clone(), contract::TraceContext::default());
-            if let Ok(mut runs) = driver.shared.runs.write() {
-                runs.insert(id, handle);
-            }
+            driver.restore(s)?;
         }
         Ok(driver)
+    }
+
+    /// Restores a stored run under a new, strictly larger epoch, made durable
+    /// before the run's actor can claim it at the executor (and so fence
+    /// whatever an earlier owner still has in flight there); the actor then
+    /// resubmits the run's pending operations.
+    fn restore(&self, s: crate::core::StoredRun) -> Result<RunUid, DriverError> {
+        let epoch = s.meta.epoch.next().ok_or_else(|| {
+            DriverError::Store(StoreError::Corrupt(format!(
+                "epoch of run {} exhausted",
+                s.meta.run_id
+            )))
+        })?;
+        let mut run = RunState::restore(s, epoch, self.shared.policy.clone());
+        {
+            let mut store = self.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
+            run.commit(&mut **store).map_err(store_error)?;
+        }
+        tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(),
+            reclaim = run.is_reclaim(), "run restored");
+        let uid = run.uid();
+        if run.is_reclaim() {
+            self.shared.orphans.recovered(&run);
+            let handle = RunActor::spawn(run, self.shared.clone(), contract::TraceContext::default());
+            if let Ok(mut reclaims) = self.shared.reclaims.write() {
+                reclaims.insert(uid, handle);
+            }
+            return Ok(uid);
+        }
+        let id = run.run_id().clone();
+        let handle = RunActor::spawn(run, self.shared.clone(), contract::TraceContext::default());
+        if let Ok(mut runs) = self.shared.runs.write() {
+            runs.insert(id, handle);
+        }
+        Ok(uid)
+    }
+
+    /// With replicas: claims every stored run no live replica owns and
+    /// restores it (see [`Driver::take_over`]). Returns how many it took.
+    pub async fn take_over_unowned(&self) -> Result<usize, DriverError> {
+        let Some(replicas) = self.shared.replicas.clone() else {
+            return Ok(0);
+        };
+        let uids = blocking(move || replicas.unowned()).await?;
+        let mut taken = 0;
+        for uid in uids {
+            if self.take_over(uid).await? {
+                taken += 1;
+            }
+        }
+        Ok(taken)
+    }
+
+    /// Claims `uid` in the store, loads it (after the claim, so every write
+    /// of the replica that had it is in what is read, and none can follow)
+    /// and restores it under a new epoch. Returns whether this driver took
+    /// it (false: another replica holds it, or it is gone).
+    pub async fn take_over(&self, uid: RunUid) -> Result<bool, DriverError> {
+        let Some(replicas) = self.shared.replicas.clone() else {
+            return Ok(false);
+        };
+        let _one_at_a_time = self.shared.takeover.lock().await;
+        if self.handle_by_uid(uid).is_some() {
+            return Ok(false);
+        }
+        let started = std::time::Instant::now();
+        let stored = blocking(move || match replicas.claim(uid)? {
+            Claim::Held { .. } => Ok(None),
+            Claim::Mine => match replicas.load(uid)? {
+                Some(s) => Ok(Some(s)),
+                None => {
+                    // Dropped meanwhile: nothing to own.
+                    replicas.release(uid)?;
+                    Ok(None)
+                }
+            },
+        })
+        .await?;
+        let Some(stored) = stored else {
+            return Ok(false);
+        };
+        let (run, from_epoch) = (stored.meta.run_id.clone(), stored.meta.epoch);
+        self.restore(stored)?;
+        tracing::warn!(%run, run_uid = %uid, %from_epoch, took_ms = started.elapsed().as_millis() as u64,
+            "took over a run no live replica owned");
+        Ok(true)
+    }
+
+    /// With replicas, where a run id this driver does not hold is served:
+    /// another replica ([`DriverError::Elsewhere`]), here once taken over
+    /// (a run whose owner went), or nowhere ([`DriverError::NotFound`]).
+    async fn locate(&self, run_id: &str) -> Result<RunHandle, DriverError> {
+        let Some(replicas) = self.shared.replicas.clone() else {
+            return Err(DriverError::NotFound(run_id.to_owned()));
+        };
+        let id = run_id.to_owned();
+        let placement = blocking(move || replicas.locate(&id)).await?;
+        match placement {
+            Placement::Unknown => Err(DriverError::NotFound(run_id.to_owned())),
+            Placement::Elsewhere(_, owner) => Err(DriverError::Elsewhere {
+                run: run_id.to_owned(),
+                owner,
+            }),
+            Placement::Here(_) | Placement::Unowned(_) => {
+                if let Placement::Unowned(uid) = placement {
+                    self.take_over(uid).await?;
+                } else {
+                    // A takeover may be restoring it right now.
+                    drop(self.shared.takeover.lock().await);
+                }
+                self.handle(run_id)
+                    .map_err(|_| DriverError::Moving(run_id.to_owned()))
+            }
+        }
+    }
+
+    /// The run's handle, from this driver or (with replicas) after finding
+    /// where it is served.
+    async fn find(&self, run_id: &str) -> Result<RunHandle, DriverError> {
+        match self.handle(run_id) {
+            Err(DriverError::NotFound(_)) => self.locate(run_id).await,
+            found => found,
+        }
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -472,7 +610,7 @@ impl Driver {
         run_id: &str,
         make: impl FnOnce(oneshot::Sender<T>) -> RunEvent,
     ) -> Result<T, DriverError> {
-        let h = self.handle(run_id)?;
+        let h = self.find(run_id).await?;
         let (tx, rx) = oneshot::channel();
         // An actor that is gone finished its run (deleted and reaped): to a
         // client that run no longer exists.
@@ -484,7 +622,7 @@ impl Driver {
     /// Applies a shape: creates the run, or updates it under the revision
     /// contract. The shape is stored before this returns.
     pub async fn apply(&self, shape: ClusterShape) -> Result<ApplyOutcome, DriverError> {
-        let existing = self.handle(shape.run_id.as_str());
+        let existing = self.find(shape.run_id.as_str()).await;
         match existing {
             Ok(h) => {
                 let (tx, rx) = oneshot::channel();
@@ -501,7 +639,19 @@ impl Driver {
                     created: false,
                 })
             }
-            Err(DriverError::NotFound(_)) => self.create(shape),
+            Err(DriverError::NotFound(_)) => {
+                let run_id = shape.run_id.to_string();
+                match self.create(shape) {
+                    // Another replica created this run id first.
+                    Err(DriverError::Store(StoreError::NameTaken { .. })) => {
+                        Err(match self.locate(&run_id).await {
+                            Err(e @ DriverError::Elsewhere { .. }) => e,
+                            _ => DriverError::Moving(run_id),
+                        })
+                    }
+                    created => created,
+                }
+            }
             Err(e) => Err(e),
         }
     }
@@ -517,12 +667,18 @@ impl Driver {
         let now = self.shared.clock.now();
         let uid = fresh_uid();
         let mut run = RunState::create(shape, uid, Epoch::new(1), self.shared.policy.clone(), now)?;
-        {
+        let committed = {
             let mut store = self.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
-            run.commit(&mut **store).map_err(|e| match e {
-                crate::core::CoreError::Store(s) => DriverError::Store(s),
-                other => DriverError::Store(StoreError::Unavailable(other.to_string())),
-            })?;
+            run.commit(&mut **store).map_err(store_error)
+        };
+        if let Err(e) = committed {
+            // The fresh uid's ownership claim is of no use now.
+            if let Some(r) = &self.shared.replicas
+                && let Err(release) = r.release(uid)
+            {
+                tracing::warn!(run_uid = %uid, error = %release, "could not release a run uid never created");
+            }
+            return Err(e);
         }
         crate::crash::hit(crate::crash::Point::ApplyCommitted);
         let id = run.run_id().clone();
@@ -553,11 +709,11 @@ impl Driver {
     }
 
     /// The run's status channel: the current status, then every change.
-    pub fn watch(
+    pub async fn watch(
         &self,
         run_id: &str,
     ) -> Result<tokio::sync::watch::Receiver<Arc<pb::RunStatus>>, DriverError> {
-        Ok(self.handle(run_id)?.status)
+        Ok(self.find(run_id).await?.status)
     }
 
     pub async fn explain(&self, run_id: &str, node: &str) -> Result<pb::NodeExplanation, DriverError> {
@@ -572,7 +728,7 @@ impl Driver {
     }
 
     pub async fn plan(&self, shape: ClusterShape) -> Result<pb::PlanResponse, DriverError> {
-        match self.handle(shape.run_id.as_str()) {
+        match self.find(shape.run_id.as_str()).await {
             Ok(_) => {
                 let run_id = shape.run_id.to_string();
                 Ok(self
@@ -687,10 +843,33 @@ impl Driver {
     /// this sweep reported for the first time. With `destroy`, every orphan
     /// the report holds is handed to the deletion path (see
     /// [`Driver::destroy_orphans`]).
+    ///
+    /// With replicas, a resource of a run the store knows and another replica
+    /// holds (or is about to take over) is that replica's business: this
+    /// sweep leaves it out.
     pub async fn sweep_orphans(&self, inventory: &[pb::Resource], destroy: bool) -> Vec<pb::Orphan> {
         let held = self.holdings().await;
+        let theirs = match self.shared.replicas.clone() {
+            None => Default::default(),
+            Some(r) => match blocking(move || r.known_runs()).await {
+                Ok(known) => known,
+                Err(e) => {
+                    tracing::warn!(error = %e, "orphan sweep: the store's runs could not be read");
+                    self.sweep_failed();
+                    return Vec::new();
+                }
+            },
+        };
+        let mine: Vec<pb::Resource> = inventory
+            .iter()
+            .filter(|r| {
+                held.contains_key(&r.run_uid)
+                    || RunUid::parse("run_uid", &r.run_uid).map_or(true, |uid| !theirs.contains(&uid))
+            })
+            .cloned()
+            .collect();
         let now = self.shared.clock.now().as_millis();
-        let new = self.shared.orphans.sweep(inventory, &held, now);
+        let new = self.shared.orphans.sweep(&mine, &held, now);
         if destroy {
             self.destroy_orphans().await;
         }
@@ -800,10 +979,7 @@ impl Driver {
         }
         {
             let mut store = self.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
-            run.commit(&mut **store).map_err(|e| match e {
-                crate::core::CoreError::Store(s) => DriverError::Store(s),
-                other => DriverError::Store(StoreError::Unavailable(other.to_string())),
-            })?;
+            run.commit(&mut **store).map_err(store_error)?;
         }
         tracing::warn!(run = %run.run_id(), run_uid = %uid, %epoch, nodes = run.node_count(),
             "reclaim run recorded: destroying the orphans of a run the driver no longer has");

@@ -8,8 +8,18 @@
 //! - `runs/<uid>/gen`: the generation of the run's node records (decimal;
 //!   absent means 0);
 //! - `runs/<uid>/nodes/<gen>/<node id>`: node records (`StoredNode`);
+//! - `runs/<uid>/writer`: the owner id of the replica that wrote the run
+//!   last (every write sets it, so etcd's history of this key says which
+//!   replica wrote each revision of the run);
+//! - `uids/<uid>`: the run's id, one key per stored run (the index replicas
+//!   scan for runs nobody owns);
+//! - `names/<run id>`: the uid of the run that holds this run id (reclaim
+//!   runs hold none); taken by the run's first write, which fails if another
+//!   run holds it, so two replicas cannot create the same run id;
 //! - `owners/<uid>`: the owner id of the replica that owns the run, attached to
-//!   that replica's lease.
+//!   that replica's lease;
+//! - `members/<owner id>`: the address a replica serves its public API on,
+//!   attached to its lease.
 //!
 //! **Ownership.** Each store has an owner id and an etcd lease, kept alive by a
 //! background task. Before its first write to a run the store claims the run:
@@ -23,7 +33,7 @@
 //! every further write at once, without asking etcd, and for good (the
 //! process must restart to write again). The lease is not revoked when the
 //! store is dropped: a stopped replica's runs are free once its lease
-//! expires (or at once after [`EtcdStore::release`]).
+//! expires (or at once after [`EtcdStore::revoke_lease`]).
 //!
 //! **Atomicity.** A delta that fits one transaction (at most `max_txn_ops`
 //! operations, etcd's `--max-txn-ops`, 128 by default, and about 1 MiB, under
@@ -36,15 +46,17 @@
 //! never half-applied. A single record over the request limit cannot be
 //! written (etcd refuses it; the commit fails).
 //!
-//! Not built yet: leader election across replicas, failover (a replica taking
-//! over another's runs and resubmitting their pending operations), request
-//! forwarding between replicas, and a new epoch per takeover.
+//! **Replicas.** The store is also the driver's [`Replicas`]: claims, loads of
+//! one run, where a run id is served, the runs nobody owns (`uids/` less
+//! `owners/`), and a counter a watch on `owners/` moves whenever an ownership
+//! key goes (and when this replica's lease is lost). See
+//! [`crate::replicas`] for what the driver does with it.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     future::Future,
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
@@ -52,14 +64,15 @@ use std::{
 
 use contract::{LogicalNodeId, RunUid, secrets::Sealer};
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, KeyValue, PutOptions, Txn, TxnOp,
-    TxnOpResponse, TxnResponse,
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, KeyValue, PutOptions,
+    Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
 };
 
 use tokio::time::Instant;
 
 use crate::core::{NodeRecord, RunDelta, RunStore, StoreError, StoredRun};
 use crate::durable::{decode_meta, decode_node, encode_meta, encode_node};
+use crate::replicas::{Claim, Owner, Placement, Replicas};
 
 /// Where the store's keys live unless configured otherwise.
 pub const DEFAULT_PREFIX: &str = "/provisioning/v1/";
@@ -151,37 +164,52 @@ impl LeaseHealth {
     }
 }
 
-/// A `RunStore` over etcd, with per-run ownership fenced by a lease.
-pub struct EtcdStore {
-    /// Runs the store's requests and the keep-alive task; `None` only in drop.
+/// A run this store has claimed: the generation of its node records (`None`:
+/// no `gen` key yet) and its run id once a run record was seen.
+#[derive(Debug, Clone, Default)]
+struct Claimed {
+    generation: Option<u64>,
+    run_id: Option<String>,
+}
+
+/// What an [`EtcdStore`] and its [`Replicas`] handles share.
+struct Inner {
+    /// Runs the store's requests, the keep-alive and the owner watch; `None`
+    /// only in drop.
     rt: Option<tokio::runtime::Runtime>,
     client: Client,
     cfg: EtcdConfig,
     sealer: Sealer,
     lease: i64,
     health: Arc<LeaseHealth>,
-    /// Runs this store has claimed, with the generation of their node records
-    /// (`None`: no `gen` key yet).
-    claimed: HashMap<RunUid, Option<u64>>,
+    claimed: Mutex<HashMap<RunUid, Claimed>>,
+    changes: tokio::sync::watch::Receiver<u64>,
 }
 
-impl std::fmt::Debug for EtcdStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdStore")
-            .field("endpoints", &self.cfg.endpoints)
-            .field("prefix", &self.cfg.prefix)
-            .field("owner_id", &self.cfg.owner_id)
-            .field("lease", &self.lease)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Drop for EtcdStore {
+impl Drop for Inner {
     fn drop(&mut self) {
         // Allowed in any context (a runtime dropped inside another panics).
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
+    }
+}
+
+/// A `RunStore` over etcd, with per-run ownership fenced by a lease.
+#[derive(Clone)]
+pub struct EtcdStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cfg = &self.inner.cfg;
+        f.debug_struct("EtcdStore")
+            .field("endpoints", &cfg.endpoints)
+            .field("prefix", &cfg.prefix)
+            .field("owner_id", &cfg.owner_id)
+            .field("lease", &self.inner.lease)
+            .finish_non_exhaustive()
     }
 }
 
@@ -205,7 +233,18 @@ fn block_on<T: Send + 'static>(
         .map_err(|_| unavailable("the etcd store's runtime stopped"))?
 }
 
-async fn keep_alive(client: Client, lease: i64, health: Arc<LeaseHealth>) {
+async fn keep_alive(
+    client: Client,
+    lease: i64,
+    health: Arc<LeaseHealth>,
+    changes: tokio::sync::watch::Sender<u64>,
+) {
+    keep_alive_until_lost(client, lease, &health).await;
+    // Whoever waits for ownership changes hears of the loss at once.
+    changes.send_modify(|n| *n += 1);
+}
+
+async fn keep_alive_until_lost(client: Client, lease: i64, health: &LeaseHealth) {
     let period = health.ttl / 3;
     let mut lc = client.lease_client();
     let sent = health.start.elapsed();
@@ -220,7 +259,7 @@ async fn keep_alive(client: Client, lease: i64, health: Arc<LeaseHealth>) {
     );
     loop {
         tokio::time::sleep(period).await;
-        if health.fenced.load(Ordering::SeqCst) {
+        if !health.live() {
             return;
         }
         let sent = health.start.elapsed();
@@ -239,6 +278,40 @@ async fn keep_alive(client: Client, lease: i64, health: Arc<LeaseHealth>) {
             Ok(Err(e)) => return health.fence(&format!("keep-alive: {e}")),
             Err(_) => return health.fence("keep-alive: etcd did not answer"),
         }
+    }
+}
+
+/// Moves `changes` whenever an ownership key is deleted (its lease expired or
+/// was revoked, or its run was dropped), re-opening the watch if it breaks.
+async fn watch_owners(client: Client, prefix: Vec<u8>, changes: tokio::sync::watch::Sender<u64>) {
+    loop {
+        let mut wc = client.watch_client();
+        let opened = wc
+            .watch(
+                prefix.clone(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_filters([WatchFilterType::NoPut]),
+                ),
+            )
+            .await;
+        if let Ok(mut stream) = opened {
+            // Anything may have moved while no watch was open.
+            changes.send_modify(|n| *n += 1);
+            while let Ok(Some(resp)) = stream.message().await {
+                if resp.events().iter().any(|e| e.event_type() == EventType::Delete) {
+                    changes.send_modify(|n| *n += 1);
+                }
+                if resp.canceled() {
+                    break;
+                }
+            }
+        }
+        if changes.is_closed() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
@@ -290,6 +363,10 @@ fn got(resp: &TxnResponse, i: usize) -> Option<KeyValue> {
     }
 }
 
+fn text(kv: &KeyValue) -> String {
+    String::from_utf8_lossy(kv.value()).into_owned()
+}
+
 fn parse_gen(kv: Option<&KeyValue>) -> Result<Option<u64>, StoreError> {
     match kv {
         None => Ok(None),
@@ -303,11 +380,22 @@ fn parse_gen(kv: Option<&KeyValue>) -> Result<Option<u64>, StoreError> {
 }
 
 /// Why a write transaction's comparisons failed: its failure branch reads the
-/// ownership key, the gen key and the run record, in that order.
+/// ownership key, the gen key, the run record and (when the write creates
+/// the run) the run id's name key, in that order.
 enum Refused {
     Ownership(String),
     Generation(Option<u64>),
     UnknownRun,
+    /// Another run (this uid) holds the run id.
+    NameTaken(String),
+}
+
+/// A first write of a run records its uid in `uids/` and, unless it is a
+/// reclaim run, takes its run id in `names/`: the comparison and the writes.
+struct Creating {
+    run_id: String,
+    compares: Vec<Compare>,
+    ops: Vec<TxnOp>,
 }
 
 impl EtcdStore {
@@ -316,11 +404,11 @@ impl EtcdStore {
         if cfg.endpoints.is_empty() {
             return Err(unavailable("no etcd endpoints"));
         }
-        if cfg.owner_id.is_empty() {
-            return Err(unavailable("an empty owner id"));
+        if cfg.owner_id.is_empty() || cfg.owner_id.contains('/') {
+            return Err(unavailable("an owner id must be non-empty, without '/'"));
         }
-        if cfg.max_txn_ops < 4 {
-            return Err(unavailable("max_txn_ops below 4"));
+        if cfg.max_txn_ops < 8 {
+            return Err(unavailable("max_txn_ops below 8"));
         }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -347,51 +435,96 @@ impl EtcdStore {
             start,
             ttl,
         });
-        rt.spawn(keep_alive(client.clone(), lease, health.clone()));
+        let (changes_tx, changes) = tokio::sync::watch::channel(0u64);
+        rt.spawn(keep_alive(
+            client.clone(),
+            lease,
+            health.clone(),
+            changes_tx.clone(),
+        ));
+        rt.spawn(watch_owners(
+            client.clone(),
+            format!("{}owners/", cfg.prefix).into_bytes(),
+            changes_tx,
+        ));
         tracing::info!(owner = %cfg.owner_id, lease, ttl_s = ttl.as_secs(), "etcd store open");
         Ok(Self {
-            rt: Some(rt),
-            client,
-            cfg,
-            sealer,
-            lease,
-            health,
-            claimed: HashMap::new(),
+            inner: Arc::new(Inner {
+                rt: Some(rt),
+                client,
+                cfg,
+                sealer,
+                lease,
+                health,
+                claimed: Mutex::new(HashMap::new()),
+                changes,
+            }),
         })
     }
 
     pub fn owner_id(&self) -> &str {
-        &self.cfg.owner_id
+        &self.inner.cfg.owner_id
     }
 
     pub fn lease_id(&self) -> i64 {
-        self.lease
+        self.inner.lease
     }
 
     /// Whether this store has stopped writing (its lease is lost or released).
     pub fn is_fenced(&self) -> bool {
-        !self.health.live()
+        !self.inner.health.live()
+    }
+
+    /// This store's handle on run ownership, for the driver.
+    pub fn replicas(&self) -> Arc<dyn Replicas> {
+        Arc::new(self.clone())
     }
 
     /// Revokes the lease: every run this store owns is released at once, and
     /// the store writes no more.
-    pub fn release(&mut self) -> Result<(), StoreError> {
-        self.health.fence("released");
-        self.claimed.clear();
-        let mut client = self.client.clone();
-        let lease = self.lease;
-        block_on(self.rt.as_ref(), self.cfg.request_timeout, async move {
+    pub fn revoke_lease(&mut self) -> Result<(), StoreError> {
+        self.inner.health.fence("released");
+        self.claimed().clear();
+        let mut client = self.inner.client.clone();
+        let lease = self.inner.lease;
+        self.block(async move {
             client.lease_revoke(lease).await.map_err(etcd_err)?;
             Ok(())
         })
     }
 
+    fn claimed(&self) -> std::sync::MutexGuard<'_, HashMap<RunUid, Claimed>> {
+        match self.inner.claimed.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    fn block<T: Send + 'static>(
+        &self,
+        f: impl Future<Output = Result<T, StoreError>> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        block_on(self.inner.rt.as_ref(), self.inner.cfg.request_timeout, f)
+    }
+
     fn key(&self, rest: &str) -> String {
-        format!("{}{rest}", self.cfg.prefix)
+        format!("{}{rest}", self.inner.cfg.prefix)
     }
 
     fn owner_key(&self, uid: RunUid) -> String {
         self.key(&format!("owners/{uid}"))
+    }
+
+    fn name_key(&self, run_id: &str) -> String {
+        self.key(&format!("names/{run_id}"))
+    }
+
+    fn uid_key(&self, uid: RunUid) -> String {
+        self.key(&format!("uids/{uid}"))
+    }
+
+    fn member_key(&self, owner: &str) -> String {
+        self.key(&format!("members/{owner}"))
     }
 
     fn run_key(&self, uid: RunUid, rest: &str) -> String {
@@ -403,42 +536,45 @@ impl EtcdStore {
     }
 
     fn txn(&self, txn: Txn) -> Result<TxnResponse, StoreError> {
-        let mut client = self.client.clone();
-        block_on(self.rt.as_ref(), self.cfg.request_timeout, async move {
-            client.txn(txn).await.map_err(etcd_err)
-        })
+        let mut client = self.inner.client.clone();
+        self.block(async move { client.txn(txn).await.map_err(etcd_err) })
+    }
+
+    fn get_prefix(&self, prefix: String) -> Result<Vec<KeyValue>, StoreError> {
+        let client = self.inner.client.clone();
+        self.block(async move { get_prefix(&client, prefix.into_bytes()).await })
     }
 
     fn check_live(&self) -> Result<(), StoreError> {
-        if self.health.live() {
+        if self.inner.health.live() {
             Ok(())
         } else {
             Err(unavailable(format!(
                 "replica {} has lost its etcd lease: it writes no more run state",
-                self.cfg.owner_id
+                self.inner.cfg.owner_id
             )))
         }
     }
 
-    fn lost(&mut self, uid: RunUid, owner: &str) -> StoreError {
-        self.claimed.remove(&uid);
+    fn lost(&self, uid: RunUid, owner: &str) -> StoreError {
+        self.claimed().remove(&uid);
         let now = if owner.is_empty() { "nobody" } else { owner };
         unavailable(format!(
             "replica {} does not own run {uid} (its owner is {now}): the write was refused",
-            self.cfg.owner_id
+            self.inner.cfg.owner_id
         ))
     }
 
     /// Claims `uid` for this replica unless already claimed; returns the
-    /// generation of its node records.
-    fn claim(&mut self, uid: RunUid) -> Result<Option<u64>, StoreError> {
-        if let Some(g) = self.claimed.get(&uid) {
-            return Ok(*g);
+    /// generation of its node records, or who holds the run.
+    fn claim_run(&self, uid: RunUid) -> Result<Result<Option<u64>, String>, StoreError> {
+        if let Some(c) = self.claimed().get(&uid) {
+            return Ok(Ok(c.generation));
         }
         let owner = self.owner_key(uid);
         let gen_key = self.run_key(uid, "gen");
-        let me = self.cfg.owner_id.clone();
-        let lease = self.lease;
+        let me = self.inner.cfg.owner_id.clone();
+        let lease = self.inner.lease;
         let put = || {
             TxnOp::put(
                 owner.clone(),
@@ -455,14 +591,11 @@ impl EtcdStore {
         let generation = parse_gen(got(&resp, 1).as_ref())?;
         if !resp.succeeded() {
             let held = got(&resp, 0);
-            let holder = held
-                .as_ref()
-                .map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
-                .unwrap_or_default();
+            let holder = held.as_ref().map(text).unwrap_or_default();
             let Some(held) = held.filter(|_| holder == me) else {
-                return Err(self.lost(uid, &holder));
+                return Ok(Err(holder));
             };
-            if held.lease() != self.lease {
+            if held.lease() != lease {
                 // Ours from an earlier lease (a restart under the same owner
                 // id): attach it to this one, unless it changed meanwhile.
                 let resp = self.txn(
@@ -475,12 +608,22 @@ impl EtcdStore {
                         .and_then([put()]),
                 )?;
                 if !resp.succeeded() {
-                    return Err(self.lost(uid, "another replica"));
+                    return Ok(Err("another replica".to_owned()));
                 }
             }
         }
-        self.claimed.insert(uid, generation);
-        Ok(generation)
+        // A claim after the lease lapsed by the local clock would be a claim
+        // this replica could not keep.
+        self.check_live()?;
+        self.claimed().entry(uid).or_default().generation = generation;
+        Ok(Ok(generation))
+    }
+
+    fn claim(&self, uid: RunUid) -> Result<Option<u64>, StoreError> {
+        match self.claim_run(uid)? {
+            Ok(g) => Ok(g),
+            Err(holder) => Err(self.lost(uid, &holder)),
+        }
     }
 
     /// The comparisons every write of `uid` makes: this replica owns the run
@@ -488,7 +631,11 @@ impl EtcdStore {
     fn fence(&self, uid: RunUid, generation: Option<u64>) -> Vec<Compare> {
         let gen_key = self.run_key(uid, "gen");
         vec![
-            Compare::value(self.owner_key(uid), CompareOp::Equal, self.cfg.owner_id.clone()),
+            Compare::value(
+                self.owner_key(uid),
+                CompareOp::Equal,
+                self.inner.cfg.owner_id.clone(),
+            ),
             match generation {
                 Some(g) => Compare::value(gen_key, CompareOp::Equal, g.to_string()),
                 None => Compare::version(gen_key, CompareOp::Equal, 0),
@@ -496,29 +643,43 @@ impl EtcdStore {
         ]
     }
 
-    fn diagnose_ops(&self, uid: RunUid) -> Vec<TxnOp> {
-        vec![
+    fn diagnose_ops(&self, uid: RunUid, name: Option<&str>) -> Vec<TxnOp> {
+        let mut ops = vec![
             TxnOp::get(self.owner_key(uid), None),
             TxnOp::get(self.run_key(uid, "gen"), None),
             TxnOp::get(
                 self.run_key(uid, "meta"),
                 Some(GetOptions::new().with_keys_only()),
             ),
-        ]
+        ];
+        if let Some(run_id) = name {
+            ops.push(TxnOp::get(self.name_key(run_id), None));
+        }
+        ops
     }
 
-    fn diagnose(&self, resp: &TxnResponse, generation: Option<u64>) -> Result<Refused, StoreError> {
-        let owner = got(resp, 0)
-            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
-            .unwrap_or_default();
-        if owner != self.cfg.owner_id {
+    fn diagnose(
+        &self,
+        resp: &TxnResponse,
+        uid: RunUid,
+        generation: Option<u64>,
+        creating: bool,
+    ) -> Result<Refused, StoreError> {
+        let owner = got(resp, 0).as_ref().map(text).unwrap_or_default();
+        if owner != self.inner.cfg.owner_id {
             return Ok(Refused::Ownership(owner));
         }
         let found = parse_gen(got(resp, 1).as_ref())?;
         if found != generation {
             return Ok(Refused::Generation(found));
         }
-        if got(resp, 2).is_none() {
+        if creating {
+            if let Some(holder) = got(resp, 3).as_ref().map(text)
+                && holder != uid.to_string()
+            {
+                return Ok(Refused::NameTaken(holder));
+            }
+        } else if got(resp, 2).is_none() {
             return Ok(Refused::UnknownRun);
         }
         Err(unavailable(
@@ -527,12 +688,14 @@ impl EtcdStore {
     }
 
     /// One write transaction under the fence; on refusal, the reason.
+    /// `creating` names the run id a run's first write takes.
     fn fenced_txn(
-        &mut self,
+        &self,
         uid: RunUid,
         generation: Option<u64>,
         extra: Vec<Compare>,
         ops: Vec<TxnOp>,
+        creating: Option<&str>,
     ) -> Result<Result<(), Refused>, StoreError> {
         self.check_live()?;
         let mut when = self.fence(uid, generation);
@@ -541,112 +704,174 @@ impl EtcdStore {
             Txn::new()
                 .when(when)
                 .and_then(ops)
-                .or_else(self.diagnose_ops(uid)),
+                .or_else(self.diagnose_ops(uid, creating)),
         )?;
         if resp.succeeded() {
             return Ok(Ok(()));
         }
-        let why = self.diagnose(&resp, generation)?;
+        let why = self.diagnose(&resp, uid, generation, creating.is_some())?;
         match &why {
-            Refused::Ownership(owner) => {
-                let owner = owner.clone();
-                return Err(self.lost(uid, &owner));
-            }
+            Refused::Ownership(owner) => return Err(self.lost(uid, owner)),
             Refused::Generation(g) => {
-                self.claimed.insert(uid, *g);
+                self.claimed().entry(uid).or_default().generation = *g;
             }
-            Refused::UnknownRun => {}
+            Refused::UnknownRun | Refused::NameTaken(_) => {}
         }
         Ok(Err(why))
     }
 
-    fn commit_once(&mut self, delta: &RunDelta) -> Result<Result<(), Refused>, StoreError> {
+    /// The records the commit of a run's first write adds (see [`Creating`]).
+    fn creating(&self, uid: RunUid, meta: &crate::core::RunMeta) -> Creating {
+        let run_id = meta.run_id.to_string();
+        let mut compares = Vec::new();
+        let mut ops = vec![TxnOp::put(self.uid_key(uid), run_id.clone(), None)];
+        if !meta.reclaim {
+            let name = self.name_key(&run_id);
+            compares.push(Compare::version(name.clone(), CompareOp::Equal, 0));
+            ops.push(TxnOp::put(name, uid.to_string(), None));
+        }
+        Creating {
+            run_id,
+            compares,
+            ops,
+        }
+    }
+
+    /// The writes that drop a run: its records, its uid, its ownership key,
+    /// and its run id's name key if that still names this run.
+    fn drop_ops(&self, uid: RunUid, run_id: Option<&str>) -> Vec<TxnOp> {
+        let mut ops = vec![
+            TxnOp::delete(self.run_key(uid, ""), Some(DeleteOptions::new().with_prefix())),
+            TxnOp::delete(self.uid_key(uid), None),
+            TxnOp::delete(self.owner_key(uid), None),
+        ];
+        if let Some(run_id) = run_id {
+            let name = self.name_key(run_id);
+            ops.push(TxnOp::txn(
+                Txn::new()
+                    .when([Compare::value(name.clone(), CompareOp::Equal, uid.to_string())])
+                    .and_then([TxnOp::delete(name, None)]),
+            ));
+        }
+        ops
+    }
+
+    /// Every fenced write also says who wrote it (`runs/<uid>/writer`), so the
+    /// store's history shows which replica wrote each revision of a run.
+    fn writer_op(&self, uid: RunUid) -> TxnOp {
+        TxnOp::put(self.run_key(uid, "writer"), self.inner.cfg.owner_id.clone(), None)
+    }
+
+    fn commit_once(&self, delta: &RunDelta) -> Result<Result<(), Refused>, StoreError> {
         let uid = delta.uid;
         let generation = self.claim(uid)?;
         if delta.drop_run {
-            let ops = vec![
-                TxnOp::delete(self.run_key(uid, ""), Some(DeleteOptions::new().with_prefix())),
-                TxnOp::delete(self.owner_key(uid), None),
-            ];
-            let r = self.fenced_txn(uid, generation, Vec::new(), ops)?;
+            let run_id = self.claimed().get(&uid).and_then(|c| c.run_id.clone());
+            let ops = self.drop_ops(uid, run_id.as_deref());
+            let r = self.fenced_txn(uid, generation, Vec::new(), ops, None)?;
             if r.is_ok() {
-                self.claimed.remove(&uid);
+                self.claimed().remove(&uid);
             }
             return Ok(r);
         }
         let meta = delta
             .meta
             .as_ref()
-            .map(|m| encode_meta(&self.sealer, m))
+            .map(|m| encode_meta(&self.inner.sealer, m))
             .transpose()?;
+        let creating = match (&delta.meta, generation) {
+            (Some(m), None) => Some(self.creating(uid, m)),
+            _ => None,
+        };
         let mut upserts = Vec::with_capacity(delta.upserts.len());
         for r in &delta.upserts {
-            upserts.push((r.node.id.to_string(), encode_node(&self.sealer, r)?));
+            upserts.push((r.node.id.to_string(), encode_node(&self.inner.sealer, r)?));
         }
         let removals: Vec<String> = delta.removals.iter().map(|id| id.to_string()).collect();
-        let extra = if meta.is_none() {
+        let mut extra = if meta.is_none() {
             vec![Compare::version(self.run_key(uid, "meta"), CompareOp::Greater, 0)]
         } else {
             Vec::new()
         };
-        let ops = upserts.len() + removals.len() + 2;
+        let mut fixed = vec![self.writer_op(uid)];
+        let name = creating.as_ref().map(|c| c.run_id.clone());
+        if let Some(c) = creating {
+            extra.extend(c.compares);
+            fixed.extend(c.ops);
+        }
+        let ops = upserts.len() + removals.len() + fixed.len() + 2;
         let bytes: usize =
             upserts.iter().map(|(_, v)| v.len()).sum::<usize>() + meta.as_ref().map_or(0, Vec::len);
-        if ops > self.cfg.max_txn_ops || bytes > MAX_TXN_BYTES {
-            return self.rewrite(uid, generation, meta, upserts, removals, extra);
-        }
-        let g = generation.unwrap_or(0);
-        let prefix = self.nodes_prefix(uid, g);
-        let mut txn_ops = Vec::with_capacity(ops);
-        if let Some(m) = meta {
-            txn_ops.push(TxnOp::put(self.run_key(uid, "meta"), m, None));
-        }
-        if generation.is_none() {
-            txn_ops.push(TxnOp::put(self.run_key(uid, "gen"), "0", None));
-        }
-        for (id, v) in upserts {
-            txn_ops.push(TxnOp::put(format!("{prefix}{id}"), v, None));
-        }
-        for id in removals {
-            txn_ops.push(TxnOp::delete(format!("{prefix}{id}"), None));
-        }
-        let r = self.fenced_txn(uid, generation, extra, txn_ops)?;
-        if r.is_ok() {
-            self.claimed.insert(uid, Some(g));
+        let r = if ops > self.inner.cfg.max_txn_ops || bytes > MAX_TXN_BYTES {
+            self.rewrite(
+                uid,
+                generation,
+                meta,
+                upserts,
+                removals,
+                (extra, fixed),
+                name.as_deref(),
+            )?
+        } else {
+            let g = generation.unwrap_or(0);
+            let prefix = self.nodes_prefix(uid, g);
+            let mut txn_ops = Vec::with_capacity(ops);
+            txn_ops.extend(fixed);
+            if let Some(m) = meta {
+                txn_ops.push(TxnOp::put(self.run_key(uid, "meta"), m, None));
+            }
+            if generation.is_none() {
+                txn_ops.push(TxnOp::put(self.run_key(uid, "gen"), "0", None));
+            }
+            for (id, v) in upserts {
+                txn_ops.push(TxnOp::put(format!("{prefix}{id}"), v, None));
+            }
+            for id in removals {
+                txn_ops.push(TxnOp::delete(format!("{prefix}{id}"), None));
+            }
+            let r = self.fenced_txn(uid, generation, extra, txn_ops, name.as_deref())?;
+            if r.is_ok() {
+                self.claimed().entry(uid).or_default().generation = Some(g);
+            }
+            r
+        };
+        if r.is_ok()
+            && let Some(m) = &delta.meta
+        {
+            self.claimed().entry(uid).or_default().run_id = Some(m.run_id.to_string());
         }
         Ok(r)
     }
 
     /// A delta too large for one transaction: the whole node set after it is
-    /// written under the next generation, then one transaction switches to it.
+    /// written under the next generation, then one transaction switches to it
+    /// (with `last`: the comparisons and writes that belong to the switch).
+    #[allow(clippy::too_many_arguments)]
     fn rewrite(
-        &mut self,
+        &self,
         uid: RunUid,
         generation: Option<u64>,
         meta: Option<Vec<u8>>,
         upserts: Vec<(String, Vec<u8>)>,
         removals: Vec<String>,
-        extra: Vec<Compare>,
+        last: (Vec<Compare>, Vec<TxnOp>),
+        name: Option<&str>,
     ) -> Result<Result<(), Refused>, StoreError> {
+        let (extra, fixed) = last;
         let g = generation.unwrap_or(0);
         let next = g + 1;
         let old = self.nodes_prefix(uid, g);
         let staged = self.nodes_prefix(uid, next);
         // Clear what an earlier rewrite cut short left (and check the run is
-        // known when the delta brings no record for it).
+        // known, and its name free, before writing anything).
         let clear = vec![TxnOp::delete(
             staged.clone(),
             Some(DeleteOptions::new().with_prefix()),
         )];
-        if let Err(why) = self.fenced_txn(uid, generation, extra.clone(), clear)? {
+        if let Err(why) = self.fenced_txn(uid, generation, extra.clone(), clear, name)? {
             return Ok(Err(why));
         }
-        let client = self.client.clone();
-        let current = block_on(
-            self.rt.as_ref(),
-            self.cfg.request_timeout,
-            get_prefix_owned(client, old.clone().into_bytes()),
-        )?;
+        let current = self.get_prefix(old.clone())?;
         let mut nodes: BTreeMap<String, Vec<u8>> = BTreeMap::new();
         for kv in current {
             let id = kv
@@ -662,7 +887,7 @@ impl EtcdStore {
         nodes.extend(upserts);
         let mut chunk: Vec<TxnOp> = Vec::new();
         let mut chunk_bytes = 0;
-        let per_txn = self.cfg.max_txn_ops;
+        let per_txn = self.inner.cfg.max_txn_ops;
         let mut entries = nodes.into_iter().peekable();
         while let Some((id, v)) = entries.next() {
             chunk_bytes += v.len();
@@ -674,64 +899,31 @@ impl EtcdStore {
             if full || entries.peek().is_none() {
                 let ops = std::mem::take(&mut chunk);
                 chunk_bytes = 0;
-                if let Err(why) = self.fenced_txn(uid, generation, Vec::new(), ops)? {
+                if let Err(why) = self.fenced_txn(uid, generation, Vec::new(), ops, None)? {
                     return Ok(Err(why));
                 }
             }
         }
-        let mut ops = vec![
-            TxnOp::put(self.run_key(uid, "gen"), next.to_string(), None),
-            TxnOp::delete(old, Some(DeleteOptions::new().with_prefix())),
-        ];
+        let mut ops = fixed;
+        ops.push(TxnOp::put(self.run_key(uid, "gen"), next.to_string(), None));
+        ops.push(TxnOp::delete(old, Some(DeleteOptions::new().with_prefix())));
         if let Some(m) = meta {
             ops.push(TxnOp::put(self.run_key(uid, "meta"), m, None));
         }
-        let r = self.fenced_txn(uid, generation, extra, ops)?;
+        let r = self.fenced_txn(uid, generation, extra, ops, name)?;
         if r.is_ok() {
-            self.claimed.insert(uid, Some(next));
+            self.claimed().entry(uid).or_default().generation = Some(next);
         }
         Ok(r)
     }
-}
 
-async fn get_prefix_owned(client: Client, prefix: Vec<u8>) -> Result<Vec<KeyValue>, StoreError> {
-    get_prefix(&client, prefix).await
-}
-
-/// A run generation's node records: (node id, record).
-type NodeValues<'a> = Vec<(String, &'a [u8])>;
-
-impl RunStore for EtcdStore {
-    fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError> {
-        self.check_live()?;
-        // A second attempt only after the node generation was found moved
-        // (the cached one was stale).
-        for _ in 0..2 {
-            match self.commit_once(delta)? {
-                Ok(()) => return Ok(()),
-                Err(Refused::UnknownRun) => return Err(StoreError::UnknownRun(delta.uid)),
-                Err(Refused::Ownership(owner)) => return Err(self.lost(delta.uid, &owner)),
-                Err(Refused::Generation(_)) => {}
-            }
-        }
-        Err(unavailable(format!(
-            "run {}'s node generation kept moving under replica {}",
-            delta.uid, self.cfg.owner_id
-        )))
-    }
-
-    fn load_all(&self) -> Result<Vec<StoredRun>, StoreError> {
+    /// The runs in `kvs` (keys under `runs/`), each at its current generation.
+    fn parse_runs(&self, kvs: &[KeyValue]) -> Result<Vec<StoredRun>, StoreError> {
         let runs = self.key("runs/");
-        let client = self.client.clone();
-        let kvs = block_on(
-            self.rt.as_ref(),
-            self.cfg.request_timeout,
-            get_prefix_owned(client, runs.clone().into_bytes()),
-        )?;
         let mut metas: BTreeMap<String, &[u8]> = BTreeMap::new();
         let mut gens: BTreeMap<String, u64> = BTreeMap::new();
         let mut nodes: BTreeMap<(String, u64), NodeValues<'_>> = BTreeMap::new();
-        for kv in &kvs {
+        for kv in kvs {
             let key = kv
                 .key()
                 .strip_prefix(runs.as_bytes())
@@ -749,6 +941,7 @@ impl RunStore for EtcdStore {
                         gens.insert(uid.to_owned(), g);
                     }
                 }
+                "writer" => {}
                 _ => {
                     let (g, id) = rest
                         .strip_prefix("nodes/")
@@ -762,9 +955,10 @@ impl RunStore for EtcdStore {
                 }
             }
         }
+        let sealer = &self.inner.sealer;
         let mut out = Vec::with_capacity(metas.len());
         for (uid, bytes) in &metas {
-            let meta = decode_meta(&self.sealer, bytes)?;
+            let meta = decode_meta(sealer, bytes)?;
             if meta.uid.to_string() != *uid {
                 return Err(corrupt(format!("run record under the wrong key {uid}")));
             }
@@ -773,7 +967,7 @@ impl RunStore for EtcdStore {
             // Other generations are what a cut-short rewrite left: not part
             // of the run.
             for (id, v) in nodes.remove(&(uid.clone(), g)).unwrap_or_default() {
-                let rec = decode_node(&self.sealer, v)?;
+                let rec = decode_node(sealer, v)?;
                 if rec.node.id != LogicalNodeId::parse("node_id", &id).map_err(corrupt)? {
                     return Err(corrupt(format!("node record under the wrong key {id}")));
                 }
@@ -791,6 +985,191 @@ impl RunStore for EtcdStore {
         }
         out.sort_by_key(|r| r.meta.uid);
         Ok(out)
+    }
+
+    /// `(uid, owner, lease)` of every ownership key.
+    fn owners(&self) -> Result<Vec<(RunUid, String, i64)>, StoreError> {
+        let prefix = self.key("owners/");
+        let mut out = Vec::new();
+        for kv in self.get_prefix(prefix.clone())? {
+            let uid = kv
+                .key()
+                .strip_prefix(prefix.as_bytes())
+                .and_then(|k| std::str::from_utf8(k).ok())
+                .and_then(|k| RunUid::parse("run_uid", k).ok())
+                .ok_or_else(|| corrupt("an ownership key that names no run uid"))?;
+            out.push((uid, text(&kv), kv.lease()));
+        }
+        Ok(out)
+    }
+
+    /// The uid of every stored run.
+    fn uids(&self) -> Result<Vec<RunUid>, StoreError> {
+        let prefix = self.key("uids/");
+        self.get_prefix(prefix.clone())?
+            .iter()
+            .map(|kv| {
+                kv.key()
+                    .strip_prefix(prefix.as_bytes())
+                    .and_then(|k| std::str::from_utf8(k).ok())
+                    .and_then(|k| RunUid::parse("run_uid", k).ok())
+                    .ok_or_else(|| corrupt("a uid key that names no run uid"))
+            })
+            .collect()
+    }
+}
+
+/// A run generation's node records: (node id, record).
+type NodeValues<'a> = Vec<(String, &'a [u8])>;
+
+impl RunStore for EtcdStore {
+    fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError> {
+        self.check_live()?;
+        // A second attempt only after the node generation was found moved
+        // (the cached one was stale).
+        for _ in 0..2 {
+            match self.commit_once(delta)? {
+                Ok(()) => return Ok(()),
+                Err(Refused::UnknownRun) => return Err(StoreError::UnknownRun(delta.uid)),
+                Err(Refused::Ownership(owner)) => return Err(self.lost(delta.uid, &owner)),
+                Err(Refused::NameTaken(holder)) => {
+                    let run_id = delta
+                        .meta
+                        .as_ref()
+                        .map(|m| m.run_id.to_string())
+                        .unwrap_or_default();
+                    return Err(StoreError::NameTaken { run_id, holder });
+                }
+                Err(Refused::Generation(_)) => {}
+            }
+        }
+        Err(unavailable(format!(
+            "run {}'s node generation kept moving under replica {}",
+            delta.uid, self.inner.cfg.owner_id
+        )))
+    }
+
+    fn load_all(&self) -> Result<Vec<StoredRun>, StoreError> {
+        let kvs = self.get_prefix(self.key("runs/"))?;
+        self.parse_runs(&kvs)
+    }
+}
+
+impl Replicas for EtcdStore {
+    fn owner_id(&self) -> &str {
+        &self.inner.cfg.owner_id
+    }
+
+    fn owns(&self, uid: RunUid) -> bool {
+        self.inner.health.live() && self.claimed().contains_key(&uid)
+    }
+
+    fn lost(&self) -> bool {
+        !self.inner.health.live()
+    }
+
+    fn announce(&self, address: &str) -> Result<(), StoreError> {
+        self.check_live()?;
+        let mut client = self.inner.client.clone();
+        let key = self.member_key(&self.inner.cfg.owner_id);
+        let address = address.to_owned();
+        let lease = self.inner.lease;
+        self.block(async move {
+            client
+                .put(key, address, Some(PutOptions::new().with_lease(lease)))
+                .await
+                .map_err(etcd_err)?;
+            Ok(())
+        })
+    }
+
+    fn claim(&self, uid: RunUid) -> Result<Claim, StoreError> {
+        self.check_live()?;
+        Ok(match self.claim_run(uid)? {
+            Ok(_) => Claim::Mine,
+            Err(owner) => Claim::Held { owner },
+        })
+    }
+
+    fn release(&self, uid: RunUid) -> Result<(), StoreError> {
+        self.claimed().remove(&uid);
+        let owner = self.owner_key(uid);
+        self.txn(
+            Txn::new()
+                .when([
+                    Compare::value(owner.clone(), CompareOp::Equal, self.inner.cfg.owner_id.clone()),
+                    Compare::lease(owner.clone(), CompareOp::Equal, self.inner.lease),
+                ])
+                .and_then([TxnOp::delete(owner, None)]),
+        )?;
+        Ok(())
+    }
+
+    fn load(&self, uid: RunUid) -> Result<Option<StoredRun>, StoreError> {
+        let kvs = self.get_prefix(self.run_key(uid, ""))?;
+        let run = self.parse_runs(&kvs)?.into_iter().next();
+        if let Some(r) = &run {
+            self.claimed().entry(uid).or_default().run_id = Some(r.meta.run_id.to_string());
+        }
+        Ok(run)
+    }
+
+    fn locate(&self, run_id: &str) -> Result<Placement, StoreError> {
+        let name = self.txn(Txn::new().and_then([TxnOp::get(self.name_key(run_id), None)]))?;
+        let Some(uid) = got(&name, 0) else {
+            return Ok(Placement::Unknown);
+        };
+        let uid = RunUid::parse("run_uid", &text(&uid)).map_err(corrupt)?;
+        let found = self.txn(Txn::new().and_then([
+            TxnOp::get(self.owner_key(uid), None),
+            TxnOp::get(self.uid_key(uid), Some(GetOptions::new().with_keys_only())),
+        ]))?;
+        if got(&found, 1).is_none() {
+            // A name left by a run that is gone.
+            return Ok(Placement::Unknown);
+        }
+        let Some(owner) = got(&found, 0) else {
+            return Ok(Placement::Unowned(uid));
+        };
+        let owner = text(&owner);
+        if owner == self.inner.cfg.owner_id {
+            return Ok(if self.claimed().contains_key(&uid) {
+                Placement::Here(uid)
+            } else {
+                Placement::Unowned(uid)
+            });
+        }
+        let member = self.txn(Txn::new().and_then([TxnOp::get(self.member_key(&owner), None)]))?;
+        let address = got(&member, 0).as_ref().map(text);
+        Ok(Placement::Elsewhere(uid, Owner { id: owner, address }))
+    }
+
+    fn unowned(&self) -> Result<Vec<RunUid>, StoreError> {
+        let owners = self.owners()?;
+        let me = &self.inner.cfg.owner_id;
+        let claimed = self.claimed().keys().copied().collect::<HashSet<_>>();
+        let held: HashSet<RunUid> = owners
+            .iter()
+            .filter(|(uid, owner, lease)| {
+                owner != me || (*lease == self.inner.lease && claimed.contains(uid))
+            })
+            .map(|(uid, _, _)| *uid)
+            .collect();
+        Ok(self
+            .uids()?
+            .into_iter()
+            .filter(|uid| !held.contains(uid))
+            .collect())
+    }
+
+    fn known_runs(&self) -> Result<HashSet<RunUid>, StoreError> {
+        let mut known: HashSet<RunUid> = self.uids()?.into_iter().collect();
+        known.extend(self.owners()?.into_iter().map(|(uid, _, _)| uid));
+        Ok(known)
+    }
+
+    fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.changes.clone()
     }
 }
 
@@ -813,6 +1192,11 @@ pub struct EtcdArgs {
     /// The most operations in one transaction (etcd's --max-txn-ops).
     #[arg(long, env = "DRIVER_ETCD_MAX_TXN_OPS", default_value_t = DEFAULT_MAX_TXN_OPS)]
     pub etcd_max_txn_ops: usize,
+    /// The `host:port` clients reach this replica's public API at, announced
+    /// to the other replicas, which answer a request for a run this replica
+    /// serves with it (default: the bound listen address).
+    #[arg(long, env = "DRIVER_ADVERTISE_ADDRESS")]
+    pub advertise_address: Option<String>,
 }
 
 impl EtcdArgs {

@@ -29,6 +29,7 @@ mod events;
 pub mod limits;
 pub mod link;
 pub mod orphans;
+pub mod replicas;
 pub mod server;
 pub mod shapefile;
 pub mod status;

@@ -168,6 +168,10 @@ async fn main() -> anyhow::Result<()> {
             }
         })
     };
+    #[allow(unused_mut)]
+    let mut replicas: Option<Arc<dyn driver_svc::replicas::Replicas>> = None;
+    #[allow(unused_mut)]
+    let mut advertise: Option<String> = None;
     let store: Box<dyn driver_svc::core::RunStore> = match cli.store {
         StoreKind::Redb => {
             let sealer = sealer("owner-only file")?;
@@ -189,6 +193,8 @@ async fn main() -> anyhow::Result<()> {
                 sealer("readable by whoever can read the etcd prefix")?,
             )
             .with_context(|| format!("opening the etcd store at {}", cli.etcd.etcd_endpoints.join(",")))?;
+            replicas = Some(store.replicas());
+            advertise = cli.etcd.advertise_address.clone();
             Box::new(store)
         }
     };
@@ -211,6 +217,8 @@ async fn main() -> anyhow::Result<()> {
             transport,
             auth,
             limits: cli.limits.limits(cli.common.messages),
+            replicas,
+            advertise,
         },
     )
     .await;

@@ -22,6 +22,7 @@ use crate::{
     driver::{Driver, DriverConfig},
     link::Link,
     orphans::SweepConfig,
+    replicas::Replicas,
 };
 
 /// How long the runs get to stop at shutdown (a pass in flight waits for its
@@ -51,7 +52,16 @@ pub struct Config {
     pub auth: Arc<crate::auth::Authenticator>,
     /// What callers may ask of it (see [`crate::limits`]).
     pub limits: crate::limits::ApiLimits,
+    /// With a store several drivers share: run ownership (see
+    /// [`crate::replicas`]), and the address this replica announces to
+    /// clients that call another (default: the bound address).
+    pub replicas: Option<Arc<dyn Replicas>>,
+    pub advertise: Option<String>,
 }
+
+/// How often a replica looks for runs nobody owns even when its watch on the
+/// owners says nothing moved.
+const TAKEOVER_RESCAN: Duration = Duration::from_secs(2);
 
 /// Serves the driver on `listener` until `shutdown` resolves.
 pub async fn run(
@@ -77,6 +87,7 @@ pub async fn run(
     // request timeout the long-lived link stream cannot have.
     let inventory_endpoint = executor_endpoint.clone().timeout(Duration::from_secs(30));
     let link = Link::new();
+    let bound = listener.local_addr()?;
     let driver = Driver::start(DriverConfig {
         store: config.store,
         clock: config.clock,
@@ -84,9 +95,34 @@ pub async fn run(
         link: link.clone(),
         policy: config.policy,
         safety_tick: config.safety_tick,
+        replicas: config.replicas.clone(),
     })?;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Set when this replica loses its lease: it stops its runs and exits.
+    let (lost_tx, mut lost_rx) = tokio::sync::watch::channel(false);
+    let takeover_task = match config.replicas.clone() {
+        None => None,
+        Some(replicas) => {
+            let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
+            let announced = replicas.clone();
+            let announce = address.clone();
+            tokio::task::spawn_blocking(move || announced.announce(&announce))
+                .await
+                .map_err(|e| anyhow::anyhow!("announcing this replica: {e}"))??;
+            tracing::info!(owner = replicas.owner_id(), %address, "driver replica announced");
+            let taken = driver.take_over_unowned().await?;
+            tracing::info!(runs = taken, "runs claimed at start");
+            let driver = driver.clone();
+            let mut stop = stop_rx.clone();
+            Some(tokio::spawn(async move {
+                tokio::select! {
+                    () = take_over_loop(driver, replicas, lost_tx) => {}
+                    _ = stop.wait_for(|s| *s) => {}
+                }
+            }))
+        }
+    };
     let link_task = tokio::spawn({
         let mut stop = stop_rx.clone();
         async move {
@@ -135,7 +171,10 @@ pub async fn run(
         .add_service(reflection)
         .add_service(api)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
-            shutdown.await;
+            tokio::select! {
+                () = shutdown => {}
+                _ = lost_rx.wait_for(|l| *l) => {}
+            }
             // The runs stop first: their watch streams end with them, so a
             // client still watching does not hold the graceful shutdown open.
             stopping.shutdown(RUNS_STOP_WITHIN).await;
@@ -150,8 +189,57 @@ pub async fn run(
     if let Some(t) = sweep_task {
         let _ = t.await;
     }
+    let lost = match takeover_task {
+        Some(t) => {
+            let _ = t.await;
+            config.replicas.as_ref().is_some_and(|r| r.lost())
+        }
+        None => false,
+    };
     result?;
+    anyhow::ensure!(
+        !lost,
+        "this driver replica lost its etcd lease: it stopped its runs (other replicas take them \
+         over) and exits so that its supervisor starts it afresh"
+    );
     Ok(())
+}
+
+/// With replicas: takes over the runs nobody owns whenever ownership may
+/// have moved (the store's watch on the owners) and every
+/// [`TAKEOVER_RESCAN`]; when this replica's lease is lost, says so on `lost`
+/// and returns. A short random delay before each look spreads the runs of
+/// a replica that went among the others.
+async fn take_over_loop(driver: Driver, replicas: Arc<dyn Replicas>, lost: tokio::sync::watch::Sender<bool>) {
+    let mut changes = replicas.changes();
+    let mut watching = true;
+    let mut next_scan = tokio::time::Instant::now() + TAKEOVER_RESCAN;
+    loop {
+        if replicas.lost() {
+            tracing::error!("this driver replica lost its etcd lease: stopping its runs");
+            driver.shutdown(RUNS_STOP_WITHIN).await;
+            let _ = lost.send(true);
+            return;
+        }
+        tokio::select! {
+            changed = changes.changed(), if watching => watching = changed.is_ok(),
+            () = tokio::time::sleep_until(next_scan) => {}
+            // The lease is judged by the local clock: look at it this often.
+            () = tokio::time::sleep(Duration::from_millis(200)) => continue,
+        }
+        if replicas.lost() {
+            continue;
+        }
+        let mut jitter = [0u8; 1];
+        let _ = getrandom::fill(&mut jitter);
+        tokio::time::sleep(Duration::from_millis(u64::from(jitter[0]))).await;
+        match driver.take_over_unowned().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(runs = n, "took over runs another replica owned"),
+            Err(e) => tracing::warn!(error = %e, "looking for runs to take over failed"),
+        }
+        next_scan = tokio::time::Instant::now() + TAKEOVER_RESCAN;
+    }
 }
 
 /// The orphan sweep: shortly after the executor link comes up (each time it

@@ -23,6 +23,7 @@ use contract::{ClusterShape, Epoch, Generation, RunId, RunUid, UnixMillis, secre
 use driver_svc::{
     core::{MemStore, Policy, RunDelta, RunState, RunStore, StoreError, StoredRun},
     etcd::{EtcdConfig, EtcdStore},
+    replicas::{Claim, Owner, Placement},
 };
 
 const NOW: UnixMillis = UnixMillis::new(1_700_000_000_000);
@@ -106,9 +107,9 @@ impl Drop for Etcd {
     }
 }
 
-fn shape(count: u32) -> ClusterShape {
+fn shape(count: u32, run_id: &str) -> ClusterShape {
     let mut s = ClusterShape {
-        run_id: RunId::parse("r", "train").unwrap(),
+        run_id: RunId::parse("r", run_id).unwrap(),
         generation: Generation::new(1),
         groups: vec![contract::NodeGroup {
             id: contract::GroupId::parse("g", "workers").unwrap(),
@@ -126,9 +127,14 @@ fn shape(count: u32) -> ClusterShape {
     s
 }
 
+/// A run with uid `uid`, named `train-<uid>`.
 fn run(count: u32, uid: u128) -> RunState {
+    named(count, uid, &format!("train-{uid}"))
+}
+
+fn named(count: u32, uid: u128, run_id: &str) -> RunState {
     RunState::create(
-        shape(count),
+        shape(count, run_id),
         RunUid::from_u128(uid),
         Epoch::new(3),
         Arc::new(Policy::default()),
@@ -252,7 +258,7 @@ fn when_the_owner_lease_goes_another_replica_takes_the_run() {
     let before = first.load_all().unwrap();
     refused_for_ownership(second.commit(&rewrite_delta(&before[0])));
 
-    first.release().unwrap();
+    first.revoke_lease().unwrap();
     assert!(first.is_fenced());
     let taken = rewrite_delta(&before[0]);
     second.commit(&taken).unwrap();
@@ -474,4 +480,141 @@ fn a_restarted_replica_with_the_same_owner_id_moves_its_runs_to_its_new_lease() 
     restarted.commit(&rewrite_delta(&before[0])).unwrap();
     assert_eq!(lease_of(&etcd), Some(restarted.lease_id()));
     assert!(restarted.load_all().unwrap()[0].meta.paused);
+}
+
+#[test]
+fn two_replicas_cannot_create_the_same_run_id() {
+    let etcd = Etcd::start();
+    let mut first = etcd.store("first");
+    let mut second = etcd.store("second");
+    first.replicas().announce("10.0.0.1:7000").unwrap();
+    let mut a = named(2, 1, "shared-name");
+    drive(&mut a, &mut first);
+    let before = first.load_all().unwrap();
+
+    // The same run id under another uid, from another replica: refused,
+    // naming the run that holds it, and nothing of it is written.
+    let mut b = named(2, 2, "shared-name");
+    let plan = b.begin_pass(NOW).unwrap();
+    let out = {
+        let view = b.desired_view();
+        decider::decide(&view, b.plan_nodes(&plan), &b.slot_set(), NOW)
+    };
+    let err = b.apply_decisions(plan, out, NOW, &mut second).unwrap_err();
+    assert!(
+        err.to_string().contains(&RunUid::from_u128(1).to_string()),
+        "{err}"
+    );
+    let mut direct = RunDelta::new(RunUid::from_u128(3));
+    direct.meta = Some(named(1, 3, "shared-name").meta().clone());
+    match second.commit(&direct) {
+        Err(StoreError::NameTaken { run_id, holder }) => {
+            assert_eq!(run_id, "shared-name");
+            assert_eq!(holder, RunUid::from_u128(1).to_string());
+        }
+        other => panic!("a second run with a taken run id was not refused: {other:?}"),
+    }
+    assert_eq!(second.load_all().unwrap(), before);
+
+    // The second replica finds where the run is served.
+    let second = second.replicas();
+    assert_eq!(
+        second.locate("shared-name").unwrap(),
+        Placement::Elsewhere(
+            RunUid::from_u128(1),
+            Owner {
+                id: "first".into(),
+                address: Some("10.0.0.1:7000".into()),
+            }
+        )
+    );
+    assert_eq!(second.locate("no-such-run").unwrap(), Placement::Unknown);
+    assert_eq!(
+        first.replicas().locate("shared-name").unwrap(),
+        Placement::Here(RunUid::from_u128(1))
+    );
+
+    // Once the run is dropped its name is free again.
+    let mut drop_run = RunDelta::new(RunUid::from_u128(1));
+    drop_run.drop_run = true;
+    first.commit(&drop_run).unwrap();
+    assert_eq!(second.locate("shared-name").unwrap(), Placement::Unknown);
+    let mut again = named(1, 4, "shared-name");
+    let mut second = etcd.store("second-again");
+    drive(&mut again, &mut second);
+    assert_eq!(second.load_all().unwrap().len(), 1);
+}
+
+#[test]
+fn a_replica_takes_over_the_runs_of_one_that_went() {
+    let etcd = Etcd::start();
+    let mut first = etcd.store("first");
+    let second = etcd.store("second");
+    let third = etcd.store("third");
+    let (s2, s3) = (second.replicas(), third.replicas());
+    let mut changes = s2.changes();
+    changes.mark_unchanged();
+    for uid in [21, 22] {
+        let mut r = run(3, uid);
+        drive(&mut r, &mut first);
+    }
+    let before = first.load_all().unwrap();
+    assert!(s2.unowned().unwrap().is_empty(), "the runs have a live owner");
+    assert_eq!(
+        s2.claim(RunUid::from_u128(21)).unwrap(),
+        Claim::Held {
+            owner: "first".into()
+        }
+    );
+    assert!(!s2.owns(RunUid::from_u128(21)));
+    assert_eq!(s2.known_runs().unwrap().len(), 2);
+
+    // The first replica goes: its ownership keys go with its lease, and the
+    // others hear of it.
+    first.revoke_lease().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(10), changes.changed())
+            .await
+            .expect("no ownership change was heard")
+            .unwrap();
+    });
+    let mut unowned = s2.unowned().unwrap();
+    unowned.sort();
+    assert_eq!(unowned, vec![RunUid::from_u128(21), RunUid::from_u128(22)]);
+    assert_eq!(
+        s2.locate("train-21").unwrap(),
+        Placement::Unowned(RunUid::from_u128(21))
+    );
+
+    // The second claims one and loads it whole; the third is refused it.
+    let uid = RunUid::from_u128(21);
+    assert_eq!(s2.claim(uid).unwrap(), Claim::Mine);
+    assert!(s2.owns(uid));
+    assert_eq!(
+        s3.claim(uid).unwrap(),
+        Claim::Held {
+            owner: "second".into()
+        }
+    );
+    assert_eq!(s2.load(uid).unwrap().as_ref(), Some(&before[0]));
+    assert_eq!(s3.unowned().unwrap(), vec![RunUid::from_u128(22)]);
+
+    // Its writes land, and say who wrote them.
+    let writer = format!("/provisioning/v1/runs/{uid}/writer");
+    assert_eq!(raw_get(&etcd, &writer).as_deref(), Some("first"));
+    let mut second = second;
+    second.commit(&rewrite_delta(&before[0])).unwrap();
+    assert_eq!(raw_get(&etcd, &writer).as_deref(), Some("second"));
+    let mut third = third;
+    refused_for_ownership(third.commit(&rewrite_delta(&before[0])));
+    assert_eq!(raw_get(&etcd, &writer).as_deref(), Some("second"));
+
+    // Releasing a run frees it for the others.
+    s2.release(uid).unwrap();
+    assert!(!s2.owns(uid));
+    assert_eq!(s3.claim(uid).unwrap(), Claim::Mine);
 }

@@ -304,11 +304,38 @@ struct Ctx {
 
 impl Ctx {
     async fn connect(&self) -> Result<Client, CliError> {
+        self.connect_to(&self.server).await
+    }
+
+    /// A client of the driver replica that serves `run`: the server asked
+    /// answers for a run another replica serves with `FAILED_PRECONDITION`
+    /// and that replica's address (`provisioning-owner-address`), which this
+    /// follows once.
+    async fn connect_run(&self, run: &str) -> Result<Client, CliError> {
+        let mut client = self.connect().await?;
+        let asked = client
+            .get_run(pb::GetRunRequest {
+                run_id: run.to_owned(),
+                include_nodes: false,
+            })
+            .await;
+        if let Err(s) = asked
+            && s.code() == Code::FailedPrecondition
+            && let Some(owner) = s
+                .metadata()
+                .get(crate::api::OWNER_ADDRESS)
+                .and_then(|v| v.to_str().ok())
+        {
+            return self.connect_to(owner).await;
+        }
+        Ok(client)
+    }
+
+    async fn connect_to(&self, server: &str) -> Result<Client, CliError> {
         let unreachable = |reason: String| CliError::Unavailable {
             message: format!(
-                "cannot reach the server at {}: {reason}\nis driver-svc running there? \
-                 --server or PROVISIONCTL_SERVER sets the address",
-                self.server
+                "cannot reach the server at {server}: {reason}\nis driver-svc running there? \
+                 --server or PROVISIONCTL_SERVER sets the address"
             ),
         };
         // `host:port` gets the transport's scheme (https, or http with
@@ -316,7 +343,7 @@ impl Ctx {
         let endpoint = self
             .tls
             .transport()?
-            .endpoint(&self.server)
+            .endpoint(server)
             .map_err(super::tls::tls_error)?
             .connect_timeout(Duration::from_secs(5));
         let channel = endpoint.connect().await.map_err(|e| {
@@ -388,7 +415,7 @@ impl Ctx {
         let loaded = Loaded::read(file)?;
         let run = loaded.file.run_id.clone();
         let started = Instant::now();
-        let mut client = self.connect().await?;
+        let mut client = self.connect_run(&run).await?;
         let current = self.current(&mut client, &run).await?;
         let read = current.as_ref().map(|c| c.generation);
         if let Some(expected) = expect_generation {
@@ -508,7 +535,7 @@ impl Ctx {
     async fn plan(&self, file: &str, output: Output) -> Result<Exit, CliError> {
         let loaded = Loaded::read(file)?;
         let run = loaded.file.run_id.clone();
-        let mut client = self.connect().await?;
+        let mut client = self.connect_run(&run).await?;
         let current = self.current(&mut client, &run).await?;
         let read = current.as_ref().map(|c| c.generation);
         let generation = loaded
@@ -559,7 +586,7 @@ impl Ctx {
     }
 
     async fn get(&self, run: &str, nodes: bool, output: Output) -> Result<Exit, CliError> {
-        let mut client = self.connect().await?;
+        let mut client = self.connect_run(run).await?;
         let s = client
             .get_run(pb::GetRunRequest {
                 run_id: run.to_owned(),
@@ -592,7 +619,7 @@ impl Ctx {
 
     async fn explain(&self, run: &str, node: &str, output: Output) -> Result<Exit, CliError> {
         check_node_id(run, node)?;
-        let mut client = self.connect().await?;
+        let mut client = self.connect_run(run).await?;
         let e = client
             .explain_node(pb::ExplainNodeRequest {
                 run_id: run.to_owned(),
@@ -625,7 +652,7 @@ impl Ctx {
         output: Output,
     ) -> Result<Exit, CliError> {
         let started = Instant::now();
-        let mut client = self.connect().await?;
+        let mut client = self.connect_run(run).await?;
         let s = client
             .delete_run(pb::DeleteRunRequest {
                 run_id: run.to_owned(),
@@ -707,7 +734,7 @@ impl Ctx {
     }
 
     async fn set_paused(&self, run: &str, paused: bool, output: Output) -> Result<Exit, CliError> {
-        let mut client = self.connect().await?;
+        let mut client = self.connect_run(run).await?;
         let req = pb::RunRef {
             run_id: run.to_owned(),
         };
@@ -739,7 +766,7 @@ impl Ctx {
         if !yes {
             confirm_abandon(run, node)?;
         }
-        let mut client = self.connect().await?;
+        let mut client = self.connect_run(run).await?;
         let r = client
             .abandon_node(pb::AbandonNodeRequest {
                 run_id: run.to_owned(),

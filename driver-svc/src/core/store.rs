@@ -81,6 +81,9 @@ pub enum StoreError {
     Corrupt(String),
     #[error("a node delta arrived for run {0}, which has no stored meta")]
     UnknownRun(RunUid),
+    /// A shared store: another run (uid `holder`) took this run id first.
+    #[error("run id {run_id} is taken by run uid {holder}")]
+    NameTaken { run_id: String, holder: String },
 }
 
 /// Where run state is committed. Implementations commit a delta atomically.
