@@ -525,9 +525,9 @@ impl Driver {
         if self.handle_by_uid(uid).is_some() {
             return Ok(false);
         }
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let stored = blocking(move || match replicas.claim(uid)? {
-            Claim::Held { .. } => Ok(None),
+            Claim::Held { .. } | Claim::Gone => Ok(None),
             Claim::Mine => match replicas.load(uid)? {
                 Some(s) => Ok(Some(s)),
                 None => {

@@ -566,8 +566,10 @@ impl EtcdStore {
     }
 
     /// Claims `uid` for this replica unless already claimed; returns the
-    /// generation of its node records, or who holds the run.
-    fn claim_run(&self, uid: RunUid) -> Result<Result<Option<u64>, String>, StoreError> {
+    /// generation of its node records, or who holds the run. With
+    /// `existing`, only a stored run is claimed (a run dropped meanwhile is
+    /// held by nobody: `Err("")`).
+    fn claim_run(&self, uid: RunUid, existing: bool) -> Result<Result<Option<u64>, String>, StoreError> {
         if let Some(c) = self.claimed().get(&uid) {
             return Ok(Ok(c.generation));
         }
@@ -582,14 +584,25 @@ impl EtcdStore {
                 Some(PutOptions::new().with_lease(lease)),
             )
         };
+        let mut when = vec![Compare::create_revision(owner.clone(), CompareOp::Equal, 0)];
+        if existing {
+            when.push(Compare::version(self.uid_key(uid), CompareOp::Greater, 0));
+        }
         let resp = self.txn(
             Txn::new()
-                .when([Compare::create_revision(owner.clone(), CompareOp::Equal, 0)])
+                .when(when)
                 .and_then([put(), TxnOp::get(gen_key.clone(), None)])
-                .or_else([TxnOp::get(owner.clone(), None), TxnOp::get(gen_key.clone(), None)]),
+                .or_else([
+                    TxnOp::get(owner.clone(), None),
+                    TxnOp::get(gen_key.clone(), None),
+                    TxnOp::get(self.uid_key(uid), Some(GetOptions::new().with_keys_only())),
+                ]),
         )?;
         let generation = parse_gen(got(&resp, 1).as_ref())?;
         if !resp.succeeded() {
+            if existing && got(&resp, 2).is_none() {
+                return Ok(Err(String::new()));
+            }
             let held = got(&resp, 0);
             let holder = held.as_ref().map(text).unwrap_or_default();
             let Some(held) = held.filter(|_| holder == me) else {
@@ -620,7 +633,7 @@ impl EtcdStore {
     }
 
     fn claim(&self, uid: RunUid) -> Result<Option<u64>, StoreError> {
-        match self.claim_run(uid)? {
+        match self.claim_run(uid, false)? {
             Ok(g) => Ok(g),
             Err(holder) => Err(self.lost(uid, &holder)),
         }
@@ -764,8 +777,13 @@ impl EtcdStore {
 
     fn commit_once(&self, delta: &RunDelta) -> Result<Result<(), Refused>, StoreError> {
         let uid = delta.uid;
-        let generation = self.claim(uid)?;
         if delta.drop_run {
+            // Dropping a run that is not stored (any more) changes nothing.
+            let generation = match self.claim_run(uid, true)? {
+                Ok(g) => g,
+                Err(holder) if holder.is_empty() => return Ok(Ok(())),
+                Err(holder) => return Err(self.lost(uid, &holder)),
+            };
             let run_id = self.claimed().get(&uid).and_then(|c| c.run_id.clone());
             let ops = self.drop_ops(uid, run_id.as_deref());
             let r = self.fenced_txn(uid, generation, Vec::new(), ops, None)?;
@@ -774,6 +792,7 @@ impl EtcdStore {
             }
             return Ok(r);
         }
+        let generation = self.claim(uid)?;
         let meta = delta
             .meta
             .as_ref()
@@ -1085,8 +1104,9 @@ impl Replicas for EtcdStore {
 
     fn claim(&self, uid: RunUid) -> Result<Claim, StoreError> {
         self.check_live()?;
-        Ok(match self.claim_run(uid)? {
+        Ok(match self.claim_run(uid, true)? {
             Ok(_) => Claim::Mine,
+            Err(owner) if owner.is_empty() => Claim::Gone,
             Err(owner) => Claim::Held { owner },
         })
     }

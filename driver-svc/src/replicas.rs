@@ -29,6 +29,8 @@ pub enum Claim {
     Mine,
     /// Another live replica owns it.
     Held { owner: String },
+    /// It is not stored (any more): nothing to own.
+    Gone,
 }
 
 /// A replica, as other replicas and clients reach it.
@@ -67,7 +69,7 @@ pub trait Replicas: Send + Sync + std::fmt::Debug {
     fn lost(&self) -> bool;
     /// Tells other replicas and clients where this replica serves.
     fn announce(&self, address: &str) -> Result<(), StoreError>;
-    /// Claims `uid` for this replica.
+    /// Claims the stored run `uid` for this replica.
     fn claim(&self, uid: RunUid) -> Result<Claim, StoreError>;
     /// Gives up `uid` (if this replica owns it).
     fn release(&self, uid: RunUid) -> Result<(), StoreError>;

@@ -568,6 +568,11 @@ fn a_replica_takes_over_the_runs_of_one_that_went() {
     );
     assert!(!s2.owns(RunUid::from_u128(21)));
     assert_eq!(s2.known_runs().unwrap().len(), 2);
+    // A run that is not stored is nobody's to claim.
+    let never = RunUid::from_u128(999);
+    assert_eq!(s2.claim(never).unwrap(), Claim::Gone);
+    assert!(!s2.owns(never));
+    assert_eq!(raw_get(&etcd, &format!("/provisioning/v1/owners/{never}")), None);
 
     // The first replica goes: its ownership keys go with its lease, and the
     // others hear of it.

@@ -12,9 +12,14 @@
 //! `provisionctl`, [`Cluster::executor_client`] as the driver.
 
 use std::{
+    collections::BTreeMap,
     net::SocketAddr,
     path::{Path, PathBuf},
     process::Stdio,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -908,5 +913,85 @@ impl Drop for AgentsDir {
             reap_orphaned_agents();
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+/// Samples the live agents every few milliseconds until stopped, and keeps
+/// every sample in which an identity or a slot had two live agents.
+#[derive(Debug)]
+pub struct Sampler {
+    stop: Arc<AtomicBool>,
+    doubles: Arc<Mutex<Vec<String>>>,
+    samples: Arc<Mutex<u64>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Sampler {
+    pub fn start(root: &Path) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let doubles = Arc::new(Mutex::new(Vec::new()));
+        let samples = Arc::new(Mutex::new(0u64));
+        let thread = {
+            let (stop, doubles, samples, root) =
+                (stop.clone(), doubles.clone(), samples.clone(), root.to_path_buf());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let mut per_identity: BTreeMap<(String, String), Vec<u32>> = BTreeMap::new();
+                    let mut per_slot: BTreeMap<String, Vec<(u32, String)>> = BTreeMap::new();
+                    for (pid, node, attempt) in live_agent_pids(&root) {
+                        per_identity
+                            .entry((node.clone(), attempt.clone()))
+                            .or_default()
+                            .push(pid);
+                        per_slot.entry(node).or_default().push((pid, attempt));
+                    }
+                    for ((node, attempt), pids) in &per_identity {
+                        if pids.len() > 1 {
+                            lock(&doubles).push(format!(
+                                "identity {node} attempt {attempt} has live agents {pids:?}"
+                            ));
+                        }
+                    }
+                    for (node, live) in &per_slot {
+                        if live.len() > 1 {
+                            lock(&doubles).push(format!("slot {node} has live agents {live:?}"));
+                        }
+                    }
+                    *lock(&samples) += 1;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            })
+        };
+        Self {
+            stop,
+            doubles,
+            samples,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops sampling; fails the test if any sample saw two live agents.
+    pub fn finish(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let doubles = lock(&self.doubles).clone();
+        assert!(doubles.is_empty(), "two live agents at once: {doubles:?}");
+        *lock(&self.samples)
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A lock that a panicked holder does not poison for the test.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
     }
 }

@@ -13,19 +13,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::{
-    collections::BTreeMap,
-    path::Path,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::Duration,
-};
+use std::{collections::BTreeMap, path::Path, time::Duration};
 
 use contract::{ClusterShape, Param, pb};
 use provisioning_tests::{
-    procs::{AgentsDir, Cluster, ClusterOptions, live_agent_pids, watch_until},
+    procs::{AgentsDir, Cluster, ClusterOptions, Sampler, live_agent_pids, watch_until},
     shapes::{shape, with_template},
     sim::Rng,
 };
@@ -35,80 +27,6 @@ const RUN: &str = "crashy";
 const CONVERGE: Duration = Duration::from_secs(90);
 /// How long a driver armed at a crash point may take to reach it.
 const REACH: Duration = Duration::from_secs(30);
-
-/// Samples the live agents every few milliseconds until stopped, and keeps
-/// every sample in which an identity or a slot had two live agents.
-struct Sampler {
-    stop: Arc<AtomicBool>,
-    doubles: Arc<Mutex<Vec<String>>>,
-    samples: Arc<Mutex<u64>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Sampler {
-    fn start(root: &Path) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let doubles = Arc::new(Mutex::new(Vec::new()));
-        let samples = Arc::new(Mutex::new(0u64));
-        let thread = {
-            let (stop, doubles, samples, root) =
-                (stop.clone(), doubles.clone(), samples.clone(), root.to_path_buf());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let mut per_identity: BTreeMap<(String, String), Vec<u32>> = BTreeMap::new();
-                    let mut per_slot: BTreeMap<String, Vec<(u32, String)>> = BTreeMap::new();
-                    for (pid, node, attempt) in live_agent_pids(&root) {
-                        per_identity
-                            .entry((node.clone(), attempt.clone()))
-                            .or_default()
-                            .push(pid);
-                        per_slot.entry(node).or_default().push((pid, attempt));
-                    }
-                    for ((node, attempt), pids) in &per_identity {
-                        if pids.len() > 1 {
-                            doubles.lock().unwrap().push(format!(
-                                "identity {node} attempt {attempt} has live agents {pids:?}"
-                            ));
-                        }
-                    }
-                    for (node, live) in &per_slot {
-                        if live.len() > 1 {
-                            doubles
-                                .lock()
-                                .unwrap()
-                                .push(format!("slot {node} has live agents {live:?}"));
-                        }
-                    }
-                    *samples.lock().unwrap() += 1;
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            })
-        };
-        Self {
-            stop,
-            doubles,
-            samples,
-            thread: Some(thread),
-        }
-    }
-
-    /// Stops sampling; fails the test if any sample saw two live agents.
-    fn finish(mut self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            t.join().unwrap();
-        }
-        let doubles = self.doubles.lock().unwrap().clone();
-        assert!(doubles.is_empty(), "two live agents at once: {doubles:?}");
-        *self.samples.lock().unwrap()
-    }
-}
-
-impl Drop for Sampler {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
 
 fn options(agents: &Path) -> ClusterOptions {
     ClusterOptions::default()

@@ -1,0 +1,776 @@
+//! Driver replicas on etcd, with real processes: a real etcd on loopback, the
+//! decider, the executor on the process backend (every lease a node-agent
+//! process) and driver replicas sharing the etcd store.
+//!
+//! - The owner of a run is SIGKILLed mid-convergence: another replica takes
+//!   the run over under a higher epoch and it converges.
+//! - The owner is paused (SIGSTOP) past its lease: another takes over; the old
+//!   one, resumed (SIGCONT), writes and dispatches nothing for the run and
+//!   exits.
+//! - Two replicas started together race for a run whose owner went: one
+//!   takes it, and only one ever writes it.
+//!
+//! Order is shown by etcd revisions (the run's ownership key and its writer
+//! key, which every write of the run sets) and by epochs in the executor's
+//! and drivers' event traces, never by timing; failover times are printed as
+//! figures. Throughout, a sampler reads the process table: no identity and no
+//! slot ever has two live agents. The executor must start no operation that
+//! carries an epoch older than the newest claim it accepted for the run.
+//!
+//! Needs a driver built with the `etcd` feature, and etcd (Debian's
+//! `etcd-server`): `cargo build -p driver-svc --features etcd && cargo test -p
+//! provisioning-tests --features etcd --test replicas` (`.ci/run` does both).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    collections::BTreeSet,
+    net::{TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use contract::{
+    ClusterShape, Param,
+    event_trace::{TraceEvent, TraceLine, parse_line},
+    pb,
+    pb::provisioning_client::ProvisioningClient,
+};
+use etcd_client::{EventType, GetOptions, WatchOptions};
+use provisioning_tests::{
+    procs::{AgentsDir, Cluster, ClusterOptions, Sampler, Service, bin_path, live_agent_pids, watch_until},
+    shapes::{shape, with_template},
+};
+use tonic::{Code, transport::Channel};
+
+const RUN: &str = "shared";
+const PREFIX: &str = "/provisioning/v1/";
+const CONVERGE: Duration = Duration::from_secs(90);
+/// The replicas' lease (seconds): a replica that stops renewing loses its
+/// runs this long after its last renewal.
+const LEASE_TTL_S: &str = "2";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One etcd member on loopback; killed when dropped.
+struct Etcd {
+    child: Child,
+    endpoint: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Etcd {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, peer) = (free_port(), free_port());
+        let client_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = Command::new("etcd")
+            .args(["--name", "replicas", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args(["--listen-client-urls", &client_url])
+            .args(["--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer_url])
+            .args(["--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("replicas={peer_url}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting etcd (Debian package etcd-server; .ci/run installs it)");
+        let etcd = Self {
+            child,
+            endpoint: format!("127.0.0.1:{client}"),
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(&etcd.endpoint).is_err() {
+            assert!(Instant::now() < deadline, "etcd did not start listening");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        etcd
+    }
+
+    async fn client(&self) -> etcd_client::Client {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut c) = etcd_client::Client::connect([self.endpoint.as_str()], None).await
+                && c.status().await.is_ok()
+            {
+                return c;
+            }
+            assert!(Instant::now() < deadline, "etcd did not answer");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The driver under test must have the etcd store.
+fn require_etcd_driver() {
+    let help = Command::new(bin_path("driver-svc").unwrap())
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&help.stdout).contains("--etcd-endpoints"),
+        "target/debug/driver-svc was built without the etcd feature: run \
+         `cargo build -p driver-svc --features etcd` first"
+    );
+}
+
+/// A key's history: `(revision, value)`, `None` for a deletion. Every key
+/// in this etcd is under [`PREFIX`], so a watch of the prefix from the first
+/// revision has seen everything once it reaches the current revision.
+async fn history(etcd: &mut etcd_client::Client, key: &str) -> Vec<(i64, Option<String>)> {
+    let head = etcd
+        .get(key, Some(GetOptions::new().with_keys_only()))
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    let mut stream = etcd
+        .watch(
+            PREFIX,
+            Some(WatchOptions::new().with_prefix().with_start_revision(1)),
+        )
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let read = async {
+        let mut seen = 0;
+        while seen < head {
+            let resp = stream.message().await.unwrap().unwrap();
+            for e in resp.events() {
+                let kv = e.kv().unwrap();
+                seen = seen.max(kv.mod_revision());
+                if kv.key() != key.as_bytes() {
+                    continue;
+                }
+                let value = match e.event_type() {
+                    EventType::Put => Some(kv.value_str().unwrap().to_owned()),
+                    EventType::Delete => None,
+                };
+                out.push((kv.mod_revision(), value));
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("reading a key's history from etcd");
+    out
+}
+
+/// The owner id in the run's ownership key, if any.
+async fn owner(etcd: &mut etcd_client::Client, uid: &str) -> Option<String> {
+    let r = etcd.get(format!("{PREFIX}owners/{uid}"), None).await.unwrap();
+    r.kvs().first().map(|kv| kv.value_str().unwrap().to_owned())
+}
+
+fn now_us() -> u64 {
+    u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros()).unwrap()
+}
+
+fn read_trace(path: &Path) -> Vec<TraceLine> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| parse_line(l).unwrap())
+        .collect()
+}
+
+/// `workers` agents whose bootstrap takes a while, so that a replica goes
+/// mid-convergence.
+fn workers(generation: u64, count: u32) -> ClusterShape {
+    with_template(
+        shape(RUN, generation, "process", &[("workers", count, "img:1")]),
+        "workers",
+        |t| {
+            for (k, v) in [("stage_delay_ms", "400"), ("fault.endpoint_delay_ms", "300")] {
+                t.boot.insert(
+                    k.into(),
+                    Param {
+                        value: v.into(),
+                        secret: false,
+                    },
+                );
+            }
+        },
+    )
+}
+
+/// The services, with driver replicas `d1..` on one etcd.
+struct Replicated {
+    agents: AgentsDir,
+    etcd: Etcd,
+    cluster: Cluster,
+    /// Replicas started after the cluster's own driver (`d1`): (owner id,
+    /// service).
+    extra: Vec<(String, Service)>,
+    driver_args: Vec<String>,
+}
+
+impl Replicated {
+    /// etcd, the decider, the executor and replica `d1`.
+    async fn start() -> Self {
+        require_etcd_driver();
+        let agents = AgentsDir::new().unwrap();
+        let etcd = Etcd::start();
+        let dir = tempfile::tempdir().unwrap();
+        let trace = |name: &str| dir.path().join(format!("{name}.trace")).display().to_string();
+        let opts = ClusterOptions::default()
+            .insecure()
+            .executor("--backend", "process")
+            .executor("--process-state-dir", &agents.root.display().to_string())
+            .executor("--process-kill-grace-ms", "300")
+            .executor("--event-trace", &trace("executor"))
+            .driver("--operation-timeout-ms", "5000")
+            .driver("--result-grace-ms", "500")
+            // The sweep runs: a replica must not take another's resources
+            // for orphans.
+            .driver("--orphan-sweep-ms", "500")
+            .driver("--store", "etcd")
+            .driver("--etcd-endpoints", &etcd.endpoint)
+            .driver("--etcd-lease-ttl-s", LEASE_TTL_S);
+        let driver_args = opts.driver_args.clone();
+        let opts = opts
+            .driver("--etcd-owner-id", "d1")
+            .driver("--event-trace", &trace("d1"));
+        let cluster = Cluster::start_in(dir, opts).await.unwrap();
+        Self {
+            agents,
+            etcd,
+            cluster,
+            extra: Vec::new(),
+            driver_args,
+        }
+    }
+
+    fn trace_path(&self, name: &str) -> PathBuf {
+        self.cluster.dir.path().join(format!("{name}.trace"))
+    }
+
+    /// The arguments replica `id` starts with.
+    fn replica_args(&self, id: &str) -> (PathBuf, Vec<String>) {
+        let dir = self.cluster.dir.path().join(id);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut args = vec![
+            "--decider".to_owned(),
+            self.cluster.decider.url(),
+            "--executor".to_owned(),
+            self.cluster.executor.url(),
+            "--data-dir".to_owned(),
+            dir.join("data").display().to_string(),
+            "--etcd-owner-id".to_owned(),
+            id.to_owned(),
+            "--event-trace".to_owned(),
+            self.trace_path(id).display().to_string(),
+        ];
+        args.extend(self.driver_args.iter().cloned());
+        (dir, args)
+    }
+
+    /// Starts replicas `ids` at once.
+    async fn add(&mut self, ids: &[&str]) {
+        let starts: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                let (dir, args) = self.replica_args(id);
+                tokio::spawn(async move {
+                    Service::start_with_env("driver-svc", &dir, "127.0.0.1:0", &args, &[])
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        for (id, s) in ids.iter().zip(starts) {
+            self.extra.push(((*id).to_owned(), s.await.unwrap()));
+        }
+    }
+
+    fn replica(&mut self, id: &str) -> &mut Service {
+        if id == "d1" {
+            return &mut self.cluster.driver;
+        }
+        &mut self
+            .extra
+            .iter_mut()
+            .find(|(i, _)| i == id)
+            .unwrap_or_else(|| panic!("no replica {id}"))
+            .1
+    }
+
+    async fn client_of(&mut self, id: &str) -> ProvisioningClient<Channel> {
+        ProvisioningClient::new(self.replica(id).channel(None).await.unwrap())
+    }
+
+    fn dump_logs(&self) {
+        self.cluster.dump_logs();
+        for (id, s) in &self.extra {
+            if let Ok(log) = std::fs::read_to_string(s.log_file()) {
+                eprintln!("----- {id} (last lines) -----");
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                for l in tail.iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+
+    /// Applies through replica `via`; returns the run uid.
+    async fn apply(&mut self, via: &str, s: &ClusterShape) -> Result<String, tonic::Status> {
+        let mut c = self.client_of(via).await;
+        c.apply(pb::ApplyRequest {
+            shape: Some(pb::ClusterShape::from(s)),
+        })
+        .await
+        .map(|r| r.into_inner().run_uid)
+    }
+
+    /// Waits until replica `via` has the run mid-convergence: its nodes
+    /// recorded and bootstrapping, none ready yet.
+    async fn mid_convergence(&mut self, via: &str) -> pb::RunStatus {
+        self.until(via, |s| {
+            !s.converged && s.node_count > 0 && s.pending_operations > 0
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let mut c = self.client_of(via).await;
+        let s = c
+            .get_run(pb::GetRunRequest {
+                run_id: RUN.into(),
+                include_nodes: false,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!s.converged, "the run converged before the replica went");
+        s
+    }
+
+    /// Waits until the run's owner is one of `candidates`; returns it and how
+    /// long that took.
+    async fn new_owner(
+        &self,
+        etcd: &mut etcd_client::Client,
+        uid: &str,
+        candidates: &[&str],
+    ) -> (String, Duration) {
+        let t = Instant::now();
+        loop {
+            if let Some(o) = owner(etcd, uid).await
+                && candidates.contains(&o.as_str())
+            {
+                return (o, t.elapsed());
+            }
+            if t.elapsed() > Duration::from_secs(30) {
+                self.dump_logs();
+                panic!("no replica took the run over");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Follows the run on replica `via` until `done`.
+    async fn until(&mut self, via: &str, done: impl FnMut(&pb::RunStatus) -> bool) -> pb::RunStatus {
+        let mut c = self.client_of(via).await;
+        match watch_until(&mut c, RUN, CONVERGE, done).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.dump_logs();
+                panic!("{e}");
+            }
+        }
+    }
+
+    /// Deletes the run through `via` and waits until it and its agents are
+    /// gone.
+    async fn delete_and_clean(&mut self, via: &str) {
+        let mut c = self.client_of(via).await;
+        c.delete_run(pb::DeleteRunRequest { run_id: RUN.into() })
+            .await
+            .unwrap();
+        let t = Instant::now();
+        loop {
+            let gone = matches!(
+                c.get_run(pb::GetRunRequest {
+                    run_id: RUN.into(),
+                    include_nodes: false,
+                })
+                .await,
+                Err(s) if s.code() == Code::NotFound
+            );
+            if gone && live_agent_pids(&self.agents.root).is_empty() {
+                break;
+            }
+            if t.elapsed() > CONVERGE {
+                self.dump_logs();
+                panic!("the run or its agents outlived its deletion");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Checks the executor's trace: every operation of the run it started
+    /// carried an epoch at least that of the newest claim it had accepted
+    /// for the run by then, and every operation it received with an older
+    /// epoch was rejected as fenced. Returns the accepted claims' epochs (in
+    /// order) and the fenced rejections counted.
+    fn check_executor_fencing(&self, uid: &str) -> (Vec<u64>, usize) {
+        let lines = read_trace(&self.trace_path("executor"));
+        let mut newest = 0u64;
+        let mut claims = Vec::new();
+        let mut stale_received: BTreeSet<String> = BTreeSet::new();
+        let mut fenced: BTreeSet<String> = BTreeSet::new();
+        for l in &lines {
+            match &l.event {
+                TraceEvent::ClaimReceived {
+                    run,
+                    epoch,
+                    accepted: true,
+                    ..
+                } if run == uid => {
+                    if *epoch > newest {
+                        claims.push(*epoch);
+                    }
+                    newest = newest.max(*epoch);
+                }
+                TraceEvent::OpReceived { op, .. } if op.run == uid && op.epoch < newest => {
+                    stale_received.insert(op.id.clone());
+                }
+                TraceEvent::CallStarted { op } if op.run == uid => assert!(
+                    op.epoch >= newest,
+                    "the executor started {} at epoch {} after accepting epoch {newest}",
+                    op.id,
+                    op.epoch
+                ),
+                TraceEvent::RejectionOut { rejection }
+                    if rejection.run == uid && rejection.reason == "fenced" =>
+                {
+                    if let Some(id) = &rejection.id {
+                        fenced.insert(id.clone());
+                    }
+                }
+                _ => {}
+            }
+        }
+        let unfenced: Vec<&String> = stale_received.difference(&fenced).collect();
+        assert!(
+            unfenced.is_empty(),
+            "operations with an old epoch not rejected: {unfenced:?}"
+        );
+        (claims, fenced.len())
+    }
+}
+
+/// Revisions of the run's writer key, by writer.
+fn writes_by(history: &[(i64, Option<String>)], who: &str) -> Vec<i64> {
+    history
+        .iter()
+        .filter(|(_, w)| w.as_deref() == Some(who))
+        .map(|(r, _)| *r)
+        .collect()
+}
+
+/// The revision at which `who` took the run (its ownership key put), after
+/// revision `after`.
+fn claimed_at(owners: &[(i64, Option<String>)], who: &str, after: i64) -> i64 {
+    owners
+        .iter()
+        .find(|(r, o)| *r > after && o.as_deref() == Some(who))
+        .map(|(r, _)| *r)
+        .unwrap_or_else(|| panic!("{who} never took the run after revision {after}: {owners:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
+    let mut r = Replicated::start().await;
+    let sampler = Sampler::start(&r.agents.root);
+    r.add(&["d2", "d3"]).await;
+    let mut etcd = r.etcd.client().await;
+
+    let uid = r.apply("d1", &workers(1, 8)).await.unwrap();
+    assert_eq!(owner(&mut etcd, &uid).await.as_deref(), Some("d1"));
+    // Mid-convergence: some agents are up, not all.
+    let before = r.mid_convergence("d1").await;
+    r.cluster.driver.kill().await.unwrap();
+    let (taker, failover) = r.new_owner(&mut etcd, &uid, &["d2", "d3"]).await;
+    println!(
+        "failover: {taker} owned the run {} ms after its owner was killed (lease {LEASE_TTL_S} s)",
+        failover.as_millis()
+    );
+
+    // Either survivor serves the run: the other answers with the owner's
+    // address and changes nothing.
+    let other = if taker == "d2" { "d3" } else { "d2" };
+    let mut c = r.client_of(other).await;
+    let refused = c
+        .apply(pb::ApplyRequest {
+            shape: Some(pb::ClusterShape::from(&workers(2, 6))),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
+    let taker_addr = r.replica(&taker).addr.to_string();
+    assert_eq!(
+        refused
+            .metadata()
+            .get("provisioning-owner-address")
+            .and_then(|v| v.to_str().ok()),
+        Some(taker_addr.as_str()),
+        "{refused}"
+    );
+
+    let after = r.until(&taker, |s| s.converged && s.generation == 1).await;
+    assert!(
+        after.epoch > before.epoch,
+        "the run went on under epoch {} after {}",
+        after.epoch,
+        before.epoch
+    );
+    assert_eq!(after.ready_count, 8);
+    assert_eq!(live_agent_pids(&r.agents.root).len(), 8);
+
+    // A change through the new owner converges too.
+    r.apply(&taker, &workers(2, 6)).await.unwrap();
+    r.until(&taker, |s| s.converged && s.generation == 2).await;
+    assert_eq!(live_agent_pids(&r.agents.root).len(), 6);
+    r.delete_and_clean(&taker).await;
+    let samples = sampler.finish();
+
+    // Order, by etcd revisions: d1's writes, then its ownership key went
+    // with its lease, then the taker's claim, then only the taker's writes.
+    let owners = history(&mut etcd, &format!("{PREFIX}owners/{uid}")).await;
+    let writers = history(&mut etcd, &format!("{PREFIX}runs/{uid}/writer")).await;
+    let released = owners
+        .iter()
+        .find(|(_, o)| o.is_none())
+        .map(|(r, _)| *r)
+        .expect("d1's ownership key never went");
+    let taken = claimed_at(&owners, &taker, released);
+    let d1_writes = writes_by(&writers, "d1");
+    let taker_writes = writes_by(&writers, &taker);
+    assert!(!d1_writes.is_empty() && !taker_writes.is_empty());
+    assert!(d1_writes.iter().all(|w| *w < released), "{writers:?} {owners:?}");
+    assert!(taker_writes.iter().all(|w| *w > taken), "{writers:?} {owners:?}");
+    assert!(writes_by(&writers, other).is_empty(), "{other} wrote the run");
+    assert_eq!(
+        owners.iter().filter(|(_, o)| o.is_some()).count(),
+        2,
+        "one claim in etcd per owner: {owners:?}"
+    );
+    let (claims, fenced) = r.check_executor_fencing(&uid);
+    assert!(claims.len() >= 2, "claims accepted at the executor: {claims:?}");
+    println!(
+        "order: d1 wrote revisions {}..={}, its key went at {released}, {taker} claimed at {taken} and \
+         wrote {}..={}; executor epochs {claims:?}, {fenced} operations fenced; {samples} process-table samples",
+        d1_writes[0],
+        d1_writes[d1_writes.len() - 1],
+        taker_writes[0],
+        taker_writes[taker_writes.len() - 1],
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_owner_resumed_after_a_takeover_writes_and_dispatches_nothing() {
+    let mut r = Replicated::start().await;
+    let sampler = Sampler::start(&r.agents.root);
+    r.add(&["d2"]).await;
+    let mut etcd = r.etcd.client().await;
+
+    let uid = r.apply("d1", &workers(1, 8)).await.unwrap();
+    r.mid_convergence("d1").await;
+    let pid = r.cluster.driver.pid().unwrap();
+    signal("STOP", pid);
+    let (_, failover) = r.new_owner(&mut etcd, &uid, &["d2"]).await;
+    println!(
+        "failover: d2 owned the run {} ms after its owner was paused (lease {LEASE_TTL_S} s)",
+        failover.as_millis()
+    );
+    // The new owner makes progress before the old one comes back.
+    let mut c = r.client_of("d2").await;
+    let at_takeover = c
+        .get_run(pb::GetRunRequest {
+            run_id: RUN.into(),
+            include_nodes: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let resumed_at = now_us();
+    signal("CONT", pid);
+
+    // The old owner finds its lease gone by its own clock: it stops its
+    // runs and exits for its supervisor to start it afresh.
+    let exited = r
+        .cluster
+        .driver
+        .wait_exit(Duration::from_secs(20))
+        .await
+        .unwrap()
+        .expect("the resumed replica kept running without its lease");
+    assert!(!exited.success(), "{exited}");
+    let log = std::fs::read_to_string(r.cluster.driver.log_file()).unwrap();
+    assert!(log.contains("lost its etcd lease"), "{log}");
+
+    let done = r.until("d2", |s| s.converged && s.generation == 1).await;
+    assert!(done.epoch > at_takeover.epoch.min(done.epoch - 1));
+    assert_eq!(live_agent_pids(&r.agents.root).len(), 8);
+
+    // After resuming, d1 recorded nothing, dispatched nothing and claimed
+    // nothing for the run (its trace), ...
+    let d1: Vec<TraceLine> = read_trace(&r.trace_path("d1"))
+        .into_iter()
+        .filter(|l| l.t_us >= resumed_at)
+        .collect();
+    for l in &d1 {
+        match &l.event {
+            TraceEvent::Committed { .. } | TraceEvent::Claim { .. } => {
+                panic!("d1 wrote or claimed after it was resumed: {l:?}")
+            }
+            TraceEvent::Dispatched { sent: true, .. } => {
+                panic!("d1 dispatched after it was resumed: {l:?}")
+            }
+            _ => {}
+        }
+    }
+    // ... etcd took no write of it after d2's claim, and the executor
+    // started nothing under d1's epoch after d2's claim.
+    let owners = history(&mut etcd, &format!("{PREFIX}owners/{uid}")).await;
+    let writers = history(&mut etcd, &format!("{PREFIX}runs/{uid}/writer")).await;
+    let taken = claimed_at(&owners, "d2", 0);
+    assert!(
+        writes_by(&writers, "d1").iter().all(|w| *w < taken),
+        "{writers:?} {owners:?}"
+    );
+    let (claims, fenced) = r.check_executor_fencing(&uid);
+    assert!(claims.len() >= 2, "claims accepted at the executor: {claims:?}");
+    r.delete_and_clean("d2").await;
+    let samples = sampler.finish();
+    println!(
+        "partition: d2 claimed at revision {taken}; d1 wrote nothing after; executor epochs {claims:?}, \
+         {fenced} operations fenced; {} trace lines from d1 after resuming; {samples} samples",
+        d1.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_racing_for_a_run_never_both_write_it() {
+    let mut r = Replicated::start().await;
+    let sampler = Sampler::start(&r.agents.root);
+    let mut etcd = r.etcd.client().await;
+    let uid = r.apply("d1", &workers(1, 6)).await.unwrap();
+    r.mid_convergence("d1").await;
+    let mut owner_now = "d1".to_owned();
+    let mut released_at = Vec::new();
+    // Three rounds: the owner is killed, its lease runs out, and two new
+    // replicas start at the same moment; each finds the run unowned.
+    for round in 0..3 {
+        let pair = [format!("r{round}a"), format!("r{round}b")];
+        r.replica(&owner_now).kill().await.unwrap();
+        let t = Instant::now();
+        while owner(&mut etcd, &uid).await.is_some() {
+            assert!(t.elapsed() < Duration::from_secs(30), "the lease never ran out");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let head = etcd.get("x", None).await.unwrap().header().unwrap().revision();
+        released_at.push(head);
+        let ids: Vec<&str> = pair.iter().map(String::as_str).collect();
+        r.add(&ids).await;
+        let (taker, _) = r.new_owner(&mut etcd, &uid, &ids).await;
+        let loser = ids.iter().find(|i| **i != taker).unwrap().to_string();
+        // The loser serves the run by pointing at the taker.
+        let mut c = r.client_of(&loser).await;
+        let s = c
+            .get_run(pb::GetRunRequest {
+                run_id: RUN.into(),
+                include_nodes: false,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), Code::FailedPrecondition, "{s}");
+        // Only the next round's pair may race for the run.
+        r.replica(&loser).kill().await.unwrap();
+        // The taker carries on, and takes a change, before the next round.
+        let generation = round + 2;
+        r.apply(&taker, &workers(generation, 6 - u32::try_from(round).unwrap()))
+            .await
+            .unwrap();
+        r.until(&taker, |s| s.converged && s.generation == generation)
+            .await;
+        owner_now = taker;
+    }
+    r.delete_and_clean(&owner_now).await;
+    let samples = sampler.finish();
+
+    // Between two releases, exactly one replica claimed the run and only it
+    // wrote; the loser of each round never wrote it nor claimed it at the
+    // executor.
+    let owners = history(&mut etcd, &format!("{PREFIX}owners/{uid}")).await;
+    let writers = history(&mut etcd, &format!("{PREFIX}runs/{uid}/writer")).await;
+    for (i, from) in released_at.iter().enumerate() {
+        let until = released_at.get(i + 1).copied().unwrap_or(i64::MAX);
+        let claims: BTreeSet<&str> = owners
+            .iter()
+            .filter(|(r, o)| *r > *from && *r < until && o.is_some())
+            .filter_map(|(_, o)| o.as_deref())
+            .collect();
+        let wrote: BTreeSet<&str> = writers
+            .iter()
+            .filter(|(r, _)| *r > *from && *r < until)
+            .filter_map(|(_, w)| w.as_deref())
+            .collect();
+        assert_eq!(
+            claims.len(),
+            1,
+            "round {i}: claimed by {claims:?}; owners {owners:?}; writers {writers:?}; released {released_at:?}"
+        );
+        assert!(
+            wrote.is_subset(&claims),
+            "round {i}: written by {wrote:?}, claimed by {claims:?}"
+        );
+        let loser = (0..2)
+            .map(|k| format!("r{i}{}", ['a', 'b'][k]))
+            .find(|id| !claims.contains(id.as_str()))
+            .unwrap();
+        let started = read_trace(&r.trace_path(&loser))
+            .into_iter()
+            .any(|l| matches!(l.event, TraceEvent::Claim { .. } | TraceEvent::Committed { .. }));
+        assert!(!started, "round {i}: {loser} claimed or wrote the run");
+    }
+    assert_eq!(
+        owners.iter().filter(|(_, o)| o.is_some()).count(),
+        4,
+        "one claim in etcd per owner: {owners:?}"
+    );
+    let (claims, fenced) = r.check_executor_fencing(&uid);
+    assert_eq!(claims.len(), 4, "one executor claim per owner: {claims:?}");
+    println!(
+        "race: owners {owners:?}; executor epochs {claims:?}; {fenced} operations fenced; {samples} samples"
+    );
+}
+
+fn signal(sig: &str, pid: u32) {
+    let ok = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{sig} {pid}");
+}
