@@ -2,12 +2,15 @@
 //! the three cores on a virtual clock ([`sim`]), shape builders ([`shapes`]), the
 //! real binaries as processes ([`procs`]), and the conformance kit that runs one
 //! oracle over both ([`conformance`]); [`auth`] makes tokens and clients for
-//! a driver that authenticates its callers.
+//! a driver that authenticates its callers; with the `etcd` feature, `etcd`
+//! runs a real etcd for the driver replicas' tests.
 
 #![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod conformance;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 pub mod procs;
 pub mod shapes;
 pub mod sim;

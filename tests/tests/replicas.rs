@@ -25,9 +25,8 @@
 
 use std::{
     collections::BTreeSet,
-    net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::Command,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -37,86 +36,18 @@ use contract::{
     pb,
     pb::provisioning_client::ProvisioningClient,
 };
-use etcd_client::{EventType, GetOptions, WatchOptions};
 use provisioning_tests::{
+    etcd::{self, Etcd, PREFIX},
     procs::{AgentsDir, Cluster, ClusterOptions, Sampler, Service, bin_path, live_agent_pids, watch_until},
     shapes::{shape, with_template},
 };
 use tonic::{Code, transport::Channel};
 
 const RUN: &str = "shared";
-const PREFIX: &str = "/provisioning/v1/";
 const CONVERGE: Duration = Duration::from_secs(90);
 /// The replicas' lease (seconds): a replica that stops renewing loses its
 /// runs this long after its last renewal.
 const LEASE_TTL_S: &str = "2";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// One etcd member on loopback; killed when dropped.
-struct Etcd {
-    child: Child,
-    endpoint: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Etcd {
-    fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let (client, peer) = (free_port(), free_port());
-        let client_url = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let child = Command::new("etcd")
-            .args(["--name", "replicas", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args(["--listen-client-urls", &client_url])
-            .args(["--advertise-client-urls", &client_url])
-            .args(["--listen-peer-urls", &peer_url])
-            .args(["--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("replicas={peer_url}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting etcd (Debian package etcd-server; .ci/run installs it)");
-        let etcd = Self {
-            child,
-            endpoint: format!("127.0.0.1:{client}"),
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(&etcd.endpoint).is_err() {
-            assert!(Instant::now() < deadline, "etcd did not start listening");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        etcd
-    }
-
-    async fn client(&self) -> etcd_client::Client {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(mut c) = etcd_client::Client::connect([self.endpoint.as_str()], None).await
-                && c.status().await.is_ok()
-            {
-                return c;
-            }
-            assert!(Instant::now() < deadline, "etcd did not answer");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// The driver under test must have the etcd store.
 fn require_etcd_driver() {
@@ -131,53 +62,12 @@ fn require_etcd_driver() {
     );
 }
 
-/// A key's history: `(revision, value)`, `None` for a deletion. Every key
-/// in this etcd is under [`PREFIX`], so a watch of the prefix from the first
-/// revision has seen everything once it reaches the current revision.
-async fn history(etcd: &mut etcd_client::Client, key: &str) -> Vec<(i64, Option<String>)> {
-    let head = etcd
-        .get(key, Some(GetOptions::new().with_keys_only()))
-        .await
-        .unwrap()
-        .header()
-        .unwrap()
-        .revision();
-    let mut stream = etcd
-        .watch(
-            PREFIX,
-            Some(WatchOptions::new().with_prefix().with_start_revision(1)),
-        )
-        .await
-        .unwrap();
-    let mut out = Vec::new();
-    let read = async {
-        let mut seen = 0;
-        while seen < head {
-            let resp = stream.message().await.unwrap().unwrap();
-            for e in resp.events() {
-                let kv = e.kv().unwrap();
-                seen = seen.max(kv.mod_revision());
-                if kv.key() != key.as_bytes() {
-                    continue;
-                }
-                let value = match e.event_type() {
-                    EventType::Put => Some(kv.value_str().unwrap().to_owned()),
-                    EventType::Delete => None,
-                };
-                out.push((kv.mod_revision(), value));
-            }
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), read)
-        .await
-        .expect("reading a key's history from etcd");
-    out
+async fn owner(etcd: &mut etcd_client::Client, uid: &str) -> Option<String> {
+    etcd::owner(etcd, uid).await.unwrap()
 }
 
-/// The owner id in the run's ownership key, if any.
-async fn owner(etcd: &mut etcd_client::Client, uid: &str) -> Option<String> {
-    let r = etcd.get(format!("{PREFIX}owners/{uid}"), None).await.unwrap();
-    r.kvs().first().map(|kv| kv.value_str().unwrap().to_owned())
+async fn history(etcd: &mut etcd_client::Client, key: &str) -> Vec<(i64, Option<String>)> {
+    etcd::history(etcd, key).await.unwrap()
 }
 
 fn now_us() -> u64 {
@@ -229,7 +119,7 @@ impl Replicated {
     async fn start() -> Self {
         require_etcd_driver();
         let agents = AgentsDir::new().unwrap();
-        let etcd = Etcd::start();
+        let etcd = Etcd::start().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let trace = |name: &str| dir.path().join(format!("{name}.trace")).display().to_string();
         let opts = ClusterOptions::default()
@@ -501,7 +391,7 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
     let mut r = Replicated::start().await;
     let sampler = Sampler::start(&r.agents.root);
     r.add(&["d2", "d3"]).await;
-    let mut etcd = r.etcd.client().await;
+    let mut etcd = r.etcd.client().await.unwrap();
 
     let uid = r.apply("d1", &workers(1, 8)).await.unwrap();
     assert_eq!(owner(&mut etcd, &uid).await.as_deref(), Some("d1"));
@@ -590,7 +480,7 @@ async fn a_paused_owner_resumed_after_a_takeover_writes_and_dispatches_nothing()
     let mut r = Replicated::start().await;
     let sampler = Sampler::start(&r.agents.root);
     r.add(&["d2"]).await;
-    let mut etcd = r.etcd.client().await;
+    let mut etcd = r.etcd.client().await.unwrap();
 
     let uid = r.apply("d1", &workers(1, 8)).await.unwrap();
     r.mid_convergence("d1").await;
@@ -673,7 +563,7 @@ async fn a_paused_owner_resumed_after_a_takeover_writes_and_dispatches_nothing()
 async fn replicas_racing_for_a_run_never_both_write_it() {
     let mut r = Replicated::start().await;
     let sampler = Sampler::start(&r.agents.root);
-    let mut etcd = r.etcd.client().await;
+    let mut etcd = r.etcd.client().await.unwrap();
     let uid = r.apply("d1", &workers(1, 6)).await.unwrap();
     r.mid_convergence("d1").await;
     let mut owner_now = "d1".to_owned();
