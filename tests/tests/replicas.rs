@@ -425,6 +425,21 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
         "{refused}"
     );
 
+    // provisionctl, pointed at the replica that does not serve the run,
+    // follows it to the one that does.
+    let other_addr = r.replica(other).addr.to_string();
+    let ctl = Command::new(bin_path("provisionctl").unwrap())
+        .args(["--server", &other_addr, "--insecure", "get", RUN, "-o", "json"])
+        .env_remove("PROVISIONCTL_SERVER")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&ctl.stdout);
+    assert!(
+        ctl.status.success() && out.contains(&uid),
+        "provisionctl get through {other}: {out} {}",
+        String::from_utf8_lossy(&ctl.stderr)
+    );
+
     let after = r.until(&taker, |s| s.converged && s.generation == 1).await;
     assert!(
         after.epoch > before.epoch,
