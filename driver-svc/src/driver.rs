@@ -76,6 +76,7 @@ pub(crate) struct Exported {
     pub(crate) folds: Counter,
     pub(crate) discarded: Counter,
     pub(crate) converged: Counter,
+    takeovers: Counter,
     nodes: Gauge,
     runs: Gauge,
     link_up: Gauge,
@@ -168,6 +169,12 @@ impl Exported {
             converged: r.counter(
                 "provisioning_runs_converged_total",
                 "Times a run reached convergence for its current generation.",
+                &[],
+            ),
+            takeovers: r.counter(
+                "provisioning_run_takeovers_total",
+                "Stored runs this replica claimed and restored, at its start or when their owner \
+                 went (replicas sharing an etcd store only).",
                 &[],
             ),
             nodes: r.gauge(
@@ -543,6 +550,7 @@ impl Driver {
         };
         let (run, from_epoch) = (stored.meta.run_id.clone(), stored.meta.epoch);
         self.restore(stored)?;
+        self.shared.metrics.exported.takeovers.inc(&[]);
         tracing::warn!(%run, run_uid = %uid, %from_epoch, took_ms = started.elapsed().as_millis() as u64,
             "took over a run no live replica owned");
         Ok(true)

@@ -135,7 +135,8 @@ impl Replicated {
             .driver("--orphan-sweep-ms", "500")
             .driver("--store", "etcd")
             .driver("--etcd-endpoints", &etcd.endpoint)
-            .driver("--etcd-lease-ttl-s", LEASE_TTL_S);
+            .driver("--etcd-lease-ttl-s", LEASE_TTL_S)
+            .driver("--metrics-listen", "127.0.0.1:0");
         let driver_args = opts.driver_args.clone();
         let opts = opts
             .driver("--etcd-owner-id", "d1")
@@ -449,6 +450,16 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
     );
     assert_eq!(after.ready_count, 8);
     assert_eq!(live_agent_pids(&r.agents.root).len(), 8);
+    let scraped = r.replica(&taker).scrape().await.unwrap();
+    assert!(
+        scraped.contains("provisioning_run_takeovers_total 1"),
+        "{}",
+        scraped
+            .lines()
+            .filter(|l| l.contains("takeovers"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 
     // A change through the new owner converges too.
     r.apply(&taker, &workers(2, 6)).await.unwrap();
