@@ -62,6 +62,67 @@ fn require_etcd_driver() {
     );
 }
 
+impl Replicated {
+    /// Opens a link to the executor as the run's owner at `epoch` would,
+    /// claims the run and submits a fresh operation (a copy of one the
+    /// executor received under that epoch, with an unused sequence number);
+    /// expects both refused as fenced. Returns the operation's id.
+    async fn replay_as_old_owner(&self, uid: &str, epoch: u64) -> String {
+        let old = read_trace(&self.trace_path("executor"))
+            .into_iter()
+            .find_map(|l| match l.event {
+                TraceEvent::OpReceived { op, .. } if op.run == uid && op.epoch == epoch => Some(op),
+                _ => None,
+            })
+            .expect("an operation the old owner sent");
+        let mut op: pb::Operation = contract::event_trace::unhex(&old.wire).unwrap();
+        let id = op.id.as_mut().unwrap();
+        id.seq = 999;
+        let stale = format!("a{}.{}", id.attempt, id.seq);
+        let mut executor = self.cluster.executor_client().await.unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let message = |kind| pb::DriverMessage {
+            kind: Some(kind),
+            trace: None,
+        };
+        tx.send(message(pb::driver_message::Kind::Claim(pb::Claim {
+            run_uid: uid.to_owned(),
+            run_id: RUN.to_owned(),
+            epoch,
+        })))
+        .await
+        .unwrap();
+        tx.send(message(pb::driver_message::Kind::Submit(op)))
+            .await
+            .unwrap();
+        let mut inbound = executor
+            .link(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut refused = Vec::new();
+        let read = async {
+            while refused.len() < 2 {
+                let Some(m) = inbound.message().await.unwrap() else {
+                    break;
+                };
+                if let Some(pb::executor_message::Kind::Rejection(rej)) = m.kind {
+                    refused.push(rej);
+                }
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(10), read).await;
+        drop(tx);
+        assert_eq!(refused.len(), 2, "claim and operation refused: {refused:?}");
+        for rej in &refused {
+            assert_eq!(rej.reason, pb::RejectionReason::Fenced as i32, "{rej:?}");
+            assert!(rej.highest_epoch > epoch, "{rej:?}");
+        }
+        assert!(refused[1].id.is_some(), "{refused:?}");
+        stale
+    }
+}
+
 async fn owner(etcd: &mut etcd_client::Client, uid: &str) -> Option<String> {
     etcd::owner(etcd, uid).await.unwrap()
 }
@@ -461,6 +522,11 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
             .join("\n")
     );
 
+    // The old owner's epoch is dead at the executor: a link that claims it
+    // and submits a fresh operation under it (as a d1 that never noticed
+    // would) gets both refused as fenced, and nothing starts.
+    let stale = r.replay_as_old_owner(&uid, before.epoch).await;
+
     // A change through the new owner converges too.
     r.apply(&taker, &workers(2, 6)).await.unwrap();
     r.until(&taker, |s| s.converged && s.generation == 2).await;
@@ -491,6 +557,14 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
     );
     let (claims, fenced) = r.check_executor_fencing(&uid);
     assert!(claims.len() >= 2, "claims accepted at the executor: {claims:?}");
+    assert!(fenced >= 1, "the stale operation was not counted as fenced");
+    let started_stale = read_trace(&r.trace_path("executor"))
+        .into_iter()
+        .any(|l| matches!(&l.event, TraceEvent::CallStarted { op } if op.run == uid && op.id == stale));
+    assert!(
+        !started_stale,
+        "the executor started {stale} under a fenced epoch"
+    );
     println!(
         "order: d1 wrote revisions {}..={}, its key went at {released}, {taker} claimed at {taken} and \
          wrote {}..={}; executor epochs {claims:?}, {fenced} operations fenced; {samples} process-table samples",

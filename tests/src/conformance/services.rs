@@ -338,6 +338,14 @@ impl ServiceSut {
             ] {
                 opts = opts.driver(flag, &v.to_string());
             }
+            // `CONFORMANCE_ORPHAN_SWEEP_MS=<ms>` runs the battery with the
+            // orphan sweep on, destroying what it confirms.
+            if let Some(ms) = std::env::var("CONFORMANCE_ORPHAN_SWEEP_MS")
+                .ok()
+                .filter(|v| !v.is_empty())
+            {
+                opts = opts.driver("--orphan-sweep-ms", &ms);
+            }
             opts = opts
                 .driver("--event-trace", &trace_paths.driver.display().to_string())
                 .service_env(
