@@ -129,7 +129,7 @@ impl Provisioning for Api {
         req: Request<pb::ListRunsRequest>,
     ) -> Result<Response<pb::ListRunsResponse>, Status> {
         let who = principal(&req, Access::Read, "ListRuns")?;
-        let mut runs = self.driver.list().await;
+        let mut runs = self.driver.list().await.map_err(to_status)?;
         runs.retain(|r| who.may_see(&r.run_id));
         Ok(Response::new(pb::ListRunsResponse { runs }))
     }

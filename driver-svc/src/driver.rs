@@ -704,7 +704,9 @@ impl Driver {
             .await
     }
 
-    pub async fn list(&self) -> Vec<pb::RunStatus> {
+    /// Every run: this driver's, and with replicas the others' as stored
+    /// (marked `from_store`, with the replica serving each).
+    pub async fn list(&self) -> Result<Vec<pb::RunStatus>, DriverError> {
         let handles: Vec<RunHandle> = self
             .shared
             .runs
@@ -712,8 +714,26 @@ impl Driver {
             .map(|r| r.values().cloned().collect())
             .unwrap_or_default();
         let mut out: Vec<pb::RunStatus> = handles.iter().map(|h| (**h.status.borrow()).clone()).collect();
+        if let Some(replicas) = self.shared.replicas.clone() {
+            let here: std::collections::HashSet<String> = out.iter().map(|s| s.run_uid.clone()).collect();
+            let now = self.shared.clock.now();
+            for (stored, owner) in blocking(move || replicas.elsewhere()).await? {
+                if here.contains(&stored.meta.uid.to_string()) {
+                    continue;
+                }
+                let epoch = stored.meta.epoch;
+                let run = RunState::restore(stored, epoch, self.shared.policy.clone());
+                let mut s = crate::status::run_status(&run, false, now);
+                s.from_store = true;
+                if let Some(o) = owner {
+                    s.served_by = o.id;
+                    s.served_at = o.address.unwrap_or_default();
+                }
+                out.push(s);
+            }
+        }
         out.sort_by(|a, b| a.run_id.cmp(&b.run_id));
-        out
+        Ok(out)
     }
 
     /// The run's status channel: the current status, then every change.

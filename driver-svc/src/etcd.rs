@@ -1128,10 +1128,54 @@ impl Replicas for EtcdStore {
     fn load(&self, uid: RunUid) -> Result<Option<StoredRun>, StoreError> {
         let kvs = self.get_prefix(self.run_key(uid, ""))?;
         let run = self.parse_runs(&kvs)?.into_iter().next();
-        if let Some(r) = &run {
-            self.claimed().entry(uid).or_default().run_id = Some(r.meta.run_id.to_string());
+        if let Some(r) = &run
+            && let Some(c) = self.claimed().get_mut(&uid)
+        {
+            c.run_id = Some(r.meta.run_id.to_string());
         }
         Ok(run)
+    }
+
+    fn elsewhere(&self) -> Result<Vec<(StoredRun, Option<Owner>)>, StoreError> {
+        let names = self.key("names/");
+        let mut uids = Vec::new();
+        for kv in self.get_prefix(names.clone())? {
+            let uid = RunUid::parse("run_uid", &text(&kv)).map_err(corrupt)?;
+            if !self.claimed().contains_key(&uid) {
+                uids.push(uid);
+            }
+        }
+        if uids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let owners: HashMap<RunUid, String> = self
+            .owners()?
+            .into_iter()
+            .map(|(uid, owner, _)| (uid, owner))
+            .collect();
+        let members = self.key("members/");
+        let addresses: HashMap<String, String> = self
+            .get_prefix(members.clone())?
+            .iter()
+            .filter_map(|kv| {
+                let id = std::str::from_utf8(kv.key().strip_prefix(members.as_bytes())?).ok()?;
+                Some((id.to_owned(), text(kv)))
+            })
+            .collect();
+        let mut out = Vec::with_capacity(uids.len());
+        for uid in uids {
+            let kvs = self.get_prefix(self.run_key(uid, ""))?;
+            // A run dropped since its name was read is left out.
+            let Some(run) = self.parse_runs(&kvs)?.into_iter().next() else {
+                continue;
+            };
+            let owner = owners.get(&uid).map(|id| Owner {
+                id: id.clone(),
+                address: addresses.get(id).cloned(),
+            });
+            out.push((run, owner));
+        }
+        Ok(out)
     }
 
     fn locate(&self, run_id: &str) -> Result<Placement, StoreError> {

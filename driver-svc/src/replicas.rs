@@ -80,6 +80,10 @@ pub trait Replicas: Send + Sync + std::fmt::Debug {
     /// Stored runs no live replica owns, and runs this owner id owned under
     /// an earlier lease (a restart with the same id).
     fn unowned(&self) -> Result<Vec<RunUid>, StoreError>;
+    /// The stored state of every run (reclaim runs aside) this replica does
+    /// not own, with its owner if one is live: what `ListRuns` shows of the
+    /// runs other replicas serve.
+    fn elsewhere(&self) -> Result<Vec<(StoredRun, Option<Owner>)>, StoreError>;
     /// Every run the store knows, whoever owns it (the orphan sweep must not
     /// take another replica's resources for orphans).
     fn known_runs(&self) -> Result<HashSet<RunUid>, StoreError>;

@@ -104,5 +104,8 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
         folded_results: run.counters().folded_results,
         folded_observations: run.counters().folded_observations,
         discarded: run.counters().discarded.values().sum(),
+        served_by: String::new(),
+        served_at: String::new(),
+        from_store: false,
     }
 }

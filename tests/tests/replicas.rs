@@ -487,6 +487,27 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
         "{refused}"
     );
 
+    // Listing on either survivor shows the run, and who serves it.
+    let listed = c
+        .list_runs(pb::ListRunsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .runs;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert!(listed[0].from_store && listed[0].served_by == taker, "{listed:?}");
+    assert_eq!(listed[0].served_at, taker_addr);
+    assert_eq!(listed[0].run_uid, uid);
+    assert_eq!(listed[0].node_count, 8, "{listed:?}");
+    let mut on_taker = r.client_of(&taker).await;
+    let listed = on_taker
+        .list_runs(pb::ListRunsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .runs;
+    assert!(listed.len() == 1 && !listed[0].from_store, "{listed:?}");
+
     // provisionctl, pointed at the replica that does not serve the run,
     // follows it to the one that does.
     let other_addr = r.replica(other).addr.to_string();

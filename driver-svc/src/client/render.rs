@@ -209,6 +209,12 @@ pub fn status_json(s: &pb::RunStatus, with_shape: bool, with_nodes: bool) -> Val
         "groups": groups,
     });
     if let Value::Object(m) = &mut v {
+        if s.from_store {
+            m.insert(
+                "served_by".into(),
+                json!({ "replica": s.served_by, "address": s.served_at, "from_store": true }),
+            );
+        }
         if with_shape && let Some(shape) = &s.shape {
             m.insert("shape".into(), shape_json(shape));
         }
@@ -354,7 +360,10 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
     if runs.is_empty() {
         return vec!["no runs".to_owned()];
     }
-    let mut t = Table::new(&[
+    // Driver replicas: a column says which replica serves each run (a run
+    // another replica serves is shown as that replica last stored it).
+    let replicas = runs.iter().any(|s| s.from_store);
+    let mut columns = vec![
         "RUN",
         "PHASE",
         "GENERATION",
@@ -362,10 +371,14 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
         "PENDING",
         "FAILING",
         "GROUPS",
-    ]);
+    ];
+    if replicas {
+        columns.push("SERVED BY");
+    }
+    let mut t = Table::new(&columns);
     for s in runs {
         let failing: u32 = s.groups.iter().map(|g| g.failing).sum();
-        t.row(vec![
+        let mut row = vec![
             s.run_id.clone(),
             phase_text(s),
             s.generation.to_string(),
@@ -373,7 +386,16 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
             s.pending_operations.to_string(),
             failing.to_string(),
             s.groups.len().to_string(),
-        ]);
+        ];
+        if replicas {
+            row.push(match (s.from_store, s.served_by.as_str(), s.served_at.as_str()) {
+                (false, _, _) => "this replica".to_owned(),
+                (true, "", _) => "nobody (being taken over)".to_owned(),
+                (true, id, "") => id.to_owned(),
+                (true, id, at) => format!("{id} at {at}"),
+            });
+        }
+        t.row(row);
     }
     t.lines()
 }
@@ -543,5 +565,29 @@ pub(crate) mod tests {
         assert!(lines[1].contains("4/6"), "{lines:?}");
         assert_eq!(list_table(&[]), vec!["no runs"]);
         assert_eq!(list_json(&[status()])["runs"][0]["run_id"], "demo");
+        assert!(!lines[0].contains("SERVED BY"), "{lines:?}");
+    }
+
+    #[test]
+    fn list_says_which_replica_serves_each_run() {
+        let here = status();
+        let mut there = status();
+        there.run_id = "elsewhere".into();
+        there.from_store = true;
+        there.served_by = "driver-1".into();
+        there.served_at = "10.0.0.2:7000".into();
+        let mut moving = there.clone();
+        moving.run_id = "moving".into();
+        moving.served_by.clear();
+        moving.served_at.clear();
+        let lines = list_table(&[here, there.clone(), moving]);
+        assert!(lines[0].contains("SERVED BY"), "{lines:?}");
+        assert!(lines[1].ends_with("this replica"), "{lines:?}");
+        assert!(lines[2].ends_with("driver-1 at 10.0.0.2:7000"), "{lines:?}");
+        assert!(lines[3].ends_with("nobody (being taken over)"), "{lines:?}");
+        let v = list_json(&[status(), there]);
+        assert!(v["runs"][0].get("served_by").is_none());
+        assert_eq!(v["runs"][1]["served_by"]["replica"], "driver-1");
+        assert_eq!(v["runs"][1]["served_by"]["from_store"], true);
     }
 }
