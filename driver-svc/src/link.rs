@@ -14,13 +14,13 @@ use std::{
     time::Duration,
 };
 
+use contract::tls::PeerEndpoint;
 use contract::{
     Observation, OperationResult, Rejection, RunUid, pb,
     pb::{executor_client::ExecutorClient, executor_message::Kind},
 };
 use tokio::sync::mpsc;
 use tokio_stream::{StreamExt, wrappers::UnboundedReceiverStream};
-use tonic::transport::Endpoint;
 
 use crate::actor::RunEvent;
 
@@ -45,6 +45,8 @@ struct Inner {
     current: Mutex<Option<(u64, Outbound)>>,
     routes: RwLock<HashMap<RunUid, mpsc::UnboundedSender<RunEvent>>>,
     counters: Mutex<LinkCounters>,
+    /// Why the last connection attempt failed, if it did.
+    last_error: Mutex<Option<String>>,
 }
 
 /// Link health counters, for metrics and tests.
@@ -145,7 +147,7 @@ impl Link {
     }
 
     /// Keeps the stream up until `shutdown` resolves.
-    pub async fn run(self, endpoint: Endpoint, shutdown: impl std::future::Future<Output = ()>) {
+    pub async fn run(self, endpoint: PeerEndpoint, shutdown: impl std::future::Future<Output = ()>) {
         tokio::pin!(shutdown);
         let mut generation = 0u64;
         let mut delay = Duration::from_millis(100);
@@ -176,14 +178,36 @@ impl Link {
     }
 
     /// One stream's life. Returns whether it connected at all.
-    async fn connect_once(&self, endpoint: Endpoint, generation: u64) -> bool {
+    async fn connect_once(&self, endpoint: PeerEndpoint, generation: u64) -> bool {
         let channel = match endpoint.connect().await {
             Ok(c) => c,
             Err(e) => {
-                tracing::debug!(error = %e, "executor not reachable");
+                // The whole chain: a refused TLS handshake says why (for
+                // example a server that is not the executor) only deep down.
+                let mut why = e.to_string();
+                let mut source = std::error::Error::source(&e);
+                while let Some(s) = source {
+                    why = format!("{why}: {s}");
+                    source = s.source();
+                }
+                // Loud once per reason, quiet while it stays the same.
+                let repeated = self
+                    .inner
+                    .last_error
+                    .lock()
+                    .map(|mut last| last.replace(why.clone()).as_deref() == Some(why.as_str()))
+                    .unwrap_or(false);
+                if repeated {
+                    tracing::debug!(error = %why, "executor not reachable");
+                } else {
+                    tracing::warn!(error = %why, "executor not reachable");
+                }
                 return false;
             }
         };
+        if let Ok(mut last) = self.inner.last_error.lock() {
+            *last = None;
+        }
         let (tx, rx) = mpsc::unbounded_channel();
         // Through the tracing layer: the link call has a client span (one per
         // connection); the operations on it carry their own trace contexts.

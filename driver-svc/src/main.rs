@@ -26,6 +26,13 @@ struct Cli {
     /// The executor's address, as --decider.
     #[arg(long, env = "DRIVER_EXECUTOR")]
     executor: String,
+    /// With TLS, who the decider must be: the identity its certificate
+    /// carries (a name for `spiffe://provisioning/<name>`, or a whole URI).
+    #[arg(long, env = "DRIVER_DECIDER_IDENTITY", default_value = "decider-svc")]
+    decider_identity: String,
+    /// With TLS, who the executor must be, as --decider-identity.
+    #[arg(long, env = "DRIVER_EXECUTOR_IDENTITY", default_value = "executor-svc")]
+    executor_identity: String,
     #[arg(long, env = "DRIVER_BACKOFF_BASE_MS", default_value_t = 1000)]
     backoff_base_ms: u64,
     #[arg(long, env = "DRIVER_BACKOFF_CAP_MS", default_value_t = 60_000)]
@@ -208,6 +215,8 @@ async fn main() -> anyhow::Result<()> {
         Config {
             decider: cli.decider,
             executor: cli.executor,
+            decider_identity: cli.decider_identity,
+            executor_identity: cli.executor_identity,
             policy,
             safety_tick: Duration::from_millis(cli.safety_tick_ms),
             store,

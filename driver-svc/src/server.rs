@@ -35,6 +35,10 @@ pub struct Config {
     /// e.g. `http://127.0.0.1:7001`
     pub decider: String,
     pub executor: String,
+    /// Who the decider and the executor must be (names or URIs, see
+    /// [`contract::tls::identity_of`]), checked in the TLS handshake.
+    pub decider_identity: String,
+    pub executor_identity: String,
     pub policy: Policy,
     pub safety_tick: Duration,
     pub store: Box<dyn RunStore>,
@@ -69,23 +73,31 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     config: Config,
 ) -> anyhow::Result<()> {
+    // With TLS each channel checks that its server is the service it wants
+    // (the identity in its certificate), not only that the CA signed it.
     let decider_endpoint = config
         .transport
-        .endpoint(&config.decider)?
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(30));
+        .peer_endpoint(&config.decider, &config.decider_identity)?
+        .map(|e| {
+            e.connect_timeout(Duration::from_secs(2))
+                .timeout(Duration::from_secs(30))
+        });
     let decider = DeciderClient::new(traced(decider_endpoint.connect_lazy()))
         .max_decoding_message_size(16 << 20)
         .max_encoding_message_size(16 << 20);
     let executor_endpoint = config
         .transport
-        .endpoint(&config.executor)?
-        .connect_timeout(Duration::from_secs(2))
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(10));
+        .peer_endpoint(&config.executor, &config.executor_identity)?
+        .map(|e| {
+            e.connect_timeout(Duration::from_secs(2))
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .keep_alive_timeout(Duration::from_secs(10))
+        });
     // The orphan sweep's calls (Inventory) use their own channel, with a
     // request timeout the long-lived link stream cannot have.
-    let inventory_endpoint = executor_endpoint.clone().timeout(Duration::from_secs(30));
+    let inventory_endpoint = executor_endpoint
+        .clone()
+        .map(|e| e.timeout(Duration::from_secs(30)));
     let link = Link::new();
     let bound = listener.local_addr()?;
     let driver = Driver::start(DriverConfig {

@@ -9,7 +9,11 @@
 //! service runs, not which one it is. The certificate must chain to the CA
 //! bundle given with `--tls-ca`; rustls checks the chain, the validity dates
 //! and the key usages during the handshake, and [`PeerIdentityLayer`] then
-//! checks the name, in one tower layer in front of every handler.
+//! checks the name, in one tower layer in front of every handler. A client
+//! that must reach one particular service (the driver calling the decider
+//! and the executor) checks the server's name the same way, in its own
+//! rustls verifier ([`Transport::peer_endpoint`]): a certificate from the CA
+//! for another service is refused in the handshake.
 //!
 //! **Modes.** A service runs with TLS ([`Transport::Tls`]: its certificate,
 //! key and the CA bundle) or, only when asked with `--insecure`, in plaintext
@@ -34,10 +38,10 @@ use std::{
     time::Duration,
 };
 
-use http::{Request, Response};
+use http::{Request, Response, Uri};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
 use tonic::transport::{
-    Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig,
+    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig,
     server::{TcpConnectInfo, TlsConnectInfo},
 };
 use tower::{Layer, Service};
@@ -105,6 +109,8 @@ pub enum TlsError {
     },
     #[error("this side has no certificate of its own to serve TLS with")]
     NoIdentity,
+    #[error("setting up TLS: {0}")]
+    Setup(String),
     #[error(transparent)]
     Transport(#[from] tonic::transport::Error),
 }
@@ -201,6 +207,43 @@ impl TlsMaterial {
         }
     }
 
+    /// A rustls client configuration that accepts only a server whose
+    /// certificate chains to the CA, names the host dialed and carries the
+    /// identity `expect` (a URI, see [`identity_of`]).
+    fn peer_config(&self, expect: &str) -> Result<rustls::ClientConfig, TlsError> {
+        let setup = |e: &dyn std::fmt::Display| TlsError::Setup(e.to_string());
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(&self.ca).filter_map(Result::ok) {
+            roots.add(cert).map_err(|e| setup(&e))?;
+        }
+        let inner =
+            rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+                .build()
+                .map_err(|e| setup(&e))?;
+        let verifier = Arc::new(PeerVerifier {
+            inner,
+            expect: expect.to_owned(),
+        });
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| setup(&e))?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier);
+        let mut config = match &self.identity {
+            Some((cert, key)) => {
+                let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert)
+                    .filter_map(Result::ok)
+                    .collect();
+                let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| setup(&e))?;
+                builder.with_client_auth_cert(chain, key).map_err(|e| setup(&e))?
+            }
+            None => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(config)
+    }
+
     fn server_config(&self, auth: ClientAuth) -> Result<ServerTlsConfig, TlsError> {
         let (cert, key) = self.identity.as_ref().ok_or(TlsError::NoIdentity)?;
         Ok(ServerTlsConfig::new()
@@ -272,6 +315,36 @@ impl Transport {
         })
     }
 
+    /// Like [`Transport::endpoint`], for a server that must be the service
+    /// named `expect` (a name or a URI, see [`identity_of`]): with TLS the
+    /// handshake also fails unless the server's certificate carries that
+    /// identity. In plaintext there is nobody to check.
+    pub fn peer_endpoint(&self, url: &str, expect: &str) -> Result<PeerEndpoint, TlsError> {
+        match self {
+            Self::Insecure => Ok(PeerEndpoint {
+                endpoint: self.endpoint(url)?,
+                connector: None,
+            }),
+            Self::Tls(material) => {
+                let url = self.url(url)?;
+                // TLS is the connector's: the endpoint itself is plain HTTP/2.
+                let plain = url
+                    .split_once("://")
+                    .map_or_else(|| url.clone(), |(_, rest)| format!("http://{rest}"));
+                let endpoint = Endpoint::from_shared(plain).map_err(|e| TlsError::Url {
+                    url: url.clone(),
+                    reason: e.to_string(),
+                })?;
+                Ok(PeerEndpoint {
+                    endpoint,
+                    connector: Some(PeerConnector {
+                        config: Arc::new(material.peer_config(&identity_of(expect))?),
+                    }),
+                })
+            }
+        }
+    }
+
     /// Sets up `server` to serve TLS (with `auth` for client certificates);
     /// plaintext leaves it as it is.
     pub fn configure_server<L>(&self, server: Server<L>, auth: ClientAuth) -> Result<Server<L>, TlsError> {
@@ -279,6 +352,151 @@ impl Transport {
             Self::Insecure => Ok(server),
             Self::Tls(material) => Ok(server.tls_config(material.server_config(auth)?)?),
         }
+    }
+}
+
+/// A channel endpoint to one particular service (see
+/// [`Transport::peer_endpoint`]). Set timeouts and keep-alives on
+/// `endpoint`, then connect through [`PeerEndpoint::connect`] or
+/// [`PeerEndpoint::connect_lazy`], which do TLS with the identity check.
+#[derive(Clone)]
+pub struct PeerEndpoint {
+    pub endpoint: Endpoint,
+    connector: Option<PeerConnector>,
+}
+
+impl std::fmt::Debug for PeerEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerEndpoint")
+            .field("uri", self.endpoint.uri())
+            .field("tls", &self.connector.is_some())
+            .finish()
+    }
+}
+
+impl PeerEndpoint {
+    /// Changes the endpoint's settings (timeouts, keep-alives).
+    pub fn map(self, f: impl FnOnce(Endpoint) -> Endpoint) -> Self {
+        Self {
+            endpoint: f(self.endpoint),
+            connector: self.connector,
+        }
+    }
+
+    pub async fn connect(&self) -> Result<Channel, tonic::transport::Error> {
+        match &self.connector {
+            None => self.endpoint.connect().await,
+            Some(c) => self.endpoint.connect_with_connector(c.clone()).await,
+        }
+    }
+
+    pub fn connect_lazy(&self) -> Channel {
+        match &self.connector {
+            None => self.endpoint.connect_lazy(),
+            Some(c) => self.endpoint.connect_with_connector_lazy(c.clone()),
+        }
+    }
+}
+
+/// Dials TCP and does TLS with a [`PeerVerifier`].
+#[derive(Clone)]
+struct PeerConnector {
+    config: Arc<rustls::ClientConfig>,
+}
+
+type PeerStream = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
+
+impl Service<Uri> for PeerConnector {
+    type Response = PeerStream;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<PeerStream, std::io::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let config = Arc::clone(&self.config);
+        Box::pin(async move {
+            let invalid =
+                |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{uri}: {what}"));
+            let host = uri
+                .host()
+                .ok_or_else(|| invalid("no host"))?
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned();
+            let port = uri.port_u16().unwrap_or(443);
+            let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+            tcp.set_nodelay(true)?;
+            let name = rustls_pki_types::ServerName::try_from(host.clone())
+                .map_err(|_| invalid("not a server name"))?;
+            let handshake = tokio_rustls::TlsConnector::from(config).connect(name, tcp);
+            let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
+                .await
+                .map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "the TLS handshake timed out")
+                })??;
+            Ok(hyper_util::rt::TokioIo::new(tls))
+        })
+    }
+}
+
+/// The CA chain and host name checks of rustls, then the server's identity.
+#[derive(Debug)]
+struct PeerVerifier {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    expect: String,
+}
+
+impl rustls::client::danger::ServerCertVerifier for PeerVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &rustls_pki_types::ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let verified =
+            self.inner
+                .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)?;
+        let found = identities_in(end_entity);
+        if found.contains(&self.expect) {
+            Ok(verified)
+        } else {
+            Err(rustls::Error::General(format!(
+                "the server is not {}: its certificate names {}",
+                self.expect,
+                if found.is_empty() {
+                    "no identity".to_owned()
+                } else {
+                    found.join(", ")
+                }
+            )))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
     }
 }
 

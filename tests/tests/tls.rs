@@ -420,3 +420,114 @@ async fn provisionctl_talks_tls_and_plaintext_only_when_told() {
     let (code, _, err) = provisionctl(&["--server", &addr, "list"], &other.provisionctl_env()).await;
     assert_eq!(code, 4, "{err}");
 }
+
+/// A health check through the driver's own kind of channel: one that wants
+/// the server to be `expect`.
+async fn health_of_peer(svc: &Service, transport: &Transport, expect: &str) -> Result<ServingStatus, Status> {
+    let url = format!("{}://{}", transport.scheme(), svc.addr);
+    let endpoint = transport
+        .peer_endpoint(&url, expect)
+        .map_err(|e| Status::internal(format!("endpoint: {e}")))?
+        .map(|e| {
+            e.connect_timeout(Duration::from_secs(5))
+                .timeout(Duration::from_secs(10))
+        });
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| Status::unavailable(format!("connect: {e:?}")))?;
+    let r = HealthClient::new(channel)
+        .check(HealthCheckRequest::default())
+        .await?;
+    Ok(r.into_inner().status())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_driver_reaches_only_the_service_it_names() {
+    let cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
+    let pki = cluster.tls.clone().expect("a cluster runs with TLS by default");
+    let driver = pki.transport(Some("driver-svc")).unwrap();
+
+    // The right service, by name or by URI, over both kinds of channel.
+    for (svc, name) in [
+        (&cluster.decider, "decider-svc"),
+        (&cluster.executor, "executor-svc"),
+    ] {
+        assert_eq!(
+            health_of_peer(svc, &driver, name).await.unwrap(),
+            ServingStatus::Serving
+        );
+        let uri = contract::tls::identity_of(name);
+        assert_eq!(
+            health_of_peer(svc, &driver, &uri).await.unwrap(),
+            ServingStatus::Serving
+        );
+    }
+    // A certificate from the same CA for another service is refused in the
+    // handshake: the decider cannot pose as the executor, nor the other way.
+    let wrong = health_of_peer(&cluster.decider, &driver, "executor-svc").await;
+    refused_in_handshake("the decider posing as the executor", &wrong);
+    assert!(
+        format!("{wrong:?}").contains("is not spiffe://provisioning/executor-svc"),
+        "{wrong:?}"
+    );
+    refused_in_handshake(
+        "the executor posing as the decider",
+        &health_of_peer(&cluster.executor, &driver, "decider-svc").await,
+    );
+
+    // A driver told to expect another executor never links, and says why;
+    // the one the cluster runs (with the defaults) converges a run.
+    let mut c = cluster.client().await.unwrap();
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&shape(
+            "named",
+            1,
+            "fake",
+            &[("w", 2, "img:1")],
+        ))),
+    })
+    .await
+    .unwrap();
+    watch_until(&mut c, "named", Duration::from_secs(60), |s| s.converged)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("tls")).unwrap();
+    for f in std::fs::read_dir(&pki.dir).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dir.path().join("tls").join(f.file_name())).unwrap();
+    }
+    let misled = Service::start(
+        "driver-svc",
+        dir.path(),
+        "127.0.0.1:0",
+        &[
+            "--decider".into(),
+            cluster.decider.url(),
+            "--executor".into(),
+            cluster.decider.url(),
+            "--executor-identity".into(),
+            "executor-svc".into(),
+            "--allow-unauthenticated".into(),
+            "--store".into(),
+            "memory".into(),
+        ],
+    )
+    .await
+    .unwrap();
+    let log = misled.log_file().to_owned();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("is not spiffe://provisioning/executor-svc") {
+            assert!(!text.contains("executor link up"), "{text}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the driver did not say why it cannot reach the executor: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
