@@ -58,12 +58,13 @@ pub enum DurableChange {
         highest_epoch: Option<Epoch>,
         retired: Vec<RetiredAttempt>,
     },
-    /// The completed operations of one attempt: these replace every record
-    /// kept for the attempt.
-    Attempt {
+    /// One completed operation's record: `Some` replaces what is kept for the
+    /// operation, `None` drops it. Only records that changed are written, so a
+    /// step costs the store what it changed, not what its attempts hold.
+    Op {
         run_uid: RunUid,
-        attempt: AttemptId,
-        ops: Vec<DurableOp>,
+        id: OperationId,
+        record: Option<Box<DurableOp>>,
     },
     /// Every operation record of the run is dropped (the run record stays).
     ForgetOps { run_uid: RunUid },
@@ -237,6 +238,11 @@ struct RunState {
     /// digest of each operation id they used, by sequence number.
     retired: BTreeMap<AttemptId, BTreeMap<u32, u64>>,
     sessions: BTreeMap<SessionId, SessionLog>,
+    /// Operations whose durable record (a completed operation, its result and
+    /// whether it was acknowledged) changed or went since `take_changes`.
+    /// Queued and running operations are not kept, so their moves are not
+    /// changes.
+    changed: BTreeSet<OperationId>,
 }
 
 impl RunState {
@@ -289,6 +295,7 @@ impl RunState {
             awaiting_late: false,
         });
         self.unacked.insert(id);
+        self.changed.insert(id);
         Some(result)
     }
 
@@ -367,6 +374,7 @@ impl RunState {
             .collect();
         for id in done {
             self.ops.remove(&id);
+            self.changed.insert(id);
         }
         // Sessions of the attempt with nothing left to acknowledge go too. A late
         // observation of a retired attempt would then restart its session's
@@ -385,10 +393,9 @@ impl RunState {
 #[derive(Debug, Clone, Default)]
 pub struct ExecutorCore {
     runs: BTreeMap<RunUid, RunState>,
-    /// Runs whose epoch or retired set changed since `take_changes`.
+    /// Runs whose epoch or retired set changed since `take_changes`. The
+    /// operation records that changed are in each run's `changed`.
     dirty_runs: BTreeSet<RunUid>,
-    /// Attempts whose operation records changed since `take_changes`.
-    dirty_attempts: BTreeSet<(RunUid, AttemptId)>,
     forgotten: BTreeSet<RunUid>,
 }
 
@@ -429,7 +436,6 @@ impl ExecutorCore {
         let mut out = Vec::new();
         let run_uid = op.run_uid;
         let id = op.id;
-        self.dirty_attempts.insert((run_uid, id.attempt()));
         let Some(run) = self.runs.get_mut(&run_uid) else {
             let rejection = Rejection {
                 run_uid,
@@ -492,6 +498,7 @@ impl ExecutorCore {
                 // before folding it: it is owed again until acknowledged.
                 done.acked = false;
                 run.unacked.insert(id);
+                run.changed.insert(id);
                 let mut replay = done.result.clone();
                 replay.replayed = true;
                 replay.late = false;
@@ -590,7 +597,6 @@ impl ExecutorCore {
         let Some(entry) = run.ops.get_mut(&id) else {
             return out;
         };
-        self.dirty_attempts.insert((run_uid, id.attempt()));
         match &mut entry.state {
             OpState::Running => {
                 if let Some(result) = run.finish(id, outcome, now) {
@@ -644,7 +650,6 @@ impl ExecutorCore {
                     break;
                 }
                 let attempt = id.attempt();
-                self.dirty_attempts.insert((run_uid, attempt));
                 let state = run.ops.get(&id).map(|e| &e.state);
                 match state {
                     Some(OpState::Running) => {
@@ -700,7 +705,7 @@ impl ExecutorCore {
             return;
         };
         done.acked = true;
-        self.dirty_attempts.insert((run_uid, id.attempt()));
+        run.changed.insert(id);
         let destroyed = done.result.effect == Effect::DestroyLease
             && matches!(done.result.outcome, Outcome::Succeeded(_));
         run.unacked.remove(&id);
@@ -887,7 +892,6 @@ impl ExecutorCore {
         };
         self.forgotten.insert(run_uid);
         self.dirty_runs.insert(run_uid);
-        self.dirty_attempts.retain(|(uid, _)| *uid != run_uid);
         if run.is_empty() {
             self.runs.remove(&run_uid);
         }
@@ -924,38 +928,49 @@ impl ExecutorCore {
                 retired,
             });
         }
-        for (run_uid, attempt) in std::mem::take(&mut self.dirty_attempts) {
-            let ops = self
-                .runs
-                .get(&run_uid)
-                .map(|run| {
-                    run.ops
-                        .range(OperationId::new(attempt, 0)..=OperationId::new(attempt, u32::MAX))
-                        .filter_map(|(_, e)| match &e.state {
-                            OpState::Completed(c) => Some(DurableOp {
-                                op: e.op.clone(),
-                                result: c.result.clone(),
-                                acked: c.acked,
-                            }),
-                            OpState::Queued | OpState::Running => None,
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            changes.push(DurableChange::Attempt {
-                run_uid,
-                attempt,
-                ops,
-            });
+        for (&run_uid, run) in &mut self.runs {
+            for id in std::mem::take(&mut run.changed) {
+                let record = run.ops.get(&id).and_then(|e| match &e.state {
+                    OpState::Completed(c) => Some(Box::new(DurableOp {
+                        op: e.op.clone(),
+                        result: c.result.clone(),
+                        acked: c.acked,
+                    })),
+                    OpState::Queued | OpState::Running => None,
+                });
+                changes.push(DurableChange::Op { run_uid, id, record });
+            }
         }
         changes
+    }
+
+    /// Every completed operation's durable record, as a full write would
+    /// store them: what the changes of `take_changes` must add up to.
+    #[cfg(test)]
+    fn durable_records(&self) -> BTreeMap<(RunUid, OperationId), DurableOp> {
+        let mut out = BTreeMap::new();
+        for (&run_uid, run) in &self.runs {
+            for (&id, e) in &run.ops {
+                if let OpState::Completed(c) = &e.state {
+                    let record = DurableOp {
+                        op: e.op.clone(),
+                        result: c.result.clone(),
+                        acked: c.acked,
+                    };
+                    out.insert((run_uid, id), record);
+                }
+            }
+        }
+        out
     }
 
     /// Drops the record of changes, for a shell that keeps nothing durable.
     pub fn clear_changes(&mut self) {
         self.forgotten.clear();
         self.dirty_runs.clear();
-        self.dirty_attempts.clear();
+        for run in self.runs.values_mut() {
+            run.changed.clear();
+        }
     }
 
     /// A core rebuilt from what a previous incarnation kept: fencing epochs,
@@ -1574,5 +1589,104 @@ mod tests {
         core.ack_result(RUN, id(1, 0));
         assert!(!core.is_retired(RUN, AttemptId::new(1)));
         assert_eq!(starts(&core.submit(op(1, 1, 1, 100, create()), t(2))), [id(1, 1)]);
+    }
+    #[test]
+    fn per_operation_changes_add_up_to_the_full_durable_state() {
+        // A store that applies only what `take_changes` reports must hold
+        // exactly the completed records a full rewrite would, after every step
+        // of a long pseudo-random mix of submits, completions, replays,
+        // acknowledgements, deadlines, retirements and forgets.
+        let mut core = claimed();
+        let mut kept: BTreeMap<(RunUid, OperationId), DurableOp> = BTreeMap::new();
+        let mut started: Vec<OperationId> = Vec::new();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut now = 0;
+        let (mut writes, mut removals) = (0, 0);
+        for _ in 0..4000 {
+            now += 1;
+            let out = match next(10) {
+                0..=3 => {
+                    let (attempt, seq) = (1 + next(8), 1 + next(3) as u32);
+                    let input = if seq == 3 {
+                        OperationInput::DestroyLease {
+                            lease: Some(lease("lease-1")),
+                        }
+                    } else {
+                        create()
+                    };
+                    core.submit(op(attempt, seq, 1, now + 1 + next(40), input), t(now))
+                }
+                4..=5 if !started.is_empty() => {
+                    let i = next(started.len() as u64) as usize;
+                    let done = started.swap_remove(i);
+                    core.complete(RUN, done, succeeded(), t(now))
+                }
+                6..=7 => {
+                    let (attempt, seq) = (1 + next(8), 1 + next(3) as u32);
+                    core.ack_result(RUN, id(attempt, seq));
+                    Vec::new()
+                }
+                8 => core.handle_timeout(t(now)),
+                _ if next(20) == 0 => {
+                    started.clear();
+                    core.forget_run(RUN, Epoch::new(1))
+                }
+                _ => Vec::new(),
+            };
+            started.extend(starts(&out));
+            for change in core.take_changes() {
+                match change {
+                    DurableChange::Run { .. } => {}
+                    DurableChange::ForgetOps { run_uid } => kept.retain(|(uid, _), _| *uid != run_uid),
+                    DurableChange::Op { run_uid, id, record } => match record {
+                        Some(r) => {
+                            writes += 1;
+                            kept.insert((run_uid, id), *r);
+                        }
+                        None => {
+                            removals += 1;
+                            kept.remove(&(run_uid, id));
+                        }
+                    },
+                }
+            }
+            assert_eq!(kept, core.durable_records(), "after step at {now}");
+        }
+        // The mix reached every kind of change.
+        assert!(
+            writes > 100 && removals > 0,
+            "writes {writes}, removals {removals}"
+        );
+    }
+
+    #[test]
+    fn queued_and_running_operations_are_not_written() {
+        let mut core = claimed();
+        let _ = core.take_changes();
+        let out = core.submit(op(1, 1, 1, 100, create()), t(0));
+        assert_eq!(starts(&out), vec![id(1, 1)]);
+        let _ = core.submit(op(1, 2, 1, 100, create()), t(0));
+        assert_eq!(core.take_changes(), Vec::new());
+        let out = core.complete(RUN, id(1, 1), succeeded(), t(1));
+        assert_eq!(starts(&out), vec![id(1, 2)]);
+        let changes = core.take_changes();
+        assert!(
+            matches!(changes.as_slice(), [DurableChange::Op { id: written, record: Some(r), .. }]
+                if *written == id(1, 1) && !r.acked),
+            "{changes:?}"
+        );
+        core.ack_result(RUN, id(1, 1));
+        let changes = core.take_changes();
+        assert!(
+            matches!(changes.as_slice(), [DurableChange::Op { id: written, record: Some(r), .. }]
+                if *written == id(1, 1) && r.acked),
+            "{changes:?}"
+        );
     }
 }

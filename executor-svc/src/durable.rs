@@ -146,25 +146,25 @@ impl ExecutorStore {
                         let uid = run_uid.to_string();
                         remove_range(&mut ops, &uid, 0, u64::MAX)?;
                     }
-                    DurableChange::Attempt {
-                        run_uid,
-                        attempt,
-                        ops: records,
-                    } => {
+                    DurableChange::Op { run_uid, id, record } => {
                         let uid = run_uid.to_string();
-                        remove_range(&mut ops, &uid, attempt.get(), attempt.get())?;
-                        for r in records {
-                            let mut op = pb::Operation::from(&r.op);
-                            self.sealer.seal_operation(&mut op).map_err(sealing)?;
-                            let bytes = rec::ExecutorOp {
-                                schema: SCHEMA_VERSION,
-                                op: Some(op),
-                                result: Some(pb::OperationResult::from(&r.result)),
-                                acked: r.acked,
+                        let key = (uid.as_str(), id.attempt().get(), id.seq());
+                        match record {
+                            Some(r) => {
+                                let mut op = pb::Operation::from(&r.op);
+                                self.sealer.seal_operation(&mut op).map_err(sealing)?;
+                                let bytes = rec::ExecutorOp {
+                                    schema: SCHEMA_VERSION,
+                                    op: Some(op),
+                                    result: Some(pb::OperationResult::from(&r.result)),
+                                    acked: r.acked,
+                                }
+                                .encode_to_vec();
+                                ops.insert(key, bytes.as_slice()).map_err(unavailable)?;
                             }
-                            .encode_to_vec();
-                            ops.insert((uid.as_str(), attempt.get(), r.op.id.seq()), bytes.as_slice())
-                                .map_err(unavailable)?;
+                            None => {
+                                ops.remove(key).map_err(unavailable)?;
+                            }
                         }
                     }
                 }

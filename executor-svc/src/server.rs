@@ -26,7 +26,7 @@ use std::{
     future::Future,
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -524,9 +524,9 @@ struct Actor {
     observations: mpsc::UnboundedSender<RawObservation>,
     links: HashMap<LinkId, LinkState>,
     routes: HashMap<RunUid, LinkId>,
-    /// Backend calls in progress, with their spans (to mark an abandoned
-    /// call's span before it is aborted).
-    tasks: HashMap<(RunUid, OperationId), (TaskId, AbortHandle, tracing::Span)>,
+    /// Backend calls in progress, each with the flag that marks its span
+    /// abandoned when the core abandons it (see `CallSpan`).
+    tasks: HashMap<(RunUid, OperationId), (TaskId, AbortHandle, Arc<AtomicBool>)>,
     next_task: u64,
     draining: bool,
     store: Option<crate::durable::ExecutorStore>,
@@ -968,9 +968,10 @@ impl Actor {
                     if self.budget.remove(run_uid, id) {
                         // Abandoned while it waited: it never ran.
                         self.told_waiting.remove(&(run_uid, id));
-                    } else if let Some((_, handle, span)) = self.tasks.remove(&(run_uid, id)) {
-                        span.record("provisioning.operation.outcome", "abandoned");
-                        span.record("otel.status_code", "error");
+                    } else if let Some((_, handle, abandoned)) = self.tasks.remove(&(run_uid, id)) {
+                        // The call's task marks its span when the abort
+                        // drops it.
+                        abandoned.store(true, Ordering::Relaxed);
                         handle.abort();
                         self.budget.finished(run_uid);
                     }
@@ -1063,55 +1064,64 @@ impl Actor {
     }
 
     /// Runs a backend call on a task of its own; its outcome comes back as
-    /// `Event::Completed`.
+    /// `Event::Completed`. The call's span is made, entered and closed on
+    /// that task, so the actor (the one task every operation goes through)
+    /// does not pay for it.
     fn start(&mut self, op: Operation) {
         let (run_uid, id) = (op.run_uid, op.id);
         let task = TaskId(self.next_task);
         self.next_task = self.next_task.wrapping_add(1);
         let effect = op.input.effect();
-        let span = tracing::info_span!(
-            parent: None,
-            "execute",
-            otel.name = %format_args!("execute {}", effect.name()),
-            provisioning.run.id = %op.run_id,
-            provisioning.node.id = %op.node,
-            provisioning.operation.id = %op.id,
-            provisioning.operation.effect = effect.name(),
-            provisioning.operation.attempt = op.id.attempt().get(),
-            provisioning.operation.outcome = Empty,
-            otel.status_code = Empty,
-        );
-        telemetry::set_parent(&span, &op.trace);
-        // Without an OpenTelemetry layer (an executor embedded in a test) the
-        // call has no context of its own; the operation's is passed on.
-        let trace = Some(telemetry::context_of(&span))
-            .filter(|t| !t.traceparent.is_empty())
-            .unwrap_or_else(|| op.trace.clone());
         self.metrics.started.inc(&[effect.name()]);
         self.trace.push(|| TraceEvent::CallStarted { op: OpRec::of(&op) });
-        // The session's observations join the call that started it.
-        let sink = ObservationSink::new(self.observations.clone(), trace.clone());
-        let call = self.backend.execute(op, sink);
+        let backend = Arc::clone(&self.backend);
+        let observations = self.observations.clone();
         let events = self.events.clone();
-        let metrics = self.metrics.clone();
-        let task_span = span.clone();
+        let backend_call = self.metrics.backend_call.clone();
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let span_abandoned = Arc::clone(&abandoned);
         let handle = tokio::spawn(async move {
+            let span = tracing::info_span!(
+                parent: None,
+                "execute",
+                otel.name = span_name(effect),
+                provisioning.run.id = %op.run_id,
+                provisioning.node.id = %op.node,
+                provisioning.operation.id = %op.id,
+                provisioning.operation.effect = effect.name(),
+                provisioning.operation.attempt = op.id.attempt().get(),
+                provisioning.operation.outcome = Empty,
+                otel.status_code = Empty,
+            );
+            telemetry::set_parent(&span, &op.trace);
+            // Without an OpenTelemetry layer (an executor embedded in a test)
+            // the call has no context of its own; the operation's is passed on.
+            let trace = Some(telemetry::context_of(&span))
+                .filter(|t| !t.traceparent.is_empty())
+                .unwrap_or_else(|| op.trace.clone());
+            // The session's observations join the call that started it.
+            let sink = ObservationSink::new(observations, trace.clone());
+            let mut call_span = CallSpan {
+                span,
+                abandoned: span_abandoned,
+                finished: false,
+            };
+            let call = backend.execute(op, sink);
             // A latency measurement only, never a deadline: tokio's monotonic
             // clock (paused in tests like every tokio timer), not the
             // injected wall clock the core's deadlines use.
             let started = tokio::time::Instant::now();
-            let outcome = call.instrument(task_span.clone()).await;
+            let outcome = call.instrument(call_span.span.clone()).await;
+            call_span.finished = true;
             let class = outcome.class_name();
-            task_span.record("provisioning.operation.outcome", class);
+            call_span.span.record("provisioning.operation.outcome", class);
             if matches!(
                 outcome,
                 Outcome::Retryable { .. } | Outcome::Permanent { .. } | Outcome::Ambiguous { .. }
             ) {
-                task_span.record("otel.status_code", "error");
+                call_span.span.record("otel.status_code", "error");
             }
-            metrics
-                .backend_call
-                .observe_duration(&[effect.name(), class], started.elapsed());
+            backend_call.observe_duration(&[effect.name(), class], started.elapsed());
             let _ = events
                 .send(Event::Completed {
                     run_uid,
@@ -1124,7 +1134,7 @@ impl Actor {
         });
         if let Some((_, stale, _)) = self
             .tasks
-            .insert((run_uid, id), (task, handle.abort_handle(), span))
+            .insert((run_uid, id), (task, handle.abort_handle(), abandoned))
         {
             stale.abort();
             self.budget.finished(run_uid);
@@ -1222,6 +1232,37 @@ impl Actor {
     }
 }
 
+/// The name of a backend call's span, `execute <effect>`, without formatting
+/// it for every call.
+fn span_name(effect: contract::Effect) -> &'static str {
+    use contract::Effect as E;
+    match effect {
+        E::CreateLease => "execute create-lease",
+        E::LookupEndpoint => "execute lookup-endpoint",
+        E::StartBootstrap => "execute start-bootstrap",
+        E::CancelBootstrap => "execute cancel-bootstrap",
+        E::DestroyLease => "execute destroy-lease",
+    }
+}
+
+/// A backend call's span as its task holds it. When the core abandons the
+/// call at its deadline the actor sets `abandoned` and aborts the task; the
+/// abort drops this before the call finished, which marks the span.
+struct CallSpan {
+    span: tracing::Span,
+    abandoned: Arc<AtomicBool>,
+    finished: bool,
+}
+
+impl Drop for CallSpan {
+    fn drop(&mut self) {
+        if !self.finished && self.abandoned.load(Ordering::Relaxed) {
+            self.span.record("provisioning.operation.outcome", "abandoned");
+            self.span.record("otel.status_code", "error");
+        }
+    }
+}
+
 fn message(kind: pb::executor_message::Kind, trace: &TraceContext) -> pb::ExecutorMessage {
     pb::ExecutorMessage {
         kind: Some(kind),
@@ -1271,5 +1312,83 @@ fn waiting_message(run_uid: RunUid, id: OperationId, reason: Option<String>) -> 
             reason: reason.unwrap_or_default(),
         })),
         trace: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use std::sync::Mutex;
+    use tracing_subscriber::{Layer, layer::SubscriberExt as _};
+
+    /// Every field recorded on a span after its creation, as text.
+    #[derive(Clone, Default)]
+    struct Recorded(Arc<Mutex<Vec<(String, String)>>>);
+
+    impl tracing::field::Visit for Recorded {
+        fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+            if let Ok(mut v) = self.0.lock() {
+                v.push((field.name().to_owned(), value.to_owned()));
+            }
+        }
+
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if let Ok(mut v) = self.0.lock() {
+                v.push((field.name().to_owned(), format!("{value:?}")));
+            }
+        }
+    }
+
+    impl<S: tracing::Subscriber> Layer<S> for Recorded {
+        fn on_record(
+            &self,
+            _id: &tracing::span::Id,
+            values: &tracing::span::Record<'_>,
+            _ctx: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            values.record(&mut self.clone());
+        }
+    }
+
+    fn drop_call_span(abandoned: bool, finished: bool) -> Vec<(String, String)> {
+        let recorded = Recorded::default();
+        let subscriber = tracing_subscriber::registry().with(recorded.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(
+                "execute",
+                provisioning.operation.outcome = Empty,
+                otel.status_code = Empty,
+            );
+            drop(CallSpan {
+                span,
+                abandoned: Arc::new(AtomicBool::new(abandoned)),
+                finished,
+            });
+        });
+        recorded.0.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+
+    #[test]
+    fn only_an_abandoned_call_that_did_not_finish_marks_its_span() {
+        assert_eq!(
+            drop_call_span(true, false),
+            vec![
+                (
+                    "provisioning.operation.outcome".to_owned(),
+                    "abandoned".to_owned()
+                ),
+                ("otel.status_code".to_owned(), "error".to_owned()),
+            ]
+        );
+        assert_eq!(drop_call_span(true, true), Vec::new());
+        assert_eq!(drop_call_span(false, false), Vec::new());
+    }
+
+    #[test]
+    fn a_call_span_is_named_execute_and_its_effect() {
+        for effect in contract::Effect::ALL {
+            assert_eq!(span_name(effect), format!("execute {}", effect.name()));
+        }
     }
 }

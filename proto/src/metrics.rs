@@ -100,8 +100,36 @@ impl Desc {
     /// The values as a series key. A call with the wrong number of values is a
     /// bug in the caller; it is dropped rather than exported under a wrong name.
     fn key(&self, values: &[&str]) -> Option<Vec<String>> {
+        self.fits(values)
+            .then(|| values.iter().map(|v| (*v).to_owned()).collect())
+    }
+
+    /// Whether `values` has one value per label (see [`Desc::key`]).
+    fn fits(&self, values: &[&str]) -> bool {
         debug_assert_eq!(values.len(), self.labels.len(), "label values of {}", self.name);
-        (values.len() == self.labels.len()).then(|| values.iter().map(|v| (*v).to_owned()).collect())
+        values.len() == self.labels.len()
+    }
+
+    /// The series for `values`, created with `init` if it is new; `None` for
+    /// the wrong number of values. A series seen before is found without
+    /// allocating its key, which matters on paths counted once per operation.
+    fn series<'m, V>(
+        &self,
+        map: &'m mut BTreeMap<Vec<String>, V>,
+        values: &[&str],
+        init: impl FnOnce() -> V,
+    ) -> Option<&'m mut V> {
+        /// Families are small (a label set per effect, outcome or reason); a
+        /// larger one is searched by its allocated key.
+        const SCAN: usize = 64;
+        if !self.fits(values) {
+            return None;
+        }
+        let same = |k: &Vec<String>| k.iter().map(String::as_str).eq(values.iter().copied());
+        if map.len() <= SCAN && map.keys().any(same) {
+            return map.iter_mut().find(|(k, _)| same(k)).map(|(_, v)| v);
+        }
+        self.key(values).map(|key| map.entry(key).or_insert_with(init))
     }
 }
 
@@ -246,9 +274,8 @@ impl Counter {
     }
 
     pub fn add(&self, labels: &[&str], n: u64) {
-        if let Some(key) = self.0.desc.key(labels) {
-            let mut values = lock(&self.0.values);
-            let v = values.entry(key).or_default();
+        let mut values = lock(&self.0.values);
+        if let Some(v) = self.0.desc.series(&mut values, labels, u64::default) {
             *v = v.saturating_add(n);
         }
     }
@@ -257,9 +284,8 @@ impl Counter {
     /// hook). A total below the one already shown is ignored, so the series
     /// never goes down.
     pub fn mirror(&self, labels: &[&str], total: u64) {
-        if let Some(key) = self.0.desc.key(labels) {
-            let mut values = lock(&self.0.values);
-            let v = values.entry(key).or_default();
+        let mut values = lock(&self.0.values);
+        if let Some(v) = self.0.desc.series(&mut values, labels, u64::default) {
             *v = (*v).max(total);
         }
     }
@@ -303,14 +329,16 @@ impl std::fmt::Debug for Gauge {
 
 impl Gauge {
     pub fn set(&self, labels: &[&str], v: f64) {
-        if let Some(key) = self.0.desc.key(labels) {
-            lock(&self.0.values).insert(key, v);
+        let mut values = lock(&self.0.values);
+        if let Some(slot) = self.0.desc.series(&mut values, labels, f64::default) {
+            *slot = v;
         }
     }
 
     pub fn add(&self, labels: &[&str], v: f64) {
-        if let Some(key) = self.0.desc.key(labels) {
-            *lock(&self.0.values).entry(key).or_default() += v;
+        let mut values = lock(&self.0.values);
+        if let Some(slot) = self.0.desc.series(&mut values, labels, f64::default) {
+            *slot += v;
         }
     }
 
@@ -374,15 +402,14 @@ impl std::fmt::Debug for Histogram {
 
 impl Histogram {
     pub fn observe(&self, labels: &[&str], v: f64) {
-        let Some(key) = self.0.desc.key(labels) else {
-            return;
-        };
         let bucket = self.0.buckets.iter().position(|b| v <= *b);
         let mut values = lock(&self.0.values);
-        let state = values.entry(key).or_insert_with(|| HistogramState {
+        let Some(state) = self.0.desc.series(&mut values, labels, || HistogramState {
             counts: vec![0; self.0.buckets.len()],
             ..HistogramState::default()
-        });
+        }) else {
+            return;
+        };
         if let Some(i) = bucket {
             state.counts[i] += 1;
         }
@@ -543,6 +570,36 @@ latency_seconds_sum{op=\"x\"} 5.55
 latency_seconds_count{op=\"x\"} 3
 ";
         assert_eq!(text, expected);
+    }
+
+    #[test]
+    fn each_label_set_keeps_its_own_series_in_small_and_large_families() {
+        // Families below and above the size searched without a key.
+        for sets in [3u64, 200] {
+            let r = Registry::default();
+            let c = r.counter("c_total", "C.", &["a", "b"]);
+            let g = r.gauge("g", "G.", &["a"]);
+            let h = r.histogram("h_seconds", "H.", &["a"], &[1.0]);
+            for round in 1..=3u64 {
+                for i in 0..sets {
+                    let (a, b) = (i.to_string(), (i % 2).to_string());
+                    c.add(&[&a, &b], i + 1);
+                    g.set(&[&a], (i * 10 + round) as f64);
+                    g.add(&[&a], 0.5);
+                    h.observe(&[&a], i as f64);
+                }
+            }
+            for i in 0..sets {
+                let (a, b) = (i.to_string(), (i % 2).to_string());
+                assert_eq!(c.get(&[&a, &b]), 3 * (i + 1), "counter {a}");
+                assert_eq!(c.get(&[&a, &((i + 1) % 2).to_string()]), 0, "counter {a} other b");
+                assert_eq!(g.get(&[&a]), (i * 10 + 3) as f64 + 0.5, "gauge {a}");
+                assert_eq!(h.count(&[&a]), 3, "histogram {a}");
+            }
+            let text = r.render();
+            let series = text.lines().filter(|l| l.starts_with("c_total{")).count();
+            assert_eq!(series as u64, sets, "{text}");
+        }
     }
 
     #[test]

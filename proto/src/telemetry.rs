@@ -45,6 +45,17 @@ mod json;
 /// number of frames and say nothing an operator acts on.
 const EXPORTED_TARGETS: &[&str] = &["contract", "decider_svc", "driver_svc", "executor_svc"];
 
+/// Whether `target` is one of [`EXPORTED_TARGETS`] or a module under one.
+/// Asked for every span and event the OpenTelemetry layer sees, so it
+/// allocates nothing.
+fn exported_target(target: &str) -> bool {
+    EXPORTED_TARGETS.iter().any(|t| {
+        target
+            .strip_prefix(t)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
+    })
+}
+
 /// What [`init`] needs.
 #[derive(Debug, Clone)]
 pub struct TelemetryConfig<'a> {
@@ -202,20 +213,22 @@ pub fn init(config: &TelemetryConfig<'_>) -> Result<Telemetry, TelemetryError> {
         tracing_opentelemetry::layer()
             .with_tracer(p.tracer(config.service))
             .with_tracked_inactivity(false)
+            // Parents come from the tracing span tree and explicit trace
+            // contexts, never from an attached OpenTelemetry context, so
+            // entering a span need not attach one (which costs every poll
+            // of every instrumented future).
+            .with_context_activation(false)
             .with_threads(false)
             .with_location(false)
             .with_filter(filter_fn(|meta| {
                 // Spans of this workspace at INFO or above; of events only
                 // warnings and errors, which become span events.
-                let ours = EXPORTED_TARGETS
-                    .iter()
-                    .any(|t| meta.target() == *t || meta.target().starts_with(&format!("{t}::")));
                 let level = if meta.is_span() {
                     tracing::Level::INFO
                 } else {
                     tracing::Level::WARN
                 };
-                ours && *meta.level() <= level
+                *meta.level() <= level && exported_target(meta.target())
             }))
     });
     let subscriber = tracing_subscriber::registry().with(otel_layer).with(log_layer);
@@ -386,6 +399,29 @@ pub fn set_attribute(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exported_targets_are_the_workspace_crates_and_their_modules() {
+        for yes in [
+            "contract",
+            "driver_svc",
+            "executor_svc::server",
+            "decider_svc::a::b",
+        ] {
+            assert!(exported_target(yes), "{yes}");
+        }
+        for no in [
+            "",
+            "h2",
+            "tonic::transport",
+            "driver_svcx",
+            "contractual::x",
+            "driver_sv",
+            "my::driver_svc",
+        ] {
+            assert!(!exported_target(no), "{no}");
+        }
+    }
 
     #[test]
     fn trace_context_round_trips_through_a_message() {

@@ -354,6 +354,17 @@ fn bench_policy() -> Policy {
     }
 }
 
+/// CPU time (user + system) a process has used so far, from `/proc`.
+fn cpu_time(pid: u32) -> Option<Duration> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces; the fields after it do not.
+    let rest = s.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // Linux reports `USER_HZ` ticks, 100 per second on every supported target.
+    Some(Duration::from_millis(ticks * 10))
+}
+
 fn rss_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
@@ -613,7 +624,21 @@ async fn bench_throughput(t: &mut Table, n: u64) -> anyhow::Result<()> {
             .executor("--fake-latency-ms", "0,0"),
     )
     .await?;
+    let pid = cluster.executor.pid();
+    let cpu_before = pid.and_then(cpu_time);
     let real = link_rate(cluster.executor.url(), n, true).await?;
+    let cpu_after = pid.and_then(cpu_time);
+    if let Some((before, after)) = cpu_before.zip(cpu_after) {
+        // Less sensitive than the rate to whatever else the machine runs.
+        t.add(
+            "throughput",
+            n,
+            "executor CPU per round trip",
+            after.saturating_sub(before).as_secs_f64() * 1e6 / n as f64,
+            "us",
+            String::new(),
+        );
+    }
     t.add(
         "throughput",
         n,
@@ -630,6 +655,7 @@ async fn main() -> anyhow::Result<()> {
     let mut sizes = vec![1_000u64, 10_000, 100_000];
     let mut only: Option<BTreeSet<String>> = None;
     let mut csv = "target/bench.csv".to_owned();
+    let mut throughput_ops = 20_000u64;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -651,9 +677,13 @@ async fn main() -> anyhow::Result<()> {
                 )
             }
             "--csv" => csv = args.next().context("--csv needs a path")?,
+            "--throughput-ops" => {
+                throughput_ops = args.next().context("--throughput-ops needs a count")?.parse()?;
+            }
             "--help" | "-h" => {
                 println!(
-                    "bench [--sizes 1000,10000,100000] [--only decider,rpc,e2e,throughput] [--csv PATH]"
+                    "bench [--sizes 1000,10000,100000] [--only decider,rpc,e2e,throughput] [--csv PATH] \
+                     [--throughput-ops 20000]"
                 );
                 return Ok(());
             }
@@ -681,7 +711,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     if want("throughput") {
-        bench_throughput(&mut t, 20_000).await?;
+        bench_throughput(&mut t, throughput_ops).await?;
     }
     if want("e2e") {
         for &n in &sizes {
