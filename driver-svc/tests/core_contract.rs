@@ -694,3 +694,44 @@ fn fingerprint_of(run: &RunState, ids: &[String]) -> String {
             .collect::<Vec<_>>()
     )
 }
+
+#[test]
+fn a_burst_of_results_is_gathered_into_one_pass_and_a_pause_ends_it() {
+    let ms = Duration::from_millis;
+    let at = |t: u64| T0.checked_add(ms(t)).unwrap();
+    let policy = Arc::new(Policy {
+        pass_batch: ms(50),
+        ..(*policy()).clone()
+    });
+    let mut run = RunState::create(shape(1), UID, Epoch::new(1), policy, T0).unwrap();
+    let mut store = MemStore::new();
+    let _ = pass(&mut run, &mut store, T0);
+    let creates = pass(&mut run, &mut store, T0);
+    assert_eq!(creates.operations.len(), 5);
+    let fold = |run: &mut RunState, id: &str, t: u64| {
+        let mut r = result(run, id, Outcome::Succeeded(ResultFacts::default()));
+        r.completed_at = at(t);
+        assert_eq!(run.fold_result(&r, at(t)).unwrap(), Fold::Folded);
+    };
+
+    // One result: the pass waits one window for more.
+    fold(&mut run, "ctrl-0", 0);
+    assert!(!run.needs_pass(at(0)));
+    assert_eq!(run.poll_timeout(), Some(at(50)));
+    // Another within the window, with most still outstanding: the batch
+    // stretches to one window after the latest result.
+    fold(&mut run, "ctrl-1", 40);
+    assert!(
+        !run.needs_pass(at(60)),
+        "a streaming burst ended after one window"
+    );
+    assert_eq!(run.poll_timeout(), Some(at(90)));
+    // A pause of one window ends it.
+    assert!(run.needs_pass(at(90)));
+    // So does having folded at least as many as are still pending.
+    fold(&mut run, "workers-0", 60);
+    assert!(run.needs_pass(at(60)), "half the burst is in: decide now");
+    // One pass takes the three results.
+    let decided = pass(&mut run, &mut store, at(60));
+    assert_eq!(decided.acks.len(), 3, "{decided:?}");
+}

@@ -267,6 +267,9 @@ pub struct RunState {
     urgent: bool,
     /// When the first fold since the last pass happened (see `Policy::pass_batch`).
     batch_from: Option<UnixMillis>,
+    /// Folds since the last pass, and when the latest happened.
+    folds_since_pass: usize,
+    last_fold: Option<UnixMillis>,
     /// Nodes with a pending operation.
     pending_ops: usize,
     /// Sessions whose observations to ask the executor for again.
@@ -283,6 +286,10 @@ pub struct RunState {
     deadlines: BTreeSet<(UnixMillis, LogicalNodeId)>,
     held: HashMap<contract::GroupId, u64>,
 }
+
+/// How many `pass_batch` windows a burst of results may stretch one batch to
+/// (see `RunState::batch_end`).
+const BATCH_STRETCH: u32 = 20;
 
 impl RunState {
     /// A new run from its first shape. The caller supplies a fresh uid and the
@@ -346,6 +353,8 @@ impl RunState {
             held: HashMap::new(),
             urgent: false,
             batch_from: None,
+            folds_since_pass: 0,
+            last_fold: None,
             pending_ops,
             meta,
             policy,
@@ -838,20 +847,35 @@ impl RunState {
         wanted && self.batch_end().is_none_or(|end| end <= now)
     }
 
-    /// While operations are in flight, folds wait for more results until this.
+    /// While operations are in flight, folds wait for more results until this:
+    /// one `pass_batch` after the first fold since the last pass; and while
+    /// results keep streaming in (each within `pass_batch` of the last) and
+    /// fewer have been folded than are still pending, until they pause, up
+    /// to [`BATCH_STRETCH`] windows. A burst of thousands of results is then
+    /// decided in a few passes rather than one per window; a trickle (or a
+    /// slow provider) is decided one window after each result, as before.
     fn batch_end(&self) -> Option<UnixMillis> {
         let batch = self.policy.pass_batch;
         if batch.is_zero() || self.pending_ops == 0 {
             return None;
         }
         // A window that does not fit the clock is no window at all.
-        self.batch_from.and_then(|t| t.checked_add(batch).ok())
+        let from = self.batch_from?;
+        let first = from.checked_add(batch).ok()?;
+        if self.folds_since_pass >= self.pending_ops {
+            return Some(first);
+        }
+        let quiet = self.last_fold.unwrap_or(from).checked_add(batch).unwrap_or(first);
+        let cap = from.checked_add(batch * BATCH_STRETCH).unwrap_or(first);
+        Some(first.max(quiet.min(cap)))
     }
 
     fn note_fold(&mut self, now: UnixMillis) {
         if self.batch_from.is_none() {
             self.batch_from = Some(now);
         }
+        self.folds_since_pass += 1;
+        self.last_fold = Some(now);
     }
 
     fn missing_slots(&self) -> bool {
@@ -885,6 +909,8 @@ impl RunState {
         self.full = false;
         self.urgent = false;
         self.batch_from = None;
+        self.folds_since_pass = 0;
+        self.last_fold = None;
         self.in_pass = true;
         Ok(PassPlan {
             now,
@@ -1315,6 +1341,8 @@ impl RunState {
         if self.batch_from.is_none() {
             self.batch_from = Some(now);
         }
+        self.folds_since_pass += 1;
+        self.last_fold = Some(now);
         let active = n.intent == Intent::Active;
 
         // Shared shapes of failure handling.
