@@ -483,14 +483,7 @@ impl EtcdStore {
     /// Revokes the lease: every run this store owns is released at once, and
     /// the store writes no more.
     pub fn revoke_lease(&mut self) -> Result<(), StoreError> {
-        self.inner.health.fence("released");
-        self.claimed().clear();
-        let mut client = self.inner.client.clone();
-        let lease = self.inner.lease;
-        self.block(async move {
-            client.lease_revoke(lease).await.map_err(etcd_err)?;
-            Ok(())
-        })
+        Replicas::resign(self)
     }
 
     fn claimed(&self) -> std::sync::MutexGuard<'_, HashMap<RunUid, Claimed>> {
@@ -1230,6 +1223,17 @@ impl Replicas for EtcdStore {
         let mut known: HashSet<RunUid> = self.uids()?.into_iter().collect();
         known.extend(self.owners()?.into_iter().map(|(uid, _, _)| uid));
         Ok(known)
+    }
+
+    fn resign(&self) -> Result<(), StoreError> {
+        self.inner.health.fence("resigned");
+        self.claimed().clear();
+        let mut client = self.inner.client.clone();
+        let lease = self.inner.lease;
+        self.block(async move {
+            client.lease_revoke(lease).await.map_err(etcd_err)?;
+            Ok(())
+        })
     }
 
     fn changes(&self) -> tokio::sync::watch::Receiver<u64> {

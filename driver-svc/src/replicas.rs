@@ -87,6 +87,10 @@ pub trait Replicas: Send + Sync + std::fmt::Debug {
     /// Every run the store knows, whoever owns it (the orphan sweep must not
     /// take another replica's resources for orphans).
     fn known_runs(&self) -> Result<HashSet<RunUid>, StoreError>;
+    /// Gives up every run at once (revokes this replica's lease), for a
+    /// graceful stop: the other replicas take the runs without waiting for
+    /// the lease to expire. This replica writes no more.
+    fn resign(&self) -> Result<(), StoreError>;
     /// A counter that moves when ownership may have moved (an owner's key
     /// went): the driver then looks for runs to take over.
     fn changes(&self) -> tokio::sync::watch::Receiver<u64>;

@@ -208,6 +208,18 @@ pub async fn run(
         }
         None => false,
     };
+    // A replica stopping on purpose hands its runs over at once: its runs
+    // are stopped and committed, and revoking its lease frees them for the
+    // other replicas now rather than when the lease would expire.
+    if let Some(replicas) = config.replicas.clone()
+        && !lost
+    {
+        match tokio::task::spawn_blocking(move || replicas.resign()).await {
+            Ok(Ok(())) => tracing::info!("resigned: the other replicas take this replica's runs now"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "could not resign; the runs are free once the lease expires"),
+            Err(e) => tracing::warn!(error = %e, "could not resign; the runs are free once the lease expires"),
+        }
+    }
     result?;
     anyhow::ensure!(
         !lost,

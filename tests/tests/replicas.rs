@@ -178,6 +178,11 @@ struct Replicated {
 impl Replicated {
     /// etcd, the decider, the executor and replica `d1`.
     async fn start() -> Self {
+        Self::start_with_lease(LEASE_TTL_S).await
+    }
+
+    /// As [`Replicated::start`], the replicas' leases `lease_s` seconds long.
+    async fn start_with_lease(lease_s: &str) -> Self {
         require_etcd_driver();
         let agents = AgentsDir::new().unwrap();
         let etcd = Etcd::start().unwrap();
@@ -196,7 +201,7 @@ impl Replicated {
             .driver("--orphan-sweep-ms", "500")
             .driver("--store", "etcd")
             .driver("--etcd-endpoints", &etcd.endpoint)
-            .driver("--etcd-lease-ttl-s", LEASE_TTL_S)
+            .driver("--etcd-lease-ttl-s", lease_s)
             .driver("--metrics-listen", "127.0.0.1:0");
         let driver_args = opts.driver_args.clone();
         let opts = opts
@@ -784,4 +789,32 @@ fn signal(sig: &str, pid: u32) {
         .unwrap()
         .success();
     assert!(ok, "kill -{sig} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_stopped_on_purpose_hands_its_runs_over_at_once() {
+    // Leases far longer than the test waits: the run can move only because
+    // its owner gave it up.
+    let mut r = Replicated::start_with_lease("120").await;
+    let sampler = Sampler::start(&r.agents.root);
+    r.add(&["d2"]).await;
+    let mut etcd = r.etcd.client().await.unwrap();
+    let uid = r.apply("d1", &workers(1, 4)).await.unwrap();
+    let before = r.mid_convergence("d1").await;
+    let stopped = r.cluster.driver.terminate().await.unwrap();
+    assert!(stopped.success(), "{stopped}");
+    let log = std::fs::read_to_string(r.cluster.driver.log_file()).unwrap();
+    assert!(log.contains("resigned"), "{log}");
+    let (_, moved) = r.new_owner(&mut etcd, &uid, &["d2"]).await;
+    println!(
+        "resignation: d2 owned the run {} ms after d1 was told to stop (leases of 120 s)",
+        moved.as_millis()
+    );
+    let after = r.until("d2", |s| s.converged && s.generation == 1).await;
+    assert!(after.epoch > before.epoch);
+    assert_eq!(live_agent_pids(&r.agents.root).len(), 4);
+    r.delete_and_clean("d2").await;
+    sampler.finish();
+    let (claims, _) = r.check_executor_fencing(&uid);
+    assert_eq!(claims.len(), 2, "{claims:?}");
 }
