@@ -9,6 +9,8 @@
 //!   exits.
 //! - Two replicas started together race for a run whose owner went: one
 //!   takes it, and only one ever writes it.
+//! - The owner is stopped on purpose (SIGTERM): it resigns, and another
+//!   replica takes the run long before any lease could expire.
 //!
 //! Order is shown by etcd revisions (the run's ownership key and its writer
 //! key, which every write of the run sets) and by epochs in the executor's
