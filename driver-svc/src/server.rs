@@ -216,8 +216,12 @@ pub async fn run(
     {
         match tokio::task::spawn_blocking(move || replicas.resign()).await {
             Ok(Ok(())) => tracing::info!("resigned: the other replicas take this replica's runs now"),
-            Ok(Err(e)) => tracing::warn!(error = %e, "could not resign; the runs are free once the lease expires"),
-            Err(e) => tracing::warn!(error = %e, "could not resign; the runs are free once the lease expires"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not resign; the runs are free once the lease expires")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not resign; the runs are free once the lease expires")
+            }
         }
     }
     result?;
