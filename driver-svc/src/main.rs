@@ -74,10 +74,10 @@ struct Cli {
     #[arg(long, env = "DRIVER_ORPHAN_POLICY", value_enum, default_value_t = OrphanPolicy::Destroy)]
     orphan_policy: OrphanPolicy,
     /// Where run state is kept: `redb` (durable, in --data-dir), `memory`
-    /// (lost when the process ends), or `etcd` (in builds with the `etcd`
-    /// feature: --etcd-endpoints).
-    #[arg(long, env = "DRIVER_STORE", value_enum, default_value_t = StoreKind::Redb)]
-    store: StoreKind,
+    /// (lost when the process ends), or, in builds with the `etcd` feature,
+    /// `etcd` (with --etcd-endpoints) or `etcd://host:port,host:port,...`.
+    #[arg(long, env = "DRIVER_STORE", value_parser = parse_store, default_value = "redb")]
+    store: StoreChoice,
     /// The durable store's directory.
     #[arg(long, env = "DRIVER_DATA_DIR", default_value = "driver-data")]
     data_dir: std::path::PathBuf,
@@ -113,6 +113,50 @@ enum StoreKind {
     /// In etcd (built with the `etcd` feature): --etcd-endpoints.
     #[cfg(feature = "etcd")]
     Etcd,
+}
+
+/// `--store`: the kind, and the etcd members an `etcd://` value names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct StoreChoice {
+    kind: StoreKind,
+    endpoints: Vec<String>,
+}
+
+fn parse_store(value: &str) -> Result<StoreChoice, String> {
+    if let Some(members) = value.strip_prefix("etcd://") {
+        #[cfg(feature = "etcd")]
+        {
+            let endpoints: Vec<String> = members
+                .split(',')
+                .map(str::trim)
+                .filter(|m| !m.is_empty())
+                .map(str::to_owned)
+                .collect();
+            if endpoints.is_empty() {
+                return Err("etcd:// names no member: give etcd://host:port[,host:port...]".to_owned());
+            }
+            return Ok(StoreChoice {
+                kind: StoreKind::Etcd,
+                endpoints,
+            });
+        }
+        #[cfg(not(feature = "etcd"))]
+        {
+            let _ = members;
+            return Err("this driver was built without the etcd store (cargo feature `etcd`)".to_owned());
+        }
+    }
+    let kind = <StoreKind as clap::ValueEnum>::from_str(value, true).map_err(|_| {
+        let mut known = vec!["redb", "memory"];
+        if cfg!(feature = "etcd") {
+            known.extend(["etcd", "etcd://host:port,..."]);
+        }
+        format!("{value:?} is not a store: use {}", known.join(", "))
+    })?;
+    Ok(StoreChoice {
+        kind,
+        endpoints: Vec::new(),
+    })
 }
 
 impl Cli {
@@ -179,7 +223,7 @@ async fn main() -> anyhow::Result<()> {
     let mut replicas: Option<Arc<dyn driver_svc::replicas::Replicas>> = None;
     #[allow(unused_mut)]
     let mut advertise: Option<String> = None;
-    let store: Box<dyn driver_svc::core::RunStore> = match cli.store {
+    let store: Box<dyn driver_svc::core::RunStore> = match cli.store.kind {
         StoreKind::Redb => {
             let sealer = sealer("owner-only file")?;
             let store = driver_svc::durable::RedbStore::open_sealed(&cli.data_dir, sealer)
@@ -194,12 +238,20 @@ async fn main() -> anyhow::Result<()> {
         }
         #[cfg(feature = "etcd")]
         StoreKind::Etcd => {
-            let config = cli.etcd.config()?;
+            let mut etcd = cli.etcd.clone();
+            if !cli.store.endpoints.is_empty() {
+                anyhow::ensure!(
+                    etcd.etcd_endpoints.is_empty(),
+                    "--store etcd://... names the etcd members already: drop --etcd-endpoints"
+                );
+                etcd.etcd_endpoints = cli.store.endpoints.clone();
+            }
+            let config = etcd.config()?;
             let store = driver_svc::etcd::EtcdStore::open(
                 config,
                 sealer("readable by whoever can read the etcd prefix")?,
             )
-            .with_context(|| format!("opening the etcd store at {}", cli.etcd.etcd_endpoints.join(",")))?;
+            .with_context(|| format!("opening the etcd store at {}", etcd.etcd_endpoints.join(",")))?;
             replicas = Some(store.replicas());
             advertise = cli.etcd.advertise_address.clone();
             Box::new(store)
@@ -234,4 +286,32 @@ async fn main() -> anyhow::Result<()> {
     // Spans of the last passes are exported before the process ends.
     telemetry.shutdown().await;
     result
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn store_values() {
+        assert_eq!(parse_store("redb").unwrap().kind, StoreKind::Redb);
+        assert_eq!(parse_store("Memory").unwrap().kind, StoreKind::Memory);
+        assert!(parse_store("sqlite").unwrap_err().contains("is not a store"));
+        #[cfg(feature = "etcd")]
+        {
+            let c = parse_store("etcd://a:2379, b:2379,").unwrap();
+            assert_eq!(c.kind, StoreKind::Etcd);
+            assert_eq!(c.endpoints, vec!["a:2379", "b:2379"]);
+            assert!(parse_store("etcd://").unwrap_err().contains("names no member"));
+            assert_eq!(parse_store("etcd").unwrap().endpoints, Vec::<String>::new());
+        }
+        #[cfg(not(feature = "etcd"))]
+        assert!(
+            parse_store("etcd://a:2379")
+                .unwrap_err()
+                .contains("without the etcd store")
+        );
+    }
 }

@@ -239,7 +239,22 @@ impl Replicated {
             "--event-trace".to_owned(),
             self.trace_path(id).display().to_string(),
         ];
-        args.extend(self.driver_args.iter().cloned());
+        // The replicas started here name etcd in the URL form of --store
+        // (`d1` uses --store etcd with --etcd-endpoints).
+        let mut given = self.driver_args.iter().cloned();
+        while let Some(a) = given.next() {
+            match a.as_str() {
+                "--store" => {
+                    given.next();
+                    args.push(a);
+                    args.push(format!("etcd://{}", self.etcd.endpoint));
+                }
+                "--etcd-endpoints" => {
+                    given.next();
+                }
+                _ => args.push(a),
+            }
+        }
         (dir, args)
     }
 
