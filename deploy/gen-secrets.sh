@@ -40,6 +40,8 @@ hosts=(--host localhost --host 127.0.0.1 --host ::1)
 for s in decider executor driver; do
     hosts+=(--host "$s" --host "$s.$namespace.svc" --host "$s.$namespace.svc.cluster.local")
 done
+# Driver replicas (deploy/k8s-replicated/) are reached by their own names too.
+hosts+=(--host "*.driver-peers.$namespace.svc" --host "*.driver-peers.$namespace.svc.cluster.local")
 "$ctl" certs --out "$out/tls" --days "$days" "${hosts[@]}" >/dev/null
 
 "$ctl" token new admin --access write --save "$out/admin.token" >"$out/tokens.yaml" 2>/dev/null

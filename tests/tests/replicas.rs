@@ -835,3 +835,126 @@ async fn a_replica_stopped_on_purpose_hands_its_runs_over_at_once() {
     let (claims, _) = r.check_executor_fencing(&uid);
     assert_eq!(claims.len(), 2, "{claims:?}");
 }
+
+/// deploy/k8s-replicated/40-driver.yaml against the driver built with the etcd
+/// store and against the Kubernetes schema: every flag its container passes
+/// and every variable it sets is one the binary takes, it runs replicas on
+/// etcd with an owner id and an advertised address per pod, and it keeps
+/// two up through disruptions. (The replicas' behaviour under those
+/// settings is what the tests above exercise.)
+#[test]
+fn the_replicated_manifest_matches_the_binary_and_the_schema() {
+    require_etcd_driver();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s-replicated/40-driver.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let docs: Vec<serde_yaml::Value> = text
+        .split("\n---\n")
+        .map(|d| serde_yaml::from_str(d).unwrap())
+        .collect();
+    let kind = |d: &serde_yaml::Value| d["kind"].as_str().unwrap_or_default().to_owned();
+    let set = docs
+        .iter()
+        .find(|d| kind(d) == "StatefulSet")
+        .expect("a StatefulSet");
+    assert!(set["spec"]["replicas"].as_u64().unwrap() >= 3);
+    let pdb = docs
+        .iter()
+        .find(|d| kind(d) == "PodDisruptionBudget")
+        .expect("a PodDisruptionBudget");
+    assert_eq!(pdb["spec"]["minAvailable"].as_u64(), Some(2));
+    let headless = docs
+        .iter()
+        .find(|d| kind(d) == "Service" && d["spec"]["clusterIP"].as_str() == Some("None"))
+        .expect("a headless Service");
+    assert_eq!(set["spec"]["serviceName"], headless["metadata"]["name"]);
+
+    let container = set["spec"]["template"]["spec"]["containers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"].as_str() == Some("driver"))
+        .unwrap();
+    let args: Vec<String> = container["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect();
+    let env: Vec<(String, String)> = container["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap().to_owned(),
+                e["value"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    let help = Command::new(bin_path("driver-svc").unwrap())
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    for flag in args.iter().filter(|a| a.starts_with("--")) {
+        assert!(
+            help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")),
+            "{flag} is not a driver flag"
+        );
+    }
+    for (name, _) in &env {
+        // POD_NAME only feeds the others; the SDK reads OTEL_*.
+        if name == "POD_NAME" || name.starts_with("OTEL_") {
+            continue;
+        }
+        assert!(
+            help.contains(&format!("[env: {name}")),
+            "{name} is not a driver variable"
+        );
+    }
+    // On etcd, with a per-pod owner id and address, and no data volume.
+    let store = args
+        .iter()
+        .position(|a| a == "--store")
+        .and_then(|i| args.get(i + 1))
+        .expect("--store");
+    assert!(store.starts_with("etcd://"), "{store}");
+    assert!(!args.iter().any(|a| a == "--data-dir"));
+    let value = |name: &str| env.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
+    assert_eq!(value("DRIVER_ETCD_OWNER_ID"), Some("$(POD_NAME)"));
+    let advertised = value("DRIVER_ADVERTISE_ADDRESS").expect("an advertised address");
+    let peers = headless["metadata"]["name"].as_str().unwrap();
+    assert!(
+        advertised.starts_with(&format!("$(POD_NAME).{peers}.")),
+        "{advertised}"
+    );
+    // The certificates deploy/gen-secrets.sh issues name that address.
+    let secrets_script =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/gen-secrets.sh"))
+            .unwrap();
+    assert!(
+        secrets_script.contains(&format!("*.{peers}.$namespace.svc")),
+        "gen-secrets.sh"
+    );
+
+    let tool = "kubernetes-validate";
+    match Command::new(tool).arg("--version").output() {
+        Ok(_) => {
+            let out = Command::new(tool)
+                .args(["--strict", "--quiet", "--kubernetes-version", "1.33.0"])
+                .arg(&path)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{tool}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Err(e) => {
+            assert!(std::env::var("CI").is_err(), "{tool} is not on PATH in CI: {e}");
+            println!("{tool} not installed ({e}); the schema check did not run");
+        }
+    }
+}
