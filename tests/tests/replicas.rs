@@ -11,6 +11,8 @@
 //!   takes it, and only one ever writes it.
 //! - The owner is stopped on purpose (SIGTERM): it resigns, and another
 //!   replica takes the run long before any lease could expire.
+//! - deploy/k8s-replicated/40-driver.yaml matches the binary and the schema,
+//!   and three replicas started with exactly its arguments share a run.
 //!
 //! Order is shown by etcd revisions (the run's ownership key and its writer
 //! key, which every write of the run sets) and by epochs in the executor's
@@ -957,4 +959,192 @@ fn the_replicated_manifest_matches_the_binary_and_the_schema() {
             println!("{tool} not installed ({e}); the schema check did not run");
         }
     }
+}
+
+/// Three replicas started with exactly the driver container's arguments and
+/// environment from deploy/k8s-replicated/40-driver.yaml, its paths mapped
+/// onto the test's certificates, tokens and key, its addresses onto
+/// loopback (the pod names kept as owner ids): each passes its health check,
+/// a run applied through one is refused by another with the first one's
+/// advertised address, and is served there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_started_from_the_manifest_share_a_run() {
+    use provisioning_tests::auth::{Grant, Tokens};
+    require_etcd_driver();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s-replicated/40-driver.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let set: serde_yaml::Value = text
+        .split("\n---\n")
+        .map(|d| serde_yaml::from_str::<serde_yaml::Value>(d).unwrap())
+        .find(|d| d["kind"].as_str() == Some("StatefulSet"))
+        .unwrap();
+    let container = &set["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<String> = container["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect();
+    let env: Vec<(String, String)> = container["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?.to_owned(), e["value"].as_str()?.to_owned())))
+        .collect();
+
+    let etcd = Etcd::start().unwrap();
+    // The decider and the executor with TLS; the cluster's own driver is
+    // not one of the replicas.
+    let cluster = Cluster::start(ClusterOptions::default().driver("--store", "memory"))
+        .await
+        .unwrap();
+    let pki = cluster.tls.clone().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let tokens = Tokens::write(work.path(), &[Grant::write("admin")]).unwrap();
+    let key = work.path().join("secrets.key");
+    std::fs::write(&key, "ab".repeat(32)).unwrap();
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let (cert, cert_key) = pki.cert_and_key("driver-svc");
+    let mapped_path = |p: &str| -> String {
+        match p {
+            "/etc/provisioning/tls/tls.pem" => cert.display().to_string(),
+            "/etc/provisioning/tls/tls.key" => cert_key.display().to_string(),
+            "/etc/provisioning/tls/ca.pem" => pki.ca().display().to_string(),
+            "/etc/provisioning/tokens/tokens.yaml" => tokens.path.display().to_string(),
+            "/run/provisioning/keys/secrets.key" => key.display().to_string(),
+            other => other.to_owned(),
+        }
+    };
+    let mut replicas = Vec::new();
+    for i in 0..3 {
+        let pod = format!("driver-{i}");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let listen = format!("127.0.0.1:{port}");
+        let mut mapped = Vec::new();
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let Some(v) = it.clone().next().filter(|_| a.starts_with("--")) else {
+                mapped.push(a.clone());
+                continue;
+            };
+            let v = match a.as_str() {
+                // The harness gives --listen itself (and the ready file).
+                "--listen" => {
+                    it.next();
+                    continue;
+                }
+                "--metrics-listen" => "127.0.0.1:0".to_owned(),
+                "--decider" => cluster.decider.addr.to_string(),
+                "--executor" => cluster.executor.addr.to_string(),
+                "--store" => format!("etcd://{}", etcd.endpoint),
+                _ => mapped_path(v),
+            };
+            it.next();
+            mapped.push(a.clone());
+            mapped.push(v);
+        }
+        let vars: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| {
+                let v = v.replace("$(POD_NAME)", &pod);
+                let v = if k == "DRIVER_ADVERTISE_ADDRESS" {
+                    listen.clone()
+                } else {
+                    v
+                };
+                (k.clone(), v)
+            })
+            .chain([("POD_NAME".to_owned(), pod.clone())])
+            .collect();
+        let dir = work.path().join(&pod);
+        std::fs::create_dir_all(&dir).unwrap();
+        let svc = Service::start_with_env("driver-svc", &dir, &listen, &mapped, &vars)
+            .await
+            .unwrap();
+        replicas.push((pod, listen, svc));
+    }
+
+    let client = |addr: &str| {
+        let endpoint = pki
+            .transport(Some("provisionctl"))
+            .unwrap()
+            .endpoint(addr)
+            .unwrap();
+        let bearer = driver_svc::client::token::BearerToken::new(tokens.token("admin").unwrap()).unwrap();
+        async move { ProvisioningClient::with_interceptor(endpoint.connect().await.unwrap(), bearer) }
+    };
+    for (pod, listen, _) in &replicas {
+        let channel = pki
+            .transport(Some("provisionctl"))
+            .unwrap()
+            .endpoint(listen)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let status = tonic_health::pb::health_client::HealthClient::new(channel)
+            .check(tonic_health::pb::HealthCheckRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .status();
+        assert_eq!(
+            status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving,
+            "{pod}"
+        );
+    }
+    let mut first = client(&replicas[0].1).await;
+    first
+        .apply(pb::ApplyRequest {
+            shape: Some(pb::ClusterShape::from(&shape(
+                RUN,
+                1,
+                "fake",
+                &[("w", 2, "img:1")],
+            ))),
+        })
+        .await
+        .unwrap();
+    let mut second = client(&replicas[1].1).await;
+    let refused = second
+        .get_run(pb::GetRunRequest {
+            run_id: RUN.into(),
+            include_nodes: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
+    let owner = refused
+        .metadata()
+        .get("provisioning-owner-address")
+        .and_then(|v| v.to_str().ok())
+        .unwrap()
+        .to_owned();
+    assert_eq!(owner, replicas[0].1);
+    assert!(refused.message().contains("driver-0"), "{refused}");
+    let mut there = client(&owner).await;
+    let mut watched = there
+        .watch_run(pb::WatchRunRequest {
+            run_id: RUN.into(),
+            include_nodes: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let converged = tokio::time::timeout(CONVERGE, async {
+        while let Some(s) = watched.message().await.unwrap() {
+            if s.converged {
+                return s;
+            }
+        }
+        panic!("the watch ended");
+    })
+    .await
+    .unwrap();
+    assert_eq!(converged.ready_count, 2);
 }
