@@ -838,6 +838,52 @@ async fn a_replica_stopped_on_purpose_hands_its_runs_over_at_once() {
     assert_eq!(claims.len(), 2, "{claims:?}");
 }
 
+/// The replicated driver manifest: its path, its documents, and its driver
+/// container's arguments and environment (the variables set by value).
+struct ReplicatedManifest {
+    path: PathBuf,
+    docs: Vec<serde_yaml::Value>,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+fn replicated_manifest() -> ReplicatedManifest {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s-replicated/40-driver.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let docs: Vec<serde_yaml::Value> = text
+        .split("\n---\n")
+        .map(|d| serde_yaml::from_str(d).unwrap())
+        .collect();
+    let set = docs
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("StatefulSet"))
+        .expect("a StatefulSet");
+    let container = set["spec"]["template"]["spec"]["containers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"].as_str() == Some("driver"))
+        .expect("a driver container");
+    let args = container["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect();
+    let env = container["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?.to_owned(), e["value"].as_str()?.to_owned())))
+        .collect();
+    ReplicatedManifest {
+        path,
+        docs,
+        args,
+        env,
+    }
+}
+
 /// deploy/k8s-replicated/40-driver.yaml against the driver built with the etcd
 /// store and against the Kubernetes schema: every flag its container passes
 /// and every variable it sets is one the binary takes, it runs replicas on
@@ -847,12 +893,12 @@ async fn a_replica_stopped_on_purpose_hands_its_runs_over_at_once() {
 #[test]
 fn the_replicated_manifest_matches_the_binary_and_the_schema() {
     require_etcd_driver();
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s-replicated/40-driver.yaml");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let docs: Vec<serde_yaml::Value> = text
-        .split("\n---\n")
-        .map(|d| serde_yaml::from_str(d).unwrap())
-        .collect();
+    let ReplicatedManifest {
+        path,
+        docs,
+        args,
+        env,
+    } = replicated_manifest();
     let kind = |d: &serde_yaml::Value| d["kind"].as_str().unwrap_or_default().to_owned();
     let set = docs
         .iter()
@@ -869,30 +915,6 @@ fn the_replicated_manifest_matches_the_binary_and_the_schema() {
         .find(|d| kind(d) == "Service" && d["spec"]["clusterIP"].as_str() == Some("None"))
         .expect("a headless Service");
     assert_eq!(set["spec"]["serviceName"], headless["metadata"]["name"]);
-
-    let container = set["spec"]["template"]["spec"]["containers"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"].as_str() == Some("driver"))
-        .unwrap();
-    let args: Vec<String> = container["args"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap().to_owned())
-        .collect();
-    let env: Vec<(String, String)> = container["env"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            (
-                e["name"].as_str().unwrap().to_owned(),
-                e["value"].as_str().unwrap_or_default().to_owned(),
-            )
-        })
-        .collect();
     let help = Command::new(bin_path("driver-svc").unwrap())
         .arg("--help")
         .output()
@@ -971,26 +993,7 @@ fn the_replicated_manifest_matches_the_binary_and_the_schema() {
 async fn replicas_started_from_the_manifest_share_a_run() {
     use provisioning_tests::auth::{Grant, Tokens};
     require_etcd_driver();
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s-replicated/40-driver.yaml");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let set: serde_yaml::Value = text
-        .split("\n---\n")
-        .map(|d| serde_yaml::from_str::<serde_yaml::Value>(d).unwrap())
-        .find(|d| d["kind"].as_str() == Some("StatefulSet"))
-        .unwrap();
-    let container = &set["spec"]["template"]["spec"]["containers"][0];
-    let args: Vec<String> = container["args"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap().to_owned())
-        .collect();
-    let env: Vec<(String, String)> = container["env"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .filter_map(|e| Some((e["name"].as_str()?.to_owned(), e["value"].as_str()?.to_owned())))
-        .collect();
+    let ReplicatedManifest { args, env, .. } = replicated_manifest();
 
     let etcd = Etcd::start().unwrap();
     // The decider and the executor with TLS; the cluster's own driver is
