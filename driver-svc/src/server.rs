@@ -214,11 +214,12 @@ pub async fn run(
     if let Some(replicas) = config.replicas.clone()
         && !lost
     {
-        match tokio::task::spawn_blocking(move || replicas.resign()).await {
-            Ok(Ok(())) => tracing::info!("resigned: the other replicas take this replica's runs now"),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "could not resign; the runs are free once the lease expires")
-            }
+        let resigned = tokio::task::spawn_blocking(move || replicas.resign())
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        match resigned {
+            Ok(()) => tracing::info!("resigned: the other replicas take this replica's runs now"),
             Err(e) => {
                 tracing::warn!(error = %e, "could not resign; the runs are free once the lease expires")
             }
