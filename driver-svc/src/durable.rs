@@ -244,7 +244,7 @@ pub(crate) fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, St
     for t in &mut templates {
         sealer.seal_template(t).map_err(sealing)?;
     }
-    let inflight = match r.inflight.as_ref().map(pb::Operation::from) {
+    let inflight = match r.inflight.as_deref().map(pb::Operation::from) {
         Some(mut op) => {
             sealer.seal_operation(&mut op).map_err(sealing)?;
             Some(op)
@@ -291,7 +291,8 @@ pub(crate) fn decode_node(sealer: &Sealer, bytes: &[u8]) -> Result<NodeRecord, S
         .inflight
         .map(Operation::try_from)
         .transpose()
-        .map_err(|e| corrupt(format!("in-flight operation: {e}")))?;
+        .map_err(|e| corrupt(format!("in-flight operation: {e}")))?
+        .map(Box::new);
     Ok(NodeRecord {
         node,
         next_seq: n.next_seq,

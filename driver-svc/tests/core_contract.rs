@@ -259,7 +259,7 @@ fn operations_are_recorded_and_committed_before_they_are_returned() {
             op.id,
             "not recorded pending in the store"
         );
-        assert_eq!(rec.inflight.as_ref(), Some(op));
+        assert_eq!(rec.inflight.as_deref(), Some(op));
     }
     // One pending operation per node: another pass dispatches nothing new.
     let third = pass(&mut run, &mut store, T0);

@@ -255,7 +255,9 @@ pub struct RunCounters {
 pub struct RunState {
     meta: RunMeta,
     policy: Arc<Policy>,
-    nodes: BTreeMap<LogicalNodeId, Entry>,
+    /// Boxed: a map's leaves hold their values inline and are about half full
+    /// when ids are inserted in order, so an inline `Entry` cost twice its size.
+    nodes: BTreeMap<LogicalNodeId, Box<Entry>>,
     /// The next pass must decide every node.
     full: bool,
     in_pass: bool,
@@ -340,9 +342,9 @@ impl RunState {
     }
 
     fn from_parts(meta: RunMeta, nodes: Vec<NodeRecord>, policy: Arc<Policy>) -> Self {
-        let nodes: BTreeMap<LogicalNodeId, Entry> = nodes
+        let nodes: BTreeMap<LogicalNodeId, Box<Entry>> = nodes
             .into_iter()
-            .map(|r| (r.node.id.clone(), Entry::new(r)))
+            .map(|r| (r.node.id.clone(), Box::new(Entry::new(r))))
             .collect();
         let pending_ops = nodes.values().filter(|e| e.rec.node.pending.is_some()).count();
         let ids: Vec<LogicalNodeId> = nodes.keys().cloned().collect();
@@ -424,7 +426,7 @@ impl RunState {
     }
 
     /// Inserts an entry and indexes it.
-    fn insert_entry(&mut self, id: LogicalNodeId, e: Entry) {
+    fn insert_entry(&mut self, id: LogicalNodeId, e: Box<Entry>) {
         if let Some(old) = self.nodes.insert(id.clone(), e) {
             self.unindex(&id, &old);
         } else {
@@ -434,7 +436,7 @@ impl RunState {
     }
 
     /// Removes an entry and its index keys.
-    fn remove_entry(&mut self, id: &LogicalNodeId) -> Option<Entry> {
+    fn remove_entry(&mut self, id: &LogicalNodeId) -> Option<Box<Entry>> {
         let e = self.nodes.remove(id)?;
         self.unindex(id, &e);
         if let Some(n) = self.held.get_mut(id.group()) {
@@ -640,11 +642,11 @@ impl RunState {
         };
         self.insert_entry(
             o.node.clone(),
-            Entry::new(NodeRecord {
+            Box::new(Entry::new(NodeRecord {
                 node,
                 next_seq: ORPHAN_SEQ_BASE,
                 inflight: None,
-            }),
+            })),
         );
         if o.attempt.get() >= self.meta.next_attempt {
             self.meta.next_attempt = o.attempt.get().saturating_add(1);
@@ -701,7 +703,7 @@ impl RunState {
     pub fn inflight_operations(&self) -> Vec<Operation> {
         self.nodes
             .values()
-            .filter_map(|e| e.rec.inflight.clone())
+            .filter_map(|e| e.rec.inflight.as_deref().cloned())
             .collect()
     }
 
@@ -1046,11 +1048,11 @@ impl RunState {
                 };
                 let attempt = self.allocate_attempt()?;
                 let node = ManagedNode::new(d.node.clone(), attempt, template, RetryState::default());
-                let mut e = Entry::new(NodeRecord {
+                let mut e = Box::new(Entry::new(NodeRecord {
                     node,
                     next_seq: 1,
                     inflight: None,
-                });
+                }));
                 e.last = Some(LastDecision {
                     decision: d.clone(),
                     at: now,
@@ -1215,7 +1217,7 @@ impl RunState {
         {
             rec.node.stage = NodeStage::LeaseRequested;
         }
-        rec.inflight = Some(op.clone());
+        rec.inflight = Some(Box::new(op.clone()));
         e.trace = trace;
         e.version += 1;
         e.wake_at = None;

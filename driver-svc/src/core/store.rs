@@ -31,12 +31,13 @@ pub struct RunMeta {
 
 /// One slot as stored: its node, the op-sequence allocator of its attempt, and
 /// the operation in flight exactly as it was submitted (so a resubmission is
-/// byte-for-byte the same input, which the executor replays).
+/// byte-for-byte the same input, which the executor replays). The operation
+/// is boxed: most records have none, and a run keeps every record in memory.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeRecord {
     pub node: ManagedNode,
     pub next_seq: u32,
-    pub inflight: Option<Operation>,
+    pub inflight: Option<Box<Operation>>,
 }
 
 /// The writes of one pass (or one fold batch) for one run.

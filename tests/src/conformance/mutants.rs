@@ -313,7 +313,7 @@ impl Tamper for Hooks {
                     deadline: second.deadline,
                     dispatched_at: sim.now,
                 });
-                stored.inflight = Some(second.clone());
+                stored.inflight = Some(Box::new(second.clone()));
                 let mut delta = RunDelta::new(uid);
                 delta.upserts.push(stored);
                 let _ = sim.store.commit(&delta);
