@@ -1044,8 +1044,9 @@ impl RunActor {
     }
 
     /// Commits what changed. A failed commit halts the run: its in-memory
-    /// state is ahead of the store, so nothing more is dispatched, acknowledged
-    /// or accepted for it until the driver restarts from the store.
+    /// state may be ahead of the store, so nothing more is dispatched,
+    /// acknowledged or accepted for it until the driver has reloaded it from
+    /// the store ([`crate::driver::Driver::reload`]).
     fn commit(&mut self) -> Result<(), DriverError> {
         if let Some(why) = &self.halted {
             return Err(DriverError::Halted(why.clone()));
@@ -1067,6 +1068,7 @@ impl RunActor {
             }
             Err(e) => {
                 self.halt(format!("the store refused a write: {e}"));
+                self.shared.reload_later(self.run.uid());
                 return Err(DriverError::Halted(e.to_string()));
             }
         }
@@ -1078,7 +1080,7 @@ impl RunActor {
 
     fn halt(&mut self, why: String) {
         tracing::error!(run = %self.run.run_id(), reason = %why,
-            "run halted: no further work until the driver restarts from its store");
+            "run halted: no further work until it is reloaded from the store");
         self.halted = Some(why);
         self.acks.clear();
         self.changed = true;

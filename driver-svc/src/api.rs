@@ -5,7 +5,7 @@
 //! the principal in the request): the access the method needs, then the run
 //! it touches. A refused call is answered before anything is read or changed.
 
-use std::pin::Pin;
+use std::{pin::Pin, sync::Arc};
 
 use contract::{ClusterShape, FieldError, pb, pb::provisioning_server::Provisioning, wire::shape_from_wire};
 use futures::Stream;
@@ -168,12 +168,22 @@ impl Provisioning for Api {
                     () = tx.closed() => break,
                 };
                 if changed.is_err() {
-                    // The actor finished (the run is gone): send its final status.
+                    // The actor finished. The run is gone: send its final
+                    // status. Otherwise it was reloaded from the store (the
+                    // watch follows it) or is served elsewhere now (the
+                    // watch ends with where).
                     let final_status = (**rx.borrow()).clone();
                     if final_status.phase == pb::RunPhase::Deleted as i32 {
                         let _ = tx.send(Ok(final_status)).await;
+                        break;
                     }
-                    break;
+                    match rewatch(&driver, &id).await {
+                        Ok(next) => rx = next,
+                        Err(status) => {
+                            let _ = tx.send(Err(status)).await;
+                            break;
+                        }
+                    }
                 }
             }
         });
@@ -259,3 +269,26 @@ where
     tokio::spawn(f(tx));
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
+
+/// A watch of a run whose actor ended without the run being deleted: the
+/// run's next actor here (after a reload), or the status that says where it
+/// went. Waits a little for a reload to start the next actor.
+async fn rewatch(
+    driver: &Driver,
+    run_id: &str,
+) -> Result<tokio::sync::watch::Receiver<Arc<pb::RunStatus>>, Status> {
+    for _ in 0..REWATCH_TRIES {
+        tokio::time::sleep(REWATCH_WAIT).await;
+        match driver.watch(run_id).await {
+            Ok(rx) if rx.has_changed().is_ok() => return Ok(rx),
+            Ok(_) => {}
+            Err(e) => return Err(to_status(e)),
+        }
+    }
+    Err(Status::unavailable(format!(
+        "run {run_id} stopped here and has not restarted; watch it again"
+    )))
+}
+
+const REWATCH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+const REWATCH_TRIES: u32 = 200;

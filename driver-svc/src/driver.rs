@@ -14,7 +14,7 @@ use contract::{
     pb::decider_client::DeciderClient,
     telemetry::grpc::TracedChannel,
 };
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::{
     actor::{RunActor, RunEvent, RunHandle},
@@ -77,6 +77,7 @@ pub(crate) struct Exported {
     pub(crate) discarded: Counter,
     pub(crate) converged: Counter,
     takeovers: Counter,
+    reloads: Counter,
     nodes: Gauge,
     runs: Gauge,
     link_up: Gauge,
@@ -175,6 +176,11 @@ impl Exported {
                 "provisioning_run_takeovers_total",
                 "Stored runs this replica claimed and restored, at its start or when their owner \
                  went (replicas sharing an etcd store only).",
+                &[],
+            ),
+            reloads: r.counter(
+                "provisioning_run_reloads_total",
+                "Runs halted by a failed store write and reloaded from the store under a new epoch.",
                 &[],
             ),
             nodes: r.gauge(
@@ -337,6 +343,9 @@ pub(crate) struct Shared {
     pub(crate) replicas: Option<Arc<dyn Replicas>>,
     /// Held while a run is taken over, so one run is never restored twice.
     takeover: tokio::sync::Mutex<()>,
+    /// Runs halted by a failed write, to reload from the store
+    /// ([`Driver::reload`]).
+    reloads: mpsc::UnboundedSender<RunUid>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -352,6 +361,12 @@ impl Shared {
     /// Reads local state only.
     pub(crate) fn owns(&self, uid: RunUid) -> bool {
         self.replicas.as_ref().is_none_or(|r| r.owns(uid))
+    }
+
+    /// A run actor's write failed: its run is halted, and reloaded from the
+    /// store once the store takes writes again.
+    pub(crate) fn reload_later(&self, uid: RunUid) {
+        let _ = self.reloads.send(uid);
     }
 
     /// Drops a run from the registry once it is gone (only the incarnation
@@ -381,7 +396,9 @@ pub enum DriverError {
     Store(#[from] StoreError),
     #[error("the run's actor is gone")]
     ActorGone,
-    #[error("the run is halted after a store failure ({0}); restart the driver")]
+    #[error(
+        "the run is halted after a store failure ({0}); it is reloaded from the store once the store takes writes again: retry shortly"
+    )]
     Halted(String),
     /// Another replica serves the run: call it there.
     #[error("run {run} is served by driver replica {} at {}; call it there", .owner.id,
@@ -422,6 +439,36 @@ pub struct DriverConfig {
     pub replicas: Option<Arc<dyn Replicas>>,
 }
 
+/// The first wait before a halted run is reloaded, doubled after each failed
+/// reload up to [`RELOAD_MAX_WAIT`].
+const RELOAD_FIRST_WAIT: Duration = Duration::from_millis(200);
+const RELOAD_MAX_WAIT: Duration = Duration::from_secs(10);
+/// How long a reload waits for the halted actor to stop.
+const RELOAD_STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// Reloads each run whose actor halted on a failed write, retrying with
+/// backoff until the store takes the run's new epoch. Ends with the driver.
+async fn reload_runs(shared: std::sync::Weak<Shared>, mut rx: mpsc::UnboundedReceiver<RunUid>) {
+    while let Some(uid) = rx.recv().await {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let mut wait = RELOAD_FIRST_WAIT;
+            loop {
+                tokio::time::sleep(wait).await;
+                let Some(shared) = shared.upgrade() else { return };
+                match (Driver { shared }).reload(uid).await {
+                    Ok(()) => return,
+                    Err(e) => {
+                        tracing::warn!(run_uid = %uid, error = %e, retry_in = ?wait * 2,
+                            "cannot reload a halted run yet");
+                        wait = (wait * 2).min(RELOAD_MAX_WAIT);
+                    }
+                }
+            }
+        });
+    }
+}
+
 /// Runs `f` (which may block on the store) off the async workers.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
@@ -447,6 +494,7 @@ impl Driver {
             Some(_) => Vec::new(),
             None => config.store.load_all()?,
         };
+        let (reloads, reload_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             store: Mutex::new(config.store),
             clock: config.clock,
@@ -460,8 +508,10 @@ impl Driver {
             reclaims: RwLock::new(HashMap::new()),
             replicas: config.replicas,
             takeover: tokio::sync::Mutex::new(()),
+            reloads,
         });
         register_scrape(&shared);
+        tokio::spawn(reload_runs(Arc::downgrade(&shared), reload_rx));
         let driver = Self { shared };
         for s in stored {
             driver.restore(s)?;
@@ -474,6 +524,12 @@ impl Driver {
     /// whatever an earlier owner still has in flight there); the actor then
     /// resubmits the run's pending operations.
     fn restore(&self, s: crate::core::StoredRun) -> Result<RunUid, DriverError> {
+        let run = self.restored(s)?;
+        Ok(self.spawn_restored(run))
+    }
+
+    /// A stored run under its new epoch, committed.
+    fn restored(&self, s: crate::core::StoredRun) -> Result<RunState, DriverError> {
         let epoch = s.meta.epoch.next().ok_or_else(|| {
             DriverError::Store(StoreError::Corrupt(format!(
                 "epoch of run {} exhausted",
@@ -487,6 +543,12 @@ impl Driver {
         }
         tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(),
             reclaim = run.is_reclaim(), "run restored");
+        Ok(run)
+    }
+
+    /// Starts a restored run's actor and registers it (in place of any
+    /// earlier actor of the run).
+    fn spawn_restored(&self, run: RunState) -> RunUid {
         let uid = run.uid();
         if run.is_reclaim() {
             self.shared.orphans.recovered(&run);
@@ -494,14 +556,70 @@ impl Driver {
             if let Ok(mut reclaims) = self.shared.reclaims.write() {
                 reclaims.insert(uid, handle);
             }
-            return Ok(uid);
+            return uid;
         }
         let id = run.run_id().clone();
         let handle = RunActor::spawn(run, self.shared.clone(), contract::TraceContext::default());
         if let Ok(mut runs) = self.shared.runs.write() {
             runs.insert(id, handle);
         }
-        Ok(uid)
+        uid
+    }
+
+    /// Reloads a run halted by a failed write: its in-memory state may be
+    /// ahead of the store, so it is dropped and the run restored from what
+    /// the store holds, under a new epoch, exactly as after a restart
+    /// (pending operations resubmitted; the executor fences the old epoch).
+    /// The halted actor keeps answering until the store has been read and
+    /// the new epoch committed. A run this replica no longer owns, or that
+    /// is no longer stored, is only stopped. An error leaves the run halted.
+    pub async fn reload(&self, uid: RunUid) -> Result<(), DriverError> {
+        let _one_at_a_time = self.shared.takeover.lock().await;
+        let Some(old) = self.handle_by_uid(uid) else {
+            return Ok(());
+        };
+        let stored = if !self.shared.owns(uid) {
+            None
+        } else if let Some(replicas) = self.shared.replicas.clone() {
+            blocking(move || replicas.load(uid)).await?
+        } else {
+            let shared = self.shared.clone();
+            blocking(move || {
+                let store = shared
+                    .store
+                    .lock()
+                    .map_err(|_| StoreError::Unavailable("the store's lock is poisoned".into()))?;
+                store.load_run(uid)
+            })
+            .await?
+        };
+        let run = match stored {
+            Some(s) => Some(self.restored(s)?),
+            None => None,
+        };
+        let (done, stopped) = oneshot::channel();
+        if old.tx.send(RunEvent::Shutdown { done }).is_ok() {
+            let _ = tokio::time::timeout(RELOAD_STOP_WAIT, stopped).await;
+        }
+        match run {
+            Some(run) => {
+                let id = run.run_id().clone();
+                self.spawn_restored(run);
+                self.shared.metrics.exported.reloads.inc(&[]);
+                tracing::warn!(run = %id, run_uid = %uid, "run reloaded from the store after a failed write");
+            }
+            None => {
+                self.shared.link.unregister(uid);
+                if let Ok(mut runs) = self.shared.runs.write() {
+                    runs.retain(|_, h| h.uid != uid);
+                }
+                if let Ok(mut reclaims) = self.shared.reclaims.write() {
+                    reclaims.remove(&uid);
+                }
+                tracing::warn!(run_uid = %uid, "a halted run is not this driver's to reload: stopped it");
+            }
+        }
+        Ok(())
     }
 
     /// With replicas: claims every stored run no live replica owns and

@@ -244,40 +244,130 @@ async fn keep_alive(
     changes.send_modify(|n| *n += 1);
 }
 
+/// Renews the lease every third of its time to live. A keep-alive stream
+/// that breaks (its member went, a network blip) is opened again, on
+/// whichever member answers, for as long as the lease may still be live by
+/// the local clock; the lease is lost when etcd says it is gone or when no
+/// renewal was acknowledged within its time to live.
 async fn keep_alive_until_lost(client: Client, lease: i64, health: &LeaseHealth) {
     let period = health.ttl / 3;
-    let mut lc = client.lease_client();
-    let sent = health.start.elapsed();
-    let (mut keeper, mut stream) = match tokio::time::timeout(period, lc.keep_alive(lease)).await {
-        Ok(Ok(pair)) => pair,
-        Ok(Err(e)) => return health.fence(&format!("keep-alive: {e}")),
-        Err(_) => return health.fence("keep-alive: etcd did not answer"),
+    let renewed = |sent: Duration| {
+        health.renewed_ms.store(
+            u64::try_from(sent.as_millis()).unwrap_or(u64::MAX),
+            Ordering::SeqCst,
+        );
     };
-    health.renewed_ms.store(
-        u64::try_from(sent.as_millis()).unwrap_or(u64::MAX),
-        Ordering::SeqCst,
-    );
+    let mut first = true;
     loop {
-        tokio::time::sleep(period).await;
+        if !first {
+            tokio::time::sleep(KEEP_ALIVE_REOPEN_WAIT.min(period)).await;
+        }
         if !health.live() {
             return;
         }
+        let mut lc = client.lease_client();
         let sent = health.start.elapsed();
-        let answer = tokio::time::timeout(period, async {
-            keeper.keep_alive().await?;
-            stream.message().await
-        })
-        .await;
-        match answer {
-            Ok(Ok(Some(r))) if r.ttl() > 0 => health.renewed_ms.store(
-                u64::try_from(sent.as_millis()).unwrap_or(u64::MAX),
-                Ordering::SeqCst,
-            ),
-            Ok(Ok(Some(_))) => return health.fence("keep-alive: the lease is gone"),
-            Ok(Ok(None)) => return health.fence("keep-alive: the stream ended"),
-            Ok(Err(e)) => return health.fence(&format!("keep-alive: {e}")),
-            Err(_) => return health.fence("keep-alive: etcd did not answer"),
+        let (mut keeper, mut stream) = match tokio::time::timeout(period, lc.keep_alive(lease)).await {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(e)) if first => return health.fence(&format!("keep-alive: {e}")),
+            Err(_) if first => return health.fence("keep-alive: etcd did not answer"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "etcd keep-alive: cannot reopen the stream yet");
+                continue;
+            }
+            Err(_) => {
+                tracing::warn!("etcd keep-alive: no member answered the reopened stream");
+                continue;
+            }
+        };
+        if !first {
+            tracing::info!("etcd keep-alive stream reopened");
         }
+        first = false;
+        renewed(sent);
+        loop {
+            tokio::time::sleep(period).await;
+            if !health.live() {
+                return;
+            }
+            let sent = health.start.elapsed();
+            let answer = tokio::time::timeout(period, async {
+                keeper.keep_alive().await?;
+                stream.message().await
+            })
+            .await;
+            let broke = match answer {
+                Ok(Ok(Some(r))) if r.ttl() > 0 => {
+                    renewed(sent);
+                    continue;
+                }
+                Ok(Ok(Some(_))) => return health.fence("keep-alive: the lease is gone"),
+                Ok(Ok(None)) => "the stream ended".to_owned(),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "etcd did not answer".to_owned(),
+            };
+            tracing::warn!(reason = %broke, "etcd keep-alive stream broke: reopening it");
+            break;
+        }
+    }
+}
+
+/// How long a broken keep-alive stream waits before it is opened again
+/// (at most a third of the lease's time to live).
+const KEEP_ALIVE_REOPEN_WAIT: Duration = Duration::from_millis(200);
+
+/// How long a member has to answer its status probe.
+const MEMBER_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How often each member is asked whether it is up.
+const MEMBER_PROBE_EVERY: Duration = Duration::from_millis(500);
+
+/// Keeps the client's requests on members that answer: every member named
+/// in `--store` is asked for its status on a connection of its own; one that
+/// does not answer is taken out of the client's balancer (so no request
+/// waits on it) and put back once it answers again. The last member left
+/// always stays in.
+async fn steer_to_live_members(client: Client, endpoints: Vec<String>, timeout: Duration) {
+    if endpoints.len() < 2 {
+        return;
+    }
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(timeout)
+        .with_timeout(timeout);
+    let mut probes: Vec<Option<Client>> = vec![None; endpoints.len()];
+    let mut out: Vec<bool> = vec![false; endpoints.len()];
+    loop {
+        tokio::time::sleep(MEMBER_PROBE_EVERY).await;
+        for (i, endpoint) in endpoints.iter().enumerate() {
+            if probes[i].is_none() {
+                probes[i] = Client::connect([endpoint.as_str()], Some(opts.clone()))
+                    .await
+                    .ok();
+            }
+            let up = match probes[i].as_mut() {
+                Some(c) => matches!(tokio::time::timeout(timeout, c.status()).await, Ok(Ok(_))),
+                None => false,
+            };
+            let url = member_url(endpoint);
+            if !up && !out[i] && out.iter().filter(|o| !**o).count() > 1 {
+                if client.remove_endpoint(&url).await.is_ok() {
+                    out[i] = true;
+                    tracing::warn!(member = %endpoint, "etcd member does not answer: requests go to the others");
+                }
+            } else if up && out[i] && client.add_endpoint(&url).await.is_ok() {
+                out[i] = false;
+                tracing::info!(member = %endpoint, "etcd member answers again: requests go to it too");
+            }
+        }
+    }
+}
+
+/// A member's address as the client's balancer keys it.
+fn member_url(endpoint: &str) -> String {
+    if endpoint.starts_with("http://") || endpoint.starts_with("https://") {
+        endpoint.to_owned()
+    } else {
+        format!("http://{endpoint}")
     }
 }
 
@@ -441,6 +531,11 @@ impl EtcdStore {
             lease,
             health.clone(),
             changes_tx.clone(),
+        ));
+        rt.spawn(steer_to_live_members(
+            client.clone(),
+            cfg.endpoints.clone(),
+            MEMBER_PROBE_TIMEOUT.min(cfg.request_timeout),
         ));
         rt.spawn(watch_owners(
             client.clone(),

@@ -57,6 +57,11 @@ impl Etcd {
         Ok(etcd)
     }
 
+    /// The member's process id (to pause it, as a stalled etcd).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A client, once etcd answers.
     pub async fn client(&self) -> anyhow::Result<etcd_client::Client> {
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -77,6 +82,88 @@ impl Drop for Etcd {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// etcd members started with the arguments the caller gives each (a
+/// manifest's, mapped onto loopback); all killed when dropped.
+#[derive(Debug)]
+pub struct EtcdMembers {
+    children: Vec<Child>,
+    /// Each member's client endpoint (`127.0.0.1:port`), in start order.
+    pub endpoints: Vec<String>,
+}
+
+impl EtcdMembers {
+    /// Starts every member at once (they wait for each other to form the
+    /// cluster) and returns when each listens on its client endpoint.
+    pub fn start(members: Vec<(Vec<String>, String)>) -> anyhow::Result<Self> {
+        let mut started = Self {
+            children: Vec::new(),
+            endpoints: Vec::new(),
+        };
+        for (args, endpoint) in members {
+            let child = Command::new("etcd")
+                .args(&args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting etcd (Debian package etcd-server; .ci/run installs it)")?;
+            started.children.push(child);
+            started.endpoints.push(endpoint);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for (i, endpoint) in started.endpoints.iter().enumerate() {
+            while TcpStream::connect(endpoint).is_err() {
+                if let Some(status) = started.children[i].try_wait()? {
+                    anyhow::bail!("etcd member {i} exited with {status}");
+                }
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "etcd member {i} did not start listening"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(started)
+    }
+
+    /// Kills member `i` (SIGKILL) and waits for it.
+    pub fn kill(&mut self, i: usize) -> anyhow::Result<()> {
+        let child = self.children.get_mut(i).context("no such member")?;
+        child.kill()?;
+        child.wait()?;
+        Ok(())
+    }
+}
+
+impl Drop for EtcdMembers {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A plain HTTP/1.0 GET on loopback, as a kubelet's `httpGet` probe: the
+/// status code and the body.
+pub fn http_get(addr: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    use std::io::{Read as _, Write as _};
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("not an HTTP response: {text:?}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((code, body))
 }
 
 /// The owner id in a run's ownership key, if any.

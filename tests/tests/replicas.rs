@@ -11,8 +11,13 @@
 //!   takes it, and only one ever writes it.
 //! - The owner is stopped on purpose (SIGTERM): it resigns, and another
 //!   replica takes the run long before any lease could expire.
-//! - deploy/k8s-replicated/40-driver.yaml matches the binary and the schema,
-//!   and three replicas started with exactly its arguments share a run.
+//! - etcd stops answering (SIGSTOP) for less than a lease: the owner's
+//!   writes fail and the run halts; once etcd answers again the owner
+//!   reloads the run from the store under a new epoch and it converges.
+//! - deploy/k8s-replicated/ matches the binaries and the schema: three etcd
+//!   members started with exactly 10-etcd.yaml's arguments form the store,
+//!   three replicas started with exactly 40-driver.yaml's share a run on it,
+//!   and the run goes on when one member is killed.
 //!
 //! Order is shown by etcd revisions (the run's ownership key and its writer
 //! key, which every write of the run sets) and by epochs in the executor's
@@ -28,7 +33,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -41,7 +46,7 @@ use contract::{
     pb::provisioning_client::ProvisioningClient,
 };
 use provisioning_tests::{
-    etcd::{self, Etcd, PREFIX},
+    etcd::{self, Etcd, EtcdMembers, PREFIX},
     procs::{AgentsDir, Cluster, ClusterOptions, Sampler, Service, bin_path, live_agent_pids, watch_until},
     shapes::{shape, with_template},
 };
@@ -800,6 +805,70 @@ async fn replicas_racing_for_a_run_never_both_write_it() {
     );
 }
 
+/// etcd stalls (SIGSTOP) mid-convergence for longer than a request may
+/// take and shorter than the lease: an apply's write fails, the run halts
+/// and the apply is refused as unavailable, changing nothing. Once etcd
+/// answers again the owner reloads the run from the store under a new epoch
+/// (claimed at the executor like any new epoch), without exiting and
+/// without losing the run; the apply, retried, is accepted, and the run
+/// converges to it with one agent per slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_stalls_and_the_owner_reloads_the_run() {
+    let mut r = Replicated::start_with_lease("60").await;
+    let sampler = Sampler::start(&r.agents.root);
+    let mut etcd = r.etcd.client().await.unwrap();
+    let uid = r.apply("d1", &workers(1, 3)).await.unwrap();
+    r.mid_convergence("d1").await;
+
+    signal("STOP", r.etcd.pid());
+    let stalled = Instant::now();
+    let refused = r.apply("d1", &workers(2, 2)).await.unwrap_err();
+    let refused_after = stalled.elapsed();
+    // Longer than a request may take, so the reload's first tries fail too.
+    tokio::time::sleep(Duration::from_secs(7).saturating_sub(refused_after)).await;
+    signal("CONT", r.etcd.pid());
+    assert_eq!(refused.code(), Code::Unavailable, "{refused}");
+    assert!(refused.message().contains("halted"), "{refused}");
+
+    // The client retries, as told, until the reloaded run takes the apply.
+    let t = Instant::now();
+    let accepted_after = loop {
+        match r.apply("d1", &workers(2, 2)).await {
+            Ok(again) => {
+                assert_eq!(again, uid, "the run is the same run");
+                break t.elapsed();
+            }
+            Err(s) if s.code() == Code::Unavailable && t.elapsed() < Duration::from_secs(30) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(s) => {
+                r.dump_logs();
+                panic!("the run was not reloaded: {s}");
+            }
+        }
+    };
+    let done = r.until("d1", |s| s.converged && s.generation == 2).await;
+    assert_eq!(done.ready_count, 2);
+    assert!(r.cluster.driver.is_running(), "d1 exited");
+    assert_eq!(owner(&mut etcd, &uid).await.as_deref(), Some("d1"));
+    let log = std::fs::read_to_string(r.cluster.driver.log_file()).unwrap();
+    assert!(log.contains("run halted"), "{log}");
+    assert!(
+        log.contains("run reloaded from the store after a failed write"),
+        "{log}"
+    );
+    r.delete_and_clean("d1").await;
+    let samples = sampler.finish();
+    // The reload took a new epoch and claimed it at the executor.
+    let (claims, fenced) = r.check_executor_fencing(&uid);
+    assert!(claims.len() >= 2, "no new epoch after the reload: {claims:?}");
+    assert!(claims.windows(2).all(|w| w[0] < w[1]), "{claims:?}");
+    println!(
+        "store stall: apply refused after {refused_after:?}; accepted again {accepted_after:?} after etcd \
+         resumed; executor epochs {claims:?}, {fenced} operations fenced; {samples} samples"
+    );
+}
+
 fn signal(sig: &str, pid: u32) {
     let ok = Command::new("kill")
         .arg(format!("-{sig}"))
@@ -847,13 +916,59 @@ struct ReplicatedManifest {
     env: Vec<(String, String)>,
 }
 
-fn replicated_manifest() -> ReplicatedManifest {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s-replicated/40-driver.yaml");
+/// A file of deploy/k8s-replicated/: its path and its documents.
+fn replicated_docs(file: &str) -> (PathBuf, Vec<serde_yaml::Value>) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/k8s-replicated")
+        .join(file);
     let text = std::fs::read_to_string(&path).unwrap();
-    let docs: Vec<serde_yaml::Value> = text
+    let docs = text
         .split("\n---\n")
         .map(|d| serde_yaml::from_str(d).unwrap())
         .collect();
+    (path, docs)
+}
+
+fn kind_of(d: &serde_yaml::Value) -> &str {
+    d["kind"].as_str().unwrap_or_default()
+}
+
+fn strings(v: &serde_yaml::Value) -> Vec<String> {
+    v.as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// kubernetes-validate on a manifest; a developer's machine without it only
+/// says so, CI must have it.
+fn validate_schema(path: &Path) {
+    let tool = "kubernetes-validate";
+    match Command::new(tool).arg("--version").output() {
+        Ok(_) => {
+            let out = Command::new(tool)
+                .args(["--strict", "--quiet", "--kubernetes-version", "1.33.0"])
+                .arg(path)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{tool} {}: {}{}",
+                path.display(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Err(e) => {
+            assert!(std::env::var("CI").is_err(), "{tool} is not on PATH in CI: {e}");
+            println!("{tool} not installed ({e}); the schema check did not run");
+        }
+    }
+}
+
+fn replicated_manifest() -> ReplicatedManifest {
+    let (path, docs) = replicated_docs("40-driver.yaml");
     let set = docs
         .iter()
         .find(|d| d["kind"].as_str() == Some("StatefulSet"))
@@ -864,12 +979,7 @@ fn replicated_manifest() -> ReplicatedManifest {
         .iter()
         .find(|c| c["name"].as_str() == Some("driver"))
         .expect("a driver container");
-    let args = container["args"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap().to_owned())
-        .collect();
+    let args = strings(&container["args"]);
     let env = container["env"]
         .as_sequence()
         .unwrap()
@@ -961,26 +1071,229 @@ fn the_replicated_manifest_matches_the_binary_and_the_schema() {
         "gen-secrets.sh"
     );
 
-    let tool = "kubernetes-validate";
-    match Command::new(tool).arg("--version").output() {
-        Ok(_) => {
-            let out = Command::new(tool)
-                .args(["--strict", "--quiet", "--kubernetes-version", "1.33.0"])
-                .arg(&path)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{tool}: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Err(e) => {
-            assert!(std::env::var("CI").is_err(), "{tool} is not on PATH in CI: {e}");
-            println!("{tool} not installed ({e}); the schema check did not run");
-        }
+    validate_schema(&path);
+}
+
+/// deploy/k8s-replicated/10-etcd.yaml: the members' addresses and the etcd
+/// container's arguments.
+struct EtcdManifest {
+    path: PathBuf,
+    docs: Vec<serde_yaml::Value>,
+    /// The StatefulSet's name: member `i` is the pod `<name>-<i>`.
+    name: String,
+    /// `<name>-<i>.<service>.<namespace>.svc`, for each member.
+    hosts: Vec<String>,
+    args: Vec<String>,
+    /// The container's ports by name (`client`, `peer`, `metrics`).
+    ports: BTreeMap<String, u16>,
+    /// Where the `data` volume is mounted.
+    data_mount: String,
+    /// The probes' paths on the metrics port: readiness, liveness, startup.
+    probe_paths: Vec<String>,
+}
+
+fn etcd_manifest() -> EtcdManifest {
+    let (path, docs) = replicated_docs("10-etcd.yaml");
+    let set = docs
+        .iter()
+        .find(|d| kind_of(d) == "StatefulSet")
+        .expect("a StatefulSet");
+    let name = set["metadata"]["name"].as_str().unwrap().to_owned();
+    let namespace = set["metadata"]["namespace"].as_str().unwrap();
+    let service = set["spec"]["serviceName"].as_str().unwrap();
+    let members = set["spec"]["replicas"].as_u64().unwrap();
+    let hosts = (0..members)
+        .map(|i| format!("{name}-{i}.{service}.{namespace}.svc"))
+        .collect();
+    let container = set["spec"]["template"]["spec"]["containers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"].as_str() == Some("etcd"))
+        .expect("an etcd container");
+    assert_eq!(strings(&container["command"]), ["etcd"]);
+    let ports = container["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_owned(),
+                u16::try_from(p["containerPort"].as_u64().unwrap()).unwrap(),
+            )
+        })
+        .collect();
+    let data_mount = container["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"].as_str() == Some("data"))
+        .expect("the data volume mounted")["mountPath"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let probe_paths = ["readinessProbe", "livenessProbe", "startupProbe"]
+        .iter()
+        .map(|probe| {
+            let get = &container[*probe]["httpGet"];
+            assert_eq!(get["port"].as_str(), Some("metrics"), "{probe}");
+            get["path"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let args = strings(&container["args"]);
+    EtcdManifest {
+        path,
+        docs,
+        name,
+        hosts,
+        args,
+        ports,
+        data_mount,
+        probe_paths,
     }
+}
+
+impl EtcdManifest {
+    /// Member `i`'s arguments with its name filled in, its data directory
+    /// under `data`, and every address mapped onto loopback: `lo[j]` holds
+    /// member `j`'s client, peer and metrics ports.
+    fn member_args(&self, i: usize, lo: &[[u16; 3]], data: &Path) -> Vec<String> {
+        let named = ["client", "peer", "metrics"].map(|p| self.ports[p]);
+        let mut args = Vec::new();
+        for arg in &self.args {
+            let mut a = arg.replace("$(POD_NAME)", &format!("{}-{i}", self.name));
+            for (j, host) in self.hosts.iter().enumerate() {
+                for (k, port) in named.iter().enumerate() {
+                    a = a.replace(&format!("{host}:{port}"), &format!("127.0.0.1:{}", lo[j][k]));
+                }
+            }
+            for (k, port) in named.iter().enumerate() {
+                a = a.replace(&format!("0.0.0.0:{port}"), &format!("127.0.0.1:{}", lo[i][k]));
+            }
+            if let Some(dir) = a.strip_prefix("--data-dir=") {
+                let within = dir
+                    .strip_prefix(&self.data_mount)
+                    .expect("the data directory is on the data volume");
+                a = format!(
+                    "--data-dir={}",
+                    data.join(format!("{}-{i}", self.name))
+                        .join(within.trim_start_matches('/'))
+                        .display()
+                );
+            }
+            assert!(
+                !a.contains(".svc") && !a.contains("0.0.0.0") && !a.contains("$("),
+                "an address or variable left unmapped: {a}"
+            );
+            args.push(a);
+        }
+        args
+    }
+
+    /// A value naming members as `host:port,...` (the driver's --store),
+    /// mapped onto loopback as [`EtcdManifest::member_args`] maps them.
+    fn map_endpoints(&self, value: &str, lo: &[[u16; 3]]) -> String {
+        let client = self.ports["client"];
+        value
+            .split(',')
+            .map(|member| {
+                let j = self
+                    .hosts
+                    .iter()
+                    .position(|h| member == format!("{h}:{client}"))
+                    .unwrap_or_else(|| panic!("{member} is not an etcd member's client address"));
+                format!("127.0.0.1:{}", lo[j][0])
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// deploy/k8s-replicated/10-etcd.yaml against the schema and the drivers'
+/// manifest: the drivers' --store names every member at its client port, the
+/// members find each other through a headless Service before they are
+/// ready, a quorum stays through disruptions, the drivers (and the members
+/// themselves) may reach the client port, and the data lives on a volume.
+/// (Members started with its arguments are the next test's store.)
+#[test]
+fn the_etcd_manifest_serves_the_drivers_store() {
+    let m = etcd_manifest();
+    let ReplicatedManifest { args, .. } = replicated_manifest();
+    let store = args
+        .iter()
+        .position(|a| a == "--store")
+        .and_then(|i| args.get(i + 1))
+        .expect("--store");
+    let named: BTreeSet<&str> = store.strip_prefix("etcd://").unwrap().split(',').collect();
+    let members: BTreeSet<String> = m
+        .hosts
+        .iter()
+        .map(|h| format!("{h}:{}", m.ports["client"]))
+        .collect();
+    assert_eq!(
+        named,
+        members.iter().map(String::as_str).collect::<BTreeSet<_>>(),
+        "the drivers' --store and the etcd members"
+    );
+    let set = m.docs.iter().find(|d| kind_of(d) == "StatefulSet").unwrap();
+    let headless = m
+        .docs
+        .iter()
+        .find(|d| kind_of(d) == "Service" && d["metadata"]["name"] == set["spec"]["serviceName"])
+        .expect("the StatefulSet's Service");
+    assert_eq!(headless["spec"]["clusterIP"].as_str(), Some("None"));
+    assert_eq!(headless["spec"]["publishNotReadyAddresses"].as_bool(), Some(true));
+    let pdb = m
+        .docs
+        .iter()
+        .find(|d| kind_of(d) == "PodDisruptionBudget")
+        .expect("a PodDisruptionBudget");
+    let quorum = m.hosts.len() / 2 + 1;
+    assert_eq!(pdb["spec"]["minAvailable"].as_u64(), Some(quorum as u64));
+    let policy = m
+        .docs
+        .iter()
+        .find(|d| kind_of(d) == "NetworkPolicy")
+        .expect("a NetworkPolicy");
+    let reaches = |from: &str, port: u16| {
+        policy["spec"]["ingress"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .any(|rule| {
+                rule["from"].as_sequence().unwrap().iter().any(|f| {
+                    f["podSelector"]["matchLabels"]["app.kubernetes.io/name"].as_str() == Some(from)
+                        && f.get("namespaceSelector").is_none()
+                }) && rule["ports"]
+                    .as_sequence()
+                    .unwrap()
+                    .iter()
+                    .any(|p| p["port"].as_u64() == Some(u64::from(port)))
+            })
+    };
+    assert!(reaches("driver", m.ports["client"]));
+    assert!(reaches("etcd", m.ports["peer"]));
+    assert!(!reaches("driver", m.ports["peer"]));
+    let data_dir = m
+        .args
+        .iter()
+        .find_map(|a| a.strip_prefix("--data-dir="))
+        .expect("--data-dir");
+    assert!(data_dir.starts_with(&m.data_mount), "{data_dir}");
+    assert!(
+        m.args
+            .iter()
+            .any(|a| a.starts_with("--auto-compaction-retention="))
+    );
+    validate_schema(&m.path);
 }
 
 /// Three replicas started with exactly the driver container's arguments and
@@ -994,15 +1307,58 @@ async fn replicas_started_from_the_manifest_share_a_run() {
     use provisioning_tests::auth::{Grant, Tokens};
     require_etcd_driver();
     let ReplicatedManifest { args, env, .. } = replicated_manifest();
+    let m = etcd_manifest();
 
-    let etcd = Etcd::start().unwrap();
+    // The store: etcd members started with exactly 10-etcd.yaml's arguments.
+    let work = tempfile::tempdir().unwrap();
+    let lo: Vec<[u16; 3]> = m
+        .hosts
+        .iter()
+        .map(|_| [free_port(), free_port(), free_port()])
+        .collect();
+    let mut members = EtcdMembers::start(
+        (0..m.hosts.len())
+            .map(|i| {
+                (
+                    m.member_args(i, &lo, work.path()),
+                    format!("127.0.0.1:{}", lo[i][0]),
+                )
+            })
+            .collect(),
+    )
+    .unwrap();
+    // Each answers its probes as the kubelet would ask them, once the
+    // members have formed the cluster.
+    for (i, ports) in lo.iter().enumerate() {
+        for path in &m.probe_paths {
+            let addr = format!("127.0.0.1:{}", ports[2]);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let answer = etcd::http_get(&addr, path);
+                if let Ok((200, body)) = &answer
+                    && body.contains(r#""health":"true""#)
+                {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "member {i}, {path}: {answer:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    let mut admin = etcd_client::Client::connect(members.endpoints.clone(), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        admin.member_list().await.unwrap().members().len(),
+        m.hosts.len(),
+        "one cluster of every member"
+    );
     // The decider and the executor with TLS; the cluster's own driver is
     // not one of the replicas.
     let cluster = Cluster::start(ClusterOptions::default().driver("--store", "memory"))
         .await
         .unwrap();
     let pki = cluster.tls.clone().unwrap();
-    let work = tempfile::tempdir().unwrap();
     let tokens = Tokens::write(work.path(), &[Grant::write("admin")]).unwrap();
     let key = work.path().join("secrets.key");
     std::fs::write(&key, "ab".repeat(32)).unwrap();
@@ -1043,7 +1399,10 @@ async fn replicas_started_from_the_manifest_share_a_run() {
                 "--metrics-listen" => "127.0.0.1:0".to_owned(),
                 "--decider" => cluster.decider.addr.to_string(),
                 "--executor" => cluster.executor.addr.to_string(),
-                "--store" => format!("etcd://{}", etcd.endpoint),
+                "--store" => format!(
+                    "etcd://{}",
+                    m.map_endpoints(v.strip_prefix("etcd://").unwrap(), &lo)
+                ),
                 _ => mapped_path(v),
             };
             it.next();
@@ -1150,4 +1509,53 @@ async fn replicas_started_from_the_manifest_share_a_run() {
     .await
     .unwrap();
     assert_eq!(converged.ready_count, 2);
+
+    // One member goes (a node lost, a pod evicted): two of three are a
+    // quorum, and the replicas go on with the rest.
+    members.kill(m.hosts.len() - 1).unwrap();
+    let t = Instant::now();
+    loop {
+        let applied = there
+            .apply(pb::ApplyRequest {
+                shape: Some(pb::ClusterShape::from(&shape(
+                    RUN,
+                    2,
+                    "fake",
+                    &[("w", 3, "img:1")],
+                ))),
+            })
+            .await;
+        match applied {
+            Ok(_) => break,
+            // A write that went to the member as it died halts the run
+            // until it is reloaded: a client retries what is unavailable.
+            Err(s) if s.code() == Code::Unavailable && t.elapsed() < Duration::from_secs(30) => {
+                println!("apply after the member went: {s}; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(s) => panic!("{s}"),
+        }
+    }
+    let scaled = tokio::time::timeout(CONVERGE, async {
+        while let Some(s) = watched.message().await.unwrap() {
+            if s.converged && s.generation == 2 {
+                return s;
+            }
+        }
+        panic!("the watch ended");
+    })
+    .await
+    .unwrap();
+    assert_eq!(scaled.ready_count, 3);
+    for (pod, _, svc) in &mut replicas {
+        assert!(svc.is_running(), "{pod} exited after an etcd member went");
+    }
+    let refused = second
+        .get_run(pb::GetRunRequest {
+            run_id: RUN.into(),
+            include_nodes: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
 }

@@ -91,6 +91,11 @@ pub enum StoreError {
 pub trait RunStore: Send + std::fmt::Debug {
     fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError>;
     fn load_all(&self) -> Result<Vec<StoredRun>, StoreError>;
+
+    /// One run, as stored (a run reloaded after a failed write).
+    fn load_run(&self, uid: RunUid) -> Result<Option<StoredRun>, StoreError> {
+        Ok(self.load_all()?.into_iter().find(|s| s.meta.uid == uid))
+    }
 }
 
 /// Keeps state for the process lifetime only.
