@@ -819,6 +819,17 @@ async fn the_store_stalls_and_the_owner_reloads_the_run() {
     let mut etcd = r.etcd.client().await.unwrap();
     let uid = r.apply("d1", &workers(1, 3)).await.unwrap();
     r.mid_convergence("d1").await;
+    // A watch opened before the stall follows the run across its reload.
+    let mut watched = r
+        .client_of("d1")
+        .await
+        .watch_run(pb::WatchRunRequest {
+            run_id: RUN.into(),
+            include_nodes: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
 
     signal("STOP", r.etcd.pid());
     let stalled = Instant::now();
@@ -849,7 +860,19 @@ async fn the_store_stalls_and_the_owner_reloads_the_run() {
     };
     let done = r.until("d1", |s| s.converged && s.generation == 2).await;
     assert_eq!(done.ready_count, 2);
+    let followed = read_watch(&mut watched, |s| s.converged && s.generation == 2).await;
+    assert_eq!(followed.ready_count, 2);
     assert!(r.cluster.driver.is_running(), "d1 exited");
+    let scraped = r.replica("d1").scrape().await.unwrap();
+    assert!(
+        scraped.contains("provisioning_run_reloads_total 1"),
+        "{}",
+        scraped
+            .lines()
+            .filter(|l| l.contains("reloads"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     assert_eq!(owner(&mut etcd, &uid).await.as_deref(), Some("d1"));
     let log = std::fs::read_to_string(r.cluster.driver.log_file()).unwrap();
     assert!(log.contains("run halted"), "{log}");
@@ -867,6 +890,24 @@ async fn the_store_stalls_and_the_owner_reloads_the_run() {
         "store stall: apply refused after {refused_after:?}; accepted again {accepted_after:?} after etcd \
          resumed; executor epochs {claims:?}, {fenced} operations fenced; {samples} samples"
     );
+}
+
+/// Reads an open watch until `done`, within [`CONVERGE`]; the watch must not
+/// end before.
+async fn read_watch(
+    watched: &mut tonic::Streaming<pb::RunStatus>,
+    done: impl Fn(&pb::RunStatus) -> bool,
+) -> pb::RunStatus {
+    tokio::time::timeout(CONVERGE, async {
+        while let Some(s) = watched.message().await.unwrap() {
+            if done(&s) {
+                return s;
+            }
+        }
+        panic!("the watch ended");
+    })
+    .await
+    .unwrap()
 }
 
 fn signal(sig: &str, pid: u32) {
@@ -1498,16 +1539,7 @@ async fn replicas_started_from_the_manifest_share_a_run() {
         .await
         .unwrap()
         .into_inner();
-    let converged = tokio::time::timeout(CONVERGE, async {
-        while let Some(s) = watched.message().await.unwrap() {
-            if s.converged {
-                return s;
-            }
-        }
-        panic!("the watch ended");
-    })
-    .await
-    .unwrap();
+    let converged = read_watch(&mut watched, |s| s.converged).await;
     assert_eq!(converged.ready_count, 2);
 
     // One member goes (a node lost, a pod evicted): two of three are a
@@ -1536,16 +1568,7 @@ async fn replicas_started_from_the_manifest_share_a_run() {
             Err(s) => panic!("{s}"),
         }
     }
-    let scaled = tokio::time::timeout(CONVERGE, async {
-        while let Some(s) = watched.message().await.unwrap() {
-            if s.converged && s.generation == 2 {
-                return s;
-            }
-        }
-        panic!("the watch ended");
-    })
-    .await
-    .unwrap();
+    let scaled = read_watch(&mut watched, |s| s.converged && s.generation == 2).await;
     assert_eq!(scaled.ready_count, 3);
     for (pod, _, svc) in &mut replicas {
         assert!(svc.is_running(), "{pod} exited after an etcd member went");
