@@ -5,7 +5,9 @@
 #                      a development CA and a certificate per service (and one
 #                      for provisionctl), from `provisionctl certs`, valid for
 #                      the names the services are reached by: localhost, the
-#                      compose service names and the Kubernetes Service names
+#                      compose service names and the Kubernetes Service names;
+#                      and OUT/tls/etcd.pem, .key for the etcd members of
+#                      deploy/k8s-replicated/10-etcd.yaml
 #   OUT/tokens.yaml    the driver's tokens file, with one write token "admin"
 #   OUT/admin.token    that token, for provisionctl --token-file
 #   OUT/secrets.key    the key both stores seal secret parameters with
@@ -42,7 +44,9 @@ for s in decider executor driver; do
 done
 # Driver replicas (deploy/k8s-replicated/) are reached by their own names too.
 hosts+=(--host "*.driver-peers.$namespace.svc" --host "*.driver-peers.$namespace.svc.cluster.local")
-"$ctl" certs --out "$out/tls" --days "$days" "${hosts[@]}" >/dev/null
+# The etcd members of deploy/k8s-replicated/10-etcd.yaml, by their own names.
+hosts+=(--host "*.etcd.$namespace.svc" --host "*.etcd.$namespace.svc.cluster.local")
+"$ctl" certs --out "$out/tls" --days "$days" --also etcd "${hosts[@]}" >/dev/null
 
 "$ctl" token new admin --access write --save "$out/admin.token" >"$out/tokens.yaml" 2>/dev/null
 
@@ -75,6 +79,7 @@ secret() { # name, then key=file pairs
     for s in decider executor driver; do
         secret "$s-tls" "ca.pem=$out/tls/ca.pem" "tls.pem=$out/tls/$s-svc.pem" "tls.key=$out/tls/$s-svc.key"
     done
+    secret etcd-tls "ca.pem=$out/tls/ca.pem" "tls.pem=$out/tls/etcd.pem" "tls.key=$out/tls/etcd.key"
     secret driver-tokens "tokens.yaml=$out/tokens.yaml"
     secret provisioning-secrets-key "secrets.key=$out/secrets.key"
 } >"$out/k8s-secrets.yaml"

@@ -102,6 +102,37 @@ pub struct EtcdConfig {
     pub max_txn_ops: usize,
     /// How long one request to etcd may take before the commit fails.
     pub request_timeout: Duration,
+    /// TLS to the members: on when set (the endpoints are then https).
+    pub tls: Option<EtcdTls>,
+}
+
+/// The PEM material of TLS to etcd.
+#[derive(Clone)]
+pub struct EtcdTls {
+    /// The CA bundle the members' certificates are verified against.
+    pub ca: Vec<u8>,
+    /// A client certificate and key, for members that require one
+    /// (`--client-cert-auth`).
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTls")
+            .field("client_certificate", &self.identity.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdTls {
+    fn options(&self) -> etcd_client::TlsOptions {
+        use tonic::transport::{Certificate, Identity};
+        let tls = etcd_client::TlsOptions::new().ca_certificate(Certificate::from_pem(&self.ca));
+        match &self.identity {
+            Some((cert, key)) => tls.identity(Identity::from_pem(cert, key)),
+            None => tls,
+        }
+    }
 }
 
 impl EtcdConfig {
@@ -113,6 +144,7 @@ impl EtcdConfig {
             lease_ttl: Duration::from_secs(10),
             max_txn_ops: DEFAULT_MAX_TXN_OPS,
             request_timeout: Duration::from_secs(5),
+            tls: None,
         }
     }
 }
@@ -327,13 +359,11 @@ const MEMBER_PROBE_EVERY: Duration = Duration::from_millis(500);
 /// does not answer is taken out of the client's balancer (so no request
 /// waits on it) and put back once it answers again. The last member left
 /// always stays in.
-async fn steer_to_live_members(client: Client, endpoints: Vec<String>, timeout: Duration) {
+async fn steer_to_live_members(client: Client, endpoints: Vec<String>, opts: ConnectOptions, tls: bool) {
     if endpoints.len() < 2 {
         return;
     }
-    let opts = ConnectOptions::new()
-        .with_connect_timeout(timeout)
-        .with_timeout(timeout);
+    let timeout = MEMBER_PROBE_TIMEOUT;
     let mut probes: Vec<Option<Client>> = vec![None; endpoints.len()];
     let mut out: Vec<bool> = vec![false; endpoints.len()];
     loop {
@@ -348,7 +378,7 @@ async fn steer_to_live_members(client: Client, endpoints: Vec<String>, timeout: 
                 Some(c) => matches!(tokio::time::timeout(timeout, c.status()).await, Ok(Ok(_))),
                 None => false,
             };
-            let url = member_url(endpoint);
+            let url = member_url(endpoint, tls);
             if !up && !out[i] && out.iter().filter(|o| !**o).count() > 1 {
                 if client.remove_endpoint(&url).await.is_ok() {
                     out[i] = true;
@@ -363,11 +393,25 @@ async fn steer_to_live_members(client: Client, endpoints: Vec<String>, timeout: 
 }
 
 /// A member's address as the client's balancer keys it.
-fn member_url(endpoint: &str) -> String {
+fn member_url(endpoint: &str, tls: bool) -> String {
     if endpoint.starts_with("http://") || endpoint.starts_with("https://") {
         endpoint.to_owned()
+    } else if tls {
+        format!("https://{endpoint}")
     } else {
         format!("http://{endpoint}")
+    }
+}
+
+/// How the store's client (and each member's probe) connects: `timeout`
+/// for connecting and for each request, and TLS when configured.
+fn connect_options(cfg: &EtcdConfig, timeout: Duration) -> ConnectOptions {
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(timeout)
+        .with_timeout(timeout);
+    match &cfg.tls {
+        Some(tls) => opts.with_tls(tls.options()),
+        None => opts,
     }
 }
 
@@ -508,12 +552,9 @@ impl EtcdStore {
             .map_err(|e| unavailable(format!("starting the etcd store's runtime: {e}")))?;
         let endpoints = cfg.endpoints.clone();
         let ttl_secs = i64::try_from(cfg.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
-        let connect_timeout = cfg.request_timeout;
         let start = Instant::now();
+        let opts = connect_options(&cfg, cfg.request_timeout);
         let (client, lease, granted) = block_on(Some(&rt), cfg.request_timeout * 2, async move {
-            let opts = ConnectOptions::new()
-                .with_connect_timeout(connect_timeout)
-                .with_timeout(connect_timeout);
             let mut client = Client::connect(endpoints, Some(opts)).await.map_err(etcd_err)?;
             let lease = client.lease_grant(ttl_secs, None).await.map_err(etcd_err)?;
             Ok((client, lease.id(), lease.ttl()))
@@ -535,7 +576,8 @@ impl EtcdStore {
         rt.spawn(steer_to_live_members(
             client.clone(),
             cfg.endpoints.clone(),
-            MEMBER_PROBE_TIMEOUT.min(cfg.request_timeout),
+            connect_options(&cfg, MEMBER_PROBE_TIMEOUT.min(cfg.request_timeout)),
+            cfg.tls.is_some(),
         ));
         rt.spawn(watch_owners(
             client.clone(),
@@ -1360,6 +1402,22 @@ pub struct EtcdArgs {
     /// serves with it (default: the bound listen address).
     #[arg(long, env = "DRIVER_ADVERTISE_ADDRESS")]
     pub advertise_address: Option<String>,
+    /// TLS to etcd: the CA bundle (PEM) the members' certificates are
+    /// verified against. TLS is on when it is given.
+    #[arg(long, env = "DRIVER_ETCD_TLS_CA", value_name = "PEM")]
+    pub etcd_tls_ca: Option<std::path::PathBuf>,
+    /// With --etcd-tls-ca: the certificate (PEM) this replica presents to
+    /// members that require client certificates; with --etcd-tls-key.
+    #[arg(long, env = "DRIVER_ETCD_TLS_CERT", value_name = "PEM", requires_all = ["etcd_tls_key", "etcd_tls_ca"])]
+    pub etcd_tls_cert: Option<std::path::PathBuf>,
+    /// The key (PEM) of --etcd-tls-cert.
+    #[arg(
+        long,
+        env = "DRIVER_ETCD_TLS_KEY",
+        value_name = "PEM",
+        requires = "etcd_tls_cert"
+    )]
+    pub etcd_tls_key: Option<std::path::PathBuf>,
 }
 
 impl EtcdArgs {
@@ -1380,10 +1438,33 @@ impl EtcdArgs {
                 b.iter().map(|x| format!("{x:02x}")).collect()
             }
         };
+        let read = |flag: &str, path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| unavailable(format!("{flag} {}: {e}", path.display())))
+        };
+        let tls = match &self.etcd_tls_ca {
+            None => None,
+            Some(ca) => Some(EtcdTls {
+                ca: read("--etcd-tls-ca", ca)?,
+                identity: match (&self.etcd_tls_cert, &self.etcd_tls_key) {
+                    (Some(cert), Some(key)) => {
+                        Some((read("--etcd-tls-cert", cert)?, read("--etcd-tls-key", key)?))
+                    }
+                    _ => None,
+                },
+            }),
+        };
+        if tls.is_some()
+            && let Some(plain) = self.etcd_endpoints.iter().find(|e| e.starts_with("http://"))
+        {
+            return Err(unavailable(format!(
+                "--etcd-tls-ca is given but {plain} is an http:// member: give https:// or host:port"
+            )));
+        }
         Ok(EtcdConfig {
             prefix,
             lease_ttl: Duration::from_secs(self.etcd_lease_ttl_s),
             max_txn_ops: self.etcd_max_txn_ops,
+            tls,
             ..EtcdConfig::new(self.etcd_endpoints.clone(), owner_id)
         })
     }

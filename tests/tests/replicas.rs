@@ -1129,6 +1129,10 @@ struct EtcdManifest {
     ports: BTreeMap<String, u16>,
     /// Where the `data` volume is mounted.
     data_mount: String,
+    /// Where the `tls` volume (the CA, the members' certificate and key) is
+    /// mounted, and the Secret it is.
+    tls_mount: String,
+    tls_secret: String,
     /// The probes' paths on the metrics port: readiness, liveness, startup.
     probe_paths: Vec<String>,
 }
@@ -1173,6 +1177,24 @@ fn etcd_manifest() -> EtcdManifest {
         .as_str()
         .unwrap()
         .to_owned();
+    let tls_mount = container["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"].as_str() == Some("tls"))
+        .expect("the tls volume mounted")["mountPath"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let tls_secret = set["spec"]["template"]["spec"]["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"].as_str() == Some("tls"))
+        .expect("the tls volume")["secret"]["secretName"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let probe_paths = ["readinessProbe", "livenessProbe", "startupProbe"]
         .iter()
         .map(|probe| {
@@ -1190,15 +1212,24 @@ fn etcd_manifest() -> EtcdManifest {
         args,
         ports,
         data_mount,
+        tls_mount,
+        tls_secret,
         probe_paths,
     }
 }
 
 impl EtcdManifest {
     /// Member `i`'s arguments with its name filled in, its data directory
-    /// under `data`, and every address mapped onto loopback: `lo[j]` holds
+    /// under `data`, the files of its `tls` volume mapped by `tls` (file name
+    /// → path), and every address mapped onto loopback: `lo[j]` holds
     /// member `j`'s client, peer and metrics ports.
-    fn member_args(&self, i: usize, lo: &[[u16; 3]], data: &Path) -> Vec<String> {
+    fn member_args(
+        &self,
+        i: usize,
+        lo: &[[u16; 3]],
+        data: &Path,
+        tls: &BTreeMap<&str, PathBuf>,
+    ) -> Vec<String> {
         let named = ["client", "peer", "metrics"].map(|p| self.ports[p]);
         let mut args = Vec::new();
         for arg in &self.args {
@@ -1222,9 +1253,15 @@ impl EtcdManifest {
                         .display()
                 );
             }
+            if let Some((flag, file)) = a.split_once(&format!("={}/", self.tls_mount)) {
+                let path = tls
+                    .get(file)
+                    .unwrap_or_else(|| panic!("{file} is not in the tls volume"));
+                a = format!("{flag}={}", path.display());
+            }
             assert!(
-                !a.contains(".svc") && !a.contains("0.0.0.0") && !a.contains("$("),
-                "an address or variable left unmapped: {a}"
+                !a.contains(".svc") && !a.contains("0.0.0.0") && !a.contains("$(") && !a.contains("/etc/"),
+                "an address, variable or path left unmapped: {a}"
             );
             args.push(a);
         }
@@ -1334,6 +1371,42 @@ fn the_etcd_manifest_serves_the_drivers_store() {
             .iter()
             .any(|a| a.starts_with("--auto-compaction-retention="))
     );
+    // TLS on both ports, a client certificate required of clients and
+    // peers; the drivers present one and trust the same CA.
+    for flag in [
+        "--client-cert-auth=true".to_owned(),
+        "--peer-client-cert-auth=true".to_owned(),
+        format!("--trusted-ca-file={}/ca.pem", m.tls_mount),
+        format!("--peer-trusted-ca-file={}/ca.pem", m.tls_mount),
+    ] {
+        assert!(m.args.contains(&flag), "{flag}");
+    }
+    assert!(
+        !m.args.iter().any(|a| a.contains("-urls=")
+            && !a.starts_with("--listen-metrics-urls=")
+            && a.contains("http://")),
+        "a client or peer URL without TLS: {:?}",
+        m.args
+    );
+    for flag in ["--etcd-tls-ca", "--etcd-tls-cert", "--etcd-tls-key"] {
+        assert!(args.iter().any(|a| a == flag), "the drivers' {flag}");
+    }
+    // deploy/gen-secrets.sh makes the members' Secret, with a certificate
+    // for their names.
+    let secrets_script =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/gen-secrets.sh"))
+            .unwrap();
+    assert!(
+        secrets_script.contains(&format!("secret {} ", m.tls_secret)),
+        "gen-secrets.sh makes no Secret {}",
+        m.tls_secret
+    );
+    assert!(secrets_script.contains("--also etcd"), "gen-secrets.sh");
+    let service = set["spec"]["serviceName"].as_str().unwrap();
+    assert!(
+        secrets_script.contains(&format!("*.{service}.$namespace.svc")),
+        "gen-secrets.sh"
+    );
     validate_schema(&m.path);
 }
 
@@ -1350,8 +1423,31 @@ async fn replicas_started_from_the_manifest_share_a_run() {
     let ReplicatedManifest { args, env, .. } = replicated_manifest();
     let m = etcd_manifest();
 
-    // The store: etcd members started with exactly 10-etcd.yaml's arguments.
+    // The decider and the executor with TLS; the cluster's own driver is
+    // not one of the replicas.
+    let cluster = Cluster::start(ClusterOptions::default().driver("--store", "memory"))
+        .await
+        .unwrap();
+    let pki = cluster.tls.clone().unwrap();
     let work = tempfile::tempdir().unwrap();
+
+    // The store: etcd members started with exactly 10-etcd.yaml's arguments,
+    // with a certificate from the cluster's CA as the etcd-tls Secret's.
+    let (etcd_cert, etcd_key) = pki
+        .issue(
+            "etcd",
+            &contract::tls::dev::Leaf::service(
+                "etcd",
+                &["127.0.0.1".to_owned()],
+                contract::tls::dev::Validity::days_from_now(1),
+            ),
+        )
+        .unwrap();
+    let tls_files = BTreeMap::from([
+        ("ca.pem", pki.ca()),
+        ("tls.pem", etcd_cert),
+        ("tls.key", etcd_key),
+    ]);
     let lo: Vec<[u16; 3]> = m
         .hosts
         .iter()
@@ -1361,7 +1457,7 @@ async fn replicas_started_from_the_manifest_share_a_run() {
         (0..m.hosts.len())
             .map(|i| {
                 (
-                    m.member_args(i, &lo, work.path()),
+                    m.member_args(i, &lo, work.path(), &tls_files),
                     format!("127.0.0.1:{}", lo[i][0]),
                 )
             })
@@ -1386,7 +1482,25 @@ async fn replicas_started_from_the_manifest_share_a_run() {
             }
         }
     }
-    let mut admin = etcd_client::Client::connect(members.endpoints.clone(), None)
+    // Over TLS, a client with a certificate from the CA is served; one
+    // without a certificate is not.
+    let (cert, cert_key) = pki.cert_and_key("driver-svc");
+    let tls = |identity: bool| {
+        let ca = tonic::transport::Certificate::from_pem(std::fs::read(pki.ca()).unwrap());
+        let tls = etcd_client::TlsOptions::new().ca_certificate(ca);
+        let tls = if identity {
+            tls.identity(tonic::transport::Identity::from_pem(
+                std::fs::read(&cert).unwrap(),
+                std::fs::read(&cert_key).unwrap(),
+            ))
+        } else {
+            tls
+        };
+        etcd_client::ConnectOptions::new()
+            .with_tls(tls)
+            .with_timeout(Duration::from_secs(5))
+    };
+    let mut admin = etcd_client::Client::connect(members.endpoints.clone(), Some(tls(true)))
         .await
         .unwrap();
     assert_eq!(
@@ -1394,17 +1508,15 @@ async fn replicas_started_from_the_manifest_share_a_run() {
         m.hosts.len(),
         "one cluster of every member"
     );
-    // The decider and the executor with TLS; the cluster's own driver is
-    // not one of the replicas.
-    let cluster = Cluster::start(ClusterOptions::default().driver("--store", "memory"))
-        .await
-        .unwrap();
-    let pki = cluster.tls.clone().unwrap();
+    let refused = match etcd_client::Client::connect(members.endpoints.clone(), Some(tls(false))).await {
+        Ok(mut c) => c.member_list().await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    assert!(refused.is_err(), "a client without a certificate was served");
     let tokens = Tokens::write(work.path(), &[Grant::write("admin")]).unwrap();
     let key = work.path().join("secrets.key");
     std::fs::write(&key, "ab".repeat(32)).unwrap();
     std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let (cert, cert_key) = pki.cert_and_key("driver-svc");
     let mapped_path = |p: &str| -> String {
         match p {
             "/etc/provisioning/tls/tls.pem" => cert.display().to_string(),

@@ -179,6 +179,11 @@ pub enum Command {
         /// for (repeat for several).
         #[arg(long = "host", value_name = "HOST", default_values_t = contract::tls::dev::DEFAULT_HOSTS.map(String::from))]
         hosts: Vec<String>,
+        /// Also write `<NAME>.pem` and `<NAME>.key` for NAME, like a
+        /// service's (for --host, serving and calling): `--also etcd` for
+        /// the etcd members the driver replicas use (repeat for several).
+        #[arg(long = "also", value_name = "NAME", value_parser = also_name)]
+        also: Vec<String>,
         /// How long the certificates are valid, in days.
         #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=3650))]
         days: u32,
@@ -238,6 +243,22 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(v * scale).map_err(|_| format!("{s:?} is not a duration"))
 }
 
+/// A name for `certs --also`: a file stem and an identity's last segment.
+fn also_name(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-');
+    if !ok {
+        return Err("a name of lowercase letters, digits and '-' (at most 63)".to_owned());
+    }
+    if contract::tls::dev::SERVICES.contains(&s) || s == contract::tls::dev::CLIENT {
+        return Err(format!("{s} is written anyway"));
+    }
+    Ok(s.to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -259,6 +280,18 @@ mod tests {
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert!(parse_duration("-1").is_err());
         assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn certs_also_takes_a_plain_new_name() {
+        let parsed = Cli::try_parse_from(["provisionctl", "certs", "--out", "x", "--also", "etcd"]).unwrap();
+        assert!(matches!(parsed.command, Command::Certs { also, .. } if also == ["etcd"]));
+        for bad in ["Etcd", "../etcd", "-x", "driver-svc", "provisionctl", ""] {
+            assert!(
+                Cli::try_parse_from(["provisionctl", "certs", "--out", "x", "--also", bad]).is_err(),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -33,8 +33,14 @@ const LIVE_REDRAW: Duration = Duration::from_millis(100);
 
 /// Runs one command line; the `Exit` is the process's exit code.
 pub async fn run(cli: Cli) -> Result<Exit, CliError> {
-    if let Command::Certs { out, hosts, days } = &cli.command {
-        return super::tls::write_certs(out, hosts, *days);
+    if let Command::Certs {
+        out,
+        hosts,
+        also,
+        days,
+    } = &cli.command
+    {
+        return super::tls::write_certs(out, hosts, also, *days);
     }
     let server = cli.server.clone();
     if let Command::Token(cmd) = cli.command {
@@ -107,7 +113,12 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
         Command::Orphans { output } => ctx.orphans(output.output).await,
         // Answered above, without a server.
         Command::Token(cmd) => super::token::run(cmd),
-        Command::Certs { out, hosts, days } => super::tls::write_certs(&out, &hosts, days),
+        Command::Certs {
+            out,
+            hosts,
+            also,
+            days,
+        } => super::tls::write_certs(&out, &hosts, &also, days),
         Command::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             let mut buf = Vec::new();

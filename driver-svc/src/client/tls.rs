@@ -84,8 +84,8 @@ pub fn tls_error(e: TlsError) -> CliError {
 
 /// `provisionctl certs`: writes the development CA and certificates into
 /// `out` and says how to use them.
-pub fn write_certs(out: &Path, hosts: &[String], days: u32) -> Result<Exit, CliError> {
-    let written = dev::write_dev_pki(out, hosts, Validity::days_from_now(days))
+pub fn write_certs(out: &Path, hosts: &[String], also: &[String], days: u32) -> Result<Exit, CliError> {
+    let written = dev::write_dev_pki_also(out, hosts, also, Validity::days_from_now(days))
         .map_err(|e| CliError::Other(format!("cannot write the certificates: {e}")))?;
     let dir = out.display();
     let mut text = String::new();
@@ -128,6 +128,25 @@ mod tests {
                 assert_eq!(mode & 0o077, 0, "{name}'s key is readable by others: {mode:o}");
             }
         }
+    }
+
+    #[test]
+    fn also_writes_certificates_from_the_same_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts = vec!["*.etcd.provisioning.svc".to_owned()];
+        let written = dev::write_dev_pki_also(
+            dir.path(),
+            &hosts,
+            &["etcd".to_owned()],
+            Validity::days_from_now(1),
+        )
+        .unwrap();
+        let (cert, key) = dev::cert_and_key(dir.path(), "etcd");
+        assert!(written.contains(&cert) && written.contains(&key));
+        // Loads beside the CA, and names its holder (the replica tests have
+        // etcd members serve with one, verified by the drivers).
+        let material = TlsMaterial::load(&dir.path().join(dev::CA_FILE), Some((&cert, &key))).unwrap();
+        assert_eq!(material.names(), ["spiffe://provisioning/etcd"]);
     }
 
     #[test]

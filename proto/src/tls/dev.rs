@@ -229,8 +229,26 @@ pub fn write_issued(dir: &Path, stem: &str, issued: &Issued) -> Result<(PathBuf,
 /// certificate for [`CLIENT`]; keys are readable by the owner only. Returns
 /// the files written.
 pub fn write_dev_pki(dir: &Path, hosts: &[String], validity: Validity) -> Result<Vec<PathBuf>, DevCertError> {
+    write_dev_pki_also(dir, hosts, &[], validity)
+}
+
+/// As [`write_dev_pki`], and a certificate like a service's (serves and
+/// calls, valid for `hosts`) for each name in `also`: a store the driver
+/// calls over TLS, such as etcd, whose members also call each other.
+pub fn write_dev_pki_also(
+    dir: &Path,
+    hosts: &[String],
+    also: &[String],
+    validity: Validity,
+) -> Result<Vec<PathBuf>, DevCertError> {
     let ca = DevCa::new("provisioning development CA", validity)?;
-    write_pki_with(&ca, dir, hosts, validity)
+    let mut written = write_pki_with(&ca, dir, hosts, validity)?;
+    for name in also {
+        let (cert, key) = write_issued(dir, name, &ca.issue(&Leaf::service(name, hosts, validity))?)?;
+        written.push(cert);
+        written.push(key);
+    }
+    Ok(written)
 }
 
 /// As [`write_dev_pki`], with a CA the caller keeps (to issue more later).
