@@ -974,6 +974,16 @@ fn kind_of(d: &serde_yaml::Value) -> &str {
     d["kind"].as_str().unwrap_or_default()
 }
 
+/// The element of a manifest's list (containers, volumes, mounts) with this
+/// `name`.
+fn named<'a>(list: &'a serde_yaml::Value, name: &str) -> &'a serde_yaml::Value {
+    list.as_sequence()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("no {name} in {list:?}"))
+}
+
 fn strings(v: &serde_yaml::Value) -> Vec<String> {
     v.as_sequence()
         .unwrap()
@@ -1014,12 +1024,7 @@ fn replicated_manifest() -> ReplicatedManifest {
         .iter()
         .find(|d| d["kind"].as_str() == Some("StatefulSet"))
         .expect("a StatefulSet");
-    let container = set["spec"]["template"]["spec"]["containers"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"].as_str() == Some("driver"))
-        .expect("a driver container");
+    let container = named(&set["spec"]["template"]["spec"]["containers"], "driver");
     let args = strings(&container["args"]);
     let env = container["env"]
         .as_sequence()
@@ -1150,12 +1155,7 @@ fn etcd_manifest() -> EtcdManifest {
     let hosts = (0..members)
         .map(|i| format!("{name}-{i}.{service}.{namespace}.svc"))
         .collect();
-    let container = set["spec"]["template"]["spec"]["containers"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"].as_str() == Some("etcd"))
-        .expect("an etcd container");
+    let container = named(&set["spec"]["template"]["spec"]["containers"], "etcd");
     assert_eq!(strings(&container["command"]), ["etcd"]);
     let ports = container["ports"]
         .as_sequence()
@@ -1168,33 +1168,10 @@ fn etcd_manifest() -> EtcdManifest {
             )
         })
         .collect();
-    let data_mount = container["volumeMounts"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .find(|m| m["name"].as_str() == Some("data"))
-        .expect("the data volume mounted")["mountPath"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let tls_mount = container["volumeMounts"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .find(|m| m["name"].as_str() == Some("tls"))
-        .expect("the tls volume mounted")["mountPath"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let tls_secret = set["spec"]["template"]["spec"]["volumes"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"].as_str() == Some("tls"))
-        .expect("the tls volume")["secret"]["secretName"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let text = |v: &serde_yaml::Value| v.as_str().unwrap().to_owned();
+    let data_mount = text(&named(&container["volumeMounts"], "data")["mountPath"]);
+    let tls_mount = text(&named(&container["volumeMounts"], "tls")["mountPath"]);
+    let tls_secret = text(&named(&set["spec"]["template"]["spec"]["volumes"], "tls")["secret"]["secretName"]);
     let probe_paths = ["readinessProbe", "livenessProbe", "startupProbe"]
         .iter()
         .map(|probe| {
