@@ -176,6 +176,8 @@ pub struct Translator {
     sessions: BTreeMap<(LogicalNodeId, AttemptId), SessionId>,
     ended: BTreeSet<SessionId>,
     leases: BTreeMap<(LogicalNodeId, AttemptId), BTreeSet<String>>,
+    /// Operations whose success the backend model has taken (each once).
+    modeled: BTreeSet<String>,
     /// A commit line held back by [`TraceTamper::DispatchBeforeCommit`].
     held_commit: bool,
     /// The run followed: its id, and its uid once its actor started. Lines
@@ -246,6 +248,7 @@ impl Translator {
             sessions: BTreeMap::new(),
             ended: BTreeSet::new(),
             leases: BTreeMap::new(),
+            modeled: BTreeSet::new(),
             held_commit: false,
             lines: BTreeMap::new(),
         }
@@ -585,13 +588,19 @@ impl Translator {
                     });
                 }
             }
-            TraceEvent::ResultOut { result, resend } => {
+            TraceEvent::ResultOut { result, .. } => {
                 let r = result.result()?;
                 if !r.late && !r.replayed {
                     self.running.remove(&result.id);
                 }
-                // A replay or a re-send repeats a result the model has seen.
-                if !r.replayed && !resend {
+                // The model takes each operation's success once, from its
+                // first line. That is usually the fresh result; a replay or a
+                // re-send repeats a stored result, which may be the first the
+                // trace shows: an executor killed after it stored a result
+                // and before it sent it re-sends it after its restart. (Only
+                // a success changes the model; a late success can follow an
+                // ambiguous result of the same operation.)
+                if matches!(r.outcome, Outcome::Succeeded(_)) && self.modeled.insert(result.id.clone()) {
                     self.backend_model(&r, out);
                 }
                 out.push(Event::Emitted(ToDriver::Result(r)));
@@ -724,6 +733,113 @@ mod tests {
         assert!(follow.read().unwrap().is_empty());
         f.write_all(b"\"ev\":\"started\"}\n").unwrap();
         assert_eq!(follow.read().unwrap()[0].event, TraceEvent::Started);
+    }
+
+    /// An executor killed after it stored a destroy's result and before it
+    /// sent it re-sends the result after its restart: that re-send is the
+    /// first the trace shows of it, and the model must take it, or a new
+    /// attempt's create looks like a second live attempt (G19).
+    #[test]
+    fn a_result_first_seen_as_a_resend_updates_the_backend_model() {
+        use contract::{
+            AttemptId, Epoch, LeaseId, LogicalNodeId, Operation, OperationId, OperationInput,
+            OperationResult, Outcome, ResultFacts, RunId, RunUid, TraceContext,
+            event_trace::{OpRec, ResultRec, hex},
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let paths = TracePaths {
+            driver: dir.path().join("driver.jsonl"),
+            executor: dir.path().join("executor.jsonl"),
+            decider: dir.path().join("decider.jsonl"),
+        };
+        let shape = crate::shapes::shape("conf", 1, "fake", &[("ctrl", 1, "img:1")]);
+        let uid = RunUid::from_u128(7);
+        let node = LogicalNodeId::parse("node", "ctrl-0").unwrap();
+        let op = |attempt: u64, seq: u32, input: OperationInput| Operation {
+            run_uid: uid,
+            run_id: RunId::parse("run_id", "conf").unwrap(),
+            node: node.clone(),
+            id: OperationId::new(AttemptId::new(attempt), seq),
+            epoch: Epoch::new(1),
+            deadline: UnixMillis::new(10_000),
+            input,
+            trace: TraceContext::default(),
+        };
+        let succeeded = |op: &Operation, lease: Option<&str>| OperationResult {
+            run_uid: uid,
+            node: node.clone(),
+            id: op.id,
+            effect: op.input.effect(),
+            outcome: Outcome::Succeeded(ResultFacts {
+                lease: lease.map(|l| LeaseId::new("lease", l).unwrap()),
+                endpoint: None,
+                session: None,
+            }),
+            completed_at: UnixMillis::new(1_000),
+            late: false,
+            replayed: false,
+            trace: TraceContext::default(),
+        };
+        let template = shape.groups[0].template.clone();
+        let create2 = op(
+            2,
+            1,
+            OperationInput::CreateLease {
+                template: template.clone(),
+            },
+        );
+        let destroy2 = op(
+            2,
+            5,
+            OperationInput::DestroyLease {
+                lease: Some(LeaseId::new("lease", "lease-2").unwrap()),
+            },
+        );
+        let create8 = op(8, 1, OperationInput::CreateLease { template });
+
+        let driver = EventTrace::open("driver-svc", &paths.driver).unwrap();
+        driver.emit(TraceEvent::RunStarted {
+            run: uid.to_string(),
+            run_id: "conf".to_owned(),
+            epoch: 1,
+            shape: hex(&contract::pb::ClusterShape::from(&shape)),
+            deleting: false,
+            nodes: Vec::new(),
+        });
+        let executor = EventTrace::open("executor-svc", &paths.executor).unwrap();
+        executor.emit(TraceEvent::CallStarted {
+            op: OpRec::of(&create2),
+        });
+        executor.emit(TraceEvent::ResultOut {
+            result: ResultRec::of(&succeeded(&create2, Some("lease-2"))),
+            resend: false,
+        });
+        executor.emit(TraceEvent::CallStarted {
+            op: OpRec::of(&destroy2),
+        });
+        // Killed here; the next executor re-sends the stored result.
+        executor.emit(TraceEvent::ResultOut {
+            result: ResultRec::of(&succeeded(&destroy2, None)),
+            resend: true,
+        });
+        executor.emit(TraceEvent::CallStarted {
+            op: OpRec::of(&create8),
+        });
+
+        let events = Translator::new(&paths, "conf", None).events().unwrap();
+        let held = events
+            .iter()
+            .find_map(|e| match e {
+                Event::BackendCall {
+                    op,
+                    slot_attempts,
+                    lease_made: false,
+                    ..
+                } if op.id == create8.id => Some(slot_attempts.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert!(held.is_empty(), "attempts still holding a resource: {held:?}");
     }
 
     #[test]
