@@ -359,11 +359,14 @@ const MEMBER_PROBE_EVERY: Duration = Duration::from_millis(500);
 /// does not answer is taken out of the client's balancer (so no request
 /// waits on it) and put back once it answers again. The last member left
 /// always stays in.
-async fn steer_to_live_members(client: Client, endpoints: Vec<String>, opts: ConnectOptions, tls: bool) {
+async fn steer_to_live_members(client: Client, cfg: EtcdConfig) {
+    let endpoints = &cfg.endpoints;
     if endpoints.len() < 2 {
         return;
     }
-    let timeout = MEMBER_PROBE_TIMEOUT;
+    let timeout = MEMBER_PROBE_TIMEOUT.min(cfg.request_timeout);
+    let opts = connect_options(&cfg, timeout);
+    let tls = cfg.tls.is_some();
     let mut probes: Vec<Option<Client>> = vec![None; endpoints.len()];
     let mut out: Vec<bool> = vec![false; endpoints.len()];
     loop {
@@ -573,12 +576,7 @@ impl EtcdStore {
             health.clone(),
             changes_tx.clone(),
         ));
-        rt.spawn(steer_to_live_members(
-            client.clone(),
-            cfg.endpoints.clone(),
-            connect_options(&cfg, MEMBER_PROBE_TIMEOUT.min(cfg.request_timeout)),
-            cfg.tls.is_some(),
-        ));
+        rt.spawn(steer_to_live_members(client.clone(), cfg.clone()));
         rt.spawn(watch_owners(
             client.clone(),
             format!("{}owners/", cfg.prefix).into_bytes(),

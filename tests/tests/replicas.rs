@@ -331,14 +331,7 @@ impl Replicated {
         .await;
         tokio::time::sleep(Duration::from_millis(700)).await;
         let mut c = self.client_of(via).await;
-        let s = c
-            .get_run(pb::GetRunRequest {
-                run_id: RUN.into(),
-                include_nodes: false,
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let s = get_run(&mut c).await.unwrap();
         assert!(!s.converged, "the run converged before the replica went");
         s
     }
@@ -388,11 +381,7 @@ impl Replicated {
         let t = Instant::now();
         loop {
             let gone = matches!(
-                c.get_run(pb::GetRunRequest {
-                    run_id: RUN.into(),
-                    include_nodes: false,
-                })
-                .await,
+                get_run(&mut c).await,
                 Err(s) if s.code() == Code::NotFound
             );
             if gone && live_agent_pids(&self.agents.root).is_empty() {
@@ -643,14 +632,7 @@ async fn a_paused_owner_resumed_after_a_takeover_writes_and_dispatches_nothing()
     );
     // The new owner makes progress before the old one comes back.
     let mut c = r.client_of("d2").await;
-    let at_takeover = c
-        .get_run(pb::GetRunRequest {
-            run_id: RUN.into(),
-            include_nodes: false,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let at_takeover = get_run(&mut c).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let resumed_at = now_us();
     signal("CONT", pid);
@@ -736,13 +718,7 @@ async fn replicas_racing_for_a_run_never_both_write_it() {
         let loser = ids.iter().find(|i| **i != taker).unwrap().to_string();
         // The loser serves the run by pointing at the taker.
         let mut c = r.client_of(&loser).await;
-        let s = c
-            .get_run(pb::GetRunRequest {
-                run_id: RUN.into(),
-                include_nodes: false,
-            })
-            .await
-            .unwrap_err();
+        let s = get_run(&mut c).await.unwrap_err();
         assert_eq!(s.code(), Code::FailedPrecondition, "{s}");
         // Only the next round's pair may race for the run.
         r.replica(&loser).kill().await.unwrap();
@@ -890,6 +866,22 @@ async fn the_store_stalls_and_the_owner_reloads_the_run() {
         "store stall: apply refused after {refused_after:?}; accepted again {accepted_after:?} after etcd \
          resumed; executor epochs {claims:?}, {fenced} operations fenced; {samples} samples"
     );
+}
+
+/// The run's status (without nodes) from the replica `c` is connected to.
+async fn get_run<T>(c: &mut ProvisioningClient<T>) -> Result<pb::RunStatus, tonic::Status>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    c.get_run(pb::GetRunRequest {
+        run_id: RUN.into(),
+        include_nodes: false,
+    })
+    .await
+    .map(tonic::Response::into_inner)
 }
 
 /// Reads an open watch until `done`, within [`CONVERGE`]; the watch must not
@@ -1603,13 +1595,7 @@ async fn replicas_started_from_the_manifest_share_a_run() {
         .await
         .unwrap();
     let mut second = client(&replicas[1].1).await;
-    let refused = second
-        .get_run(pb::GetRunRequest {
-            run_id: RUN.into(),
-            include_nodes: false,
-        })
-        .await
-        .unwrap_err();
+    let refused = get_run(&mut second).await.unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
     let owner = refused
         .metadata()
@@ -1662,12 +1648,6 @@ async fn replicas_started_from_the_manifest_share_a_run() {
     for (pod, _, svc) in &mut replicas {
         assert!(svc.is_running(), "{pod} exited after an etcd member went");
     }
-    let refused = second
-        .get_run(pb::GetRunRequest {
-            run_id: RUN.into(),
-            include_nodes: false,
-        })
-        .await
-        .unwrap_err();
+    let refused = get_run(&mut second).await.unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
 }
