@@ -384,15 +384,52 @@ impl Service {
     }
 }
 
+/// How many of its log's last lines a service prints when a test fails.
+const LOG_TAIL_LINES: usize = 80;
+
+/// A failing test shows the end of each of its services' logs: the logs live
+/// in the test's temporary directory, which goes with the test, so a failure
+/// seen once (in CI, say) can still be read.
+impl Drop for Service {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprint!("{}", log_tail(&self.name, &self.log_file, LOG_TAIL_LINES));
+        }
+    }
+}
+
+/// The last `lines` lines of `path`, headed with `name` and the file.
+fn log_tail(name: &str, path: &Path, lines: usize) -> String {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => return format!("--- {name}: no log at {} ({e})\n", path.display()),
+    };
+    let all: Vec<&str> = text.lines().collect();
+    let from = all.len().saturating_sub(lines);
+    let mut out = format!(
+        "--- {name}: the last {} of {} log lines ({})\n",
+        all.len() - from,
+        all.len(),
+        path.display()
+    );
+    for line in &all[from..] {
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
 /// The three services.
 #[derive(Debug)]
 pub struct Cluster {
-    pub dir: tempfile::TempDir,
     pub decider: Service,
     pub executor: Service,
     pub driver: Service,
     /// The cluster's PKI; `None` when it runs in plaintext.
     pub tls: Option<TestPki>,
+    /// Holds the services' logs: declared last, so it goes after them (a
+    /// failing test's services print their logs' ends as they go).
+    pub dir: tempfile::TempDir,
 }
 
 /// Knobs for a test cluster.
@@ -993,5 +1030,26 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_log_tail_is_the_files_last_lines_under_a_heading() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("driver-svc.log");
+        let text: String = (1..=5).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&path, text).unwrap();
+        let tail = log_tail("driver-svc", &path, 2);
+        let lines: Vec<&str> = tail.lines().collect();
+        assert!(lines[0].starts_with("--- driver-svc: the last 2 of 5 log lines"), "{tail}");
+        assert_eq!(&lines[1..], ["line 4", "line 5"]);
+        let all = log_tail("driver-svc", &path, 80);
+        assert!(all.contains("the last 5 of 5") && all.contains("line 1\n"), "{all}");
+        let missing = log_tail("executor-svc", &dir.path().join("none.log"), 2);
+        assert!(missing.starts_with("--- executor-svc: no log at"), "{missing}");
     }
 }
