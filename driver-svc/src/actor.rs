@@ -30,7 +30,7 @@ use tokio::{
 use tracing::{Instrument as _, field::Empty};
 
 use crate::{
-    core::{AbandonedNode, AckRef, Applied, ApplyError, Fold, OrphanResource, PassPlan, RunState},
+    core::{AbandonedNode, AckRef, Applied, ApplyError, CoreError, Fold, OrphanResource, PassPlan, RunState},
     crash,
     driver::{DriverError, QUEUE, Shared},
     events::{In, RunEvents, Verdict},
@@ -918,7 +918,17 @@ impl RunActor {
                         span.record("otel.status_code", "error");
                         e.reconcile.inc(&["error"]);
                         e.reconcile_errors.inc(&["apply"]);
-                        tracing::error!(run = %self.run.run_id(), error = %err, "applying decisions failed")
+                        tracing::error!(run = %self.run.run_id(), error = %err, "applying decisions failed");
+                        if let CoreError::Store(store) = &err {
+                            // The decisions are applied in memory and not
+                            // stored, and the operations they recorded were
+                            // not dispatched: the run is ahead of the store,
+                            // as after any failed commit. Reloaded from the
+                            // store, it decides again (or resubmits what did
+                            // land).
+                            self.halt(format!("the store refused a pass's write: {store}"));
+                            self.shared.reload_later(self.run.uid());
+                        }
                     }
                 }
             }

@@ -1045,10 +1045,16 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         let tail = log_tail("driver-svc", &path, 2);
         let lines: Vec<&str> = tail.lines().collect();
-        assert!(lines[0].starts_with("--- driver-svc: the last 2 of 5 log lines"), "{tail}");
+        assert!(
+            lines[0].starts_with("--- driver-svc: the last 2 of 5 log lines"),
+            "{tail}"
+        );
         assert_eq!(&lines[1..], ["line 4", "line 5"]);
         let all = log_tail("driver-svc", &path, 80);
-        assert!(all.contains("the last 5 of 5") && all.contains("line 1\n"), "{all}");
+        assert!(
+            all.contains("the last 5 of 5") && all.contains("line 1\n"),
+            "{all}"
+        );
         let missing = log_tail("executor-svc", &dir.path().join("none.log"), 2);
         assert!(missing.starts_with("--- executor-svc: no log at"), "{missing}");
     }
