@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 
 use crate::{
     auth::{Access, principal},
-    core::{Applied, ApplyError},
+    core::{Applied, ApplyError, StoreError},
     driver::{Driver, DriverError},
 };
 
@@ -26,11 +26,24 @@ pub fn to_status(e: DriverError) -> Status {
         | DriverError::Apply(e @ ApplyError::SameGenerationOtherContent(_))
         | DriverError::Apply(e @ ApplyError::Deleting(_)) => Status::failed_precondition(e.to_string()),
         e @ (DriverError::NotFound(_) | DriverError::NodeNotFound { .. }) => Status::not_found(e.to_string()),
-        e @ DriverError::Store(_) => Status::unavailable(e.to_string()),
+        DriverError::Store(s) => store_status(s),
         e @ (DriverError::ActorGone | DriverError::Halted(_) | DriverError::Moving(_)) => {
             Status::unavailable(e.to_string())
         }
         DriverError::Elsewhere { run, owner } => elsewhere(&run, &owner),
+        e @ DriverError::Exhausted(_) => Status::failed_precondition(e.to_string()),
+        e @ DriverError::Internal(_) => Status::internal(e.to_string()),
+    }
+}
+
+/// A store's failure: `UNAVAILABLE` only for what a retry can outlast.
+fn store_status(e: StoreError) -> Status {
+    let message = format!("store: {e}");
+    match e {
+        StoreError::Unavailable(_) => Status::unavailable(message),
+        StoreError::Corrupt(_) => Status::data_loss(message),
+        StoreError::NameTaken { .. } => Status::already_exists(message),
+        StoreError::UnknownRun(_) => Status::internal(message),
     }
 }
 
@@ -292,3 +305,55 @@ async fn rewatch(
 
 const REWATCH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 const REWATCH_TRIES: u32 = 200;
+
+#[cfg(test)]
+mod tests {
+    use tonic::Code;
+
+    use super::*;
+
+    /// `UNAVAILABLE` tells a client to retry; only what a retry can outlast
+    /// says so.
+    #[test]
+    fn each_error_maps_to_the_status_a_client_can_act_on() {
+        let cases = [
+            (DriverError::NotFound("r".into()), Code::NotFound),
+            (
+                DriverError::Store(StoreError::Unavailable("down".into())),
+                Code::Unavailable,
+            ),
+            (
+                DriverError::Store(StoreError::Corrupt("bad page".into())),
+                Code::DataLoss,
+            ),
+            (
+                DriverError::Store(StoreError::NameTaken {
+                    run_id: "r".into(),
+                    holder: "u".into(),
+                }),
+                Code::AlreadyExists,
+            ),
+            (DriverError::Halted("store refused".into()), Code::Unavailable),
+            (DriverError::Moving("r".into()), Code::Unavailable),
+            (
+                DriverError::Exhausted("attempt id allocator exhausted".into()),
+                Code::FailedPrecondition,
+            ),
+            (DriverError::Internal("clock saturated".into()), Code::Internal),
+        ];
+        for (error, code) in cases {
+            let said = error.to_string();
+            let status = to_status(error);
+            assert_eq!(status.code(), code, "{said}");
+            assert!(
+                status.message().contains(&said) || said.contains(status.message()),
+                "{said}"
+            );
+        }
+        let exhausted = to_status(DriverError::Exhausted("attempt id allocator exhausted".into()));
+        assert!(
+            exhausted.message().contains("delete it and create it again"),
+            "{exhausted}"
+        );
+    }
+}

@@ -407,6 +407,14 @@ pub enum DriverError {
     /// The run's owner went and no replica has taken it over yet.
     #[error("run {0} is between owners (its replica went); retry shortly")]
     Moving(String),
+    /// One of the run's id spaces (attempts, operation sequence numbers,
+    /// epochs) is used up: no retry helps; the run must be created anew.
+    #[error("{0}: the run cannot go on; delete it and create it again")]
+    Exhausted(String),
+    /// The driver broke one of its own rules (a deadline past the clock's
+    /// range, a pass out of turn): a bug, not the caller's doing.
+    #[error("internal: {0}")]
+    Internal(String),
 }
 
 /// What an apply did.
@@ -479,10 +487,19 @@ async fn blocking<T: Send + 'static>(
         .map_err(DriverError::Store)
 }
 
+/// A core error as the client hears of it: a store's failure as the store's,
+/// a used-up id space as exhaustion (not as something to retry), the rest as
+/// the driver's own fault.
 fn store_error(e: crate::core::CoreError) -> DriverError {
+    use crate::core::CoreError;
     match e {
-        crate::core::CoreError::Store(s) => DriverError::Store(s),
-        other => DriverError::Store(StoreError::Unavailable(other.to_string())),
+        CoreError::Store(s) => DriverError::Store(s),
+        e @ (CoreError::AttemptsExhausted | CoreError::SequenceExhausted(_)) => {
+            DriverError::Exhausted(e.to_string())
+        }
+        e @ (CoreError::Clock(_) | CoreError::PassInProgress | CoreError::NoPass) => {
+            DriverError::Internal(e.to_string())
+        }
     }
 }
 
@@ -530,12 +547,11 @@ impl Driver {
 
     /// A stored run under its new epoch, committed.
     fn restored(&self, s: crate::core::StoredRun) -> Result<RunState, DriverError> {
-        let epoch = s.meta.epoch.next().ok_or_else(|| {
-            DriverError::Store(StoreError::Corrupt(format!(
-                "epoch of run {} exhausted",
-                s.meta.run_id
-            )))
-        })?;
+        let epoch = s
+            .meta
+            .epoch
+            .next()
+            .ok_or_else(|| DriverError::Exhausted(format!("epoch of run {} exhausted", s.meta.run_id)))?;
         let mut run = RunState::restore(s, epoch, self.shared.policy.clone());
         {
             let mut store = self.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
@@ -1114,9 +1130,9 @@ impl Driver {
         let run_id =
             RunId::parse("run_id", &first.run_id).map_err(|e| DriverError::Apply(ApplyError::Invalid(e)))?;
         let highest = orphans.iter().map(|(r, _)| r.epoch).max().unwrap_or(0);
-        let epoch = Epoch::new(highest).next().ok_or_else(|| {
-            DriverError::Store(StoreError::Corrupt(format!("epoch of run uid {uid} exhausted")))
-        })?;
+        let epoch = Epoch::new(highest)
+            .next()
+            .ok_or_else(|| DriverError::Exhausted(format!("epoch of run uid {uid} exhausted")))?;
         let now = self.shared.clock.now();
         let mut run = RunState::reclaim(run_id, uid, epoch, self.shared.policy.clone(), now);
         let adopted: Vec<bool> = orphans.iter().map(|(_, o)| run.adopt_orphan(o)).collect();
@@ -1194,4 +1210,33 @@ fn orphan_resource(r: &pb::Resource) -> Result<OrphanResource, contract::FieldEr
             .transpose()?,
         session_live: r.session_live,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use contract::{ClockSaturated, UnixMillis};
+
+    use super::*;
+    use crate::core::CoreError;
+
+    #[test]
+    fn a_used_up_id_space_is_exhaustion_and_a_broken_rule_internal_not_a_store_outage() {
+        assert!(matches!(
+            store_error(CoreError::AttemptsExhausted),
+            DriverError::Exhausted(_)
+        ));
+        let saturated = ClockSaturated {
+            at: UnixMillis::MAX,
+            by: Duration::from_secs(1),
+        };
+        assert!(matches!(
+            store_error(CoreError::Clock(saturated)),
+            DriverError::Internal(_)
+        ));
+        assert!(matches!(store_error(CoreError::NoPass), DriverError::Internal(_)));
+        assert!(matches!(
+            store_error(CoreError::Store(StoreError::Unavailable("down".into()))),
+            DriverError::Store(StoreError::Unavailable(_))
+        ));
+    }
 }

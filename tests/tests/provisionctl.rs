@@ -786,6 +786,30 @@ async fn completions_help_and_an_unreachable_server() {
     assert!(out.contains("Exit codes:"), "{out}");
     let (code, _, err) = run(&["get", "x", "-o", "xml"]);
     assert_eq!(code, 2, "{err}");
+    // Usage errors the parser cannot see are told as clap tells its own
+    // (the message, then the usage line) and exit 2.
+    for (args, says) in [
+        (&["list"][..], "no TLS settings: give --tls-ca"),
+        (
+            &["--insecure", "--tls-ca", "/nonexistent/ca.pem", "list"][..],
+            "--insecure (plaintext) cannot be combined with --tls-ca",
+        ),
+        (
+            &[
+                "--insecure",
+                "apply",
+                "-f",
+                "/nonexistent/shape.yaml",
+                "--timeout",
+                "5",
+            ][..],
+            "apply to following the run: add --wait",
+        ),
+    ] {
+        let (code, _, err) = run(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(says) && err.contains("Usage:"), "{args:?}: {err}");
+    }
 
     // A port nothing listens on: exit 4, with what to check.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

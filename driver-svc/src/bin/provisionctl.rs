@@ -6,8 +6,12 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
-use driver_svc::client::{cli::Cli, commands, error::Exit};
+use clap::{CommandFactory as _, Parser};
+use driver_svc::client::{
+    cli::Cli,
+    commands,
+    error::{CliError, Exit},
+};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -20,6 +24,11 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(commands::run(cli)) {
         Ok(exit) => ExitCode::from(exit.code()),
+        // Told as clap tells its own usage errors (with the usage line), and
+        // exit 2.
+        Err(CliError::Usage(message)) => Cli::command()
+            .error(clap::error::ErrorKind::MissingRequiredArgument, message)
+            .exit(),
         Err(e) => {
             // Each line of a message gets the prefix, so multi-line
             // explanations stay readable and greppable.

@@ -63,12 +63,9 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
             if !wait && (follow.timeout.is_some() || follow.plain || follow.live) {
                 // A usage error (exit 2), like any other clap refuses: these
                 // flags shape the follow-up that only --wait starts.
-                <Cli as clap::CommandFactory>::command()
-                    .error(
-                        clap::error::ErrorKind::MissingRequiredArgument,
-                        "--timeout, --plain and --live apply to following the run: add --wait",
-                    )
-                    .exit()
+                return Err(CliError::Usage(
+                    "--timeout, --plain and --live apply to following the run: add --wait".to_owned(),
+                ));
             }
             ctx.apply(&file.file, expect_generation, wait, &follow, output.output)
                 .await

@@ -62,6 +62,11 @@ pub enum CliError {
     Timeout { message: String },
     #[error("interrupted")]
     Interrupted,
+    /// The command line is wrong in a way the parser cannot see (flags that
+    /// only make sense together). The binary prints it as clap prints its
+    /// own usage errors, and exits 2.
+    #[error("{0}")]
+    Usage(String),
     #[error("{0}")]
     Other(String),
 }
@@ -84,6 +89,7 @@ impl CliError {
             CliError::Unavailable { .. } => Exit::Unavailable,
             CliError::Timeout { .. } => Exit::Timeout,
             CliError::Interrupted => Exit::Interrupted,
+            CliError::Usage(_) => Exit::Usage,
         }
     }
 

@@ -47,17 +47,15 @@ impl TlsClientArgs {
     /// `--insecure`, or both, is a usage error (exit 2); a file that cannot
     /// be read or holds no PEM fails the command (exit 1).
     pub fn transport(&self) -> Result<Transport, CliError> {
-        let usage = |message: &str| -> ! {
-            <super::cli::Cli as clap::CommandFactory>::command()
-                .error(clap::error::ErrorKind::MissingRequiredArgument, message)
-                .exit()
-        };
         match (&self.tls_ca, self.insecure) {
-            (None, false) => usage(
+            (None, false) => Err(CliError::Usage(
                 "no TLS settings: give --tls-ca (or PROVISIONCTL_TLS_CA) to reach the driver over TLS, \
-                 or --insecure for a driver that serves plaintext",
-            ),
-            (Some(_), true) => usage("--insecure (plaintext) cannot be combined with --tls-ca: choose one"),
+                 or --insecure for a driver that serves plaintext"
+                    .to_owned(),
+            )),
+            (Some(_), true) => Err(CliError::Usage(
+                "--insecure (plaintext) cannot be combined with --tls-ca: choose one".to_owned(),
+            )),
             (None, true) => Ok(Transport::Insecure),
             (Some(ca), false) => {
                 let identity = match (&self.tls_cert, &self.tls_key) {
