@@ -19,14 +19,11 @@
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use contract::{
-    Action, ClusterShape, DecideOutput, Effect, LogicalNodeId, Operation, OperationId, RejectionReason,
-    RunUid, TraceContext, UnixMillis, pb, pb::driver_message::Kind, telemetry,
+    Action, ClusterShape, DecideOutput, Effect, LogicalNodeId, Monotonic, Operation, OperationId,
+    RejectionReason, RunUid, TraceContext, UnixMillis, pb, pb::driver_message::Kind, telemetry,
 };
 use decider_svc::client::DecideError;
-use tokio::{
-    sync::{mpsc, oneshot, watch},
-    time::Instant,
-};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{Instrument as _, field::Empty};
 
 use crate::{
@@ -130,19 +127,19 @@ pub(crate) struct RunActor {
     fenced: bool,
     pass_in_flight: bool,
     decider_failures: u32,
-    decider_retry_at: Option<Instant>,
-    next_safety_tick: Instant,
+    decider_retry_at: Option<Monotonic>,
+    next_safety_tick: Monotonic,
     changed: bool,
     /// When the status was last published, and the phase it showed: the
     /// status (O(nodes) to build) is published at most every
     /// `PUBLISH_EVERY`, except that a phase change goes out at once.
-    last_publish: Option<(Instant, PhaseKey)>,
+    last_publish: Option<(Monotonic, PhaseKey)>,
     acks: Vec<AckRef>,
     /// Set when the store refused a write: the run does nothing more.
     halted: Option<String>,
     /// The span of the pass in flight, and when that pass started.
     pass_span: Option<tracing::Span>,
-    pass_started: Option<Instant>,
+    pass_started: Option<Monotonic>,
     /// The pass in flight was asked for only by the safety tick.
     pass_speculative: bool,
     /// The last safety tick found nothing to do, and nothing has happened
@@ -154,7 +151,7 @@ pub(crate) struct RunActor {
     causes: Vec<TraceContext>,
     /// Since when the run has wanted a pass that has not started (the work
     /// queue's view of this run).
-    wanted_since: Option<Instant>,
+    wanted_since: Option<Monotonic>,
     /// Every operation recorded pending, with its span until its outcome is
     /// folded.
     in_flight: HashMap<OperationId, InFlight>,
@@ -220,7 +217,7 @@ impl RunActor {
         let deadline_folds_seen = run.counters().deadline_folds;
         let events = RunEvents::started(&run);
         let mut actor = RunActor {
-            next_safety_tick: Instant::now() + shared.safety_tick,
+            next_safety_tick: shared.clock.monotonic().saturating_add(shared.safety_tick),
             run,
             shared: shared.clone(),
             rx,
@@ -264,7 +261,7 @@ impl RunActor {
 
     async fn run(mut self) {
         loop {
-            let wake = self.next_wake();
+            let sleep = self.next_wake().saturating_since(self.monotonic());
             tokio::select! {
                 ev = self.rx.recv() => {
                     let Some(ev) = ev else { break };
@@ -274,7 +271,7 @@ impl RunActor {
                         self.handle(ev);
                     }
                 }
-                () = tokio::time::sleep_until(wake) => self.on_timer(),
+                () = tokio::time::sleep(sleep) => self.on_timer(),
             }
             let _ = self.commit();
             if self.stopping.is_some() && !self.pass_in_flight {
@@ -309,17 +306,22 @@ impl RunActor {
         }
     }
 
+    /// Monotonic time, from the injected clock (as is `now`'s wall time).
+    fn monotonic(&self) -> Monotonic {
+        self.shared.clock.monotonic()
+    }
+
     /// The earliest of the run's own deadline, the decider retry and the
     /// safety tick.
-    fn next_wake(&self) -> Instant {
+    fn next_wake(&self) -> Monotonic {
         let mut wake = self.next_safety_tick;
         if self.changed
             && let Some((at, _)) = self.last_publish
         {
-            wake = wake.min(at + PUBLISH_EVERY);
+            wake = wake.min(at.saturating_add(PUBLISH_EVERY));
         }
         if let Some(t) = self.run.poll_timeout() {
-            wake = wake.min(self.instant_of(t));
+            wake = wake.min(self.monotonic_of(t));
         }
         if let Some(t) = self.decider_retry_at {
             wake = wake.min(t);
@@ -327,8 +329,10 @@ impl RunActor {
         wake
     }
 
-    fn instant_of(&self, t: UnixMillis) -> Instant {
-        Instant::now() + t.saturating_since(self.now())
+    /// Where a wall-clock deadline falls on the monotonic timeline, as the
+    /// clock reads now.
+    fn monotonic_of(&self, t: UnixMillis) -> Monotonic {
+        self.monotonic().saturating_add(t.saturating_since(self.now()))
     }
 
     fn on_timer(&mut self) {
@@ -343,11 +347,12 @@ impl RunActor {
             Ok(_) => {}
             Err(e) => tracing::error!(run = %self.run.run_id(), error = %e, "folding deadlines failed"),
         }
-        if self.decider_retry_at.is_some_and(|t| t <= Instant::now()) {
+        let at = self.monotonic();
+        if self.decider_retry_at.is_some_and(|t| t <= at) {
             self.decider_retry_at = None;
         }
-        if self.next_safety_tick <= Instant::now() {
-            self.next_safety_tick = Instant::now() + self.shared.safety_tick;
+        if self.next_safety_tick <= at {
+            self.next_safety_tick = at.saturating_add(self.shared.safety_tick);
             // A tick that finds nothing due asks for a pass only in case
             // something was missed; that pass is traced only if it acts.
             self.speculative = !self.run.needs_pass(now);
@@ -361,7 +366,7 @@ impl RunActor {
     /// The run wants a pass: it joins the work queue unless it is on it.
     fn want(&mut self) {
         if self.wanted_since.is_none() {
-            self.wanted_since = Some(Instant::now());
+            self.wanted_since = Some(self.monotonic());
             let e = &self.shared.metrics.exported;
             e.queue_depth.add(&[QUEUE], 1.0);
             e.queue_adds.inc(&[QUEUE]);
@@ -375,7 +380,8 @@ impl RunActor {
             let e = &self.shared.metrics.exported;
             e.queue_depth.add(&[QUEUE], -1.0);
             if started {
-                e.queue_duration.observe_duration(&[QUEUE], since.elapsed());
+                let waited = self.shared.clock.monotonic().saturating_since(since);
+                e.queue_duration.observe_duration(&[QUEUE], waited);
             }
         }
     }
@@ -940,7 +946,7 @@ impl RunActor {
                 self.decider_failures = self.decider_failures.saturating_add(1);
                 let exp = self.decider_failures.min(6);
                 let delay = Duration::from_millis(100 * (1u64 << exp)).min(Duration::from_secs(5));
-                self.decider_retry_at = Some(Instant::now() + delay);
+                self.decider_retry_at = Some(self.monotonic().saturating_add(delay));
                 self.shared.metrics.decider_error();
                 let reason = match &err {
                     DecideError::Unavailable(_) => "decider_unavailable",
@@ -959,7 +965,8 @@ impl RunActor {
             }
         }
         if let Some(started) = started {
-            e.pass_duration.observe_duration(&[], started.elapsed());
+            e.pass_duration
+                .observe_duration(&[], self.monotonic().saturating_since(started));
         }
     }
 
@@ -1198,7 +1205,7 @@ impl RunActor {
             )
         };
         self.pass_in_flight = true;
-        self.pass_started = Some(Instant::now());
+        self.pass_started = Some(self.monotonic());
         self.pass_speculative = speculative;
         self.pass_span = Some(span.clone());
         let mut client = self.shared.decider.clone();
@@ -1231,10 +1238,10 @@ impl RunActor {
             return;
         }
         let key = self.phase_key();
-        let now = Instant::now();
+        let now = self.monotonic();
         let due = match self.last_publish {
             None => true,
-            Some((at, last_key)) => last_key != key || now >= at + PUBLISH_EVERY,
+            Some((at, last_key)) => last_key != key || now >= at.saturating_add(PUBLISH_EVERY),
         };
         if !due {
             // `next_wake` brings the actor back when it is due.

@@ -666,7 +666,7 @@ impl Driver {
         if self.handle_by_uid(uid).is_some() {
             return Ok(false);
         }
-        let started = tokio::time::Instant::now();
+        let started = self.shared.clock.monotonic();
         let stored = blocking(move || match replicas.claim(uid)? {
             Claim::Held { .. } | Claim::Gone => Ok(None),
             Claim::Mine => match replicas.load(uid)? {
@@ -685,7 +685,7 @@ impl Driver {
         let (run, from_epoch) = (stored.meta.run_id.clone(), stored.meta.epoch);
         self.restore(stored)?;
         self.shared.metrics.exported.takeovers.inc(&[]);
-        tracing::warn!(%run, run_uid = %uid, %from_epoch, took_ms = started.elapsed().as_millis() as u64,
+        tracing::warn!(%run, run_uid = %uid, %from_epoch, took_ms = self.shared.clock.monotonic().saturating_since(started).as_millis() as u64,
             "took over a run no live replica owned");
         Ok(true)
     }
@@ -733,6 +733,11 @@ impl Driver {
 
     pub fn link(&self) -> &Link {
         &self.shared.link
+    }
+
+    /// The clock the driver reads time from (its runs and its loops).
+    pub fn clock(&self) -> &dyn Clock {
+        &*self.shared.clock
     }
 
     pub fn policy(&self) -> &Policy {

@@ -555,6 +555,13 @@ impl EtcdStore {
             .map_err(|e| unavailable(format!("starting the etcd store's runtime: {e}")))?;
         let endpoints = cfg.endpoints.clone();
         let ttl_secs = i64::try_from(cfg.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        // The lease is judged against the machine's own monotonic clock,
+        // as etcd times it on its side: the store is I/O, not the driver's
+        // decisions, and its keep-alive runs on a runtime of its own.
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the lease's local judgement times real keep-alive round trips"
+        )]
         let start = Instant::now();
         let opts = connect_options(&cfg, cfg.request_timeout);
         let (client, lease, granted) = block_on(Some(&rt), cfg.request_timeout * 2, async move {

@@ -276,6 +276,12 @@ impl Shared {
             return Ok(());
         };
         let window = self.limits.rate_limit_window;
+        // tower's `RateLimit` keeps its windows in tokio's time; the idle
+        // check compares with the same.
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the rate limiter's windows are tokio time (tower's RateLimit)"
+        )]
         let now = Instant::now();
         let mut rates = lock(&self.rates);
         if !rates.contains_key(key) && rates.len() >= CLIENTS_SOFT_CAP {

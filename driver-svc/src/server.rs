@@ -242,7 +242,8 @@ pub async fn run(
 async fn take_over_loop(driver: Driver, replicas: Arc<dyn Replicas>, lost: tokio::sync::watch::Sender<bool>) {
     let mut changes = replicas.changes();
     let mut watching = true;
-    let mut next_scan = tokio::time::Instant::now() + TAKEOVER_RESCAN;
+    let clock = driver.clock();
+    let mut next_scan = clock.monotonic().saturating_add(TAKEOVER_RESCAN);
     loop {
         if replicas.lost() {
             tracing::error!("this driver replica lost its etcd lease: stopping its runs");
@@ -252,7 +253,7 @@ async fn take_over_loop(driver: Driver, replicas: Arc<dyn Replicas>, lost: tokio
         }
         tokio::select! {
             changed = changes.changed(), if watching => watching = changed.is_ok(),
-            () = tokio::time::sleep_until(next_scan) => {}
+            () = tokio::time::sleep(next_scan.saturating_since(clock.monotonic())) => {}
             // The lease is judged by the local clock: look at it this often.
             () = tokio::time::sleep(Duration::from_millis(200)) => continue,
         }
@@ -267,7 +268,7 @@ async fn take_over_loop(driver: Driver, replicas: Arc<dyn Replicas>, lost: tokio
             Ok(n) => tracing::info!(runs = n, "took over runs another replica owned"),
             Err(e) => tracing::warn!(error = %e, "looking for runs to take over failed"),
         }
-        next_scan = tokio::time::Instant::now() + TAKEOVER_RESCAN;
+        next_scan = clock.monotonic().saturating_add(TAKEOVER_RESCAN);
     }
 }
 
@@ -284,7 +285,7 @@ async fn sweep_orphans(
         .min(Duration::from_millis(200))
         .max(Duration::from_millis(10));
     let mut seen_link: Option<u64> = None;
-    let mut next: Option<tokio::time::Instant> = None;
+    let mut next: Option<contract::Monotonic> = None;
     loop {
         tokio::time::sleep(poll).await;
         let link = driver.link().generation();
@@ -295,12 +296,13 @@ async fn sweep_orphans(
         }
         if link != seen_link {
             seen_link = link;
-            next = Some(tokio::time::Instant::now() + config.after_link_up);
+            next = Some(driver.clock().monotonic().saturating_add(config.after_link_up));
         }
-        if next.is_none_or(|t| t > tokio::time::Instant::now()) {
+        let at = driver.clock().monotonic();
+        if next.is_none_or(|t| t > at) {
             continue;
         }
-        next = Some(tokio::time::Instant::now() + config.every);
+        next = Some(at.saturating_add(config.every));
         // A sweep is routine: its span is an unsampled root, so neither the
         // Inventory call nor the executor's side of it is recorded (an idle
         // driver makes no spans).

@@ -9,6 +9,8 @@
 
 #![cfg(feature = "etcd")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+// The tests wait for a real etcd in real time.
+#![allow(clippy::disallowed_methods)]
 
 use std::{
     net::{TcpListener, TcpStream},

@@ -11,10 +11,10 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use contract::{Operation, OperationId, RunUid};
+use contract::{Monotonic, Operation, OperationId, RunUid};
 
 /// The caps; `None` is no cap.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -34,11 +34,11 @@ pub struct BudgetConfig {
 struct Bucket {
     rate: f64,
     tokens: f64,
-    at: Instant,
+    at: Monotonic,
 }
 
 impl Bucket {
-    fn new(rate: f64, now: Instant) -> Self {
+    fn new(rate: f64, now: Monotonic) -> Self {
         Self {
             rate,
             tokens: rate.max(1.0),
@@ -46,13 +46,13 @@ impl Bucket {
         }
     }
 
-    fn refill(&mut self, now: Instant) {
-        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+    fn refill(&mut self, now: Monotonic) {
+        let dt = now.saturating_since(self.at).as_secs_f64();
         self.tokens = (self.tokens + dt * self.rate).min(self.rate.max(1.0));
         self.at = now;
     }
 
-    fn ready(&mut self, now: Instant) -> bool {
+    fn ready(&mut self, now: Monotonic) -> bool {
         self.refill(now);
         self.tokens >= 1.0
     }
@@ -62,9 +62,11 @@ impl Bucket {
     }
 
     /// When the next token is there.
-    fn due(&self) -> Instant {
+    fn due(&self) -> Monotonic {
         let missing = (1.0 - self.tokens).max(0.0);
-        self.at + Duration::from_secs_f64(missing / self.rate.max(f64::MIN_POSITIVE))
+        self.at.saturating_add(Duration::from_secs_f64(
+            missing / self.rate.max(f64::MIN_POSITIVE),
+        ))
     }
 }
 
@@ -105,7 +107,7 @@ pub struct Budget {
 }
 
 impl Budget {
-    pub fn new(config: BudgetConfig, now: Instant) -> Self {
+    pub fn new(config: BudgetConfig, now: Monotonic) -> Self {
         Self {
             config,
             inflight: 0,
@@ -126,7 +128,7 @@ impl Budget {
     }
 
     /// What would hold `run`'s next call back now, if anything.
-    fn held(&mut self, run: RunUid, now: Instant) -> Option<Held> {
+    fn held(&mut self, run: RunUid, now: Monotonic) -> Option<Held> {
         if self.config.inflight.is_some_and(|cap| self.inflight >= cap) {
             return Some(Held::ProviderInflight);
         }
@@ -178,7 +180,7 @@ impl Budget {
     }
 
     /// What holds `run`'s next call back now, if anything.
-    pub fn hold_of(&mut self, run: RunUid, now: Instant) -> Option<Held> {
+    pub fn hold_of(&mut self, run: RunUid, now: Monotonic) -> Option<Held> {
         self.held(run, now)
     }
 
@@ -195,7 +197,7 @@ impl Budget {
 
     /// Takes out what may start now, in order: a waiter held by its own run's
     /// cap is passed over, one held by the provider's stops the scan.
-    pub fn drain(&mut self, now: Instant) -> Vec<Operation> {
+    pub fn drain(&mut self, now: Monotonic) -> Vec<Operation> {
         let mut started = Vec::new();
         let mut i = 0;
         while i < self.queue.len() {
@@ -227,7 +229,7 @@ impl Budget {
 
     /// When a rate will next let a waiter start (caps on calls in flight are
     /// released by [`Budget::finished`], not by time).
-    pub fn next_wake(&self) -> Option<Instant> {
+    pub fn next_wake(&self) -> Option<Monotonic> {
         if self.queue.is_empty() {
             return None;
         }
@@ -275,8 +277,7 @@ impl Budget {
 
 #[cfg(test)]
 mod tests {
-    // The budget takes `now` as an argument; tests need some instant to start at.
-    #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
+    #![allow(clippy::unwrap_used)]
 
     use contract::{AttemptId, Epoch, LogicalNodeId, OperationInput, RunId, TraceContext, UnixMillis};
 
@@ -301,7 +302,7 @@ mod tests {
 
     #[test]
     fn unlimited_starts_everything() {
-        let now = Instant::now();
+        let now = Monotonic::default();
         let mut b = Budget::new(BudgetConfig::default(), now);
         for i in 0..100 {
             b.enqueue(op(1, i));
@@ -313,7 +314,7 @@ mod tests {
 
     #[test]
     fn an_inflight_cap_queues_in_order_and_never_exceeds() {
-        let now = Instant::now();
+        let now = Monotonic::default();
         let mut b = Budget::new(
             BudgetConfig {
                 inflight: Some(2),
@@ -337,7 +338,7 @@ mod tests {
 
     #[test]
     fn a_run_at_its_cap_does_not_hold_up_the_others() {
-        let now = Instant::now();
+        let now = Monotonic::default();
         let mut b = Budget::new(
             BudgetConfig {
                 run_inflight: Some(1),
@@ -356,7 +357,7 @@ mod tests {
 
     #[test]
     fn a_rate_spaces_starts_and_names_its_wake_up() {
-        let t0 = Instant::now();
+        let t0 = Monotonic::default();
         let mut b = Budget::new(
             BudgetConfig {
                 rate: Some(2.0),
@@ -370,9 +371,12 @@ mod tests {
         assert_eq!(seqs(&b.drain(t0)), vec![1, 2]);
         assert_eq!(b.hold_of(RunUid::from_u128(1), t0), Some(Held::ProviderRate));
         let wake = b.next_wake().unwrap();
-        assert!(wake > t0 && wake <= t0 + Duration::from_millis(500));
-        assert!(b.drain(t0 + Duration::from_millis(100)).is_empty());
-        assert_eq!(seqs(&b.drain(t0 + Duration::from_millis(500))), vec![3]);
+        assert!(wake > t0 && wake <= t0.saturating_add(Duration::from_millis(500)));
+        assert!(b.drain(t0.saturating_add(Duration::from_millis(100))).is_empty());
+        assert_eq!(
+            seqs(&b.drain(t0.saturating_add(Duration::from_millis(500)))),
+            vec![3]
+        );
         assert!(b.next_wake().is_none());
     }
 }

@@ -33,8 +33,8 @@ use std::{
 
 use crate::budget::{Budget, BudgetConfig};
 use contract::{
-    Claim, Clock, Epoch, FieldError, Observation, Operation, OperationId, OperationResult, Outcome,
-    Rejection, RejectionReason, RunUid, SessionId, TraceContext,
+    Claim, Clock, Epoch, FieldError, Monotonic, Observation, Operation, OperationId, OperationResult,
+    Outcome, Rejection, RejectionReason, RunUid, SessionId, TraceContext,
     event_trace::{self, ObsRec, OpRec, RejRec, ResultRec, SeqRef, TraceEvent},
     metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS},
     pb::{
@@ -250,7 +250,7 @@ pub async fn run(
         TraceContext::default(),
     ));
     let mut actor = Actor::new(Arc::clone(&backend), clock, events_tx.clone(), observations_tx);
-    actor.budget = Budget::new(config.budget, tokio::time::Instant::now().into_std());
+    actor.budget = Budget::new(config.budget, actor.clock.monotonic());
     if let Some(dir) = &config.state_dir {
         let store = crate::durable::ExecutorStore::open_sealed(dir, config.secrets.clone())?;
         actor.core = ExecutorCore::restore(store.load()?);
@@ -575,7 +575,7 @@ impl Actor {
             metrics: ExecutorMetrics::new(),
             outbox: Vec::new(),
             trace: event_trace::Deferred::default(),
-            budget: Budget::new(BudgetConfig::default(), tokio::time::Instant::now().into_std()),
+            budget: Budget::new(BudgetConfig::default(), Monotonic::default()),
             told_waiting: HashSet::new(),
         }
     }
@@ -597,7 +597,7 @@ impl Actor {
             let budget_wake = self
                 .budget
                 .next_wake()
-                .map(|at| at.saturating_duration_since(tokio::time::Instant::now().into_std()));
+                .map(|at| at.saturating_since(self.clock.monotonic()));
             let timer = match (timer, budget_wake) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
@@ -1031,7 +1031,7 @@ impl Actor {
     /// Starts every waiting operation the budget lets start now, and tells
     /// the driver about each that has to wait (once) and when it starts.
     fn start_admitted(&mut self) {
-        let now = tokio::time::Instant::now().into_std();
+        let now = self.clock.monotonic();
         for op in self.budget.drain(now) {
             if self.told_waiting.remove(&(op.run_uid, op.id)) {
                 let msg = waiting_message(op.run_uid, op.id, None);
@@ -1078,6 +1078,7 @@ impl Actor {
         let observations = self.observations.clone();
         let events = self.events.clone();
         let backend_call = self.metrics.backend_call.clone();
+        let clock = Arc::clone(&self.clock);
         let abandoned = Arc::new(AtomicBool::new(false));
         let span_abandoned = Arc::clone(&abandoned);
         let handle = tokio::spawn(async move {
@@ -1107,10 +1108,9 @@ impl Actor {
                 finished: false,
             };
             let call = backend.execute(op, sink);
-            // A latency measurement only, never a deadline: tokio's monotonic
-            // clock (paused in tests like every tokio timer), not the
-            // injected wall clock the core's deadlines use.
-            let started = tokio::time::Instant::now();
+            // A latency measurement only, never a deadline: the clock's
+            // monotonic time, not the wall time the core's deadlines use.
+            let started = clock.monotonic();
             let outcome = call.instrument(call_span.span.clone()).await;
             call_span.finished = true;
             let class = outcome.class_name();
@@ -1121,7 +1121,10 @@ impl Actor {
             ) {
                 call_span.span.record("otel.status_code", "error");
             }
-            backend_call.observe_duration(&[effect.name(), class], started.elapsed());
+            backend_call.observe_duration(
+                &[effect.name(), class],
+                clock.monotonic().saturating_since(started),
+            );
             let _ = events
                 .send(Event::Completed {
                     run_uid,

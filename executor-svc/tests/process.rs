@@ -4,6 +4,9 @@
 //! are gone from the process table (reaped, not zombies), and its fixture kills
 //! whatever is left if the test fails half-way.
 
+// The tests wait for real processes in real time.
+#![allow(clippy::disallowed_methods)]
+
 use std::{
     path::{Path, PathBuf},
     sync::Arc,

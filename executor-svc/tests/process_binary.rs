@@ -8,6 +8,9 @@
 //! this test process makes itself one, so such an agent never becomes a zombie
 //! of init that nobody reaps, and the test reaps it itself.
 
+// The tests wait for real processes in real time.
+#![allow(clippy::disallowed_methods)]
+
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},

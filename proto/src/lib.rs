@@ -87,4 +87,4 @@ pub use state::{
     BootstrapProgress, BootstrapStage, Effect, Failure, Intent, ManagedNode, NodeFacts, NodeStage, PendingOp,
     PermanentFailure, RetryState,
 };
-pub use time::{Clock, ClockSaturated, ManualClock, SystemClock, UnixMillis};
+pub use time::{Clock, ClockSaturated, ManualClock, Monotonic, SystemClock, UnixMillis};

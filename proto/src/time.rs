@@ -72,13 +72,40 @@ impl fmt::Debug for UnixMillis {
     }
 }
 
+/// A point on a clock's monotonic timeline: the time since an origin of the
+/// clock's own. It never goes back, even when the wall clock is stepped, so
+/// it times what is measured in durations (retry delays, ticks, how long a
+/// pass took); deadlines that outlive the process are [`UnixMillis`]. Only
+/// readings of one clock compare.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Debug)]
+pub struct Monotonic(Duration);
+
+impl Monotonic {
+    pub const fn from_origin(d: Duration) -> Self {
+        Self(d)
+    }
+
+    /// Time from `earlier` to `self`, zero if `earlier` is later.
+    pub fn saturating_since(self, earlier: Monotonic) -> Duration {
+        self.0.saturating_sub(earlier.0)
+    }
+
+    /// `self + d`, held at the end of the timeline rather than wrapping.
+    pub fn saturating_add(self, d: Duration) -> Self {
+        Self(self.0.saturating_add(d))
+    }
+}
+
 /// The one way services read time, so that tests drive a virtual clock and
 /// stored deadlines stay wall-clock values across restarts.
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
+    /// Wall-clock time: what deadlines are stored in.
     fn now(&self) -> UnixMillis;
+    /// Monotonic time: what delays and ticks are timed with.
+    fn monotonic(&self) -> Monotonic;
 }
 
-/// Wall-clock time.
+/// Wall-clock time, and the process's monotonic clock.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SystemClock;
 
@@ -89,29 +116,49 @@ impl Clock for SystemClock {
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         UnixMillis::new(ms)
     }
+
+    fn monotonic(&self) -> Monotonic {
+        static ORIGIN: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        Monotonic(ORIGIN.get_or_init(std::time::Instant::now).elapsed())
+    }
 }
 
-/// A clock that moves only when told to.
+/// A clock that moves only when told to. [`ManualClock::advance`] moves
+/// both its timelines; [`ManualClock::set`] steps only the wall clock, as an
+/// operator or NTP stepping a machine's clock would.
 #[derive(Debug, Clone, Default)]
-pub struct ManualClock(Arc<AtomicU64>);
+pub struct ManualClock {
+    wall_ms: Arc<AtomicU64>,
+    monotonic_ms: Arc<AtomicU64>,
+}
 
 impl ManualClock {
     pub fn new(start: UnixMillis) -> Self {
-        Self(Arc::new(AtomicU64::new(start.as_millis())))
+        Self {
+            wall_ms: Arc::new(AtomicU64::new(start.as_millis())),
+            monotonic_ms: Arc::new(AtomicU64::new(0)),
+        }
     }
 
+    /// Steps the wall clock to `t` (forwards or back); monotonic time stays.
     pub fn set(&self, t: UnixMillis) {
-        self.0.store(t.as_millis(), Ordering::SeqCst);
+        self.wall_ms.store(t.as_millis(), Ordering::SeqCst);
     }
 
+    /// Lets `ms` milliseconds pass.
     pub fn advance(&self, ms: u64) {
-        self.0.fetch_add(ms, Ordering::SeqCst);
+        self.wall_ms.fetch_add(ms, Ordering::SeqCst);
+        self.monotonic_ms.fetch_add(ms, Ordering::SeqCst);
     }
 }
 
 impl Clock for ManualClock {
     fn now(&self) -> UnixMillis {
-        UnixMillis::new(self.0.load(Ordering::SeqCst))
+        UnixMillis::new(self.wall_ms.load(Ordering::SeqCst))
+    }
+
+    fn monotonic(&self) -> Monotonic {
+        Monotonic(Duration::from_millis(self.monotonic_ms.load(Ordering::SeqCst)))
     }
 }
 
@@ -125,5 +172,29 @@ mod tests {
         assert!(t.checked_add(Duration::from_millis(5)).is_ok());
         assert!(t.checked_add(Duration::from_millis(6)).is_err());
         assert!(UnixMillis::ZERO.checked_add(Duration::MAX).is_err());
+    }
+
+    #[test]
+    fn a_stepped_wall_clock_leaves_monotonic_time_alone() {
+        let clock = ManualClock::new(UnixMillis::new(10_000));
+        let t0 = clock.monotonic();
+        clock.advance(250);
+        assert_eq!(clock.now(), UnixMillis::new(10_250));
+        assert_eq!(clock.monotonic().saturating_since(t0), Duration::from_millis(250));
+        clock.set(UnixMillis::new(1_000));
+        assert_eq!(clock.now(), UnixMillis::new(1_000));
+        assert_eq!(clock.monotonic().saturating_since(t0), Duration::from_millis(250));
+        assert_eq!(t0.saturating_since(clock.monotonic()), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_system_clocks_monotonic_time_does_not_go_back() {
+        let a = SystemClock.monotonic();
+        let b = SystemClock.monotonic();
+        assert!(b >= a);
+        assert_eq!(
+            Monotonic::from_origin(Duration::MAX).saturating_add(Duration::from_secs(1)),
+            Monotonic::from_origin(Duration::MAX)
+        );
     }
 }

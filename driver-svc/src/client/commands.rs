@@ -1,6 +1,13 @@
 //! The commands: each talks to the driver's public API and prints through
 //! the renderers. Errors come back as [`CliError`], already in the user's
 //! words and carrying their exit code.
+//!
+//! `provisionctl` is a process edge, not part of the driver: its `--timeout`
+//! and redraw timers read the machine's monotonic clock directly.
+#![expect(
+    clippy::disallowed_methods,
+    reason = "the client's own timeouts are the user's time, not the driver's clock"
+)]
 
 use std::{
     io::{self, IsTerminal, Read, Write},
