@@ -7,7 +7,10 @@
 
 use std::{pin::Pin, sync::Arc};
 
-use contract::{ClusterShape, FieldError, pb, pb::provisioning_server::Provisioning, wire::shape_from_wire};
+use contract::{
+    ClusterShape, FieldError, LogicalNodeId, RunId, pb, pb::provisioning_server::Provisioning,
+    wire::shape_from_wire,
+};
 use futures::Stream;
 use tonic::{Request, Response, Status};
 
@@ -85,9 +88,13 @@ fn shape_arg(shape: Option<pb::ClusterShape>) -> Result<ClusterShape, Status> {
     shape_from_wire(shape).map_err(|e| invalid(&e.within("shape")))
 }
 
-fn run_id_arg(run_id: &str) -> Result<&str, Status> {
-    contract::RunId::parse("run_id", run_id).map_err(|e| invalid(&e))?;
-    Ok(run_id)
+fn run_id_arg(run_id: &str) -> Result<RunId, Status> {
+    RunId::parse("run_id", run_id).map_err(|e| invalid(&e))
+}
+
+/// A request's node id, checked as the run id is.
+fn node_id_arg(node_id: &str) -> Result<LogicalNodeId, Status> {
+    LogicalNodeId::parse("node_id", node_id).map_err(|e| invalid(&e))
 }
 
 /// The `Provisioning` service over a [`Driver`].
@@ -131,9 +138,9 @@ impl Provisioning for Api {
         let who = principal(&req, Access::Read, "GetRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        who.require_run(id)?;
+        who.require_run(id.as_str())?;
         Ok(Response::new(
-            self.driver.get(id, r.include_nodes).await.map_err(to_status)?,
+            self.driver.get(&id, r.include_nodes).await.map_err(to_status)?,
         ))
     }
 
@@ -155,8 +162,8 @@ impl Provisioning for Api {
     ) -> Result<Response<Self::WatchRunStream>, Status> {
         let who = principal(&req, Access::Read, "WatchRun")?;
         let r = req.into_inner();
-        let id = run_id_arg(&r.run_id)?.to_owned();
-        who.require_run(&id)?;
+        let id = run_id_arg(&r.run_id)?;
+        who.require_run(id.as_str())?;
         let driver = self.driver.clone();
         let mut rx = driver.watch(&id).await.map_err(to_status)?;
         let include_nodes = r.include_nodes;
@@ -210,9 +217,12 @@ impl Provisioning for Api {
         let who = principal(&req, Access::Read, "ExplainNode")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        who.require_run(id)?;
+        who.require_run(id.as_str())?;
         Ok(Response::new(
-            self.driver.explain(id, &r.node_id).await.map_err(to_status)?,
+            self.driver
+                .explain(&id, &node_id_arg(&r.node_id)?)
+                .await
+                .map_err(to_status)?,
         ))
     }
 
@@ -223,17 +233,17 @@ impl Provisioning for Api {
         let who = principal(&req, Access::Write, "DeleteRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        who.require_run(id)?;
-        Ok(Response::new(self.driver.delete(id).await.map_err(to_status)?))
+        who.require_run(id.as_str())?;
+        Ok(Response::new(self.driver.delete(&id).await.map_err(to_status)?))
     }
 
     async fn pause_run(&self, req: Request<pb::RunRef>) -> Result<Response<pb::RunStatus>, Status> {
         let who = principal(&req, Access::Write, "PauseRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        who.require_run(id)?;
+        who.require_run(id.as_str())?;
         Ok(Response::new(
-            self.driver.set_paused(id, true).await.map_err(to_status)?,
+            self.driver.set_paused(&id, true).await.map_err(to_status)?,
         ))
     }
 
@@ -241,9 +251,9 @@ impl Provisioning for Api {
         let who = principal(&req, Access::Write, "ResumeRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        who.require_run(id)?;
+        who.require_run(id.as_str())?;
         Ok(Response::new(
-            self.driver.set_paused(id, false).await.map_err(to_status)?,
+            self.driver.set_paused(&id, false).await.map_err(to_status)?,
         ))
     }
 
@@ -254,8 +264,12 @@ impl Provisioning for Api {
         let who = principal(&req, Access::Write, "AbandonNode")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
-        who.require_run(id)?;
-        let orphan = self.driver.abandon(id, &r.node_id).await.map_err(to_status)?;
+        who.require_run(id.as_str())?;
+        let orphan = self
+            .driver
+            .abandon(&id, &node_id_arg(&r.node_id)?)
+            .await
+            .map_err(to_status)?;
         Ok(Response::new(pb::AbandonNodeResponse { orphan: Some(orphan) }))
     }
 
@@ -288,7 +302,7 @@ where
 /// went. Waits a little for a reload to start the next actor.
 async fn rewatch(
     driver: &Driver,
-    run_id: &str,
+    run_id: &RunId,
 ) -> Result<tokio::sync::watch::Receiver<Arc<pb::RunStatus>>, Status> {
     for _ in 0..REWATCH_TRIES {
         tokio::time::sleep(REWATCH_WAIT).await;

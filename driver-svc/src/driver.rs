@@ -693,16 +693,16 @@ impl Driver {
     /// With replicas, where a run id this driver does not hold is served:
     /// another replica ([`DriverError::Elsewhere`]), here once taken over
     /// (a run whose owner went), or nowhere ([`DriverError::NotFound`]).
-    async fn locate(&self, run_id: &str) -> Result<RunHandle, DriverError> {
+    async fn locate(&self, run_id: &RunId) -> Result<RunHandle, DriverError> {
         let Some(replicas) = self.shared.replicas.clone() else {
-            return Err(DriverError::NotFound(run_id.to_owned()));
+            return Err(DriverError::NotFound(run_id.to_string()));
         };
-        let id = run_id.to_owned();
+        let id = run_id.to_string();
         let placement = blocking(move || replicas.locate(&id)).await?;
         match placement {
-            Placement::Unknown => Err(DriverError::NotFound(run_id.to_owned())),
+            Placement::Unknown => Err(DriverError::NotFound(run_id.to_string())),
             Placement::Elsewhere(_, owner) => Err(DriverError::Elsewhere {
-                run: run_id.to_owned(),
+                run: run_id.to_string(),
                 owner,
             }),
             Placement::Here(_) | Placement::Unowned(_) => {
@@ -713,14 +713,14 @@ impl Driver {
                     drop(self.shared.takeover.lock().await);
                 }
                 self.handle(run_id)
-                    .map_err(|_| DriverError::Moving(run_id.to_owned()))
+                    .map_err(|_| DriverError::Moving(run_id.to_string()))
             }
         }
     }
 
     /// The run's handle, from this driver or (with replicas) after finding
     /// where it is served.
-    async fn find(&self, run_id: &str) -> Result<RunHandle, DriverError> {
+    async fn find(&self, run_id: &RunId) -> Result<RunHandle, DriverError> {
         match self.handle(run_id) {
             Err(DriverError::NotFound(_)) => self.locate(run_id).await,
             found => found,
@@ -744,24 +744,23 @@ impl Driver {
         &self.shared.policy
     }
 
-    fn handle(&self, run_id: &str) -> Result<RunHandle, DriverError> {
+    fn handle(&self, run_id: &RunId) -> Result<RunHandle, DriverError> {
         let runs = self.shared.runs.read().map_err(|_| DriverError::ActorGone)?;
-        runs.iter()
-            .find(|(id, _)| id.as_str() == run_id)
-            .map(|(_, h)| h.clone())
-            .ok_or_else(|| DriverError::NotFound(run_id.to_owned()))
+        runs.get(run_id)
+            .cloned()
+            .ok_or_else(|| DriverError::NotFound(run_id.to_string()))
     }
 
     async fn ask<T>(
         &self,
-        run_id: &str,
+        run_id: &RunId,
         make: impl FnOnce(oneshot::Sender<T>) -> RunEvent,
     ) -> Result<T, DriverError> {
         let h = self.find(run_id).await?;
         let (tx, rx) = oneshot::channel();
         // An actor that is gone finished its run (deleted and reaped): to a
         // client that run no longer exists.
-        let gone = || DriverError::NotFound(run_id.to_owned());
+        let gone = || DriverError::NotFound(run_id.to_string());
         h.tx.send(make(tx)).map_err(|_| gone())?;
         rx.await.map_err(|_| gone())
     }
@@ -769,7 +768,7 @@ impl Driver {
     /// Applies a shape: creates the run, or updates it under the revision
     /// contract. The shape is stored before this returns.
     pub async fn apply(&self, shape: ClusterShape) -> Result<ApplyOutcome, DriverError> {
-        let existing = self.find(shape.run_id.as_str()).await;
+        let existing = self.find(&shape.run_id).await;
         match existing {
             Ok(h) => {
                 let (tx, rx) = oneshot::channel();
@@ -787,13 +786,13 @@ impl Driver {
                 })
             }
             Err(DriverError::NotFound(_)) => {
-                let run_id = shape.run_id.to_string();
+                let run_id = shape.run_id.clone();
                 match self.create(shape) {
                     // Another replica created this run id first.
                     Err(DriverError::Store(StoreError::NameTaken { .. })) => {
                         Err(match self.locate(&run_id).await {
                             Err(e @ DriverError::Elsewhere { .. }) => e,
-                            _ => DriverError::Moving(run_id),
+                            _ => DriverError::Moving(run_id.to_string()),
                         })
                     }
                     created => created,
@@ -838,7 +837,7 @@ impl Driver {
         })
     }
 
-    pub async fn get(&self, run_id: &str, include_nodes: bool) -> Result<pb::RunStatus, DriverError> {
+    pub async fn get(&self, run_id: &RunId, include_nodes: bool) -> Result<pb::RunStatus, DriverError> {
         self.ask(run_id, |reply| RunEvent::Get { include_nodes, reply })
             .await
     }
@@ -878,26 +877,29 @@ impl Driver {
     /// The run's status channel: the current status, then every change.
     pub async fn watch(
         &self,
-        run_id: &str,
+        run_id: &RunId,
     ) -> Result<tokio::sync::watch::Receiver<Arc<pb::RunStatus>>, DriverError> {
         Ok(self.find(run_id).await?.status)
     }
 
-    pub async fn explain(&self, run_id: &str, node: &str) -> Result<pb::NodeExplanation, DriverError> {
-        let id =
-            LogicalNodeId::parse("node_id", node).map_err(|e| DriverError::Apply(ApplyError::Invalid(e)))?;
+    pub async fn explain(
+        &self,
+        run_id: &RunId,
+        node: &LogicalNodeId,
+    ) -> Result<pb::NodeExplanation, DriverError> {
+        let id = node.clone();
         self.ask(run_id, |reply| RunEvent::Explain { node: id, reply })
             .await?
             .ok_or_else(|| DriverError::NodeNotFound {
-                run: run_id.to_owned(),
-                node: node.to_owned(),
+                run: run_id.to_string(),
+                node: node.to_string(),
             })
     }
 
     pub async fn plan(&self, shape: ClusterShape) -> Result<pb::PlanResponse, DriverError> {
-        match self.find(shape.run_id.as_str()).await {
+        match self.find(&shape.run_id).await {
             Ok(_) => {
-                let run_id = shape.run_id.to_string();
+                let run_id = shape.run_id.clone();
                 Ok(self
                     .ask(&run_id, |reply| RunEvent::Plan { shape, reply })
                     .await??)
@@ -952,15 +954,14 @@ impl Driver {
     /// An operator abandons a node: the run forgets it (a desired slot is
     /// re-provisioned under a fresh attempt) and what it left behind joins
     /// the orphan report.
-    pub async fn abandon(&self, run_id: &str, node: &str) -> Result<pb::Orphan, DriverError> {
-        let id =
-            LogicalNodeId::parse("node_id", node).map_err(|e| DriverError::Apply(ApplyError::Invalid(e)))?;
+    pub async fn abandon(&self, run_id: &RunId, node: &LogicalNodeId) -> Result<pb::Orphan, DriverError> {
+        let id = node.clone();
         let left = self
             .ask(run_id, |reply| RunEvent::Abandon { node: id, reply })
             .await??
             .ok_or_else(|| DriverError::NodeNotFound {
-                run: run_id.to_owned(),
-                node: node.to_owned(),
+                run: run_id.to_string(),
+                node: node.to_string(),
             })?;
         Ok(self.shared.orphans.abandoned(&left))
     }
@@ -1167,13 +1168,13 @@ impl Driver {
         self.shared.orphans.sweep_failed();
     }
 
-    pub async fn delete(&self, run_id: &str) -> Result<pb::RunStatus, DriverError> {
+    pub async fn delete(&self, run_id: &RunId) -> Result<pb::RunStatus, DriverError> {
         let trace = request_trace();
         self.ask(run_id, |reply| RunEvent::Delete { trace, reply })
             .await?
     }
 
-    pub async fn set_paused(&self, run_id: &str, paused: bool) -> Result<pb::RunStatus, DriverError> {
+    pub async fn set_paused(&self, run_id: &RunId, paused: bool) -> Result<pb::RunStatus, DriverError> {
         let trace = request_trace();
         self.ask(run_id, |reply| RunEvent::SetPaused { paused, trace, reply })
             .await?

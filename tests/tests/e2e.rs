@@ -405,6 +405,53 @@ async fn bad_input_gets_its_status_and_changes_nothing() {
         .into_inner();
     assert!(!same.changed);
 
+    // Run and node ids are checked at the edge, by field; a well-formed id
+    // of nothing is NOT_FOUND. Abandoning nothing changes nothing.
+    let err = c
+        .explain_node(pb::ExplainNodeRequest {
+            run_id: "e2e".into(),
+            node_id: "W 0".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("node_id"), "{err:?}");
+    let err = c
+        .abandon_node(pb::AbandonNodeRequest {
+            run_id: "e2e".into(),
+            node_id: "".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("node_id"), "{err:?}");
+    let err = c
+        .explain_node(pb::ExplainNodeRequest {
+            run_id: "E2E!".into(),
+            node_id: "w-0".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("run_id"), "{err:?}");
+    let err = c
+        .abandon_node(pb::AbandonNodeRequest {
+            run_id: "e2e".into(),
+            node_id: "w-99".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    let err = c
+        .delete_run(pb::DeleteRunRequest {
+            run_id: "nothing".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    let now = get(&mut c).await;
+    assert_eq!((now.generation, &now.shape), (before.generation, &before.shape));
+
     // Apply to a deleting run is refused.
     c.delete_run(pb::DeleteRunRequest { run_id: "e2e".into() })
         .await
