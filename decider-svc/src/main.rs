@@ -59,5 +59,5 @@ async fn main() -> anyhow::Result<()> {
     };
     // Spans of the last calls are exported before the process ends.
     telemetry.shutdown().await;
-    result
+    Ok(result?)
 }

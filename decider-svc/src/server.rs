@@ -438,6 +438,17 @@ async fn serve_call(
     Ok(summary)
 }
 
+/// What can stop the decider's server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot set up gRPC reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("cannot set up TLS: {0}")]
+    Tls(#[from] contract::tls::TlsError),
+    #[error("the gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
 /// Serves the `Decider` service, standard gRPC health checking (the decider
 /// reported `SERVING` until `shutdown` resolves) and server reflection on
 /// `listener` in plaintext, until `shutdown` resolves and the calls in flight
@@ -446,7 +457,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
     config: Config,
-) -> anyhow::Result<()> {
+) -> Result<(), ServerError> {
     serve(listener, shutdown, config, &PeerPolicy::plaintext()).await
 }
 
@@ -457,7 +468,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
     config: Config,
     policy: &PeerPolicy,
-) -> anyhow::Result<()> {
+) -> Result<(), ServerError> {
     let (reporter, health, reflection) = health_and_reflection::<DeciderServer<DeciderService>>().await?;
     let shutdown = async move {
         shutdown.await;

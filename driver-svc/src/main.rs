@@ -285,7 +285,7 @@ async fn main() -> anyhow::Result<()> {
     .await;
     // Spans of the last passes are exported before the process ends.
     telemetry.shutdown().await;
-    result
+    Ok(result?)
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use tracing::Instrument as _;
 use crate::{
     api::Api,
     core::{Policy, RunStore},
-    driver::{Driver, DriverConfig},
+    driver::{Driver, DriverConfig, DriverError},
     link::Link,
     orphans::SweepConfig,
     replicas::Replicas,
@@ -67,12 +67,36 @@ pub struct Config {
 /// owners says nothing moved.
 const TAKEOVER_RESCAN: Duration = Duration::from_secs(2);
 
+/// What can stop the driver's server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot set up TLS: {0}")]
+    Tls(#[from] contract::tls::TlsError),
+    #[error("the listener: {0}")]
+    Listener(#[from] std::io::Error),
+    #[error("cannot start the driver: {0}")]
+    Driver(#[from] DriverError),
+    #[error("announcing this replica: {0}")]
+    Announce(String),
+    #[error("cannot set up gRPC reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("the gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// The replica's etcd lease is gone: its runs are stopped, and the
+    /// process exits non-zero so that its supervisor starts it afresh.
+    #[error(
+        "this driver replica lost its etcd lease: it stopped its runs (other replicas take them \
+         over) and exits so that its supervisor starts it afresh"
+    )]
+    LeaseLost,
+}
+
 /// Serves the driver on `listener` until `shutdown` resolves.
 pub async fn run(
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     config: Config,
-) -> anyhow::Result<()> {
+) -> Result<(), ServerError> {
     // With TLS each channel checks that its server is the service it wants
     // (the identity in its certificate), not only that the CA signed it.
     let decider_endpoint = config
@@ -121,7 +145,8 @@ pub async fn run(
             let announce = address.clone();
             tokio::task::spawn_blocking(move || announced.announce(&announce))
                 .await
-                .map_err(|e| anyhow::anyhow!("announcing this replica: {e}"))??;
+                .map_err(|e| ServerError::Announce(e.to_string()))?
+                .map_err(|e| ServerError::Announce(e.to_string()))?;
             tracing::info!(owner = replicas.owner_id(), %address, "driver replica announced");
             let taken = driver.take_over_unowned().await?;
             tracing::info!(runs = taken, "runs claimed at start");
@@ -226,11 +251,9 @@ pub async fn run(
         }
     }
     result?;
-    anyhow::ensure!(
-        !lost,
-        "this driver replica lost its etcd lease: it stopped its runs (other replicas take them \
-         over) and exits so that its supervisor starts it afresh"
-    );
+    if lost {
+        return Err(ServerError::LeaseLost);
+    }
     Ok(())
 }
 

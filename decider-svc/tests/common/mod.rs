@@ -38,7 +38,7 @@ pub fn trace() -> TraceContext {
 pub struct Server {
     pub addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<anyhow::Result<()>>,
+    task: JoinHandle<Result<(), decider_svc::server::ServerError>>,
 }
 
 impl Server {
