@@ -701,6 +701,26 @@ pub async fn watch_until(
         .map_err(|_| anyhow::anyhow!("timed out after {timeout:?} waiting on {run_id}"))?
 }
 
+/// Reads a watch already open until `done`, within `timeout`; the watch
+/// ending first, or failing, is an error.
+pub async fn read_watch(
+    watched: &mut tonic::Streaming<pb::RunStatus>,
+    timeout: Duration,
+    done: impl Fn(&pb::RunStatus) -> bool,
+) -> anyhow::Result<pb::RunStatus> {
+    let follow = async {
+        while let Some(s) = watched.message().await? {
+            if done(&s) {
+                return Ok(s);
+            }
+        }
+        anyhow::bail!("the watch ended")
+    };
+    tokio::time::timeout(timeout, follow)
+        .await
+        .map_err(|_| anyhow::anyhow!("the watch did not get there within {timeout:?}"))?
+}
+
 /// A TCP proxy whose connections can be cut, to break a stream without
 /// restarting either end. Its target can be set after it starts (so a service
 /// can be told the proxy's address before the proxied service exists);

@@ -47,7 +47,9 @@ use contract::{
 };
 use provisioning_tests::{
     etcd::{self, Etcd, EtcdMembers, PREFIX},
-    procs::{AgentsDir, Cluster, ClusterOptions, Sampler, Service, bin_path, live_agent_pids, watch_until},
+    procs::{
+        self, AgentsDir, Cluster, ClusterOptions, Sampler, Service, bin_path, live_agent_pids, watch_until,
+    },
     shapes::{shape, with_template},
 };
 use tonic::{Code, transport::Channel};
@@ -890,16 +892,7 @@ async fn read_watch(
     watched: &mut tonic::Streaming<pb::RunStatus>,
     done: impl Fn(&pb::RunStatus) -> bool,
 ) -> pb::RunStatus {
-    tokio::time::timeout(CONVERGE, async {
-        while let Some(s) = watched.message().await.unwrap() {
-            if done(&s) {
-                return s;
-            }
-        }
-        panic!("the watch ended");
-    })
-    .await
-    .unwrap()
+    procs::read_watch(watched, CONVERGE, done).await.unwrap()
 }
 
 fn signal(sig: &str, pid: u32) {

@@ -27,7 +27,7 @@ use driver_svc::{
     server::{Config, run},
 };
 use provisioning_tests::{
-    procs::{Cluster, ClusterOptions},
+    procs::{self, Cluster, ClusterOptions},
     shapes::shape,
 };
 
@@ -74,20 +74,12 @@ impl RunStore for FlakyStore {
     }
 }
 
+/// The run converges without waiting out an operation's deadline.
 async fn read_watch(
     watched: &mut tonic::Streaming<pb::RunStatus>,
     done: impl Fn(&pb::RunStatus) -> bool,
 ) -> pb::RunStatus {
-    tokio::time::timeout(CONVERGE, async {
-        while let Some(s) = watched.message().await.unwrap() {
-            if done(&s) {
-                return s;
-            }
-        }
-        panic!("the watch ended");
-    })
-    .await
-    .expect("the run converges without waiting out an operation's deadline")
+    procs::read_watch(watched, CONVERGE, done).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
