@@ -4,7 +4,10 @@
 //! executor messages, link changes, the decider's answers and its own timers.
 //! After each batch of events it commits what changed (releasing the
 //! acknowledgements of committed folds), starts a pass if one is wanted and none
-//! is running, and publishes the run's status. Passes follow work-queue rules:
+//! is running, and publishes the run's status. Every commit is persisted from
+//! this task, off the async workers when the store may block
+//! ([`RunActor::persist`]): runs commit concurrently, and a pass's operations
+//! and a batch's acknowledgements go out only once their commit is durable. Passes follow work-queue rules:
 //! one at a time; triggers while one is queued collapse (a pass is wanted when
 //! anything is dirty or due, however many events made it so); a trigger during a
 //! pass leaves a node dirty, which guarantees exactly one follow-up pass.
@@ -27,7 +30,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{Instrument as _, field::Empty};
 
 use crate::{
-    core::{AbandonedNode, AckRef, Applied, ApplyError, CoreError, Fold, OrphanResource, PassPlan, RunState},
+    core::{
+        AbandonedNode, AckRef, Applied, ApplyError, Commit, Fold, OrphanResource, PassPlan, Released,
+        RunState, StoreError,
+    },
     crash,
     driver::{DriverError, QUEUE, Shared},
     events::{In, RunEvents, Verdict},
@@ -106,6 +112,15 @@ pub enum RunEvent {
     Shutdown {
         done: oneshot::Sender<()>,
     },
+}
+
+/// Why a pass's decisions were not carried out.
+#[derive(Debug, thiserror::Error)]
+enum PassError {
+    #[error(transparent)]
+    Core(#[from] crate::core::CoreError),
+    #[error("the store refused the pass's write: {0}")]
+    Store(StoreError),
 }
 
 /// A handle to a run's actor.
@@ -265,24 +280,24 @@ impl RunActor {
             tokio::select! {
                 ev = self.rx.recv() => {
                     let Some(ev) = ev else { break };
-                    self.handle(ev);
+                    self.handle(ev).await;
                     // Drain what else is queued: one commit and one pass for the batch.
                     while let Ok(ev) = self.rx.try_recv() {
-                        self.handle(ev);
+                        self.handle(ev).await;
                     }
                 }
                 () = tokio::time::sleep(sleep) => self.on_timer(),
             }
-            let _ = self.commit();
+            let _ = self.commit().await;
             if self.stopping.is_some() && !self.pass_in_flight {
-                self.stop();
+                self.stop().await;
                 break;
             }
             self.maybe_pass();
             self.settle_deadline_folds();
             self.publish();
             if self.run.is_gone() {
-                self.finish();
+                self.finish().await;
                 break;
             }
         }
@@ -293,8 +308,8 @@ impl RunActor {
     /// executor's spans under them keep their parent in the exported trace.
     /// After a restart the operations are resubmitted under the pass that
     /// dispatched them.
-    fn stop(&mut self) {
-        let _ = self.commit();
+    async fn stop(&mut self) {
+        let _ = self.commit().await;
         let now = self.now();
         let left: Vec<OperationId> = self.in_flight.keys().copied().collect();
         for id in left {
@@ -392,7 +407,7 @@ impl RunActor {
         self.want();
     }
 
-    fn handle(&mut self, ev: RunEvent) {
+    async fn handle(&mut self, ev: RunEvent) {
         let now = self.now();
         match ev {
             RunEvent::Apply { shape, trace, reply } => {
@@ -412,7 +427,7 @@ impl RunActor {
                     // The accepted shape is stored before the client hears so.
                     Ok(Applied::Changed) => {
                         self.request_changed(trace);
-                        let committed = self.commit().map(|()| Applied::Changed);
+                        let committed = self.commit().await.map(|()| Applied::Changed);
                         if committed.is_ok() {
                             crash::hit(crash::Point::ApplyCommitted);
                         }
@@ -429,7 +444,7 @@ impl RunActor {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None if self.run.delete() => {
                         self.request_changed(trace);
-                        let committed = self.commit();
+                        let committed = self.commit().await;
                         if committed.is_ok() {
                             crash::hit(crash::Point::DeleteCommitted);
                         }
@@ -448,7 +463,7 @@ impl RunActor {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None if self.run.set_paused(paused) => {
                         self.request_changed(trace);
-                        self.commit()
+                        self.commit().await
                     }
                     None => Ok(()),
                 };
@@ -485,7 +500,7 @@ impl RunActor {
                                 self.close_operation(id, "abandoned", now);
                             }
                             self.triggered();
-                            self.commit().map(|()| Some(left))
+                            self.commit().await.map(|()| Some(left))
                         }
                         None => Ok(None),
                     },
@@ -511,7 +526,7 @@ impl RunActor {
                             // Recorded before the sweep hears so; the pass
                             // that cleans them up follows.
                             self.triggered();
-                            self.commit().map(|()| adopted)
+                            self.commit().await.map(|()| adopted)
                         } else {
                             Ok(adopted)
                         }
@@ -523,7 +538,7 @@ impl RunActor {
             RunEvent::FromExecutor(msg) => self.on_executor_message(msg, now),
             RunEvent::LinkUp(generation) => self.link_up(generation),
             RunEvent::LinkDown => self.link = None,
-            RunEvent::Decided { plan, result } => self.decided(plan, result, now),
+            RunEvent::Decided { plan, result } => self.decided(plan, result, now).await,
             RunEvent::Shutdown { done } => self.stopping = Some(done),
         }
     }
@@ -829,7 +844,7 @@ impl RunActor {
         }
     }
 
-    fn decided(&mut self, plan: PassPlan, result: Result<DecideOutput, DecideError>, now: UnixMillis) {
+    async fn decided(&mut self, plan: PassPlan, result: Result<DecideOutput, DecideError>, now: UnixMillis) {
         self.pass_in_flight = false;
         let mut span = self.pass_span.take().unwrap_or_else(tracing::Span::none);
         let speculative = std::mem::take(&mut self.pass_speculative);
@@ -858,22 +873,27 @@ impl RunActor {
                     // from here on (its Decide call went untraced).
                     span = self.new_pass_span(&plan, false);
                 }
-                let _entered = span.enter();
                 // Operations dispatched by this pass carry its trace, so
                 // their results, folds and resubmissions link back to it.
                 self.run.set_pass_trace(telemetry::context_of(&span));
                 let requeue_after = out.requeue_at.is_some();
                 let was_converged = self.run.meta().converged_at.is_some();
                 let cx = self.events.pass_context(&self.run, &plan, &out);
-                let outcome = {
-                    let mut store = match self.shared.store.lock() {
-                        Ok(s) => s,
-                        Err(poisoned) => poisoned.into_inner(),
-                    };
-                    self.run.apply_decisions(plan, out, now, &mut **store)
+                let outcome = span.in_scope(|| self.run.apply_decisions(plan, out, now));
+                // Recorded pending, then made durable, then dispatched.
+                let outcome = match outcome {
+                    Ok(mut outcome) => {
+                        let commit = outcome.take_commit();
+                        let persisted = self.persist(commit).instrument(span.clone()).await;
+                        persisted
+                            .map(|released| (outcome, released))
+                            .map_err(PassError::Store)
+                    }
+                    Err(e) => Err(PassError::Core(e)),
                 };
+                let _entered = span.enter();
                 match outcome {
-                    Ok(outcome) => {
+                    Ok((outcome, released)) => {
                         self.events.pass_decided(cx, &self.run, now, &outcome);
                         self.shared.metrics.pass(&outcome);
                         let result = if outcome.follow_up {
@@ -898,21 +918,23 @@ impl RunActor {
                                 "run converged"
                             );
                         }
-                        self.acks.extend(outcome.acks);
-                        if !outcome.operations.is_empty() {
+                        self.acks.extend(released.acks);
+                        let ops = released.operations;
+                        if !ops.is_empty() {
                             crash::hit(if self.run.meta().deleting {
                                 crash::Point::DeletingRecorded
                             } else {
                                 crash::Point::PassRecorded
                             });
                         }
-                        for (i, op) in outcome.operations.iter().enumerate() {
+                        self.shared.metrics.dispatched(&ops);
+                        for (i, op) in ops.iter().enumerate() {
                             self.dispatch(op, now);
-                            if i == 0 && outcome.operations.len() > 1 {
+                            if i == 0 && ops.len() > 1 {
                                 crash::hit(crash::Point::PassDispatchedOne);
                             }
                         }
-                        if !outcome.operations.is_empty() {
+                        if !ops.is_empty() {
                             crash::hit(crash::Point::PassDispatched);
                         }
                         self.changed = true;
@@ -925,7 +947,7 @@ impl RunActor {
                         e.reconcile.inc(&["error"]);
                         e.reconcile_errors.inc(&["apply"]);
                         tracing::error!(run = %self.run.run_id(), error = %err, "applying decisions failed");
-                        if let CoreError::Store(store) = &err {
+                        if let PassError::Store(store) = &err {
                             // The decisions are applied in memory and not
                             // stored, and the operations they recorded were
                             // not dispatched: the run is ahead of the store,
@@ -1064,24 +1086,19 @@ impl RunActor {
     /// state may be ahead of the store, so nothing more is dispatched,
     /// acknowledged or accepted for it until the driver has reloaded it from
     /// the store ([`crate::driver::Driver::reload`]).
-    fn commit(&mut self) -> Result<(), DriverError> {
+    async fn commit(&mut self) -> Result<(), DriverError> {
         if let Some(why) = &self.halted {
             return Err(DriverError::Halted(why.clone()));
         }
         let dirty = self.events.dirty(&self.run);
-        let acks = {
-            let mut store = match self.shared.store.lock() {
-                Ok(s) => s,
-                Err(poisoned) => poisoned.into_inner(),
-            };
-            self.run.commit(&mut **store)
-        };
-        match acks {
-            Ok(acks) => {
-                if !acks.is_empty() {
+        let commit = self.run.take_commit();
+        match self.persist(commit).await {
+            Ok(released) => {
+                debug_assert!(released.operations.is_empty(), "only a pass records operations");
+                if !released.acks.is_empty() {
                     crash::hit(crash::Point::FoldCommitted);
                 }
-                self.acks.extend(acks);
+                self.acks.extend(released.acks);
             }
             Err(e) => {
                 self.halt(format!("the store refused a write: {e}"));
@@ -1093,6 +1110,23 @@ impl RunActor {
         self.send_acks();
         self.send_replays();
         Ok(())
+    }
+
+    /// Makes a commit durable and releases what it held. A store that may
+    /// block is written on the blocking pool: this run waits for its own
+    /// commit, and every other run goes on with its passes and commits.
+    async fn persist(&self, commit: Commit) -> Result<Released, StoreError> {
+        let store = self.shared.store.clone();
+        if commit.delta().is_empty() || !store.blocks() {
+            return store.persist(commit);
+        }
+        let (delta, held) = commit.into_parts();
+        match tokio::task::spawn_blocking(move || store.commit(&delta)).await {
+            Ok(written) => written.map(|()| held.durable()),
+            Err(e) => Err(StoreError::Unavailable(format!(
+                "the store's writer stopped: {e}"
+            ))),
+        }
     }
 
     fn halt(&mut self, why: String) {
@@ -1253,9 +1287,9 @@ impl RunActor {
         self.status.send_replace(Arc::new(status));
     }
 
-    fn finish(&mut self) {
+    async fn finish(&mut self) {
         let uid = self.run.uid();
-        let _ = self.commit();
+        let _ = self.commit().await;
         let now = self.now();
         let left: Vec<OperationId> = self.in_flight.keys().copied().collect();
         for id in left {
@@ -1287,7 +1321,7 @@ impl RunActor {
 fn record_pass(span: &tracing::Span, o: &crate::core::PassOutcome, result: &str) {
     let actions: u32 = o.actions_by_rule.iter().sum();
     span.record("provisioning.pass.actions", actions);
-    span.record("provisioning.pass.operations", o.operations.len());
+    span.record("provisioning.pass.operations", o.operations);
     span.record("provisioning.pass.transitions", o.transitions);
     span.record("provisioning.pass.stale", o.stale);
     span.record("provisioning.pass.result", result);

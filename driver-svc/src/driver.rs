@@ -3,7 +3,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    sync::{Arc, Mutex, RwLock, atomic::AtomicU64, atomic::Ordering},
+    sync::{Arc, RwLock, atomic::AtomicU64, atomic::Ordering},
     time::Duration,
 };
 
@@ -232,7 +232,7 @@ impl Metrics {
     pub(crate) fn pass(&self, o: &PassOutcome) {
         self.passes.fetch_add(1, Ordering::Relaxed);
         self.operations
-            .fetch_add(o.operations.len() as u64, Ordering::Relaxed);
+            .fetch_add(u64::from(o.operations), Ordering::Relaxed);
         self.transitions
             .fetch_add(u64::from(o.transitions), Ordering::Relaxed);
         self.stale_decisions
@@ -248,8 +248,12 @@ impl Metrics {
                     .add(&[&rule.number().to_string(), rule_name(*rule)], u64::from(n));
             }
         }
-        for op in &o.operations {
-            e.dispatched.inc(&[op.input.effect().name()]);
+    }
+
+    /// Operations a durable pass released for dispatch.
+    pub(crate) fn dispatched(&self, ops: &[contract::Operation]) {
+        for op in ops {
+            self.exported.dispatched.inc(&[op.input.effect().name()]);
         }
     }
 
@@ -326,7 +330,8 @@ fn phase_name(p: pb::RunPhase) -> &'static str {
 }
 
 pub(crate) struct Shared {
-    pub(crate) store: Mutex<Box<dyn RunStore>>,
+    /// Taken by every run's actor at once: each persists its own commits.
+    pub(crate) store: Arc<dyn RunStore>,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) link: Link,
     pub(crate) decider: DeciderClient<TracedChannel>,
@@ -487,22 +492,6 @@ async fn blocking<T: Send + 'static>(
         .map_err(DriverError::Store)
 }
 
-/// A core error as the client hears of it: a store's failure as the store's,
-/// a used-up id space as exhaustion (not as something to retry), the rest as
-/// the driver's own fault.
-fn store_error(e: crate::core::CoreError) -> DriverError {
-    use crate::core::CoreError;
-    match e {
-        CoreError::Store(s) => DriverError::Store(s),
-        e @ (CoreError::AttemptsExhausted | CoreError::SequenceExhausted(_)) => {
-            DriverError::Exhausted(e.to_string())
-        }
-        e @ (CoreError::Clock(_) | CoreError::PassInProgress | CoreError::NoPass) => {
-            DriverError::Internal(e.to_string())
-        }
-    }
-}
-
 impl Driver {
     /// Builds the driver and restores every stored run under a new epoch.
     pub fn start(config: DriverConfig) -> Result<Self, DriverError> {
@@ -513,7 +502,7 @@ impl Driver {
         };
         let (reloads, reload_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
-            store: Mutex::new(config.store),
+            store: Arc::from(config.store),
             clock: config.clock,
             link: config.link,
             decider: config.decider,
@@ -536,6 +525,15 @@ impl Driver {
         Ok(driver)
     }
 
+    /// Persists what a run without an actor yet (created, restored or
+    /// reclaimed) changed. Such a run has dispatched nothing and folded
+    /// nothing, so its commit holds nothing back.
+    fn persist_actorless(&self, run: &mut RunState) -> Result<(), DriverError> {
+        let released = self.shared.store.persist(run.take_commit())?;
+        debug_assert!(released.operations.is_empty() && released.acks.is_empty());
+        Ok(())
+    }
+
     /// Restores a stored run under a new, strictly larger epoch, made durable
     /// before the run's actor can claim it at the executor (and so fence
     /// whatever an earlier owner still has in flight there); the actor then
@@ -553,10 +551,7 @@ impl Driver {
             .next()
             .ok_or_else(|| DriverError::Exhausted(format!("epoch of run {} exhausted", s.meta.run_id)))?;
         let mut run = RunState::restore(s, epoch, self.shared.policy.clone());
-        {
-            let mut store = self.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
-            run.commit(&mut **store).map_err(store_error)?;
-        }
+        self.persist_actorless(&mut run)?;
         tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(),
             reclaim = run.is_reclaim(), "run restored");
         Ok(run)
@@ -599,15 +594,8 @@ impl Driver {
         } else if let Some(replicas) = self.shared.replicas.clone() {
             blocking(move || replicas.load(uid)).await?
         } else {
-            let shared = self.shared.clone();
-            blocking(move || {
-                let store = shared
-                    .store
-                    .lock()
-                    .map_err(|_| StoreError::Unavailable("the store's lock is poisoned".into()))?;
-                store.load_run(uid)
-            })
-            .await?
+            let store = self.shared.store.clone();
+            blocking(move || store.load_run(uid)).await?
         };
         let run = match stored {
             Some(s) => Some(self.restored(s)?),
@@ -813,11 +801,7 @@ impl Driver {
         let now = self.shared.clock.now();
         let uid = fresh_uid();
         let mut run = RunState::create(shape, uid, Epoch::new(1), self.shared.policy.clone(), now)?;
-        let committed = {
-            let mut store = self.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
-            run.commit(&mut **store).map_err(store_error)
-        };
-        if let Err(e) = committed {
+        if let Err(e) = self.persist_actorless(&mut run) {
             // The fresh uid's ownership claim is of no use now.
             if let Some(r) = &self.shared.replicas
                 && let Err(release) = r.release(uid)
@@ -1145,10 +1129,7 @@ impl Driver {
         if !adopted.iter().any(|a| *a) {
             return Ok(adopted);
         }
-        {
-            let mut store = self.shared.store.lock().map_err(|_| DriverError::ActorGone)?;
-            run.commit(&mut **store).map_err(store_error)?;
-        }
+        self.persist_actorless(&mut run)?;
         tracing::warn!(run = %run.run_id(), run_uid = %uid, %epoch, nodes = run.node_count(),
             "reclaim run recorded: destroying the orphans of a run the driver no longer has");
         let handle = RunActor::spawn(run, self.shared.clone(), contract::TraceContext::default());
@@ -1216,33 +1197,4 @@ fn orphan_resource(r: &pb::Resource) -> Result<OrphanResource, contract::FieldEr
             .transpose()?,
         session_live: r.session_live,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use contract::{ClockSaturated, UnixMillis};
-
-    use super::*;
-    use crate::core::CoreError;
-
-    #[test]
-    fn a_used_up_id_space_is_exhaustion_and_a_broken_rule_internal_not_a_store_outage() {
-        assert!(matches!(
-            store_error(CoreError::AttemptsExhausted),
-            DriverError::Exhausted(_)
-        ));
-        let saturated = ClockSaturated {
-            at: UnixMillis::MAX,
-            by: Duration::from_secs(1),
-        };
-        assert!(matches!(
-            store_error(CoreError::Clock(saturated)),
-            DriverError::Internal(_)
-        ));
-        assert!(matches!(store_error(CoreError::NoPass), DriverError::Internal(_)));
-        assert!(matches!(
-            store_error(CoreError::Store(StoreError::Unavailable("down".into()))),
-            DriverError::Store(StoreError::Unavailable(_))
-        ));
-    }
 }

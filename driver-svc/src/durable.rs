@@ -301,7 +301,7 @@ pub(crate) fn decode_node(sealer: &Sealer, bytes: &[u8]) -> Result<NodeRecord, S
 }
 
 impl RunStore for RedbStore {
-    fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError> {
+    fn commit(&self, delta: &RunDelta) -> Result<(), StoreError> {
         let uid = delta.uid.to_string();
         let txn = self.db.begin_write().map_err(unavailable)?;
         {
@@ -408,14 +408,15 @@ mod tests {
         s
     }
 
-    fn drive(run: &mut RunState, store: &mut dyn RunStore, now: UnixMillis) {
+    fn drive(run: &mut RunState, store: &dyn RunStore, now: UnixMillis) {
         for _ in 0..2 {
             let plan = run.begin_pass(now).unwrap();
             let out = {
                 let view = run.desired_view();
                 decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
             };
-            let _ = run.apply_decisions(plan, out, now, store).unwrap();
+            let mut outcome = run.apply_decisions(plan, out, now).unwrap();
+            let _ = store.persist(outcome.take_commit()).unwrap();
         }
     }
 
@@ -424,13 +425,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let now = UnixMillis::new(1_700_000_000_000);
         let policy = Arc::new(Policy::default());
-        let mut durable = RedbStore::open(dir.path()).unwrap();
-        let mut mem = MemStore::new();
+        let durable = RedbStore::open(dir.path()).unwrap();
+        let mem = MemStore::new();
         let mut a =
             RunState::create(shape(1), RunUid::from_u128(9), Epoch::new(3), policy.clone(), now).unwrap();
         let mut b = a.clone();
-        drive(&mut a, &mut durable, now);
-        drive(&mut b, &mut mem, now);
+        drive(&mut a, &durable, now);
+        drive(&mut b, &mem, now);
         assert_eq!(durable.load_all().unwrap(), mem.load_all().unwrap());
         drop(durable);
 
@@ -451,7 +452,7 @@ mod tests {
     fn a_dropped_run_leaves_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let now = UnixMillis::new(1_700_000_000_000);
-        let mut store = RedbStore::open(dir.path()).unwrap();
+        let store = RedbStore::open(dir.path()).unwrap();
         let mut run = RunState::create(
             shape(1),
             RunUid::from_u128(5),
@@ -460,7 +461,7 @@ mod tests {
             now,
         )
         .unwrap();
-        drive(&mut run, &mut store, now);
+        drive(&mut run, &store, now);
         let mut delta = RunDelta::new(RunUid::from_u128(5));
         delta.drop_run = true;
         store.commit(&delta).unwrap();
@@ -474,7 +475,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let now = UnixMillis::new(1_700_000_000_000);
         {
-            let mut store = RedbStore::open(dir.path()).unwrap();
+            let store = RedbStore::open(dir.path()).unwrap();
             let mut run = RunState::create(
                 shape(1),
                 RunUid::from_u128(5),
@@ -483,7 +484,7 @@ mod tests {
                 now,
             )
             .unwrap();
-            drive(&mut run, &mut store, now);
+            drive(&mut run, &store, now);
         }
         let path = dir.path().join(FILE_NAME);
         let len = std::fs::metadata(&path).unwrap().len();
@@ -510,7 +511,7 @@ mod tests {
         let now = UnixMillis::new(1_700_000_000_000);
         let key = || Sealer::new(Some(SecretKey::from_bytes(&[3u8; 32]).unwrap()));
         let written = {
-            let mut store = RedbStore::open_sealed(dir.path(), key()).unwrap();
+            let store = RedbStore::open_sealed(dir.path(), key()).unwrap();
             let mut run = RunState::create(
                 shape(1),
                 RunUid::from_u128(5),
@@ -520,7 +521,7 @@ mod tests {
             )
             .unwrap();
             // Two passes: templates in node records and creates in flight.
-            drive(&mut run, &mut store, now);
+            drive(&mut run, &store, now);
             store.load_all().unwrap()
         };
         let token = &written[0].meta.shape.groups[0].template.boot["token"];

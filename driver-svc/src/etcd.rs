@@ -1177,7 +1177,7 @@ impl EtcdStore {
 type NodeValues<'a> = Vec<(String, &'a [u8])>;
 
 impl RunStore for EtcdStore {
-    fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError> {
+    fn commit(&self, delta: &RunDelta) -> Result<(), StoreError> {
         self.check_live()?;
         // A second attempt only after the node generation was found moved
         // (the cached one was stale).

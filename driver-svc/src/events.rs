@@ -233,7 +233,7 @@ impl RunEvents {
             stale_answer: cx.stale_answer,
             decisions: cx.decisions.iter().map(DecisionRec::of).collect(),
             actions: o.actions_by_rule.iter().sum(),
-            operations: u32::try_from(o.operations.len()).unwrap_or(u32::MAX),
+            operations: o.operations,
             transitions: o.transitions,
             stale: o.stale,
             changes: Self::changes(cx.before, run),

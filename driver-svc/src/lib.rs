@@ -19,7 +19,7 @@ pub mod actor;
 pub mod api;
 pub mod auth;
 pub mod client;
-pub mod core;
+pub use driver_core as core;
 pub mod crash;
 pub mod driver;
 pub mod durable;

@@ -12,7 +12,8 @@ use contract::{
     wire::shape_from_wire,
 };
 use driver_svc::core::{
-    Applied, ApplyError, CoreError, Discard, Fold, MemStore, PassOutcome, Policy, RunState, RunStore,
+    AckRef, Applied, ApplyError, CoreError, Discard, Fold, MemStore, PassOutcome, Policy, RunState, RunStore,
+    StoreError,
 };
 
 const T0: UnixMillis = UnixMillis::new(1_700_000_000_000);
@@ -55,19 +56,40 @@ fn policy() -> Arc<Policy> {
 /// A run with nodes, one pass in (so there is state to keep unchanged).
 fn run_with_nodes() -> (RunState, MemStore) {
     let mut run = RunState::create(shape(3), UID, Epoch::new(1), policy(), T0).unwrap();
-    let mut store = MemStore::new();
-    let _ = pass(&mut run, &mut store, T0);
-    let _ = pass(&mut run, &mut store, T0);
+    let store = MemStore::new();
+    let _ = pass(&mut run, &store, T0);
+    let _ = pass(&mut run, &store, T0);
     (run, store)
 }
 
-fn pass(run: &mut RunState, store: &mut MemStore, now: UnixMillis) -> PassOutcome {
+/// A pass, persisted: its counts and what its commit released.
+#[derive(Debug)]
+struct Passed {
+    outcome: PassOutcome,
+    operations: Vec<contract::Operation>,
+    acks: Vec<AckRef>,
+}
+
+impl std::ops::Deref for Passed {
+    type Target = PassOutcome;
+    fn deref(&self) -> &PassOutcome {
+        &self.outcome
+    }
+}
+
+fn pass(run: &mut RunState, store: &MemStore, now: UnixMillis) -> Passed {
     let plan = run.begin_pass(now).unwrap();
     let out = {
         let view = run.desired_view();
         decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
     };
-    run.apply_decisions(plan, out, now, store).unwrap()
+    let mut outcome = run.apply_decisions(plan, out, now).unwrap();
+    let released = store.persist(outcome.take_commit()).unwrap();
+    Passed {
+        outcome,
+        operations: released.operations,
+        acks: released.acks,
+    }
 }
 
 /// What must not change: the shape, the meta, every node.
@@ -240,11 +262,11 @@ fn result(run: &RunState, id: &str, outcome: Outcome) -> OperationResult {
 #[test]
 fn operations_are_recorded_and_committed_before_they_are_returned() {
     let mut run = RunState::create(shape(1), UID, Epoch::new(7), policy(), T0).unwrap();
-    let mut store = MemStore::new();
-    let first = pass(&mut run, &mut store, T0);
+    let store = MemStore::new();
+    let first = pass(&mut run, &store, T0);
     assert_eq!(first.transitions, 5, "five inserts");
     assert!(first.follow_up);
-    let second = pass(&mut run, &mut store, T0);
+    let second = pass(&mut run, &store, T0);
     assert_eq!(second.operations.len(), 5);
     let stored = store.load_all().unwrap();
     for op in &second.operations {
@@ -262,13 +284,55 @@ fn operations_are_recorded_and_committed_before_they_are_returned() {
         assert_eq!(rec.inflight.as_deref(), Some(op));
     }
     // One pending operation per node: another pass dispatches nothing new.
-    let third = pass(&mut run, &mut store, T0);
+    let third = pass(&mut run, &store, T0);
     assert!(third.operations.is_empty());
 }
 
 #[test]
+fn a_pass_holds_its_operations_until_its_commit_is_durable() {
+    let mut run = RunState::create(shape(1), UID, Epoch::new(1), policy(), T0).unwrap();
+    let store = MemStore::new();
+    let _ = pass(&mut run, &store, T0);
+    let plan = run.begin_pass(T0).unwrap();
+    let out = {
+        let view = run.desired_view();
+        decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), T0)
+    };
+    let mut outcome = run.apply_decisions(plan, out, T0).unwrap();
+    let commit = outcome.take_commit();
+    assert_eq!(outcome.operations, 5, "the counts stay with the outcome");
+    assert_eq!(commit.operations().len(), 5);
+    // Every operation the commit holds is recorded pending in its delta.
+    for op in commit.operations() {
+        let rec = commit
+            .delta()
+            .upserts
+            .iter()
+            .find(|r| r.node.id == op.node)
+            .unwrap();
+        assert_eq!(rec.node.pending.map(|p| p.id), Some(op.id));
+        assert_eq!(rec.inflight.as_deref(), Some(op));
+    }
+    // A store that refuses the write releases nothing.
+    let refused = commit
+        .clone()
+        .persist(|_| Err(StoreError::Unavailable("refused".into())));
+    assert!(refused.is_err());
+    // One that takes it releases the operations, and only then.
+    let mut written = 0;
+    let released = commit
+        .persist(|delta| {
+            written = delta.upserts.len();
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(written, 5);
+    assert_eq!(released.operations.len(), 5);
+}
+
+#[test]
 fn folding_discards_what_it_must() {
-    let (mut run, mut store) = run_with_nodes();
+    let (mut run, store) = run_with_nodes();
     let ok = result(
         &run,
         "workers-0",
@@ -324,13 +388,13 @@ fn folding_discards_what_it_must() {
         Fold::Discarded(Discard::UnknownOperation)
     );
     // Acknowledgements are released only by a commit.
-    let acks = run.commit(&mut store).unwrap();
+    let acks = store.persist(run.take_commit()).unwrap().acks;
     assert!(!acks.is_empty());
 }
 
 #[test]
 fn not_ready_is_a_probe_and_failures_back_off() {
-    let (mut run, mut store) = run_with_nodes();
+    let (mut run, store) = run_with_nodes();
     let lease = contract::LeaseId::new("l", "lease-1").unwrap();
     let created = result(
         &run,
@@ -341,7 +405,7 @@ fn not_ready_is_a_probe_and_failures_back_off() {
         }),
     );
     let _ = run.fold_result(&created, T0).unwrap();
-    let _ = pass(&mut run, &mut store, T0);
+    let _ = pass(&mut run, &store, T0);
     let n = run.node(&node("workers-1")).unwrap();
     assert_eq!(n.pending.unwrap().effect, Effect::LookupEndpoint);
     let not_ready = result(
@@ -377,7 +441,7 @@ fn not_ready_is_a_probe_and_failures_back_off() {
 
 #[test]
 fn an_operation_past_its_deadline_and_grace_folds_as_ambiguous() {
-    let (mut run, mut store) = run_with_nodes();
+    let (mut run, store) = run_with_nodes();
     let p = run.node(&node("ctrl-0")).unwrap().pending.unwrap();
     let grace = Policy::default().result_grace;
     let just_before = UnixMillis::new(p.deadline.as_millis() + grace.as_millis() as u64 - 1);
@@ -414,7 +478,7 @@ fn an_operation_past_its_deadline_and_grace_folds_as_ambiguous() {
     // The next pass re-issues the create (so the executor adopts).
     let n = run.node(&node("ctrl-0")).unwrap();
     let retry_at = n.retry.next_effect_at.unwrap();
-    let out = pass(&mut run, &mut store, retry_at);
+    let out = pass(&mut run, &store, retry_at);
     assert!(
         out.operations
             .iter()
@@ -429,9 +493,9 @@ fn a_stage_deadline_fails_the_attempt() {
         ..Policy::default()
     });
     let mut run = RunState::create(shape(1), UID, Epoch::new(1), policy, T0).unwrap();
-    let mut store = MemStore::new();
-    let _ = pass(&mut run, &mut store, T0);
-    let _ = pass(&mut run, &mut store, T0);
+    let store = MemStore::new();
+    let _ = pass(&mut run, &store, T0);
+    let _ = pass(&mut run, &store, T0);
     let created = result(
         &run,
         "ctrl-0",
@@ -456,7 +520,7 @@ fn a_stage_deadline_fails_the_attempt() {
 
 #[test]
 fn observations_fold_only_into_the_session_they_name() {
-    let (mut run, mut store) = run_with_nodes();
+    let (mut run, store) = run_with_nodes();
     let id = "workers-0";
     let created = result(
         &run,
@@ -468,7 +532,7 @@ fn observations_fold_only_into_the_session_they_name() {
         }),
     );
     let _ = run.fold_result(&created, T0).unwrap();
-    let _ = pass(&mut run, &mut store, T0);
+    let _ = pass(&mut run, &store, T0);
     let attempt = run.node(&node(id)).unwrap().attempt;
     let session = contract::SessionId::new("s", "sess-1").unwrap();
     let obs = |seq, stage| Observation {
@@ -521,7 +585,7 @@ fn observations_fold_only_into_the_session_they_name() {
     );
     assert_eq!(run.node(&node(id)).unwrap().stage, NodeStage::Joined);
     // Convergence is a driver transition: the node becomes ready.
-    let _ = pass(&mut run, &mut store, T0);
+    let _ = pass(&mut run, &store, T0);
     let n = run.node(&node(id)).unwrap();
     assert_eq!(n.stage, NodeStage::Dormant);
     assert_eq!(n.retry.consecutive_failures, 0);
@@ -531,9 +595,9 @@ fn observations_fold_only_into_the_session_they_name() {
 #[test]
 fn clock_saturation_is_an_error_not_a_panic_or_a_spin() {
     let mut run = RunState::create(shape(1), UID, Epoch::new(1), policy(), T0).unwrap();
-    let mut store = MemStore::new();
+    let store = MemStore::new();
     let near_end = UnixMillis::new(u64::MAX - 10);
-    let _ = pass(&mut run, &mut store, near_end);
+    let _ = pass(&mut run, &store, near_end);
     let before = fingerprint(&run);
     // Dispatching needs a deadline that does not fit: the pass errors.
     let plan = run.begin_pass(near_end).unwrap();
@@ -541,7 +605,7 @@ fn clock_saturation_is_an_error_not_a_panic_or_a_spin() {
         let view = run.desired_view();
         decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), near_end)
     };
-    let err = run.apply_decisions(plan, out, near_end, &mut store).unwrap_err();
+    let err = run.apply_decisions(plan, out, near_end).unwrap_err();
     assert!(matches!(err, CoreError::Clock(_)), "{err:?}");
     // No operation was recorded for the node whose deadline overflowed.
     assert!(run.nodes().all(|n| n.pending.is_none()), "{before}");
@@ -551,7 +615,7 @@ fn clock_saturation_is_an_error_not_a_panic_or_a_spin() {
 
 #[test]
 fn a_pass_applies_decisions_only_to_the_state_they_were_made_from() {
-    let (mut run, mut store) = run_with_nodes();
+    let (mut run, store) = run_with_nodes();
     run.mark_all_dirty();
     let plan = run.begin_pass(T0).unwrap();
     // A result folds while the decider is deciding.
@@ -568,12 +632,13 @@ fn a_pass_applies_decisions_only_to_the_state_they_were_made_from() {
         decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), T0)
     };
     let _ = run.fold_result(&created, T0).unwrap();
-    let outcome = run.apply_decisions(plan, out, T0, &mut store).unwrap();
+    let mut outcome = run.apply_decisions(plan, out, T0).unwrap();
+    let _ = store.persist(outcome.take_commit()).unwrap();
     // The decision for workers-2 was made before the fold: skipped, and a
     // follow-up pass is requested.
     assert!(outcome.stale >= 1 && outcome.follow_up, "{outcome:?}");
     assert!(run.needs_pass(T0));
-    let next = pass(&mut run, &mut store, T0);
+    let next = pass(&mut run, &store, T0);
     assert!(
         next.operations
             .iter()
@@ -605,7 +670,7 @@ fn an_orphan_of_a_gone_run_is_destroyed_through_the_deletion_path() {
         policy(),
         T0,
     );
-    let mut store = MemStore::new();
+    let store = MemStore::new();
     assert!(run.is_reclaim() && run.is_deleting());
     assert!(run.adopt_orphan(&orphan("workers-7", 3, true)));
     assert!(
@@ -615,7 +680,7 @@ fn an_orphan_of_a_gone_run_is_destroyed_through_the_deletion_path() {
     let mut without_lease = orphan("workers-8", 1, false);
     without_lease.lease = None;
     assert!(!run.adopt_orphan(&without_lease), "nothing to destroy by id");
-    run.commit(&mut store).unwrap();
+    let _ = store.persist(run.take_commit()).unwrap();
     let stored = store.load_all().unwrap();
     assert!(stored[0].meta.reclaim && stored[0].meta.deleting);
     assert_eq!(stored[0].meta.next_attempt, 4, "attempts above the orphan's");
@@ -623,7 +688,7 @@ fn an_orphan_of_a_gone_run_is_destroyed_through_the_deletion_path() {
     // Cancel first (the session id is unknown: by identity), then destroy,
     // each recorded pending before it is returned, on ids the attempt never
     // used.
-    let cancel = pass(&mut run, &mut store, T0);
+    let cancel = pass(&mut run, &store, T0);
     assert_eq!(cancel.operations.len(), 1);
     let op = &cancel.operations[0];
     assert_eq!(
@@ -636,7 +701,7 @@ fn an_orphan_of_a_gone_run_is_destroyed_through_the_deletion_path() {
     let rec = &store.load_all().unwrap()[0].nodes[0];
     assert_eq!(rec.node.pending.map(|p| p.id), Some(op.id));
     succeed(&mut run, "workers-7");
-    let destroy = pass(&mut run, &mut store, T0);
+    let destroy = pass(&mut run, &store, T0);
     assert_eq!(destroy.operations.len(), 1);
     assert_eq!(
         destroy.operations[0].input,
@@ -649,7 +714,7 @@ fn an_orphan_of_a_gone_run_is_destroyed_through_the_deletion_path() {
         if run.is_gone() {
             break;
         }
-        let _ = pass(&mut run, &mut store, T0);
+        let _ = pass(&mut run, &store, T0);
     }
     assert!(
         run.is_gone(),
@@ -660,12 +725,12 @@ fn an_orphan_of_a_gone_run_is_destroyed_through_the_deletion_path() {
 
 #[test]
 fn an_orphan_of_a_live_run_is_adopted_only_into_a_free_slot() {
-    let (mut run, mut store) = run_with_nodes();
+    let (mut run, store) = run_with_nodes();
     let held: Vec<String> = run.nodes().map(|n| n.id.to_string()).collect();
     assert!(!run.adopt_orphan(&orphan("workers-1", 99, false)), "held slot");
     assert!(run.adopt_orphan(&orphan("workers-9", 2, false)));
     let before = fingerprint_of(&run, &held);
-    let out = pass(&mut run, &mut store, T0);
+    let out = pass(&mut run, &store, T0);
     let orphan_ops: Vec<_> = out
         .operations
         .iter()
@@ -704,9 +769,9 @@ fn a_burst_of_results_is_gathered_into_one_pass_and_a_pause_ends_it() {
         ..(*policy()).clone()
     });
     let mut run = RunState::create(shape(1), UID, Epoch::new(1), policy, T0).unwrap();
-    let mut store = MemStore::new();
-    let _ = pass(&mut run, &mut store, T0);
-    let creates = pass(&mut run, &mut store, T0);
+    let store = MemStore::new();
+    let _ = pass(&mut run, &store, T0);
+    let creates = pass(&mut run, &store, T0);
     assert_eq!(creates.operations.len(), 5);
     let fold = |run: &mut RunState, id: &str, t: u64| {
         let mut r = result(run, id, Outcome::Succeeded(ResultFacts::default()));
@@ -732,6 +797,6 @@ fn a_burst_of_results_is_gathered_into_one_pass_and_a_pause_ends_it() {
     fold(&mut run, "workers-0", 60);
     assert!(run.needs_pass(at(60)), "half the burst is in: decide now");
     // One pass takes the three results.
-    let decided = pass(&mut run, &mut store, at(60));
+    let decided = pass(&mut run, &store, at(60));
     assert_eq!(decided.acks.len(), 3, "{decided:?}");
 }

@@ -146,14 +146,15 @@ fn named(count: u32, uid: u128, run_id: &str) -> RunState {
 }
 
 /// Two passes: the run's records, then its nodes with creates in flight.
-fn drive(run: &mut RunState, store: &mut dyn RunStore) {
+fn drive(run: &mut RunState, store: &dyn RunStore) {
     for _ in 0..2 {
         let plan = run.begin_pass(NOW).unwrap();
         let out = {
             let view = run.desired_view();
             decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), NOW)
         };
-        let _ = run.apply_decisions(plan, out, NOW, store).unwrap();
+        let mut outcome = run.apply_decisions(plan, out, NOW).unwrap();
+        let _ = store.persist(outcome.take_commit()).unwrap();
     }
 }
 
@@ -180,16 +181,16 @@ fn refused_for_ownership(r: Result<(), StoreError>) {
 #[test]
 fn what_is_committed_is_what_is_loaded() {
     let etcd = Etcd::start();
-    let mut store = etcd.store("a");
-    let mut mem = MemStore::new();
+    let store = etcd.store("a");
+    let mem = MemStore::new();
     let mut a = run(4, 9);
     let mut b = a.clone();
     let mut other = run(2, 10);
     let mut other_mem = other.clone();
-    drive(&mut a, &mut store);
-    drive(&mut b, &mut mem);
-    drive(&mut other, &mut store);
-    drive(&mut other_mem, &mut mem);
+    drive(&mut a, &store);
+    drive(&mut b, &mem);
+    drive(&mut other, &store);
+    drive(&mut other_mem, &mem);
     let loaded = store.load_all().unwrap();
     assert_eq!(loaded, mem.load_all().unwrap());
     assert_eq!(loaded.len(), 2);
@@ -220,19 +221,19 @@ fn what_is_committed_is_what_is_loaded() {
     store.commit(&drop_run).unwrap();
     mem.commit(&drop_run).unwrap();
     assert_eq!(store.load_all().unwrap(), mem.load_all().unwrap());
-    let mut reader = reader;
+    let reader = reader;
     let mut again = run(1, 9);
-    drive(&mut again, &mut reader);
+    drive(&mut again, &reader);
     assert_eq!(reader.load_all().unwrap().len(), 2);
 }
 
 #[test]
 fn a_replica_cannot_write_a_run_another_owns() {
     let etcd = Etcd::start();
-    let mut first = etcd.store("first");
-    let mut second = etcd.store("second");
+    let first = etcd.store("first");
+    let second = etcd.store("second");
     let mut r = run(4, 5);
-    drive(&mut r, &mut first);
+    drive(&mut r, &first);
     let before = first.load_all().unwrap();
 
     refused_for_ownership(second.commit(&rewrite_delta(&before[0])));
@@ -254,9 +255,9 @@ fn a_replica_cannot_write_a_run_another_owns() {
 fn when_the_owner_lease_goes_another_replica_takes_the_run() {
     let etcd = Etcd::start();
     let mut first = etcd.store("first");
-    let mut second = etcd.store("second");
+    let second = etcd.store("second");
     let mut r = run(4, 5);
-    drive(&mut r, &mut first);
+    drive(&mut r, &first);
     let before = first.load_all().unwrap();
     refused_for_ownership(second.commit(&rewrite_delta(&before[0])));
 
@@ -273,7 +274,7 @@ fn when_the_owner_lease_goes_another_replica_takes_the_run() {
     assert_eq!(second.load_all().unwrap(), after);
 
     // A third replica is refused too: the run is the second's now.
-    let mut third = etcd.store("third");
+    let third = etcd.store("third");
     refused_for_ownership(third.commit(&rewrite_delta(&after[0])));
     assert_eq!(third.load_all().unwrap(), after);
 }
@@ -281,11 +282,11 @@ fn when_the_owner_lease_goes_another_replica_takes_the_run() {
 #[test]
 fn an_expired_lease_lets_another_replica_take_the_run() {
     let etcd = Etcd::start();
-    let mut first = etcd.store("first");
+    let first = etcd.store("first");
     let mut r = run(2, 5);
-    drive(&mut r, &mut first);
+    drive(&mut r, &first);
     let before = first.load_all().unwrap();
-    let mut second = etcd.store("second");
+    let second = etcd.store("second");
     refused_for_ownership(second.commit(&rewrite_delta(&before[0])));
     // The first replica goes away without releasing: its keep-alive stops
     // and its lease (5 s) expires unrenewed.
@@ -306,12 +307,12 @@ fn an_expired_lease_lets_another_replica_take_the_run() {
 #[test]
 fn a_large_delta_commits_and_loads_back_whole() {
     let etcd = Etcd::start();
-    let mut store = etcd.store("a");
-    let mut mem = MemStore::new();
+    let store = etcd.store("a");
+    let mem = MemStore::new();
     let mut a = run(1000, 11);
     let mut b = a.clone();
-    drive(&mut a, &mut store);
-    drive(&mut b, &mut mem);
+    drive(&mut a, &store);
+    drive(&mut b, &mem);
     let loaded = store.load_all().unwrap();
     assert_eq!(loaded[0].nodes.len(), 1000);
     assert_eq!(loaded, mem.load_all().unwrap());
@@ -339,25 +340,25 @@ fn a_large_delta_commits_and_loads_back_whole() {
     assert_eq!(loaded, mem.load_all().unwrap());
 
     // A small transaction limit splits even modest deltas the same way.
-    let mut small = etcd.store_with(EtcdConfig {
+    let small = etcd.store_with(EtcdConfig {
         max_txn_ops: 8,
         prefix: "/small/".into(),
         ..etcd.config("s")
     });
-    let mut mem = MemStore::new();
+    let mem = MemStore::new();
     let mut a = run(50, 12);
     let mut b = a.clone();
-    drive(&mut a, &mut small);
-    drive(&mut b, &mut mem);
+    drive(&mut a, &small);
+    drive(&mut b, &mem);
     assert_eq!(small.load_all().unwrap(), mem.load_all().unwrap());
 }
 
 #[test]
 fn a_replica_whose_keep_alive_fails_stops_writing_at_once() {
     let mut etcd = Etcd::start();
-    let mut store = etcd.store("a");
+    let store = etcd.store("a");
     let mut r = run(2, 5);
-    drive(&mut r, &mut store);
+    drive(&mut r, &store);
     let stored = store.load_all().unwrap();
     assert!(!store.is_fenced());
 
@@ -420,13 +421,13 @@ fn a_write_after_ownership_moved_fails_in_its_transaction() {
     // A long lease: its keep-alive does not run during the test, so the
     // refusal below comes from the transaction's comparison, not from the
     // store noticing the lost lease.
-    let mut first = etcd.store_with(EtcdConfig {
+    let first = etcd.store_with(EtcdConfig {
         lease_ttl: Duration::from_secs(60),
         ..etcd.config("first")
     });
-    let mut second = etcd.store("second");
+    let second = etcd.store("second");
     let mut r = run(200, 5);
-    drive(&mut r, &mut first);
+    drive(&mut r, &first);
     let before = first.load_all().unwrap();
 
     revoke_behind_its_back(&etcd, first.lease_id());
@@ -464,9 +465,9 @@ fn a_write_after_ownership_moved_fails_in_its_transaction() {
 #[test]
 fn a_restarted_replica_with_the_same_owner_id_moves_its_runs_to_its_new_lease() {
     let etcd = Etcd::start();
-    let mut first = etcd.store("first");
+    let first = etcd.store("first");
     let mut r = run(2, 5);
-    drive(&mut r, &mut first);
+    drive(&mut r, &first);
     let before = first.load_all().unwrap();
     let owner_key = "/provisioning/v1/owners/".to_owned() + &before[0].meta.uid.to_string();
     let lease_of = |etcd: &Etcd| {
@@ -478,7 +479,7 @@ fn a_restarted_replica_with_the_same_owner_id_moves_its_runs_to_its_new_lease() 
     assert_eq!(lease_of(&etcd), Some(first.lease_id()));
     drop(first);
 
-    let mut restarted = etcd.store("first");
+    let restarted = etcd.store("first");
     restarted.commit(&rewrite_delta(&before[0])).unwrap();
     assert_eq!(lease_of(&etcd), Some(restarted.lease_id()));
     assert!(restarted.load_all().unwrap()[0].meta.paused);
@@ -487,11 +488,11 @@ fn a_restarted_replica_with_the_same_owner_id_moves_its_runs_to_its_new_lease() 
 #[test]
 fn two_replicas_cannot_create_the_same_run_id() {
     let etcd = Etcd::start();
-    let mut first = etcd.store("first");
-    let mut second = etcd.store("second");
+    let first = etcd.store("first");
+    let second = etcd.store("second");
     first.replicas().announce("10.0.0.1:7000").unwrap();
     let mut a = named(2, 1, "shared-name");
-    drive(&mut a, &mut first);
+    drive(&mut a, &first);
     let before = first.load_all().unwrap();
 
     // The same run id under another uid, from another replica: refused,
@@ -502,7 +503,8 @@ fn two_replicas_cannot_create_the_same_run_id() {
         let view = b.desired_view();
         decider::decide(&view, b.plan_nodes(&plan), &b.slot_set(), NOW)
     };
-    let err = b.apply_decisions(plan, out, NOW, &mut second).unwrap_err();
+    let mut outcome = b.apply_decisions(plan, out, NOW).unwrap();
+    let err = second.persist(outcome.take_commit()).unwrap_err();
     assert!(
         err.to_string().contains(&RunUid::from_u128(1).to_string()),
         "{err}"
@@ -542,8 +544,8 @@ fn two_replicas_cannot_create_the_same_run_id() {
     first.commit(&drop_run).unwrap();
     assert_eq!(second.locate("shared-name").unwrap(), Placement::Unknown);
     let mut again = named(1, 4, "shared-name");
-    let mut second = etcd.store("second-again");
-    drive(&mut again, &mut second);
+    let second = etcd.store("second-again");
+    drive(&mut again, &second);
     assert_eq!(second.load_all().unwrap().len(), 1);
 }
 
@@ -558,7 +560,7 @@ fn a_replica_takes_over_the_runs_of_one_that_went() {
     changes.mark_unchanged();
     for uid in [21, 22] {
         let mut r = run(3, uid);
-        drive(&mut r, &mut first);
+        drive(&mut r, &first);
     }
     let before = first.load_all().unwrap();
     assert!(s2.unowned().unwrap().is_empty(), "the runs have a live owner");
@@ -613,10 +615,10 @@ fn a_replica_takes_over_the_runs_of_one_that_went() {
     // Its writes land, and say who wrote them.
     let writer = format!("/provisioning/v1/runs/{uid}/writer");
     assert_eq!(raw_get(&etcd, &writer).as_deref(), Some("first"));
-    let mut second = second;
+    let second = second;
     second.commit(&rewrite_delta(&before[0])).unwrap();
     assert_eq!(raw_get(&etcd, &writer).as_deref(), Some("second"));
-    let mut third = third;
+    let third = third;
     refused_for_ownership(third.commit(&rewrite_delta(&before[0])));
     assert_eq!(raw_get(&etcd, &writer).as_deref(), Some("second"));
 

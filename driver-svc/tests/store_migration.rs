@@ -76,7 +76,7 @@ fn a_version_1_store_is_migrated_and_reads_back_as_written() {
 #[test]
 fn a_migrated_store_takes_new_writes() {
     let dir = fixture_copy();
-    let mut store = RedbStore::open(dir.path()).unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
     let mut runs = store.load_all().unwrap();
     let train = runs
         .iter_mut()

@@ -361,10 +361,10 @@ impl Sim {
             epoch,
         })
         .map_err(|r| anyhow::anyhow!("claim rejected: {r:?}"))?;
-        let mut store = MemStore::new();
+        let store = MemStore::new();
         // The actor commits a created run before it answers the client.
         let mut run = run;
-        run.commit(&mut store)?;
+        store.persist(run.take_commit())?;
         Ok(Self {
             now: START,
             run,
@@ -436,7 +436,7 @@ impl Sim {
         {
             self.transition(Cause::Timer, before);
         }
-        let acks = self.run.commit(&mut self.store)?;
+        let acks = self.store.persist(self.run.take_commit())?.acks;
         self.acks.extend(acks);
         Ok(())
     }
@@ -470,9 +470,8 @@ impl Sim {
             .then(|| self.store.clone());
         let decisions = self.record.then(|| output.decisions.clone());
         let actions = output.actions().count();
-        let outcome: PassOutcome = self
-            .run
-            .apply_decisions(plan, output, self.now, &mut self.store)?;
+        let mut outcome: PassOutcome = self.run.apply_decisions(plan, output, self.now)?;
+        let released = self.store.persist(outcome.take_commit())?;
         let mut changed = timer_changed;
         if let (Some(s1), Some(decisions)) = (s1, decisions) {
             changed |= s1 != self.nodes();
@@ -481,14 +480,14 @@ impl Sim {
         self.passes += 1;
         self.events.push(Event::Pass(PassSummary {
             at: self.now,
-            operations: outcome.operations.len(),
+            operations: outcome.operations as usize,
             transitions: outcome.transitions,
             converged_before,
             actions,
             changed,
         }));
-        self.acks.extend(outcome.acks);
-        for op in outcome.operations {
+        self.acks.extend(released.acks);
+        for op in released.operations {
             self.submit_checked(op, precommit.as_ref());
         }
         Ok(true)
@@ -774,7 +773,7 @@ impl Sim {
             self.history.push_back(m);
         }
         // Folds are acknowledged only once committed.
-        let acks = self.run.commit(&mut self.store)?;
+        let acks = self.store.persist(self.run.take_commit())?.acks;
         self.acks.extend(acks);
         self.flush_acks();
         let uid = self.run.uid();
@@ -1068,7 +1067,7 @@ impl Sim {
                 epoch,
             })
             .map_err(|r| anyhow::anyhow!("claim rejected: {r:?}"))?;
-        let acks = self.run.commit(&mut self.store)?;
+        let acks = self.store.persist(self.run.take_commit())?.acks;
         self.acks = acks;
         self.transit.clear();
         if !self.link_down {
@@ -1083,7 +1082,7 @@ impl Sim {
         let before = self.snapshot_if_recording();
         let r = self.run.apply_shape(shape);
         if matches!(r, Ok(Applied::Changed)) {
-            let acks = self.run.commit(&mut self.store)?;
+            let acks = self.store.persist(self.run.take_commit())?.acks;
             self.acks.extend(acks);
             if let Some(before) = before {
                 self.transition(Cause::Apply, before);
@@ -1096,7 +1095,7 @@ impl Sim {
     pub fn delete_run(&mut self) -> anyhow::Result<bool> {
         let changed = self.run.delete();
         if changed {
-            let acks = self.run.commit(&mut self.store)?;
+            let acks = self.store.persist(self.run.take_commit())?.acks;
             self.acks.extend(acks);
         }
         Ok(changed)

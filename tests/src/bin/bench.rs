@@ -30,7 +30,7 @@ use contract::{
     shape::example_template,
 };
 use decider::{DesiredView, SlotSet};
-use driver_svc::core::{MemStore, Policy, RunState};
+use driver_svc::core::{MemStore, Policy, RunState, RunStore};
 use executor_svc::{
     core::{ExecutorCore, Output},
     fake::{FakeConfig, FakeProvider},
@@ -268,7 +268,7 @@ fn in_process(n: u64) -> anyhow::Result<(Duration, u64)> {
     let start = Instant::now();
     let uid = RunUid::from_u128(7);
     let mut run = RunState::create(shape(n), uid, Epoch::new(1), Arc::new(bench_policy()), NOW)?;
-    let mut store = MemStore::new();
+    let store = MemStore::new();
     let mut exec = ExecutorCore::new();
     exec.claim(&contract::Claim {
         run_uid: uid,
@@ -293,9 +293,9 @@ fn in_process(n: u64) -> anyhow::Result<(Duration, u64)> {
                 let view = run.desired_view();
                 decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
             };
-            let outcome = run.apply_decisions(plan, out, now, &mut store)?;
+            let mut outcome = run.apply_decisions(plan, out, now)?;
             passes += 1;
-            let mut queue: Vec<Operation> = outcome.operations;
+            let mut queue: Vec<Operation> = store.persist(outcome.take_commit())?.operations;
             let mut results = Vec::new();
             while let Some(op) = queue.pop() {
                 for o in exec.submit(op, now) {
@@ -332,7 +332,7 @@ fn in_process(n: u64) -> anyhow::Result<(Duration, u64)> {
                     }
                 }
             }
-            for a in run.commit(&mut store)? {
+            for a in store.persist(run.take_commit())?.acks {
                 if let driver_svc::core::AckRef::Result(id) = a {
                     exec.ack_result(uid, id);
                 }

@@ -212,7 +212,7 @@ impl MemSut {
     fn limits_probe(
         what: &'static str,
         mut run: RunState,
-        mut store: MemStore,
+        store: MemStore,
         now: UnixMillis,
         expected: fn(&CoreError) -> bool,
         must_fail: bool,
@@ -231,8 +231,11 @@ impl MemSut {
                 let slots = run.slot_set();
                 decider::decide(&view, run.plan_nodes(&plan), &slots, now)
             };
-            match run.apply_decisions(plan, output, now, &mut store) {
-                Ok(_) => (None, false),
+            match run.apply_decisions(plan, output, now) {
+                Ok(mut outcome) => match store.persist(outcome.take_commit()) {
+                    Ok(_) => (None, false),
+                    Err(e) => panic!("the in-memory store refused a commit: {e}"),
+                },
                 Err(e) => (Some(e), false),
             }
         }));

@@ -1,14 +1,21 @@
-//! The store interface the run state machine commits to, and the in-memory
+//! The interface of the stores a run's writes go to, and the in-memory
 //! implementation (a test double; the durable stores implement the same trait).
 //!
-//! A pass's writes are one [`RunDelta`], committed together; acknowledgements of
-//! folded results are released only after the commit that holds the fold.
+//! A pass's writes are one [`RunDelta`], committed together. The core never
+//! calls a store: it hands the shell a [`Commit`], which the shell persists
+//! (for example with [`RunStore::persist`]) before anything it holds is
+//! released.
 
-use std::collections::BTreeMap;
+use std::{
+    collections::BTreeMap,
+    sync::{Mutex, PoisonError},
+};
 
 use contract::{
     ClusterShape, Epoch, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
 };
+
+use crate::commit::{Commit, Released};
 
 /// A run's own fields (everything but its nodes).
 #[derive(Debug, Clone, PartialEq)]
@@ -87,22 +94,52 @@ pub enum StoreError {
     NameTaken { run_id: String, holder: String },
 }
 
-/// Where run state is committed. Implementations commit a delta atomically.
-pub trait RunStore: Send + std::fmt::Debug {
-    fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError>;
+/// Where run state is committed. Implementations commit a delta atomically,
+/// and take commits of different runs concurrently (`&self`): the driver
+/// persists each run's commits from that run's own task, never under a lock
+/// shared by every run.
+pub trait RunStore: Send + Sync + std::fmt::Debug {
+    fn commit(&self, delta: &RunDelta) -> Result<(), StoreError>;
     fn load_all(&self) -> Result<Vec<StoredRun>, StoreError>;
 
     /// One run, as stored (a run reloaded after a failed write).
     fn load_run(&self, uid: RunUid) -> Result<Option<StoredRun>, StoreError> {
         Ok(self.load_all()?.into_iter().find(|s| s.meta.uid == uid))
     }
+
+    /// Whether a commit may block the calling thread (on a disk or the
+    /// network): the driver then writes off its async workers. A store that
+    /// answers from memory says `false` and is written inline.
+    fn blocks(&self) -> bool {
+        true
+    }
+
+    /// Commits `commit`'s delta and releases what it held.
+    fn persist(&self, commit: Commit) -> Result<Released, StoreError> {
+        commit.persist(|delta| self.commit(delta))
+    }
 }
 
+type MemRuns = BTreeMap<RunUid, (RunMeta, BTreeMap<LogicalNodeId, NodeRecord>)>;
+
 /// Keeps state for the process lifetime only.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default)]
 pub struct MemStore {
-    runs: BTreeMap<RunUid, (RunMeta, BTreeMap<LogicalNodeId, NodeRecord>)>,
+    inner: Mutex<MemInner>,
+}
+
+#[derive(Debug, Default, Clone)]
+struct MemInner {
+    runs: MemRuns,
     commits: u64,
+}
+
+impl Clone for MemStore {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Mutex::new(self.lock().clone()),
+        }
+    }
 }
 
 impl MemStore {
@@ -112,25 +149,33 @@ impl MemStore {
 
     /// Number of successful commits, for tests that count them.
     pub fn commits(&self) -> u64 {
-        self.commits
+        self.lock().commits
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemInner> {
+        // Every write below is completed before the guard drops, so a
+        // panicking holder leaves the map whole.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 impl RunStore for MemStore {
-    fn commit(&mut self, delta: &RunDelta) -> Result<(), StoreError> {
+    fn commit(&self, delta: &RunDelta) -> Result<(), StoreError> {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
         let uid = delta.uid;
         if delta.drop_run {
-            self.runs.remove(&uid);
-            self.commits += 1;
+            inner.runs.remove(&uid);
+            inner.commits += 1;
             return Ok(());
         }
-        let entry = match (self.runs.get_mut(&uid), &delta.meta) {
+        let entry = match (inner.runs.get_mut(&uid), &delta.meta) {
             (Some(e), Some(m)) => {
                 e.0 = m.clone();
                 e
             }
             (Some(e), None) => e,
-            (None, Some(m)) => self
+            (None, Some(m)) => inner
                 .runs
                 .entry(uid)
                 .or_insert_with(|| (m.clone(), BTreeMap::new())),
@@ -142,12 +187,13 @@ impl RunStore for MemStore {
         for id in &delta.removals {
             entry.1.remove(id);
         }
-        self.commits += 1;
+        inner.commits += 1;
         Ok(())
     }
 
     fn load_all(&self) -> Result<Vec<StoredRun>, StoreError> {
         Ok(self
+            .lock()
             .runs
             .values()
             .map(|(meta, nodes)| StoredRun {
@@ -155,5 +201,9 @@ impl RunStore for MemStore {
                 nodes: nodes.values().cloned().collect(),
             })
             .collect())
+    }
+
+    fn blocks(&self) -> bool {
+        false
     }
 }

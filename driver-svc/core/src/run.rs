@@ -10,8 +10,10 @@
 //! names the nodes that need a decision; [`RunState::apply_decisions`] applies
 //! the decider's answer to exactly the state it was computed from (a node that
 //! changed meanwhile is skipped and queued for the next pass), records every
-//! operation pending with its deadline, commits the pass's writes to the store in
-//! one batch, and only then returns the operations to submit.
+//! operation pending with its deadline, and returns the pass's writes as one
+//! [`Commit`] that holds the operations back until the shell has made the
+//! writes durable. Between passes, [`RunState::take_commit`] hands over what
+//! folds changed, holding back their acknowledgements the same way.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -27,9 +29,10 @@ use contract::{
 };
 use decider::{DesiredView, SlotSet};
 
-use super::{
+use crate::{
+    commit::Commit,
     policy::Policy,
-    store::{NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun},
+    store::{NodeRecord, RunDelta, RunMeta, StoredRun},
 };
 
 /// Why a shape update was refused. Nothing changes when one is returned.
@@ -65,8 +68,6 @@ pub enum CoreError {
     AttemptsExhausted,
     #[error("operation sequence exhausted for {0}")]
     SequenceExhausted(LogicalNodeId),
-    #[error("store: {0}")]
-    Store(#[from] StoreError),
     #[error("a pass is already in progress")]
     PassInProgress,
     #[error("no pass is in progress")]
@@ -141,12 +142,15 @@ pub struct PassPlan {
 
 /// What applying a pass's decisions produced.
 #[must_use]
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct PassOutcome {
-    /// Recorded pending and committed: submit these.
-    pub operations: Vec<Operation>,
-    /// Folds committed with this pass: acknowledge these.
-    pub acks: Vec<AckRef>,
+    /// The pass's writes (with the folds' since the last commit), holding
+    /// back the operations it recorded pending and the acknowledgements of
+    /// those folds until the shell has made it durable.
+    pub commit: Commit,
+    /// How many operations the pass recorded pending (kept when the commit
+    /// is taken out, see [`PassOutcome::take_commit`]).
+    pub operations: u32,
     pub transitions: u32,
     /// Decisions skipped because their node changed while the decider ran.
     pub stale: u32,
@@ -156,6 +160,15 @@ pub struct PassOutcome {
     /// decision was stale).
     pub follow_up: bool,
     pub converged: bool,
+}
+
+impl PassOutcome {
+    /// Moves the commit out (to persist it), leaving an empty one and the
+    /// pass's counts.
+    pub fn take_commit(&mut self) -> Commit {
+        let empty = Commit::new(RunDelta::new(self.commit.delta().uid), Vec::new(), Vec::new());
+        std::mem::replace(&mut self.commit, empty)
+    }
 }
 
 /// The last decision recorded for a node, for explanations.
@@ -939,27 +952,35 @@ impl RunState {
         }
     }
 
-    /// Applies the decider's answer for `plan`, records every operation pending,
-    /// commits, and returns the operations to submit.
+    /// Applies the decider's answer for `plan` and records every operation
+    /// pending. The operations are in the returned commit, released once its
+    /// delta is durable.
     pub fn apply_decisions(
         &mut self,
         plan: PassPlan,
         output: DecideOutput,
         now: UnixMillis,
-        store: &mut dyn RunStore,
     ) -> Result<PassOutcome, CoreError> {
         if !self.in_pass {
             return Err(CoreError::NoPass);
         }
         self.in_pass = false;
         self.counters.passes += 1;
-        let mut out = PassOutcome::default();
+        let mut out = PassOutcome {
+            commit: Commit::new(RunDelta::new(self.meta.uid), Vec::new(), Vec::new()),
+            operations: 0,
+            transitions: 0,
+            stale: 0,
+            actions_by_rule: [0; 17],
+            follow_up: false,
+            converged: false,
+        };
         // A shape change while the decider ran invalidates the whole answer.
         if plan.generation != self.meta.shape.generation || plan.deleting != self.meta.deleting {
             self.full = true;
             out.follow_up = true;
             out.stale = u32::try_from(output.decisions.len()).unwrap_or(u32::MAX);
-            out.acks = self.commit(store)?;
+            out.commit = self.take_commit();
             return Ok(out);
         }
         let versions: BTreeMap<&LogicalNodeId, u64> = plan.nodes.iter().map(|(id, v)| (id, *v)).collect();
@@ -1017,9 +1038,9 @@ impl RunState {
             self.meta.converged_at = Some(now);
             self.meta_dirty = true;
         }
-        out.acks = self.commit(store)?;
         self.counters.operations += ops.len() as u64;
-        out.operations = ops;
+        out.operations = u32::try_from(ops.len()).unwrap_or(u32::MAX);
+        out.commit = self.commit_with(ops);
         debug_assert!(self.indexes_consistent(), "run indexes out of step after a pass");
         Ok(out)
     }
@@ -1230,9 +1251,15 @@ impl RunState {
         Ok(Some(op))
     }
 
-    /// Writes every change since the last commit as one delta, and releases the
-    /// acknowledgements of the folds it holds.
-    pub fn commit(&mut self, store: &mut dyn RunStore) -> Result<Vec<AckRef>, CoreError> {
+    /// Every change since the last commit as one delta, holding back the
+    /// acknowledgements of the folds in it. Once this returns the run counts
+    /// the changes as committed: a commit the store refuses leaves the run
+    /// ahead of its store, and the shell must reload it from the store.
+    pub fn take_commit(&mut self) -> Commit {
+        self.commit_with(Vec::new())
+    }
+
+    fn commit_with(&mut self, operations: Vec<Operation>) -> Commit {
         let mut delta = RunDelta::new(self.meta.uid);
         if self.is_gone() {
             delta.drop_run = true;
@@ -1247,13 +1274,10 @@ impl RunState {
                 .collect();
             delta.removals = self.removed.iter().cloned().collect();
         }
-        if !delta.is_empty() {
-            store.commit(&delta)?;
-        }
         self.meta_dirty = false;
         self.changed.clear();
         self.removed.clear();
-        Ok(std::mem::take(&mut self.unacked))
+        Commit::new(delta, operations, std::mem::take(&mut self.unacked))
     }
 
     // ----- folding -------------------------------------------------------
@@ -1800,7 +1824,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
     use super::*;
-    use crate::core::MemStore;
+    use crate::store::{MemStore, RunStore};
 
     const T0: UnixMillis = UnixMillis::new(1_700_000_000_000);
     const UID: RunUid = RunUid::from_u128(0xfeed);
@@ -1821,22 +1845,24 @@ mod tests {
         LogicalNodeId::parse("node", s).unwrap()
     }
 
-    fn pass(run: &mut RunState, store: &mut MemStore, now: UnixMillis) -> PassOutcome {
+    fn pass(run: &mut RunState, store: &MemStore, now: UnixMillis) -> PassOutcome {
         let plan = run.begin_pass(now).unwrap();
         let out = {
             let view = run.desired_view();
             decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
         };
-        run.apply_decisions(plan, out, now, store).unwrap()
+        let outcome = run.apply_decisions(plan, out, now).unwrap();
+        store.commit(outcome.commit.delta()).unwrap();
+        outcome
     }
 
     /// Two nodes inserted, each with a `CreateLease` pending; `workers-0`
     /// also knows a lease, an endpoint and a session.
     fn run_with_live_node() -> (RunState, MemStore) {
         let mut run = RunState::create(shape(), UID, Epoch::new(1), Arc::new(Policy::default()), T0).unwrap();
-        let mut store = MemStore::new();
-        let _ = pass(&mut run, &mut store, T0);
-        let _ = pass(&mut run, &mut store, T0);
+        let store = MemStore::new();
+        let _ = pass(&mut run, &store, T0);
+        let _ = pass(&mut run, &store, T0);
         assert_eq!(run.pending_count(), 2, "both nodes have a create pending");
         let e = run.nodes.get_mut(&node("workers-0")).unwrap();
         e.rec.node.facts.lease = Some(contract::LeaseId::new("lease", "lease-w0").unwrap());
@@ -1847,7 +1873,7 @@ mod tests {
 
     #[test]
     fn abandon_records_identity_and_live_facts_and_forgets_the_node() {
-        let (mut run, mut store) = run_with_live_node();
+        let (mut run, store) = run_with_live_node();
         let before = run.node(&node("workers-0")).unwrap().clone();
         let pending = before.pending.unwrap().id;
         let at = T0.checked_add(Duration::from_secs(5)).unwrap();
@@ -1870,7 +1896,7 @@ mod tests {
         );
         assert_eq!(run.pending_count(), 1);
         assert!(run.uncommitted());
-        let _ = run.commit(&mut store).unwrap();
+        let _ = store.persist(run.take_commit()).unwrap();
         let stored = store.load_all().unwrap();
         let ids: Vec<String> = stored[0].nodes.iter().map(|n| n.node.id.to_string()).collect();
         assert_eq!(ids, vec!["workers-1".to_owned()], "the removal is committed");
@@ -1878,13 +1904,13 @@ mod tests {
 
     #[test]
     fn an_abandoned_desired_slot_is_reinserted_with_a_fresh_attempt() {
-        let (mut run, mut store) = run_with_live_node();
+        let (mut run, store) = run_with_live_node();
         let old = run.node(&node("workers-0")).unwrap().attempt;
         let highest = run.nodes().map(|n| n.attempt.get()).max().unwrap();
         let _ = run.abandon(&node("workers-0"), T0).unwrap();
-        let _ = run.commit(&mut store).unwrap();
+        let _ = store.persist(run.take_commit()).unwrap();
         assert!(run.needs_pass(T0), "the missing slot asks for a pass");
-        let _ = pass(&mut run, &mut store, T0);
+        let _ = pass(&mut run, &store, T0);
         let again = run.node(&node("workers-0")).expect("re-inserted").attempt;
         assert_ne!(again, old);
         assert!(again.get() > highest, "attempts are never reused");
@@ -1892,10 +1918,10 @@ mod tests {
 
     #[test]
     fn a_late_result_for_the_abandoned_attempt_is_discarded() {
-        let (mut run, mut store) = run_with_live_node();
+        let (mut run, store) = run_with_live_node();
         let p = run.node(&node("workers-0")).unwrap().pending.unwrap();
         let _ = run.abandon(&node("workers-0"), T0).unwrap();
-        let _ = pass(&mut run, &mut store, T0);
+        let _ = pass(&mut run, &store, T0);
         let r = OperationResult {
             run_uid: UID,
             node: node("workers-0"),
@@ -1914,8 +1940,8 @@ mod tests {
 
     #[test]
     fn abandoning_an_unknown_node_changes_nothing() {
-        let (mut run, mut store) = run_with_live_node();
-        let _ = run.commit(&mut store).unwrap();
+        let (mut run, store) = run_with_live_node();
+        let _ = store.persist(run.take_commit()).unwrap();
         let before = format!("{:?}|{:?}", run.meta(), run.nodes().collect::<Vec<_>>());
         assert!(run.abandon(&node("workers-7"), T0).is_none());
         assert!(!run.uncommitted());
