@@ -50,11 +50,7 @@ fn store_status(e: StoreError) -> Status {
     }
 }
 
-/// The metadata key naming the address of the replica that serves a run, on
-/// a `FAILED_PRECONDITION` from a replica that does not.
-pub const OWNER_ADDRESS: &str = "provisioning-owner-address";
-/// The metadata key naming that replica's owner id.
-pub const OWNER_ID: &str = "provisioning-owner-id";
+pub use contract::metadata::{OWNER_ADDRESS, OWNER_ID};
 
 /// Another replica serves the run: `FAILED_PRECONDITION` (this replica will
 /// not serve it), with the owner's address in the message and in the

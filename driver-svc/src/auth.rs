@@ -31,16 +31,17 @@
 use std::{
     collections::BTreeSet,
     convert::Infallible,
-    fmt,
     path::{Path, PathBuf},
     sync::{Arc, RwLock},
     task::{Context, Poll},
 };
 
-use contract::metrics::{Counter, global};
+pub use contract::token::{Access, TokenEntry, entry_for, hash_token, new_token, to_hex};
+use contract::{
+    metrics::{Counter, global},
+    token::parse_hash,
+};
 use futures::future::{BoxFuture, FutureExt as _};
-use serde::{Deserialize, Serialize};
-use sha2::{Digest as _, Sha256};
 use tonic::{
     Status,
     body::Body,
@@ -48,43 +49,6 @@ use tonic::{
     transport::server::{TcpConnectInfo, TlsConnectInfo},
 };
 use tower::{Layer, Service};
-
-/// What a token may do. `Write` includes `Read`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Access {
-    Read,
-    Write,
-}
-
-impl fmt::Display for Access {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Access::Read => "read",
-            Access::Write => "write",
-        })
-    }
-}
-
-/// One entry of the tokens file: a token (by its hash) or a client
-/// certificate (by its identity), and what it may do.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TokenEntry {
-    /// Who holds the token (logs and per-client limits use it).
-    pub name: String,
-    /// SHA-256 of the token, 64 hexadecimal digits.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sha256: Option<String>,
-    /// Instead of a token: the identity of a client certificate, a name
-    /// (`ops` is `spiffe://provisioning/ops`) or the whole URI.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client_cert: Option<String>,
-    pub access: Access,
-    /// Only these runs; absent: every run.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub runs: Option<Vec<String>>,
-}
 
 /// A tokens file that cannot be used, said in terms of the file.
 #[derive(Debug, thiserror::Error)]
@@ -238,51 +202,10 @@ impl TokenSet {
     }
 }
 
-/// SHA-256 of a token, as the tokens file keeps it.
-pub fn hash_token(token: &str) -> [u8; 32] {
-    Sha256::digest(token.as_bytes()).into()
-}
-
-/// `hash` as 64 lowercase hexadecimal digits.
-pub fn to_hex(hash: &[u8; 32]) -> String {
-    hash.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn parse_hash(s: &str) -> Option<[u8; 32]> {
-    let s = s.trim();
-    if s.len() != 64 || !s.is_ascii() {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
-}
-
 /// Whether `a == b`, in time that does not depend on where they differ.
 fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
     let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
     std::hint::black_box(diff) == 0
-}
-
-/// A fresh random token: `prov_` and 64 hexadecimal digits (256 bits from
-/// the operating system's generator).
-pub fn new_token() -> Result<String, getrandom::Error> {
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes)?;
-    Ok(format!("prov_{}", to_hex(&bytes)))
-}
-
-/// The tokens-file entry for `token`.
-pub fn entry_for(name: &str, token: &str, access: Access, runs: Option<Vec<String>>) -> TokenEntry {
-    TokenEntry {
-        name: name.to_owned(),
-        sha256: Some(to_hex(&hash_token(token))),
-        client_cert: None,
-        access,
-        runs,
-    }
 }
 
 /// Who made a call: a token's holder, or the anonymous caller of a driver

@@ -10,15 +10,12 @@
 //! [`crash`] holds the named crash points crash tests arm.
 //! [`auth`] authenticates and authorizes the API's callers and [`limits`]
 //! bounds what they may ask of it (rates, concurrency, deadlines, watches).
-//! [`client`] is the logic of `provisionctl`, the command-line client, and
-//! [`shapefile`] its file format.
 
 #![forbid(unsafe_code)]
 
 pub mod actor;
 pub mod api;
 pub mod auth;
-pub mod client;
 pub use driver_core as core;
 pub mod crash;
 pub mod driver;
@@ -31,5 +28,4 @@ pub mod link;
 pub mod orphans;
 pub mod replicas;
 pub mod server;
-pub mod shapefile;
 pub mod status;

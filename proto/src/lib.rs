@@ -12,7 +12,8 @@
 //! flags and startup ([`runtime`]), tracing, trace propagation and logs
 //! ([`telemetry`]), the Prometheus registry with its endpoint ([`metrics`]) and
 //! the event trace tests read across processes ([`event_trace`]), and TLS with
-//! the peer-identity rule ([`tls`]).
+//! the peer-identity rule ([`tls`]). The `token` feature adds the bearer-token
+//! format the driver and its clients share ([`token`]).
 
 #![forbid(unsafe_code)]
 
@@ -44,6 +45,19 @@ pub mod runtime;
 pub mod telemetry;
 #[cfg(feature = "runtime")]
 pub mod tls;
+
+#[cfg(feature = "token")]
+pub mod token;
+
+/// Metadata keys of the public API's answers.
+#[cfg(feature = "wire")]
+pub mod metadata {
+    /// The address of the replica that serves a run, on a
+    /// `FAILED_PRECONDITION` from a replica that does not; clients follow it.
+    pub const OWNER_ADDRESS: &str = "provisioning-owner-address";
+    /// That replica's owner id.
+    pub const OWNER_ID: &str = "provisioning-owner-id";
+}
 
 /// Generated code for `provisioning.v1`.
 #[cfg(feature = "wire")]

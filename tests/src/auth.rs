@@ -8,10 +8,8 @@ use std::{
 
 use anyhow::Context as _;
 use contract::pb::provisioning_client::ProvisioningClient;
-use driver_svc::{
-    auth::{Access, entry_for, new_token},
-    client::token::BearerToken,
-};
+use contract::token::{Access, entry_for, new_token};
+use provisionctl::token::BearerToken;
 use tonic::{service::interceptor::InterceptedService, transport::Channel};
 
 use crate::procs::Cluster;

@@ -178,7 +178,7 @@ fn example_shapes() -> anyhow::Result<Vec<(String, pb::ClusterShape)>> {
     let mut out = Vec::new();
     for name in ["shape.yaml", "shape-v2.yaml", "shape.json", "broken.yaml"] {
         let text = fs::read_to_string(repo().join("deploy/examples").join(name))?;
-        let shape = driver_svc::shapefile::load(name, &text, 1)?;
+        let shape = provisionctl::shapefile::load(name, &text, 1)?;
         let stem = name.replace('.', "-");
         out.push((stem, shape));
     }

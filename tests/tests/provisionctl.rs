@@ -13,7 +13,7 @@ use std::{
 };
 
 use contract::pb;
-use driver_svc::client::render::{Document, Output, parse_document};
+use provisionctl::render::{Document, Output, parse_document};
 use provisioning_tests::procs::{Cluster, ClusterOptions, bin_path};
 use tokio::io::AsyncWriteExt;
 use tonic::Code;

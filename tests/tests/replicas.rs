@@ -1551,7 +1551,7 @@ async fn replicas_started_from_the_manifest_share_a_run() {
             .unwrap()
             .endpoint(addr)
             .unwrap();
-        let bearer = driver_svc::client::token::BearerToken::new(tokens.token("admin").unwrap()).unwrap();
+        let bearer = provisionctl::token::BearerToken::new(tokens.token("admin").unwrap()).unwrap();
         async move { ProvisioningClient::with_interceptor(endpoint.connect().await.unwrap(), bearer) }
     };
     for (pod, listen, _) in &replicas {

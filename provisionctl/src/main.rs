@@ -1,13 +1,13 @@
 //! `provisionctl`: the command-line client of the driver's public API.
 //!
 //! Only the process edges live here (parsing, the runtime, the exit code);
-//! the commands are in `driver_svc::client`. Exit codes are listed in
-//! `driver_svc::client::error::Exit` and in `provisionctl --help`.
+//! the commands are in the `provisionctl` library. Exit codes are listed in
+//! `provisionctl::error::Exit` and in `provisionctl --help`.
 
 use std::process::ExitCode;
 
 use clap::{CommandFactory as _, Parser};
-use driver_svc::client::{
+use provisionctl::{
     cli::Cli,
     commands,
     error::{CliError, Exit},

@@ -14,7 +14,7 @@ use super::{
     cli::TokenCommand,
     error::{CliError, Exit},
 };
-use crate::auth;
+use contract::token as auth;
 
 /// The environment variable that may hold the token itself.
 pub const TOKEN_ENV: &str = "PROVISIONCTL_TOKEN";

@@ -3,11 +3,8 @@
 //! words and carrying their exit code.
 //!
 //! `provisionctl` is a process edge, not part of the driver: its `--timeout`
-//! and redraw timers read the machine's monotonic clock directly.
-#![expect(
-    clippy::disallowed_methods,
-    reason = "the client's own timeouts are the user's time, not the driver's clock"
-)]
+//! and redraw timers read the machine's monotonic clock directly (the
+//! services' injected-clock rule, in their `clippy.toml`, does not apply).
 
 use std::{
     io::{self, IsTerminal, Read, Write},
@@ -338,7 +335,7 @@ impl Ctx {
             && s.code() == Code::FailedPrecondition
             && let Some(owner) = s
                 .metadata()
-                .get(crate::api::OWNER_ADDRESS)
+                .get(contract::metadata::OWNER_ADDRESS)
                 .and_then(|v| v.to_str().ok())
         {
             return self.connect_to(owner).await;
@@ -1174,9 +1171,9 @@ mod tests {
 
     #[test]
     fn a_timeout_names_what_is_missing() {
-        let s = crate::client::render::tests::status();
+        let s = crate::render::tests::status();
         let failing = Failing::Nodes {
-            nodes: vec![crate::client::render::tests::failing_node()],
+            nodes: vec![crate::render::tests::failing_node()],
             now_ms: 10_000,
         };
         let m = timeout_message("demo", Some(&s), &failing, "30.0s");

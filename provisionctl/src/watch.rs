@@ -300,7 +300,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
     use super::*;
-    use crate::client::render::tests::{failing_node, status};
+    use crate::render::tests::{failing_node, status};
 
     #[test]
     fn the_frame_shows_groups_progress_failures_and_time() {

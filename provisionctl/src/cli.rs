@@ -208,7 +208,7 @@ pub enum TokenCommand {
         /// `read`: get, list, watch, explain, plan, orphans; `write`: those
         /// and apply, delete, pause, resume, abandon.
         #[arg(long, value_enum)]
-        access: crate::auth::Access,
+        access: contract::token::Access,
         /// Limit the token to this run (repeat for several); without it,
         /// every run.
         #[arg(long = "run", value_name = "RUN")]

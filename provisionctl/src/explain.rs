@@ -247,7 +247,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
     use super::*;
-    use crate::client::render::tests::failing_node;
+    use crate::render::tests::failing_node;
 
     fn explanation() -> pb::NodeExplanation {
         let mut node = failing_node();
