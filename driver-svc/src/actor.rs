@@ -31,8 +31,8 @@ use tracing::{Instrument as _, field::Empty};
 
 use crate::{
     core::{
-        AbandonedNode, AckRef, Applied, ApplyError, Commit, Fold, OrphanResource, PassPlan, Released,
-        RunState, StoreError,
+        AbandonedNode, AckRef, Applied, ApplyError, Commit, Fold, LinkSession, OrphanResource, PassPlan,
+        Released, RunState, StoreError, ToExecutor,
     },
     crash,
     driver::{DriverError, QUEUE, Shared},
@@ -137,9 +137,10 @@ pub(crate) struct RunActor {
     rx: mpsc::UnboundedReceiver<RunEvent>,
     tx: mpsc::UnboundedSender<RunEvent>,
     status: watch::Sender<Arc<pb::RunStatus>>,
-    /// The link generation our claim was sent on; submissions go only there.
-    link: Option<u64>,
-    fenced: bool,
+    /// What goes on the executor link, and when (claims, resubmissions,
+    /// replay cursors, acknowledgements): the same session logic the
+    /// simulation runs.
+    session: LinkSession,
     pass_in_flight: bool,
     decider_failures: u32,
     decider_retry_at: Option<Monotonic>,
@@ -149,7 +150,6 @@ pub(crate) struct RunActor {
     /// status (O(nodes) to build) is published at most every
     /// `PUBLISH_EVERY`, except that a phase change goes out at once.
     last_publish: Option<(Monotonic, PhaseKey)>,
-    acks: Vec<AckRef>,
     /// Set when the store refused a write: the run does nothing more.
     halted: Option<String>,
     /// The span of the pass in flight, and when that pass started.
@@ -238,14 +238,12 @@ impl RunActor {
             rx,
             tx: tx.clone(),
             status,
-            link: None,
-            fenced: false,
+            session: LinkSession::new(),
             pass_in_flight: false,
             decider_failures: 0,
             decider_retry_at: None,
             changed: true,
             last_publish: None,
-            acks: Vec::new(),
             halted: None,
             pass_span: None,
             pass_started: None,
@@ -537,7 +535,7 @@ impl RunActor {
             }
             RunEvent::FromExecutor(msg) => self.on_executor_message(msg, now),
             RunEvent::LinkUp(generation) => self.link_up(generation),
-            RunEvent::LinkDown => self.link = None,
+            RunEvent::LinkDown => self.session.handle_link_down(),
             RunEvent::Decided { plan, result } => self.decided(plan, result, now).await,
             RunEvent::Shutdown { done } => self.stopping = Some(done),
         }
@@ -689,7 +687,7 @@ impl RunActor {
                     // A newer incarnation owns this run: this driver must not act.
                     tracing::error!(run = %self.run.run_id(), epoch = %self.run.epoch(), highest = %rej.highest_epoch,
                         "fenced by the executor; no further operations will be dispatched for this run");
-                    self.fenced = true;
+                    self.session.handle_fenced();
                     self.events.received(
                         None,
                         &self.run,
@@ -700,7 +698,7 @@ impl RunActor {
                     return;
                 }
                 if matches!(rej.reason, RejectionReason::UnknownRun)
-                    && let Some(g) = self.link
+                    && let Some(g) = self.session.link()
                 {
                     // The claim did not take (an executor restarted under us):
                     // claim again and resubmit.
@@ -795,52 +793,81 @@ impl RunActor {
     }
 
     fn link_up(&mut self, generation: u64) {
-        self.link = Some(generation);
         if self.halted.is_some() || !self.owned() {
+            // Nothing goes out for a halted run; its reload claims anew.
+            self.session.handle_link_down();
             return;
         }
-        let link = &self.shared.link;
-        let claim = pb::Claim {
-            run_uid: self.run.uid().to_string(),
-            run_id: self.run.run_id().to_string(),
-            epoch: self.run.epoch().get(),
-        };
-        self.events.claim(self.run.epoch(), generation);
-        link.send(generation, message(Kind::Claim(claim), &TraceContext::default()));
-        if self.fenced {
-            return;
-        }
-        for op in self.run.inflight_operations() {
-            // A resubmission joins the operation's span, so the executor's
-            // replay or adoption shows under the original dispatch.
-            let trace = self
-                .in_flight
-                .get(&op.id)
-                .map(|f| telemetry::context_of(&f.span))
-                .filter(|t| !t.traceparent.is_empty())
-                .unwrap_or_else(|| op.trace.clone());
-            self.events.dispatched(&op, true, true);
-            link.send(generation, submit_message(&op, &trace));
-        }
+        self.session.handle_link_up(generation, &self.run);
+        self.flush();
+    }
+
+    /// Sends what the session has queued, each on the link it was queued
+    /// for, encoded with its trace.
+    fn flush(&mut self) {
         let uid = self.run.uid().to_string();
-        let after = self
-            .run
-            .observation_cursors()
-            .into_iter()
-            .map(|(session, seq)| pb::ObservationRef {
-                run_uid: uid.clone(),
-                session_id: session.to_string(),
-                seq,
-            })
-            .collect::<Vec<_>>();
-        if !after.is_empty() {
-            link.send(
-                generation,
-                message(
-                    Kind::ObserveFrom(pb::ObserveFrom { run_uid: uid, after }),
+        let refs = |after: Vec<(contract::SessionId, u64)>| -> Vec<pb::ObservationRef> {
+            after
+                .into_iter()
+                .map(|(session, seq)| pb::ObservationRef {
+                    run_uid: uid.clone(),
+                    session_id: session.to_string(),
+                    seq,
+                })
+                .collect()
+        };
+        while let Some((generation, m)) = self.session.poll_transmit() {
+            let msg = match m {
+                ToExecutor::Claim(claim) => {
+                    self.events.claim(claim.epoch, generation);
+                    let claim = pb::Claim {
+                        run_uid: claim.run_uid.to_string(),
+                        run_id: claim.run_id.to_string(),
+                        epoch: claim.epoch.get(),
+                    };
+                    message(Kind::Claim(claim), &TraceContext::default())
+                }
+                ToExecutor::Submit { op, resubmission } => {
+                    // A submission carries its operation span's context; a
+                    // resubmission joins it, so the executor's replay or
+                    // adoption shows under the original dispatch.
+                    let trace = self
+                        .in_flight
+                        .get(&op.id)
+                        .map(|f| telemetry::context_of(&f.span))
+                        .filter(|t| !t.traceparent.is_empty())
+                        .unwrap_or_else(|| op.trace.clone());
+                    self.events.dispatched(&op, true, resubmission);
+                    submit_message(&op, &trace)
+                }
+                ToExecutor::ObserveFrom(after) => message(
+                    Kind::ObserveFrom(pb::ObserveFrom {
+                        run_uid: uid.clone(),
+                        after: refs(after),
+                    }),
                     &TraceContext::default(),
                 ),
-            );
+                ToExecutor::Ack(acks) => {
+                    let mut ack = pb::Ack::default();
+                    for a in acks {
+                        match a {
+                            AckRef::Result(id) => ack.results.push(pb::ResultRef {
+                                run_uid: uid.clone(),
+                                id: Some(id.into()),
+                            }),
+                            AckRef::Observation { session, seq } => {
+                                ack.observations.push(pb::ObservationRef {
+                                    run_uid: uid.clone(),
+                                    session_id: session.to_string(),
+                                    seq,
+                                })
+                            }
+                        }
+                    }
+                    message(Kind::Ack(ack), &TraceContext::default())
+                }
+            };
+            self.shared.link.send(generation, msg);
         }
     }
 
@@ -918,7 +945,8 @@ impl RunActor {
                                 "run converged"
                             );
                         }
-                        self.acks.extend(released.acks);
+                        self.session.acknowledge(released.acks);
+                        self.flush();
                         let ops = released.operations;
                         if !ops.is_empty() {
                             crash::hit(if self.run.meta().deleting {
@@ -1040,7 +1068,6 @@ impl RunActor {
             provisioning.operation.outcome = Empty,
             otel.status_code = Empty,
         );
-        let trace = telemetry::context_of(&span);
         self.shared.metrics.exported.in_flight.add(&[effect.name()], 1.0);
         self.in_flight.insert(
             op.id,
@@ -1052,7 +1079,7 @@ impl RunActor {
                 waiting: None,
             },
         );
-        self.submit(op, &trace);
+        self.submit(op);
     }
 
     /// Whether this driver still owns the run (always, on a store of its
@@ -1069,17 +1096,16 @@ impl RunActor {
         false
     }
 
-    fn submit(&mut self, op: &contract::Operation, trace: &TraceContext) {
-        if self.fenced || self.halted.is_some() || !self.owned() {
+    /// With the link down (or the run fenced) the operation stays recorded
+    /// pending; it is resubmitted when a link comes back, or folds at its
+    /// deadline.
+    fn submit(&mut self, op: &contract::Operation) {
+        if self.halted.is_some() || !self.owned() || !self.session.sends() {
             self.events.dispatched(op, false, false);
             return;
         }
-        self.events.dispatched(op, self.link.is_some(), false);
-        if let Some(g) = self.link {
-            self.shared.link.send(g, submit_message(op, trace));
-        }
-        // With the link down the operation stays recorded pending; it is
-        // resubmitted when the link comes back, or folds at its deadline.
+        self.session.submit(op.clone());
+        self.flush();
     }
 
     /// Commits what changed. A failed commit halts the run: its in-memory
@@ -1098,7 +1124,7 @@ impl RunActor {
                 if !released.acks.is_empty() {
                     crash::hit(crash::Point::FoldCommitted);
                 }
-                self.acks.extend(released.acks);
+                self.session.acknowledge(released.acks);
             }
             Err(e) => {
                 self.halt(format!("the store refused a write: {e}"));
@@ -1107,8 +1133,8 @@ impl RunActor {
             }
         }
         self.events.committed(dirty);
-        self.send_acks();
-        self.send_replays();
+        self.session.ask_replays(&mut self.run);
+        self.flush();
         Ok(())
     }
 
@@ -1133,73 +1159,16 @@ impl RunActor {
         tracing::error!(run = %self.run.run_id(), reason = %why,
             "run halted: no further work until it is reloaded from the store");
         self.halted = Some(why);
-        self.acks.clear();
+        // Nothing queued goes out: not even acknowledgements, whose folds
+        // the reload may not find stored.
+        self.session.handle_link_down();
         self.changed = true;
-    }
-
-    /// Asks for the stages of newly known sessions from the start: any that
-    /// arrived before the result naming the session were left unacknowledged.
-    fn send_replays(&mut self) {
-        let sessions = self.run.take_replays();
-        let Some(g) = self.link else {
-            // On the next `LinkUp` every live session is asked for anyway.
-            return;
-        };
-        if sessions.is_empty() {
-            return;
-        }
-        let uid = self.run.uid().to_string();
-        let after = sessions
-            .into_iter()
-            .map(|(session, seq)| pb::ObservationRef {
-                run_uid: uid.clone(),
-                session_id: session.to_string(),
-                seq,
-            })
-            .collect();
-        self.shared.link.send(
-            g,
-            message(
-                Kind::ObserveFrom(pb::ObserveFrom { run_uid: uid, after }),
-                &TraceContext::default(),
-            ),
-        );
-    }
-
-    fn send_acks(&mut self) {
-        if self.acks.is_empty() {
-            return;
-        }
-        let Some(g) = self.link else {
-            // Unacknowledged results are resent on the next stream; they fold
-            // as duplicates and are acknowledged then.
-            self.acks.clear();
-            return;
-        };
-        let uid = self.run.uid().to_string();
-        let mut ack = pb::Ack::default();
-        for a in self.acks.drain(..) {
-            match a {
-                AckRef::Result(id) => ack.results.push(pb::ResultRef {
-                    run_uid: uid.clone(),
-                    id: Some(id.into()),
-                }),
-                AckRef::Observation { session, seq } => ack.observations.push(pb::ObservationRef {
-                    run_uid: uid.clone(),
-                    session_id: session.to_string(),
-                    seq,
-                }),
-            }
-        }
-        self.shared
-            .link
-            .send(g, message(Kind::Ack(ack), &TraceContext::default()));
     }
 
     fn maybe_pass(&mut self) {
         if self.pass_in_flight
             || self.decider_retry_at.is_some()
-            || self.fenced
+            || self.session.is_fenced()
             || self.halted.is_some()
             || self.stopping.is_some()
         {
@@ -1296,7 +1265,7 @@ impl RunActor {
             self.close_operation(id, "abandoned", now);
         }
         self.unwant(false);
-        if let Some(g) = self.link {
+        if let Some(g) = self.session.link() {
             self.shared.link.send(
                 g,
                 message(

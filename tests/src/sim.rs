@@ -32,7 +32,8 @@ use contract::{
     SessionId, UnixMillis, backoff::mix64,
 };
 use driver_svc::core::{
-    AckRef, Applied, ApplyError, Fold, MemStore, PassOutcome, Policy, RunState, RunStore,
+    AckRef, Applied, ApplyError, Fold, LinkSession, MemStore, PassOutcome, Policy, RunState, RunStore,
+    ToExecutor,
 };
 use executor_svc::{
     core::{ExecutorCore, Output},
@@ -307,15 +308,14 @@ pub struct Sim {
     backend: BTreeMap<UnixMillis, Vec<(Operation, Outcome)>>,
     /// Messages on their way to the driver, with the step they arrive at.
     transit: VecDeque<(u64, ToDriver)>,
-    /// Acknowledgements on their way to the executor.
-    acks: Vec<AckRef>,
+    /// The driver's side of the link: the production session logic
+    /// (`driver_core::LinkSession`), as the run actor drives it.
+    session: LinkSession,
+    /// The generation of the latest link (a stream between the two).
+    link_generation: u64,
     step: u64,
     pub events: Vec<Event>,
     pub passes: u64,
-    /// The link is down: nothing is submitted or delivered.
-    pub link_down: bool,
-    /// Operations the driver submitted while the link was down (lost).
-    pub lost_submissions: u64,
     /// Record transitions, submission contexts, backend calls and emitted
     /// messages in [`Sim::events`] (costly: every node is cloned around every
     /// change).
@@ -354,18 +354,12 @@ impl Sim {
         let epoch = Epoch::new(1);
         let policy = Arc::new(policy);
         let run = RunState::create(shape, uid, epoch, Arc::clone(&policy), START)?;
-        let mut exec = ExecutorCore::default();
-        exec.claim(&contract::Claim {
-            run_uid: uid,
-            run_id: run.run_id().clone(),
-            epoch,
-        })
-        .map_err(|r| anyhow::anyhow!("claim rejected: {r:?}"))?;
+        let exec = ExecutorCore::default();
         let store = MemStore::new();
         // The actor commits a created run before it answers the client.
         let mut run = run;
         store.persist(run.take_commit())?;
-        Ok(Self {
+        let mut sim = Self {
             now: START,
             run,
             store,
@@ -375,12 +369,11 @@ impl Sim {
             rng: Rng::new(seed ^ 0xdead_beef),
             backend: BTreeMap::new(),
             transit: VecDeque::new(),
-            acks: Vec::new(),
+            session: LinkSession::new(),
+            link_generation: 0,
             step: 0,
             events: Vec::new(),
             passes: 0,
-            link_down: false,
-            lost_submissions: 0,
             record: false,
             permute: false,
             tamper: None,
@@ -390,7 +383,76 @@ impl Sim {
             late_after_abort: BTreeSet::new(),
             seen: BTreeMap::new(),
             history: VecDeque::new(),
-        })
+        };
+        // The run's actor starts, and the link comes up.
+        sim.connect()?;
+        Ok(sim)
+    }
+
+    /// Whether the link is down: nothing is submitted or delivered.
+    pub fn link_down(&self) -> bool {
+        self.session.link().is_none()
+    }
+
+    /// Operations the driver released while the link was down (lost).
+    pub fn lost_submissions(&self) -> u64 {
+        self.session.dropped_submissions()
+    }
+
+    /// The link breaks: what is on it is lost.
+    pub fn cut_link(&mut self) {
+        self.session.handle_link_down();
+    }
+
+    /// A new stream: the executor sends every unacknowledged result again,
+    /// and the driver's session claims the run, resubmits what is pending
+    /// and asks for observations after the last sequence it folded.
+    fn connect(&mut self) -> anyhow::Result<()> {
+        self.link_generation += 1;
+        let uid = self.run.uid();
+        for r in self.exec.unacked_results_of(uid) {
+            self.send(ToDriver::Result(r));
+        }
+        self.session.handle_link_up(self.link_generation, &self.run);
+        self.transmit(None)
+    }
+
+    /// Carries out at the executor what the driver's session sent, as the
+    /// executor's link handler does. `store` is the store submissions are
+    /// checked against, when not the current one.
+    fn transmit(&mut self, store: Option<&MemStore>) -> anyhow::Result<()> {
+        let uid = self.run.uid();
+        while let Some((generation, m)) = self.session.poll_transmit() {
+            if generation != self.link_generation {
+                continue;
+            }
+            match m {
+                ToExecutor::Claim(claim) => {
+                    self.exec
+                        .claim(&claim)
+                        .map_err(|r| anyhow::anyhow!("claim rejected: {r:?}"))?;
+                }
+                ToExecutor::Submit { op, .. } => self.submit_checked(op, store),
+                ToExecutor::ObserveFrom(after) => {
+                    for (session, after) in after {
+                        for o in self.exec.observations_after(uid, &session, after) {
+                            self.send(ToDriver::Observation(o));
+                        }
+                    }
+                }
+                ToExecutor::Ack(acks) => {
+                    for a in acks {
+                        match a {
+                            AckRef::Result(id) => self.exec.ack_result(uid, id),
+                            AckRef::Observation { session, seq } => {
+                                self.exec.ack_observations(uid, &session, seq)
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn policy(&self) -> &Arc<Policy> {
@@ -436,8 +498,9 @@ impl Sim {
         {
             self.transition(Cause::Timer, before);
         }
-        let acks = self.store.persist(self.run.take_commit())?.acks;
-        self.acks.extend(acks);
+        let released = self.store.persist(self.run.take_commit())?;
+        self.session.handle_released(released, &mut self.run);
+        self.transmit(None)?;
         Ok(())
     }
 
@@ -486,10 +549,8 @@ impl Sim {
             actions,
             changed,
         }));
-        self.acks.extend(released.acks);
-        for op in released.operations {
-            self.submit_checked(op, precommit.as_ref());
-        }
+        self.session.handle_released(released, &mut self.run);
+        self.transmit(precommit.as_ref())?;
         Ok(true)
     }
 
@@ -502,18 +563,16 @@ impl Sim {
             .and_then(|n| n.node.pending)
     }
 
-    /// Sends an operation to the executor.
-    pub fn submit(&mut self, op: Operation) {
-        self.submit_checked(op, None);
+    /// Sends an operation to the executor through the driver's session
+    /// (lost while the link is down).
+    pub fn submit(&mut self, op: Operation) -> anyhow::Result<()> {
+        self.session.submit(op);
+        self.transmit(None)
     }
 
-    /// Sends an operation to the executor; `store` is the store the submission
-    /// is checked against, when not the current one.
+    /// What the executor does with a submission that reached it; `store` is
+    /// the store the submission is checked against, when not the current one.
     fn submit_checked(&mut self, mut op: Operation, store: Option<&MemStore>) {
-        if self.link_down {
-            self.lost_submissions += 1;
-            return;
-        }
         let extra = self
             .with_tamper(|t, sim| t.submit(sim, &mut op))
             .unwrap_or_default();
@@ -705,7 +764,7 @@ impl Sim {
         if self.record {
             self.events.push(Event::Emitted(m.clone()));
         }
-        if self.link_down {
+        if self.link_down() {
             // The stream is broken: the message is lost (the executor keeps
             // results and observations until acknowledged, and sends them again
             // on the next stream).
@@ -726,7 +785,7 @@ impl Sim {
     /// Delivers every message due at this step to the driver (interleaved across
     /// nodes when chaotic), then the acknowledgements to the executor.
     pub fn deliver(&mut self) -> anyhow::Result<usize> {
-        if self.link_down {
+        if self.link_down() {
             return Ok(0);
         }
         let step = self.step;
@@ -773,26 +832,10 @@ impl Sim {
             self.history.push_back(m);
         }
         // Folds are acknowledged only once committed.
-        let acks = self.store.persist(self.run.take_commit())?.acks;
-        self.acks.extend(acks);
-        self.flush_acks();
-        let uid = self.run.uid();
-        for (session, after) in self.run.take_replays() {
-            for o in self.exec.observations_after(uid, &session, after) {
-                self.send(ToDriver::Observation(o));
-            }
-        }
+        let released = self.store.persist(self.run.take_commit())?;
+        self.session.handle_released(released, &mut self.run);
+        self.transmit(None)?;
         Ok(n)
-    }
-
-    fn flush_acks(&mut self) {
-        let uid = self.run.uid();
-        for a in std::mem::take(&mut self.acks) {
-            match a {
-                AckRef::Result(id) => self.exec.ack_result(uid, id),
-                AckRef::Observation { session, seq } => self.exec.ack_observations(uid, &session, seq),
-            }
-        }
     }
 
     /// Completes backend calls and emits observations due by now.
@@ -932,31 +975,12 @@ impl Sim {
         anyhow::bail!("not gone after {max_steps} steps: {}", self.describe())
     }
 
-    /// What a new stream does: the executor sends every unacknowledged result
-    /// again, the driver asks for observations after the last sequence it folded
-    /// and resubmits every pending operation.
-    fn resync(&mut self) {
-        let uid = self.run.uid();
-        for r in self.exec.unacked_results_of(uid) {
-            self.send(ToDriver::Result(r));
-        }
-        for (session, after) in self.run.observation_cursors() {
-            for o in self.exec.observations_after(uid, &session, after) {
-                self.send(ToDriver::Observation(o));
-            }
-        }
-        for op in self.run.inflight_operations() {
-            self.submit(op);
-        }
-    }
-
-    /// Restores the link: messages in flight on the broken stream are lost, the
-    /// driver resubmits every pending operation and asks for observations after
-    /// the last folded sequence.
-    pub fn reconnect(&mut self) {
-        self.link_down = false;
+    /// Restores the link: messages in flight on the broken stream are lost;
+    /// on the new stream the driver resubmits every pending operation and
+    /// asks for observations after the last folded sequence.
+    pub fn reconnect(&mut self) -> anyhow::Result<()> {
         self.transit.clear();
-        self.resync();
+        self.connect()
     }
 
     /// The executor sends every unacknowledged result and observation again, as
@@ -983,17 +1007,18 @@ impl Sim {
     }
 
     /// Resubmits every pending operation (the executor replays or keeps running).
-    pub fn resubmit_inflight(&mut self) {
+    pub fn resubmit_inflight(&mut self) -> anyhow::Result<()> {
         for op in self.run.inflight_operations() {
-            self.submit(op);
+            self.submit(op)?;
         }
+        Ok(())
     }
 
     /// Another client resubmits an operation id the executor has seen with
     /// different input; the executor must reject it. Nothing reaches the driver.
     /// The `k`-th most recent id is probed.
     pub fn conflict_probe(&mut self, k: usize) {
-        if self.seen.is_empty() || self.link_down {
+        if self.seen.is_empty() || self.link_down() {
             return;
         }
         let mut recent: Vec<&Operation> = self.seen.values().collect();
@@ -1060,18 +1085,15 @@ impl Sim {
         if let Some(before) = before {
             self.transition(Cause::Restore, before);
         }
-        self.exec
-            .claim(&contract::Claim {
-                run_uid: self.run.uid(),
-                run_id: self.run.run_id().clone(),
-                epoch,
-            })
-            .map_err(|r| anyhow::anyhow!("claim rejected: {r:?}"))?;
-        let acks = self.store.persist(self.run.take_commit())?.acks;
-        self.acks = acks;
+        // The new epoch is durable before the new process claims it.
+        let released = self.store.persist(self.run.take_commit())?;
+        debug_assert!(released.operations.is_empty() && released.acks.is_empty());
+        // A new process: a new session, and a new stream if the network is up.
+        let up = !self.link_down();
+        self.session = LinkSession::new();
         self.transit.clear();
-        if !self.link_down {
-            self.resync();
+        if up {
+            self.connect()?;
         }
         Ok(())
     }
@@ -1082,8 +1104,9 @@ impl Sim {
         let before = self.snapshot_if_recording();
         let r = self.run.apply_shape(shape);
         if matches!(r, Ok(Applied::Changed)) {
-            let acks = self.store.persist(self.run.take_commit())?.acks;
-            self.acks.extend(acks);
+            let released = self.store.persist(self.run.take_commit())?;
+            self.session.handle_released(released, &mut self.run);
+            self.transmit(None)?;
             if let Some(before) = before {
                 self.transition(Cause::Apply, before);
             }
@@ -1095,8 +1118,9 @@ impl Sim {
     pub fn delete_run(&mut self) -> anyhow::Result<bool> {
         let changed = self.run.delete();
         if changed {
-            let acks = self.store.persist(self.run.take_commit())?.acks;
-            self.acks.extend(acks);
+            let released = self.store.persist(self.run.take_commit())?;
+            self.session.handle_released(released, &mut self.run);
+            self.transmit(None)?;
         }
         Ok(changed)
     }

@@ -300,11 +300,11 @@ fn a_broken_link_loses_nothing() {
     for _ in 0..15 {
         sim.step().unwrap();
     }
-    sim.link_down = true;
+    sim.cut_link();
     for _ in 0..200 {
         sim.step().unwrap();
     }
-    sim.reconnect();
+    sim.reconnect().unwrap();
     sim.run_until_converged(MAX_STEPS).unwrap();
     assert_eq!(ready_slots(&sim).len(), 21);
     assert_eq!(sim.fake.inventory().len(), 21);

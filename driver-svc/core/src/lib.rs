@@ -11,6 +11,7 @@
 pub mod commit;
 pub mod policy;
 pub mod run;
+pub mod session;
 pub mod store;
 
 pub use commit::{Commit, Held, Released};
@@ -19,4 +20,5 @@ pub use run::{
     AbandonedNode, AckRef, Applied, ApplyError, CoreError, Discard, Fold, LastDecision, ORPHAN_SEQ_BASE,
     OrphanResource, PassOutcome, PassPlan, RunState,
 };
+pub use session::{LinkSession, ToExecutor};
 pub use store::{MemStore, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};

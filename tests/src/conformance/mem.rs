@@ -367,29 +367,29 @@ impl SystemUnderTest for MemSut {
                 one(self, None)
             }
             Input::LinkDown => {
-                sim.link_down = true;
+                sim.cut_link();
                 one(self, None)
             }
             Input::Reconnect => {
-                if sim.link_down {
-                    sim.reconnect();
+                if sim.link_down() {
+                    sim.reconnect()?;
                 }
                 one(self, None)
             }
             Input::Replay => {
-                if !sim.link_down {
+                if !sim.link_down() {
                     sim.replay_unacked();
                 }
                 one(self, None)
             }
             Input::Resend(k) => {
-                if !sim.link_down {
+                if !sim.link_down() {
                     sim.resend(usize::from(*k));
                 }
                 one(self, None)
             }
             Input::Resubmit => {
-                sim.resubmit_inflight();
+                sim.resubmit_inflight()?;
                 one(self, None)
             }
             Input::Conflict(k) => {
@@ -411,8 +411,8 @@ impl SystemUnderTest for MemSut {
     fn calm(&mut self) -> anyhow::Result<StepRecord> {
         self.sim.fake.set_faults(FaultRates::none());
         self.sim.clear_injections();
-        if self.sim.link_down {
-            self.sim.reconnect();
+        if self.sim.link_down() {
+            self.sim.reconnect()?;
         }
         let probes = self.limit_probes();
         Ok(self.record(Phase::Tail, None, None, None, probes))
