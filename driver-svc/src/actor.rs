@@ -805,6 +805,10 @@ impl RunActor {
     /// Sends what the session has queued, each on the link it was queued
     /// for, encoded with its trace.
     fn flush(&mut self) {
+        let mut next = self.session.poll_transmit();
+        if next.is_none() {
+            return;
+        }
         let uid = self.run.uid().to_string();
         let refs = |after: Vec<(contract::SessionId, u64)>| -> Vec<pb::ObservationRef> {
             after
@@ -816,7 +820,7 @@ impl RunActor {
                 })
                 .collect()
         };
-        while let Some((generation, m)) = self.session.poll_transmit() {
+        while let Some((generation, m)) = next.take() {
             let msg = match m {
                 ToExecutor::Claim(claim) => {
                     self.events.claim(claim.epoch, generation);
@@ -868,6 +872,7 @@ impl RunActor {
                 }
             };
             self.shared.link.send(generation, msg);
+            next = self.session.poll_transmit();
         }
     }
 
@@ -945,8 +950,8 @@ impl RunActor {
                                 "run converged"
                             );
                         }
+                        // Acknowledged with the batch's commit, in one message.
                         self.session.acknowledge(released.acks);
-                        self.flush();
                         let ops = released.operations;
                         if !ops.is_empty() {
                             crash::hit(if self.run.meta().deleting {
@@ -1057,17 +1062,7 @@ impl RunActor {
     /// it. The span ends when the operation's outcome is folded.
     fn dispatch(&mut self, op: &Operation, now: UnixMillis) {
         let effect = op.input.effect();
-        let span = tracing::info_span!(
-            "operation",
-            otel.name = %format_args!("operation {}", effect.name()),
-            provisioning.run.id = %op.run_id,
-            provisioning.node.id = %op.node,
-            provisioning.operation.id = %op.id,
-            provisioning.operation.effect = effect.name(),
-            provisioning.operation.attempt = op.id.attempt().get(),
-            provisioning.operation.outcome = Empty,
-            otel.status_code = Empty,
-        );
+        let span = contract::operation_span!("operation", format_args!("operation {}", effect.name()), op);
         self.shared.metrics.exported.in_flight.add(&[effect.name()], 1.0);
         self.in_flight.insert(
             op.id,
@@ -1133,6 +1128,7 @@ impl RunActor {
             }
         }
         self.events.committed(dirty);
+        self.session.flush_acks();
         self.session.ask_replays(&mut self.run);
         self.flush();
         Ok(())

@@ -22,7 +22,7 @@
 
 use std::{collections::BTreeMap, path::Path};
 
-use contract::secrets::{Sealer, SecretsError, restrict_to_owner};
+use contract::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use contract::{
     ClusterShape, Epoch, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
     pb::{self, store::v1 as rec},
@@ -71,12 +71,10 @@ impl RedbStore {
     /// sealer's key (see `contract::secrets`). The directory and the file are
     /// made readable by their owner only.
     pub fn open_sealed(dir: &Path, sealer: Sealer) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(dir).map_err(|e| unavailable(format!("creating {}: {e}", dir.display())))?;
-        let path = dir.join(FILE_NAME);
-        let db = Database::create(&path).map_err(|e| corrupt(format!("opening {}: {e}", path.display())))?;
-        for p in [dir, path.as_path()] {
-            restrict_to_owner(p).map_err(|e| unavailable(format!("restricting {}: {e}", p.display())))?;
-        }
+        let db = open_owner_only(dir, FILE_NAME, |p| Database::create(p)).map_err(|e| match e {
+            OpenError::Unavailable(e) => unavailable(e),
+            OpenError::Corrupt(e) => corrupt(e),
+        })?;
         let store = Self { db, sealer };
         store.check_schema()?;
         Ok(store)

@@ -20,7 +20,7 @@
 
 use std::path::Path;
 
-use contract::secrets::{Sealer, SecretsError, restrict_to_owner};
+use contract::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use contract::{
     AttemptId, Epoch, Operation, OperationId, OperationResult, RunUid,
     pb::{self, store::v1 as rec},
@@ -75,12 +75,10 @@ impl ExecutorStore {
     /// As [`ExecutorStore::open`], sealing secret parameter values of the
     /// operations it keeps.
     pub fn open_sealed(dir: &Path, sealer: Sealer) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(dir).map_err(|e| unavailable(format!("creating {}: {e}", dir.display())))?;
-        let path = dir.join(FILE_NAME);
-        let db = Database::create(&path).map_err(|e| corrupt(format!("opening {}: {e}", path.display())))?;
-        for p in [dir, path.as_path()] {
-            restrict_to_owner(p).map_err(|e| unavailable(format!("restricting {}: {e}", p.display())))?;
-        }
+        let db = open_owner_only(dir, FILE_NAME, |p| Database::create(p)).map_err(|e| match e {
+            OpenError::Unavailable(e) => unavailable(e),
+            OpenError::Corrupt(e) => corrupt(e),
+        })?;
         let txn = db.begin_write().map_err(unavailable)?;
         {
             let mut schema = txn.open_table(SCHEMA).map_err(unavailable)?;

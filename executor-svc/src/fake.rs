@@ -309,17 +309,6 @@ fn session_facts(session: SessionId) -> ResultFacts {
     }
 }
 
-/// The failure stage that replaces a stage when a bootstrap fails there.
-fn failed_at(stage: BootstrapStage) -> BootstrapStage {
-    match stage {
-        BootstrapStage::Connected => BootstrapStage::FailedConnect,
-        BootstrapStage::BootCheck => BootstrapStage::FailedBootCheck,
-        BootstrapStage::AgentStarted => BootstrapStage::FailedAgentStart,
-        BootstrapStage::Joined => BootstrapStage::FailedJoin,
-        _ => BootstrapStage::FailedClosed,
-    }
-}
-
 impl FakeProvider {
     pub fn new(config: FakeConfig) -> Self {
         Self {
@@ -526,18 +515,12 @@ impl FakeProvider {
     fn start_session(&mut self, identity: ResourceIdentity, now: UnixMillis) -> Result<SessionId, Outcome> {
         let n = self.session_counter + 1;
         let id = SessionId::new("session", &format!("sess-{n}")).map_err(id_error)?;
-        let mut stages = vec![
-            BootstrapStage::Connected,
-            BootstrapStage::BootCheck,
-            BootstrapStage::AgentStarted,
-            BootstrapStage::Joined,
-            BootstrapStage::Converged,
-        ];
+        let mut stages = BootstrapStage::PROGRESS.to_vec();
         let f = self.config.faults;
         if self.rng.pick(&[f.bootstrap_fail]).is_some() {
             // Any stage before convergence can fail; the failure ends the session.
             let at = self.rng.below(4) as usize;
-            stages[at] = failed_at(stages[at]);
+            stages[at] = stages[at].failure();
             stages.truncate(at + 1);
         } else if self.rng.pick(&[f.bootstrap_hang]).is_some() {
             // A hung session gets at least as far as connecting, never converges.
@@ -1067,16 +1050,7 @@ mod tests {
             .into_iter()
             .map(|o| o.stage)
             .collect();
-        assert_eq!(
-            again,
-            [
-                BootstrapStage::Connected,
-                BootstrapStage::BootCheck,
-                BootstrapStage::AgentStarted,
-                BootstrapStage::Joined,
-                BootstrapStage::Converged
-            ]
-        );
+        assert_eq!(again, BootstrapStage::PROGRESS);
         assert!(q.inventory()[1].session_live);
         // The endpoint is ready once the provider is told the time.
         assert_eq!(q.inventory()[0].endpoint, None);

@@ -55,7 +55,7 @@ use tokio::{
 };
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
-use tracing::{Instrument as _, field::Empty};
+use tracing::Instrument as _;
 
 use crate::{
     backend::{Backend, BackendError, ObservationSink, RawObservation},
@@ -1082,18 +1082,7 @@ impl Actor {
         let abandoned = Arc::new(AtomicBool::new(false));
         let span_abandoned = Arc::clone(&abandoned);
         let handle = tokio::spawn(async move {
-            let span = tracing::info_span!(
-                parent: None,
-                "execute",
-                otel.name = span_name(effect),
-                provisioning.run.id = %op.run_id,
-                provisioning.node.id = %op.node,
-                provisioning.operation.id = %op.id,
-                provisioning.operation.effect = effect.name(),
-                provisioning.operation.attempt = op.id.attempt().get(),
-                provisioning.operation.outcome = Empty,
-                otel.status_code = Empty,
-            );
+            let span = contract::operation_span!(parent: None, "execute", span_name(effect), &op);
             telemetry::set_parent(&span, &op.trace);
             // Without an OpenTelemetry layer (an executor embedded in a test)
             // the call has no context of its own; the operation's is passed on.
@@ -1360,8 +1349,8 @@ mod tests {
         tracing::subscriber::with_default(subscriber, || {
             let span = tracing::info_span!(
                 "execute",
-                provisioning.operation.outcome = Empty,
-                otel.status_code = Empty,
+                provisioning.operation.outcome = tracing::field::Empty,
+                otel.status_code = tracing::field::Empty,
             );
             drop(CallSpan {
                 span,

@@ -1,10 +1,10 @@
-//! `contract::fuzzing::apply_request`: a panic or a broken property is a bug.
+//! `fuzz_harness::apply_request`: a panic or a broken property is a bug.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Err(v) = contract::fuzzing::apply_request(data) {
+    if let Err(v) = fuzz_harness::apply_request(data) {
         panic!("{v}");
     }
 });

@@ -1,10 +1,10 @@
-//! `contract::fuzzing::driver_message`: a panic or a broken property is a bug.
+//! `fuzz_harness::driver_message`: a panic or a broken property is a bug.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Err(v) = contract::fuzzing::driver_message(data) {
+    if let Err(v) = fuzz_harness::driver_message(data) {
         panic!("{v}");
     }
 });

@@ -6,8 +6,8 @@
 //! ([`time`]) and the one backoff function ([`backoff`]). With the `wire` feature
 //! (on by default) the crate also carries the `provisioning.v1` protos' generated
 //! code ([`pb`]) and the `TryFrom` conversions between wire and domain types
-//! ([`wire`]), with the entry points that fuzz what the services decode
-//! ([`fuzzing`]); the pure decider uses the crate without it, so it links
+//! ([`wire`]) (the entry points that fuzz what the services decode are the
+//! `provisioning-fuzz-harness` crate, `tests/fuzz-harness/`); the pure decider uses the crate without it, so it links
 //! neither tonic nor prost. The `runtime` feature adds what every service binary shares:
 //! flags and startup ([`runtime`]), tracing, trace propagation and logs
 //! ([`telemetry`]), the Prometheus registry with its endpoint ([`metrics`]) and
@@ -28,9 +28,6 @@ pub mod time;
 
 #[cfg(feature = "wire")]
 pub mod wire;
-
-#[cfg(feature = "wire")]
-pub mod fuzzing;
 
 #[cfg(feature = "secrets")]
 pub mod secrets;

@@ -252,6 +252,35 @@ impl Sealer {
     }
 }
 
+/// Why a store file could not be opened: the directory or the
+/// permissions (`Unavailable`, worth retrying), or the file itself (`Corrupt`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpenError {
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Corrupt(String),
+}
+
+/// Opens a store's file `name` in `dir` with `open`: the directory is made if
+/// it is missing, and both are then made readable by their owner only (the
+/// one way the driver's and the executor's stores open their files).
+pub fn open_owner_only<T, E: std::fmt::Display>(
+    dir: &Path,
+    name: &str,
+    open: impl FnOnce(&Path) -> Result<T, E>,
+) -> Result<T, OpenError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| OpenError::Unavailable(format!("creating {}: {e}", dir.display())))?;
+    let path = dir.join(name);
+    let opened = open(&path).map_err(|e| OpenError::Corrupt(format!("opening {}: {e}", path.display())))?;
+    for p in [dir, path.as_path()] {
+        restrict_to_owner(p)
+            .map_err(|e| OpenError::Unavailable(format!("restricting {}: {e}", p.display())))?;
+    }
+    Ok(opened)
+}
+
 /// Makes a store's directory and file readable by their owner only.
 pub fn restrict_to_owner(path: &Path) -> std::io::Result<()> {
     #[cfg(unix)]

@@ -83,6 +83,41 @@ pub enum BootstrapStage {
 }
 
 impl BootstrapStage {
+    /// Every stage.
+    pub const ALL: [BootstrapStage; 10] = [
+        BootstrapStage::Connected,
+        BootstrapStage::BootCheck,
+        BootstrapStage::AgentStarted,
+        BootstrapStage::Joined,
+        BootstrapStage::Converged,
+        BootstrapStage::FailedConnect,
+        BootstrapStage::FailedBootCheck,
+        BootstrapStage::FailedAgentStart,
+        BootstrapStage::FailedJoin,
+        BootstrapStage::FailedClosed,
+    ];
+
+    /// The stages of a bootstrap that goes well, in order.
+    pub const PROGRESS: [BootstrapStage; 5] = [
+        BootstrapStage::Connected,
+        BootstrapStage::BootCheck,
+        BootstrapStage::AgentStarted,
+        BootstrapStage::Joined,
+        BootstrapStage::Converged,
+    ];
+
+    /// The failure stage reported when a bootstrap fails at this stage (a
+    /// session that ends anywhere else ends `FailedClosed`).
+    pub fn failure(self) -> BootstrapStage {
+        match self {
+            BootstrapStage::Connected => BootstrapStage::FailedConnect,
+            BootstrapStage::BootCheck => BootstrapStage::FailedBootCheck,
+            BootstrapStage::AgentStarted => BootstrapStage::FailedAgentStart,
+            BootstrapStage::Joined => BootstrapStage::FailedJoin,
+            _ => BootstrapStage::FailedClosed,
+        }
+    }
+
     pub fn is_failure(self) -> bool {
         matches!(
             self,
@@ -111,19 +146,7 @@ impl BootstrapStage {
 
     /// The stage named `s` (as [`BootstrapStage::name`] spells it).
     pub fn from_name(s: &str) -> Option<Self> {
-        const ALL: [BootstrapStage; 10] = [
-            BootstrapStage::Connected,
-            BootstrapStage::BootCheck,
-            BootstrapStage::AgentStarted,
-            BootstrapStage::Joined,
-            BootstrapStage::Converged,
-            BootstrapStage::FailedConnect,
-            BootstrapStage::FailedBootCheck,
-            BootstrapStage::FailedAgentStart,
-            BootstrapStage::FailedJoin,
-            BootstrapStage::FailedClosed,
-        ];
-        ALL.into_iter().find(|st| st.name() == s)
+        Self::ALL.into_iter().find(|st| st.name() == s)
     }
 }
 

@@ -396,6 +396,33 @@ pub fn set_attribute(
     span.set_attribute(key, value);
 }
 
+/// The span of one operation, with the attributes both ends give it (the
+/// driver's `operation` span from dispatch to fold, the executor's `execute`
+/// span around the provider call): run, node, operation id, effect, attempt,
+/// and the outcome and status recorded when it ends.
+///
+/// `operation_span!("name", otel_name, &op)` or, with an explicit parent,
+/// `operation_span!(parent: p, "name", otel_name, &op)`; `otel_name` is any
+/// `Display`.
+#[macro_export]
+macro_rules! operation_span {
+    ($(parent: $parent:expr,)? $name:literal, $otel_name:expr, $op:expr) => {{
+        let op: &$crate::Operation = $op;
+        ::tracing::info_span!(
+            $(parent: $parent,)?
+            $name,
+            otel.name = %$otel_name,
+            provisioning.run.id = %op.run_id,
+            provisioning.node.id = %op.node,
+            provisioning.operation.id = %op.id,
+            provisioning.operation.effect = op.input.effect().name(),
+            provisioning.operation.attempt = op.id.attempt().get(),
+            provisioning.operation.outcome = ::tracing::field::Empty,
+            otel.status_code = ::tracing::field::Empty,
+        )
+    }};
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -445,3 +472,4 @@ mod tests {
         );
     }
 }
+

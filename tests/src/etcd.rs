@@ -57,6 +57,12 @@ impl Etcd {
         Ok(etcd)
     }
 
+    /// Kills the member (the process this value started) and waits for it.
+    pub fn kill(&mut self) -> std::io::Result<()> {
+        self.child.kill()?;
+        self.child.wait().map(|_| ())
+    }
+
     /// The member's process id (to pause it, as a stalled etcd).
     pub fn pid(&self) -> u32 {
         self.child.id()

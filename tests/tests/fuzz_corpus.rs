@@ -1,6 +1,6 @@
 //! The fuzzers' saved corpus and every crash they ever found, replayed as
 //! ordinary tests through the entry points the fuzz targets call
-//! (`contract::fuzzing`), so CI checks them without nightly or cargo-fuzz; and
+//! (`fuzz_harness`), so CI checks them without nightly or cargo-fuzz; and
 //! the seed inputs, built from `deploy/examples` and the domain types.
 //!
 //! `FUZZ_WRITE_SEEDS=1 cargo test -p provisioning-tests --test fuzz_corpus`
@@ -15,17 +15,17 @@ use std::{
 };
 
 use contract::{
-    AttemptId, BootstrapProgress, BootstrapStage, Claim, ClusterShape, Decision, Effect, Endpoint, Epoch,
-    GroupId, Intent, LeaseId, LogicalNodeId, ManagedNode, NodeFacts, NodeStage, NodeTemplate, Observation,
-    Operation, OperationId, OperationInput, OperationResult, Outcome, Param, PendingOp, PermanentFailure,
-    Rejection, RejectionReason, ResultFacts, RetryState, RunId, RunUid, SessionId, TraceContext, UnixMillis,
+    AttemptId, BootstrapProgress, BootstrapStage, Claim, ClusterShape, Effect, Endpoint, Epoch, GroupId,
+    Intent, LeaseId, LogicalNodeId, ManagedNode, NodeFacts, NodeStage, NodeTemplate, Observation, Operation,
+    OperationId, OperationInput, OperationResult, Outcome, Param, PendingOp, PermanentFailure, Rejection,
+    RejectionReason, ResultFacts, RetryState, RunId, RunUid, SessionId, TraceContext, UnixMillis,
     decision::Action,
-    fuzzing::{self, Ladder, Verdict, Violation},
     pb,
     shape::example_template,
     wire::{TemplateTable, node_to_wire, shape_from_wire, shape_to_wire_with_table, trace_to_wire},
 };
-use decider::{DesiredView, SlotSet};
+use decider::DesiredView;
+use fuzz_harness::{self as fuzzing, Verdict, Violation};
 
 type TestResult = anyhow::Result<()>;
 type Entry = fn(&[u8]) -> Result<Verdict, Violation>;
@@ -35,40 +35,11 @@ const TARGETS: [(&str, Entry); 7] = [
     ("apply_request", fuzzing::apply_request),
     ("plan_request", fuzzing::plan_request),
     ("run_request", fuzzing::run_request),
-    ("decide_call", decide_call),
+    ("decide_call", fuzzing::decide_call),
     ("driver_message", fuzzing::driver_message),
     ("executor_message", fuzzing::executor_message),
     ("shape_validation", fuzzing::shape_validation),
 ];
-
-/// The decider, as its `Decide` service runs it (the same as in
-/// `fuzz/fuzz_targets/decide_call.rs`).
-struct Decider;
-
-impl Ladder for Decider {
-    fn decide(
-        &mut self,
-        desired: &ClusterShape,
-        deleting: bool,
-        node: &ManagedNode,
-        now: UnixMillis,
-    ) -> Decision {
-        decider::decide_node(&DesiredView::new(desired, deleting), node, now)
-    }
-
-    fn inserts(&mut self, desired: &ClusterShape, deleting: bool, held: &[(GroupId, u32)]) -> Vec<Decision> {
-        let mut slots = SlotSet::new();
-        for (group, index) in held {
-            slots.insert_index(group, *index);
-        }
-        slots.finish();
-        decider::inserts(&DesiredView::new(desired, deleting), &slots).collect()
-    }
-}
-
-fn decide_call(data: &[u8]) -> Result<Verdict, Violation> {
-    fuzzing::decide_call(data, &mut Decider)
-}
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

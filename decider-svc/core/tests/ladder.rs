@@ -1633,19 +1633,6 @@ impl Rng {
     }
 }
 
-const ALL_BOOTSTRAP: [BootstrapStage; 10] = [
-    BootstrapStage::Connected,
-    BootstrapStage::BootCheck,
-    BootstrapStage::AgentStarted,
-    BootstrapStage::Joined,
-    BootstrapStage::Converged,
-    BootstrapStage::FailedConnect,
-    BootstrapStage::FailedBootCheck,
-    BootstrapStage::FailedAgentStart,
-    BootstrapStage::FailedJoin,
-    BootstrapStage::FailedClosed,
-];
-
 /// A random shape for group `w` (and sometimes only group `x`), and whether the
 /// run is deleting.
 fn random_shape(rng: &mut Rng, shared: &Arc<NodeTemplate>) -> (ClusterShape, bool) {
@@ -1689,7 +1676,7 @@ fn random_node(rng: &mut Rng, shared: &Arc<NodeTemplate>) -> ManagedNode {
         let stage = if rng.chance(1, 4) {
             BootstrapStage::Converged
         } else {
-            rng.pick(&ALL_BOOTSTRAP)
+            rng.pick(&BootstrapStage::ALL)
         };
         n.facts.bootstrap = Some(BootstrapProgress {
             stage,

@@ -8,8 +8,8 @@
 //!   (byte-for-byte as first submitted, so the executor replays or adopts)
 //!   and asks for the observations after the last sequence it folded.
 //! - A commit is durable ([`LinkSession::handle_released`]): its operations
-//!   are submitted, its acknowledgements sent, and the sessions that became
-//!   known asked for from the start.
+//!   are submitted, its acknowledgements sent (every one held so far, in one
+//!   message), and the sessions that became known asked for from the start.
 //! - The link goes down: everything queued for it is dropped. Pending
 //!   operations stay recorded and go out again on the next link; unsent
 //!   acknowledgements are replaced by the executor resending what it holds.
@@ -47,6 +47,9 @@ pub struct LinkSession {
     link: Option<u64>,
     fenced: bool,
     out: VecDeque<(u64, ToExecutor)>,
+    /// Acknowledgements released and not yet queued: they leave together, as
+    /// one message, at the next [`LinkSession::flush_acks`].
+    acks: Vec<AckRef>,
     /// Submissions dropped because no link was up or the run was fenced.
     dropped: u64,
 }
@@ -105,6 +108,7 @@ impl LinkSession {
     pub fn handle_link_down(&mut self) {
         self.link = None;
         self.out.clear();
+        self.acks.clear();
     }
 
     /// The executor fenced the run's epoch: no further submissions.
@@ -120,6 +124,7 @@ impl LinkSession {
             self.submit(op);
         }
         self.acknowledge(released.acks);
+        self.flush_acks();
         self.ask_replays(run);
     }
 
@@ -135,14 +140,27 @@ impl LinkSession {
         });
     }
 
-    /// Acknowledges committed folds. Without a link they are dropped: the
+    /// Acknowledges committed folds, to go out with the next
+    /// [`LinkSession::flush_acks`]. Without a link they are dropped: the
     /// executor sends them again on the next stream, they fold as
     /// duplicates and are acknowledged then.
-    pub fn acknowledge(&mut self, acks: Vec<AckRef>) {
-        if acks.is_empty() || self.link.is_none() {
+    pub fn acknowledge(&mut self, mut acks: Vec<AckRef>) {
+        if self.link.is_none() {
             return;
         }
-        self.push(ToExecutor::Ack(acks));
+        if self.acks.is_empty() {
+            self.acks = acks;
+        } else {
+            self.acks.append(&mut acks);
+        }
+    }
+
+    /// Queues every acknowledgement held so far as one message.
+    pub fn flush_acks(&mut self) {
+        if !self.acks.is_empty() {
+            let acks = std::mem::take(&mut self.acks);
+            self.push(ToExecutor::Ack(acks));
+        }
     }
 
     /// Asks for the observations of sessions the run learned of after their

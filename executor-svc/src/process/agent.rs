@@ -36,7 +36,7 @@ use super::{
     agent_protocol::{
         AGENT_RECORD, AgentRecord, ENDPOINT_FILE, EndReason, IdentityRecord, KnownSession, RECORD_VERSION,
         Reply, Request, SESSION_RECORD, STAGE_PLAN, SessionPlan, SessionRecord, SessionStatus, StageLine,
-        WireParams, failure_of, read_message, to_line, write_atomically, write_json,
+        WireParams, read_message, to_line, write_atomically, write_json,
     },
     registry::own_start_time,
 };
@@ -370,7 +370,7 @@ impl Agent {
                     stage.name(),
                     stage.name()
                 );
-                self.record_stage(&id, failure_of(stage), detail, SessionStatus::Failed);
+                self.record_stage(&id, stage.failure(), detail, SessionStatus::Failed);
                 return;
             }
             let detail = match stage {

@@ -76,24 +76,7 @@ pub const PARAM_HANG_AT: &str = "fault.hang_at";
 pub const PARAM_ENDPOINT_DELAY_MS: &str = "fault.endpoint_delay_ms";
 
 /// The stages of a bootstrap that goes well, in order.
-pub const STAGE_PLAN: [BootstrapStage; 5] = [
-    BootstrapStage::Connected,
-    BootstrapStage::BootCheck,
-    BootstrapStage::AgentStarted,
-    BootstrapStage::Joined,
-    BootstrapStage::Converged,
-];
-
-/// The failure stage reported when a bootstrap fails at `stage`.
-pub fn failure_of(stage: BootstrapStage) -> BootstrapStage {
-    match stage {
-        BootstrapStage::Connected => BootstrapStage::FailedConnect,
-        BootstrapStage::BootCheck => BootstrapStage::FailedBootCheck,
-        BootstrapStage::AgentStarted => BootstrapStage::FailedAgentStart,
-        BootstrapStage::Joined => BootstrapStage::FailedJoin,
-        _ => BootstrapStage::FailedClosed,
-    }
-}
+pub const STAGE_PLAN: [BootstrapStage; 5] = BootstrapStage::PROGRESS;
 
 /// A boot or join parameter on the wire. The agent needs secret values to do its
 /// work, and keeps the flag so that it never puts one in a detail or a log.

@@ -1,7 +1,7 @@
 //! Property tests of validation and the wire mappings: valid shapes validate
 //! and survive the wire every way it carries them; ids print as they parse;
 //! decisions survive the wire; and the fuzz entry points
-//! (`contract::fuzzing`) find no broken property on random and on mutated
+//! (`fuzz_harness`) find no broken property on random and on mutated
 //! valid inputs, the cheap cousin of the fuzz runs for every `cargo test`.
 
 use std::sync::Arc;
@@ -10,7 +10,6 @@ use contract::{
     AttemptId, ClusterShape, Decision, Effect, GroupId, LogicalNodeId, NodeGroup, NodeTemplate, Param,
     Params, ProviderShape, Rule, RunId, RunUid, ShapeLimits, UnixMillis,
     decision::Action,
-    fuzzing::{self, Verdict},
     ids::Generation,
     pb,
     shape::Accelerator,
@@ -19,6 +18,7 @@ use contract::{
         shape_to_wire_with_table,
     },
 };
+use fuzz_harness::{self as fuzzing, Verdict};
 use proptest::{collection, prelude::*};
 use prost::Message;
 

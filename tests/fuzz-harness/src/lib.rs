@@ -1,6 +1,6 @@
 //! Entry points for fuzzing what the services read from the network, shared by
 //! the fuzz targets in `fuzz/` and by the test that replays their corpus
-//! (`tests/tests/fuzz_corpus.rs`).
+//! (`tests/tests/fuzz_corpus.rs`). A crate of its own, so no service ships it.
 //!
 //! Each entry point takes arbitrary bytes, decodes them as one kind of message
 //! a service receives, and puts the result through the conversion and
@@ -33,7 +33,7 @@ use std::{
 
 use prost::Message;
 
-use crate::{
+use contract::{
     Claim, ClusterShape, Decision, FieldError, GroupId, LogicalNodeId, ManagedNode, NodeGroup, NodeTemplate,
     Observation, Operation, OperationId, OperationResult, Param, Params, Problem, ProviderShape, Rejection,
     RunId, RunUid, SessionId, ShapeLimits, UnixMillis,
@@ -424,9 +424,8 @@ fn check_uid_spelling(target: &'static str, raw: &str, uid: RunUid) -> Result<()
 /// fuzz run stays quick; the checks are the same at any size.
 pub const DECIDE_MAX_NODES: u32 = 256;
 
-/// The decision ladder [`decide_call`] runs over what it decodes. The contract
-/// does not depend on the decider, so the caller supplies it (the fuzz target
-/// and the replay test wrap `decider::decide_node` and `decider::inserts`).
+/// The decision ladder [`decide_call_with`] runs over what it decodes;
+/// [`Decider`] is the decider's own.
 pub trait Ladder {
     /// One node's decision.
     fn decide(
@@ -452,6 +451,36 @@ pub fn run_request_input(method: u8, request: &impl Message) -> Vec<u8> {
     let mut input = vec![method];
     input.extend(request.encode_to_vec());
     input
+}
+
+/// The decider's ladder, as its `Decide` service runs it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Decider;
+
+impl Ladder for Decider {
+    fn decide(
+        &mut self,
+        desired: &ClusterShape,
+        deleting: bool,
+        node: &ManagedNode,
+        now: UnixMillis,
+    ) -> Decision {
+        decider::decide_node(&decider::DesiredView::new(desired, deleting), node, now)
+    }
+
+    fn inserts(&mut self, desired: &ClusterShape, deleting: bool, held: &[(GroupId, u32)]) -> Vec<Decision> {
+        let mut slots = decider::SlotSet::new();
+        for (group, index) in held {
+            slots.insert_index(group, *index);
+        }
+        slots.finish();
+        decider::inserts(&decider::DesiredView::new(desired, deleting), &slots).collect()
+    }
+}
+
+/// [`decide_call_with`] the decider's own ladder.
+pub fn decide_call(data: &[u8]) -> Result<Verdict, Violation> {
+    decide_call_with(data, &mut Decider)
 }
 
 /// A call's requests as [`decide_call`] reads them: each length-delimited.
@@ -486,7 +515,7 @@ fn next_request(buf: &mut &[u8]) -> Next {
 /// `ladder` as it is decoded and the inserts at `end`. Every decision must name
 /// its node and attempt and survive the wire, and the inserts must be exactly
 /// the desired slots the call does not hold.
-pub fn decide_call(data: &[u8], ladder: &mut impl Ladder) -> Result<Verdict, Violation> {
+pub fn decide_call_with(data: &[u8], ladder: &mut impl Ladder) -> Result<Verdict, Violation> {
     const T: &str = "decide_call";
     let mut buf = data;
     let header = match next_request(&mut buf) {
@@ -777,7 +806,7 @@ pub fn executor_message(data: &[u8]) -> Result<Verdict, Violation> {
             }
             Err(e) => refused(T, &e),
         },
-        Some(Kind::Waiting(w)) => match crate::wire::Waiting::try_from(w) {
+        Some(Kind::Waiting(w)) => match contract::wire::Waiting::try_from(w) {
             Ok(_) => Ok(Verdict::Accepted),
             Err(e) => refused(T, &e),
         },
@@ -1061,7 +1090,7 @@ pub fn shape_validation(data: &[u8]) -> Result<Verdict, Violation> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shape::example_template;
+    use contract::shape::example_template;
 
     fn shape() -> Result<pb::ClusterShape, FieldError> {
         let mut t = example_template("fake", "img:1");

@@ -1,23 +1,18 @@
-//! The etcd store against a real etcd (`/usr/bin/etcd`, Debian's
-//! `etcd-server`), started on loopback with a temporary data directory per
+//! The etcd store against a real etcd (Debian's `etcd-server`, started by
+//! `provisioning_tests::etcd`) on loopback with a temporary data directory per
 //! test: what is committed is what is loaded, a run owned by one replica
 //! refuses another's writes, ownership moves when the owner's lease goes, a
 //! large delta commits whole, and a replica whose keep-alive fails stops
 //! writing at once.
 //!
-//! Run with `cargo test -p driver-svc --features etcd --test etcd_store`.
+//! Run with `cargo test -p provisioning-tests --features etcd --test etcd_store`.
 
 #![cfg(feature = "etcd")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 // The tests wait for a real etcd in real time.
 #![allow(clippy::disallowed_methods)]
 
-use std::{
-    net::{TcpListener, TcpStream},
-    process::{Child, Command, Stdio},
-    sync::Arc,
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use tokio::time::Instant;
 
@@ -27,55 +22,19 @@ use driver_svc::{
     etcd::{EtcdConfig, EtcdStore},
     replicas::{Claim, Owner, Placement},
 };
+use provisioning_tests::etcd::Etcd;
 
 const NOW: UnixMillis = UnixMillis::new(1_700_000_000_000);
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// The stores a test opens on its etcd.
+trait Stores {
+    fn config(&self, owner: &str) -> EtcdConfig;
+    /// A store for `owner`, retried while etcd finishes starting.
+    fn store(&self, owner: &str) -> EtcdStore;
+    fn store_with(&self, cfg: EtcdConfig) -> EtcdStore;
 }
 
-/// One etcd member on loopback; killed when dropped.
-struct Etcd {
-    child: Child,
-    endpoint: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Etcd {
-    fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let (client, peer) = (free_port(), free_port());
-        let client_url = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let child = Command::new("/usr/bin/etcd")
-            .args(["--name", "test", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args(["--listen-client-urls", &client_url])
-            .args(["--advertise-client-urls", &client_url])
-            .args(["--listen-peer-urls", &peer_url])
-            .args(["--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("test={peer_url}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting /usr/bin/etcd (Debian package etcd-server)");
-        let etcd = Self {
-            child,
-            endpoint: format!("127.0.0.1:{client}"),
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(&etcd.endpoint).is_err() {
-            assert!(Instant::now() < deadline, "etcd did not start listening");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        etcd
-    }
-
+impl Stores for Etcd {
     fn config(&self, owner: &str) -> EtcdConfig {
         EtcdConfig {
             lease_ttl: Duration::from_secs(5),
@@ -83,7 +42,6 @@ impl Etcd {
         }
     }
 
-    /// A store for `owner`, retried while etcd finishes starting.
     fn store(&self, owner: &str) -> EtcdStore {
         self.store_with(self.config(owner))
     }
@@ -99,13 +57,6 @@ impl Etcd {
                 }
             }
         }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -180,7 +131,7 @@ fn refused_for_ownership(r: Result<(), StoreError>) {
 
 #[test]
 fn what_is_committed_is_what_is_loaded() {
-    let etcd = Etcd::start();
+    let etcd = Etcd::start().unwrap();
     let store = etcd.store("a");
     let mem = MemStore::new();
     let mut a = run(4, 9);
@@ -229,7 +180,7 @@ fn what_is_committed_is_what_is_loaded() {
 
 #[test]
 fn a_replica_cannot_write_a_run_another_owns() {
-    let etcd = Etcd::start();
+    let etcd = Etcd::start().unwrap();
     let first = etcd.store("first");
     let second = etcd.store("second");
     let mut r = run(4, 5);
@@ -253,7 +204,7 @@ fn a_replica_cannot_write_a_run_another_owns() {
 
 #[test]
 fn when_the_owner_lease_goes_another_replica_takes_the_run() {
-    let etcd = Etcd::start();
+    let etcd = Etcd::start().unwrap();
     let mut first = etcd.store("first");
     let second = etcd.store("second");
     let mut r = run(4, 5);
@@ -281,7 +232,7 @@ fn when_the_owner_lease_goes_another_replica_takes_the_run() {
 
 #[test]
 fn an_expired_lease_lets_another_replica_take_the_run() {
-    let etcd = Etcd::start();
+    let etcd = Etcd::start().unwrap();
     let first = etcd.store("first");
     let mut r = run(2, 5);
     drive(&mut r, &first);
@@ -306,7 +257,7 @@ fn an_expired_lease_lets_another_replica_take_the_run() {
 
 #[test]
 fn a_large_delta_commits_and_loads_back_whole() {
-    let etcd = Etcd::start();
+    let etcd = Etcd::start().unwrap();
     let store = etcd.store("a");
     let mem = MemStore::new();
     let mut a = run(1000, 11);
@@ -355,15 +306,14 @@ fn a_large_delta_commits_and_loads_back_whole() {
 
 #[test]
 fn a_replica_whose_keep_alive_fails_stops_writing_at_once() {
-    let mut etcd = Etcd::start();
+    let mut etcd = Etcd::start().unwrap();
     let store = etcd.store("a");
     let mut r = run(2, 5);
     drive(&mut r, &store);
     let stored = store.load_all().unwrap();
     assert!(!store.is_fenced());
 
-    etcd.child.kill().unwrap();
-    etcd.child.wait().unwrap();
+    etcd.kill().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !store.is_fenced() {
         assert!(
@@ -417,7 +367,7 @@ fn revoke_behind_its_back(etcd: &Etcd, lease: i64) {
 
 #[test]
 fn a_write_after_ownership_moved_fails_in_its_transaction() {
-    let etcd = Etcd::start();
+    let etcd = Etcd::start().unwrap();
     // A long lease: its keep-alive does not run during the test, so the
     // refusal below comes from the transaction's comparison, not from the
     // store noticing the lost lease.
@@ -464,7 +414,7 @@ fn a_write_after_ownership_moved_fails_in_its_transaction() {
 
 #[test]
 fn a_restarted_replica_with_the_same_owner_id_moves_its_runs_to_its_new_lease() {
-    let etcd = Etcd::start();
+    let etcd = Etcd::start().unwrap();
     let first = etcd.store("first");
     let mut r = run(2, 5);
     drive(&mut r, &first);
@@ -487,7 +437,7 @@ fn a_restarted_replica_with_the_same_owner_id_moves_its_runs_to_its_new_lease() 
 
 #[test]
 fn two_replicas_cannot_create_the_same_run_id() {
-    let etcd = Etcd::start();
+    let etcd = Etcd::start().unwrap();
     let first = etcd.store("first");
     let second = etcd.store("second");
     first.replicas().announce("10.0.0.1:7000").unwrap();
@@ -551,7 +501,7 @@ fn two_replicas_cannot_create_the_same_run_id() {
 
 #[test]
 fn a_replica_takes_over_the_runs_of_one_that_went() {
-    let etcd = Etcd::start();
+    let etcd = Etcd::start().unwrap();
     let mut first = etcd.store("first");
     let second = etcd.store("second");
     let third = etcd.store("third");
