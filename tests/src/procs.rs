@@ -721,6 +721,40 @@ pub async fn read_watch(
         .map_err(|_| anyhow::anyhow!("the watch did not get there within {timeout:?}"))?
 }
 
+/// Asks `probe` every 50 ms until it answers `Some`, and returns that; an
+/// error names `what` once `within` has passed. The one way tests wait for
+/// something to happen: a test waits for the event itself (a status, a
+/// counter), never for a fixed time after which it hopes it happened.
+pub async fn eventually<T, Fut>(
+    within: Duration,
+    what: &str,
+    mut probe: impl FnMut() -> Fut,
+) -> anyhow::Result<T>
+where
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(found) = probe().await {
+            return Ok(found);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The value of one series (`name` or `name{labels}`, as exposed) in a
+/// Prometheus text exposition; `None` when it is not there.
+pub fn sample(exposition: &str, series: &str) -> Option<f64> {
+    exposition.lines().find_map(|l| {
+        let rest = l.strip_prefix(series)?;
+        rest.strip_prefix(' ')?.trim().parse().ok()
+    })
+}
+
 /// A TCP proxy whose connections can be cut, to break a stream without
 /// restarting either end. Its target can be set after it starts (so a service
 /// can be told the proxy's address before the proxied service exists);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use contract::pb::{self, provisioning_client::ProvisioningClient};
 use provisioning_tests::{
-    procs::{AgentsDir, Cluster, ClusterOptions, live_agent_pids, watch_until},
+    procs::{AgentsDir, Cluster, ClusterOptions, eventually, live_agent_pids, sample, watch_until},
     shapes::shape,
 };
 use tonic::{Code, transport::Channel};
@@ -43,6 +43,23 @@ async fn orphans(c: &mut ProvisioningClient<Channel>) -> Vec<pb::Orphan> {
         .orphans
 }
 
+/// How many orphan sweeps the driver has finished.
+async fn sweeps(cluster: &Cluster) -> f64 {
+    let exposition = cluster.driver.scrape().await.unwrap();
+    sample(&exposition, "provisioning_orphan_sweeps_total{result=\"ok\"}").unwrap_or(0.0)
+}
+
+/// Returns once `n` more sweeps have run (so a check after it sees what
+/// those sweeps did, rather than hoping a fixed wait was long enough).
+async fn after_more_sweeps(cluster: &Cluster, n: f64) {
+    let from = sweeps(cluster).await;
+    eventually(CONVERGE, "the orphan sweep runs", || async {
+        (sweeps(cluster).await >= from + n).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_node_is_listed_reprovisioned_and_found_by_the_sweep() {
     let cluster = Cluster::start(
@@ -68,8 +85,8 @@ async fn abandoned_node_is_listed_reprovisioned_and_found_by_the_sweep() {
     };
     assert!(orphans(&mut c).await.is_empty(), "a converged run has no orphans");
 
-    // Let a few sweeps run over the converged run: nothing of it is an orphan.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // A few sweeps run over the converged run: nothing of it is an orphan.
+    after_more_sweeps(&cluster, 3.0).await;
     assert!(
         orphans(&mut c).await.is_empty(),
         "the sweep reported a current attempt: {:?}",
@@ -157,17 +174,24 @@ async fn abandoned_node_is_listed_reprovisioned_and_found_by_the_sweep() {
             .any(|x| x.node_id == "workers-1" && x.attempt == before.attempt),
         "the abandoned attempt's resource is still live: {inventory:?}"
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let swept = loop {
-        let listed = orphans(&mut c).await;
-        if let Some(o) = listed.iter().find(|o| o.reason.contains("sweep")) {
-            break o.clone();
-        }
-        if Instant::now() > deadline {
+    let swept = eventually(
+        Duration::from_secs(20),
+        "the sweep reports the abandoned node's resource",
+        || {
+            let mut c = c.clone();
+            async move {
+                let listed = orphans(&mut c).await;
+                listed.into_iter().find(|o| o.reason.contains("sweep"))
+            }
+        },
+    )
+    .await;
+    let swept = match swept {
+        Ok(o) => o,
+        Err(e) => {
             cluster.dump_logs();
-            panic!("the sweep never reported the abandoned node's resource: {listed:?}");
+            panic!("{e}: {:?}", orphans(&mut c).await);
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let sr = swept.resource.unwrap();
     assert_eq!(sr.run_uid, run.run_uid);
@@ -338,7 +362,8 @@ async fn with_the_report_policy_orphans_are_listed_and_left_alone() {
     let mut cluster = Cluster::start(
         ClusterOptions::default()
             .driver("--orphan-sweep-ms", "150")
-            .driver("--orphan-policy", "report"),
+            .driver("--orphan-policy", "report")
+            .service_env("driver-svc", "PROVISIONING_METRICS_LISTEN", "127.0.0.1:0"),
     )
     .await
     .unwrap();
@@ -364,7 +389,7 @@ async fn with_the_report_policy_orphans_are_listed_and_left_alone() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // Several more sweeps: still listed, still live, nothing destroyed.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    after_more_sweeps(&cluster, 3.0).await;
     assert_eq!(cluster.inventory().await.unwrap().len(), 2);
     assert_eq!(orphans(&mut c).await.len(), 2);
 }

@@ -314,11 +314,11 @@ async fn one_runs_slow_commit_holds_back_only_its_own_operations() {
     // The scale-up's pass records two creates; its commit stalls.
     stall.armed.store(true, Ordering::SeqCst);
     client.apply(apply("slow", 2, 3)).await.unwrap();
-    let entered = Instant::now();
-    while !stall.stalled.load(Ordering::SeqCst) {
-        assert!(entered.elapsed() < CONVERGE, "the scale-up's commit never came");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    procs::eventually(CONVERGE, "the scale-up's commit comes", || async {
+        stall.stalled.load(Ordering::SeqCst).then_some(())
+    })
+    .await
+    .unwrap();
     assert_eq!(stall.stalled_ops.load(Ordering::SeqCst), 2);
 
     // Another run is created, decided, committed and converged meanwhile.
