@@ -810,15 +810,10 @@ impl RunActor {
             return;
         }
         let uid = self.run.uid().to_string();
-        let refs = |after: Vec<(contract::SessionId, u64)>| -> Vec<pb::ObservationRef> {
-            after
-                .into_iter()
-                .map(|(session, seq)| pb::ObservationRef {
-                    run_uid: uid.clone(),
-                    session_id: session.to_string(),
-                    seq,
-                })
-                .collect()
+        let observation = |session: contract::SessionId, seq: u64| pb::ObservationRef {
+            run_uid: uid.clone(),
+            session_id: session.to_string(),
+            seq,
         };
         while let Some((generation, m)) = next.take() {
             let msg = match m {
@@ -847,7 +842,7 @@ impl RunActor {
                 ToExecutor::ObserveFrom(after) => message(
                     Kind::ObserveFrom(pb::ObserveFrom {
                         run_uid: uid.clone(),
-                        after: refs(after),
+                        after: after.into_iter().map(|(s, seq)| observation(s, seq)).collect(),
                     }),
                     &TraceContext::default(),
                 ),
@@ -860,11 +855,7 @@ impl RunActor {
                                 id: Some(id.into()),
                             }),
                             AckRef::Observation { session, seq } => {
-                                ack.observations.push(pb::ObservationRef {
-                                    run_uid: uid.clone(),
-                                    session_id: session.to_string(),
-                                    seq,
-                                })
+                                ack.observations.push(observation(session, seq))
                             }
                         }
                     }
@@ -961,13 +952,14 @@ impl RunActor {
                             });
                         }
                         self.shared.metrics.dispatched(&ops);
-                        for (i, op) in ops.iter().enumerate() {
+                        let count = ops.len();
+                        for (i, op) in ops.into_iter().enumerate() {
                             self.dispatch(op, now);
-                            if i == 0 && ops.len() > 1 {
+                            if i == 0 && count > 1 {
                                 crash::hit(crash::Point::PassDispatchedOne);
                             }
                         }
-                        if !ops.is_empty() {
+                        if count > 0 {
                             crash::hit(crash::Point::PassDispatched);
                         }
                         self.changed = true;
@@ -1060,9 +1052,9 @@ impl RunActor {
     /// Opens the span of an operation the current pass dispatched (a child
     /// of the pass's span, which is entered) and submits the operation under
     /// it. The span ends when the operation's outcome is folded.
-    fn dispatch(&mut self, op: &Operation, now: UnixMillis) {
+    fn dispatch(&mut self, op: Operation, now: UnixMillis) {
         let effect = op.input.effect();
-        let span = contract::operation_span!("operation", format_args!("operation {}", effect.name()), op);
+        let span = contract::operation_span!("operation", format_args!("operation {}", effect.name()), &op);
         self.shared.metrics.exported.in_flight.add(&[effect.name()], 1.0);
         self.in_flight.insert(
             op.id,
@@ -1094,12 +1086,12 @@ impl RunActor {
     /// With the link down (or the run fenced) the operation stays recorded
     /// pending; it is resubmitted when a link comes back, or folds at its
     /// deadline.
-    fn submit(&mut self, op: &contract::Operation) {
+    fn submit(&mut self, op: Operation) {
         if self.halted.is_some() || !self.owned() || !self.session.sends() {
-            self.events.dispatched(op, false, false);
+            self.events.dispatched(&op, false, false);
             return;
         }
-        self.session.submit(op.clone());
+        self.session.submit(op);
         self.flush();
     }
 
