@@ -2,12 +2,12 @@
 
 use anyhow::Context as _;
 use clap::Parser;
-use contract::{
+use decider_svc::server::{Config, DEFAULT_MAX_NODES, serve};
+use futures::FutureExt as _;
+use platform::{
     runtime::{CommonArgs, bind_and_announce, init_telemetry, shutdown_signal},
     tls::{PeerArgs, PeerPolicy},
 };
-use decider_svc::server::{Config, DEFAULT_MAX_NODES, serve};
-use futures::FutureExt as _;
 
 /// The provisioning decider: a stateless gRPC service that answers the driver.
 #[derive(Debug, Parser)]

@@ -16,18 +16,20 @@ use std::future::Future;
 
 use contract::{
     FieldError, GroupId, UnixMillis,
-    event_trace::{self, DecisionRec, TraceEvent},
     pb::{
         self, DecideRequest, DecideResponse,
         decide_request::Part,
         decider_server::{Decider, DeciderServer},
     },
-    runtime::health_and_reflection,
-    telemetry::{self, grpc::ServerLayer},
-    tls::PeerPolicy,
     wire::{TemplateTable, node_from_wire, shape_from_wire_with_table},
 };
 use decider::{DesiredView, SlotSet};
+use platform::{
+    event_trace::{self, DecisionRec, TraceEvent},
+    runtime::health_and_reflection,
+    telemetry::{self, grpc::ServerLayer},
+    tls::PeerPolicy,
+};
 use prost::Message as _;
 use tokio::{net::TcpListener, sync::mpsc};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -55,14 +57,14 @@ pub struct Config {
     /// may carry; each is counted separately.
     pub max_nodes: u32,
     /// The largest message the decider accepts and sends.
-    pub messages: contract::runtime::MessageLimits,
+    pub messages: platform::runtime::MessageLimits,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Self {
             max_nodes: DEFAULT_MAX_NODES,
-            messages: contract::runtime::MessageLimits::default(),
+            messages: platform::runtime::MessageLimits::default(),
         }
     }
 }
@@ -134,13 +136,13 @@ impl DeciderService {
 /// registry.
 #[derive(Debug, Clone)]
 pub struct DeciderMetrics {
-    decisions: contract::metrics::Counter,
-    nodes: contract::metrics::Counter,
+    decisions: platform::metrics::Counter,
+    nodes: platform::metrics::Counter,
 }
 
 impl Default for DeciderMetrics {
     fn default() -> Self {
-        let r = contract::metrics::global();
+        let r = platform::metrics::global();
         Self {
             decisions: r.counter(
                 "provisioning_decider_decisions_total",
@@ -444,7 +446,7 @@ pub enum ServerError {
     #[error("cannot set up gRPC reflection: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("cannot set up TLS: {0}")]
-    Tls(#[from] contract::tls::TlsError),
+    Tls(#[from] platform::tls::TlsError),
     #[error("the gRPC server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
 }

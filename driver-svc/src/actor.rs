@@ -23,9 +23,10 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use contract::{
     Action, ClusterShape, DecideOutput, Effect, LogicalNodeId, Monotonic, Operation, OperationId,
-    RejectionReason, RunUid, TraceContext, UnixMillis, pb, pb::driver_message::Kind, telemetry,
+    RejectionReason, RunUid, TraceContext, UnixMillis, pb, pb::driver_message::Kind,
 };
 use decider_svc::client::DecideError;
+use platform::telemetry;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{Instrument as _, field::Empty};
 
@@ -1054,7 +1055,7 @@ impl RunActor {
     /// it. The span ends when the operation's outcome is folded.
     fn dispatch(&mut self, op: Operation, now: UnixMillis) {
         let effect = op.input.effect();
-        let span = contract::operation_span!("operation", format_args!("operation {}", effect.name()), &op);
+        let span = platform::operation_span!("operation", format_args!("operation {}", effect.name()), &op);
         self.shared.metrics.exported.in_flight.add(&[effect.name()], 1.0);
         self.in_flight.insert(
             op.id,

@@ -5,7 +5,7 @@
 //! reads the `authorization: Bearer <token>` metadata, hashes the token
 //! (SHA-256) and looks the hash up among the operator's tokens, comparing in
 //! constant time. Without a token, a client certificate (TLS) whose identity
-//! (`spiffe://provisioning/<name>`, see `contract::tls`) an entry names
+//! (`spiffe://provisioning/<name>`, see `platform::tls`) an entry names
 //! authenticates the call instead. A call that neither authenticates is
 //! answered `UNAUTHENTICATED` there and never reaches a handler; an accepted
 //! one carries its [`Principal`] in the request's extensions.
@@ -36,12 +36,12 @@ use std::{
     task::{Context, Poll},
 };
 
-pub use contract::token::{Access, TokenEntry, entry_for, hash_token, new_token, to_hex};
-use contract::{
+use futures::future::{BoxFuture, FutureExt as _};
+pub use platform::token::{Access, TokenEntry, entry_for, hash_token, new_token, to_hex};
+use platform::{
     metrics::{Counter, global},
     token::parse_hash,
 };
-use futures::future::{BoxFuture, FutureExt as _};
 use tonic::{
     Status,
     body::Body,
@@ -122,7 +122,7 @@ impl TokenSet {
                     Credential::Token(hash)
                 }
                 (None, Some(cert)) if !cert.trim().is_empty() => {
-                    let identity = contract::tls::identity_of(cert.trim());
+                    let identity = platform::tls::identity_of(cert.trim());
                     if !certs.insert(identity.clone()) {
                         return Err(bad("client_cert is the same as another entry's".into()));
                     }
@@ -532,7 +532,7 @@ fn peer_identities(req: &http::Request<Body>) -> Vec<String> {
     req.extensions()
         .get::<TlsConnectInfo<TcpConnectInfo>>()
         .and_then(TlsConnectInfo::peer_certs)
-        .and_then(|certs| certs.first().map(contract::tls::identities_in))
+        .and_then(|certs| certs.first().map(platform::tls::identities_in))
         .unwrap_or_default()
 }
 

@@ -8,10 +8,10 @@ use std::{
 };
 
 use contract::{
-    Clock, ClusterShape, Epoch, LogicalNodeId, RunId, RunUid,
+    Clock, ClusterShape, Epoch, LogicalNodeId, RunId, RunUid, pb, pb::decider_client::DeciderClient,
+};
+use platform::{
     metrics::{Counter, Gauge, Histogram},
-    pb,
-    pb::decider_client::DeciderClient,
     telemetry::grpc::TracedChannel,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -48,7 +48,7 @@ impl Default for Metrics {
             stale_decisions: AtomicU64::default(),
             decider_errors: AtomicU64::default(),
             actions_by_rule: Default::default(),
-            exported: Exported::new(contract::metrics::global()),
+            exported: Exported::new(platform::metrics::global()),
         }
     }
 }
@@ -85,8 +85,8 @@ pub(crate) struct Exported {
 }
 
 impl Exported {
-    fn new(r: &contract::metrics::Registry) -> Self {
-        use contract::metrics::LATENCY_BUCKETS;
+    fn new(r: &platform::metrics::Registry) -> Self {
+        use platform::metrics::LATENCY_BUCKETS;
         Self {
             queue_depth: r.gauge(
                 "provisioning_workqueue_depth",
@@ -266,7 +266,7 @@ impl Metrics {
 /// the link) before each scrape; stops once the driver is gone.
 fn register_scrape(shared: &Arc<Shared>) {
     let weak = Arc::downgrade(shared);
-    contract::metrics::global().on_scrape(move || {
+    platform::metrics::global().on_scrape(move || {
         let Some(shared) = weak.upgrade() else {
             return false;
         };
@@ -1165,7 +1165,7 @@ impl Driver {
 /// The trace context of the client request being served (the API's server
 /// span), so the pass a request causes joins the request's trace.
 fn request_trace() -> contract::TraceContext {
-    contract::telemetry::context_of(&tracing::Span::current())
+    platform::telemetry::context_of(&tracing::Span::current())
 }
 
 /// A fresh run uid from the operating system's random source, with a

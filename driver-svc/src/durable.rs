@@ -22,12 +22,12 @@
 
 use std::{collections::BTreeMap, path::Path};
 
-use contract::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use contract::{
     ClusterShape, Epoch, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
     pb::{self, store::v1 as rec},
     wire::{TemplateTable, node_from_wire, node_to_wire, shape_from_wire},
 };
+use platform::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
@@ -68,7 +68,7 @@ impl RedbStore {
     }
 
     /// As [`RedbStore::open`], sealing secret parameter values with the
-    /// sealer's key (see `contract::secrets`). The directory and the file are
+    /// sealer's key (see `platform::secrets`). The directory and the file are
     /// made readable by their owner only.
     pub fn open_sealed(dir: &Path, sealer: Sealer) -> Result<Self, StoreError> {
         let db = open_owner_only(dir, FILE_NAME, |p| Database::create(p)).map_err(|e| match e {
@@ -504,7 +504,7 @@ mod tests {
 
     #[test]
     fn secret_values_are_sealed_at_rest_and_need_their_key() {
-        use contract::secrets::SecretKey;
+        use platform::secrets::SecretKey;
         let dir = tempfile::tempdir().unwrap();
         let now = UnixMillis::new(1_700_000_000_000);
         let key = || Sealer::new(Some(SecretKey::from_bytes(&[3u8; 32]).unwrap()));

@@ -62,11 +62,12 @@ use std::{
     time::Duration,
 };
 
-use contract::{LogicalNodeId, RunUid, secrets::Sealer};
+use contract::{LogicalNodeId, RunUid};
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, KeyValue, PutOptions,
     Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
 };
+use platform::secrets::Sealer;
 
 use tokio::time::Instant;
 

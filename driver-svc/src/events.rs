@@ -1,4 +1,4 @@
-//! The driver's lines of the event trace (`contract::event_trace`): for each
+//! The driver's lines of the event trace (`platform::event_trace`): for each
 //! run, what its actor received and folded or discarded, the passes (the
 //! nodes decided with their versions, the decisions, what they changed), each
 //! commit, and each operation handed to the executor link.
@@ -13,9 +13,10 @@ use std::collections::BTreeMap;
 
 use contract::{
     DecideOutput, Decision, Epoch, LogicalNodeId, ManagedNode, Observation, Operation, OperationResult,
-    Rejection, UnixMillis,
-    event_trace::{self, Changes, DecisionRec, EventTrace, Msg, NodeRec, NodeVersion, OpRec, TraceEvent},
-    pb,
+    Rejection, UnixMillis, pb,
+};
+use platform::event_trace::{
+    self, Changes, DecisionRec, EventTrace, Msg, NodeRec, NodeVersion, OpRec, TraceEvent,
 };
 
 use crate::core::{CoreError, Fold, PassOutcome, PassPlan, RunState};

@@ -37,12 +37,12 @@ use std::{
     time::Duration,
 };
 
-use contract::{
+use futures::future::{BoxFuture, FutureExt as _};
+use http_body::Frame;
+use platform::{
     metrics::{Counter, Gauge, global},
     runtime::MessageLimits,
 };
-use futures::future::{BoxFuture, FutureExt as _};
-use http_body::Frame;
 use tokio::time::Instant;
 use tonic::{Code, Status, body::Body, metadata::MetadataValue, server::NamedService};
 use tower::{
@@ -110,7 +110,7 @@ pub struct LimitArgs {
 
 impl LimitArgs {
     /// The limits, with the message sizes every service takes
-    /// (`contract::runtime::MessageLimits`).
+    /// (`platform::runtime::MessageLimits`).
     pub fn limits(&self, messages: MessageLimits) -> ApiLimits {
         ApiLimits {
             request_timeout: Duration::from_millis(self.request_timeout_ms),

@@ -14,11 +14,11 @@ use std::{
     time::Duration,
 };
 
-use contract::tls::PeerEndpoint;
 use contract::{
     Observation, OperationResult, Rejection, RunUid, pb,
     pb::{executor_client::ExecutorClient, executor_message::Kind},
 };
+use platform::tls::PeerEndpoint;
 use tokio::sync::mpsc;
 use tokio_stream::{StreamExt, wrappers::UnboundedReceiverStream};
 
@@ -211,7 +211,7 @@ impl Link {
         let (tx, rx) = mpsc::unbounded_channel();
         // Through the tracing layer: the link call has a client span (one per
         // connection); the operations on it carry their own trace contexts.
-        let mut client = ExecutorClient::new(contract::telemetry::grpc::traced(channel))
+        let mut client = ExecutorClient::new(platform::telemetry::grpc::traced(channel))
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20);
         // Install the sender before the call: the request stream must carry the

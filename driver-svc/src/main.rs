@@ -4,11 +4,12 @@ use std::{sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Parser;
-use contract::{BackoffPolicy, ShapeLimits, runtime};
+use contract::{BackoffPolicy, ShapeLimits};
 use driver_svc::{
     core::{MemStore, Policy},
     server::{Config, run},
 };
+use platform::runtime;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -206,16 +207,16 @@ async fn main() -> anyhow::Result<()> {
     }
     // The store is opened before anything listens: a store that cannot be
     // opened (or is damaged) stops the driver here, loudly.
-    let sealer = |at_rest: &str| -> anyhow::Result<contract::secrets::Sealer> {
+    let sealer = |at_rest: &str| -> anyhow::Result<platform::secrets::Sealer> {
         Ok(match &cli.secrets_key_file {
-            Some(path) => contract::secrets::Sealer::new(Some(
-                contract::secrets::SecretKey::load(path).context("loading the secrets key")?,
+            Some(path) => platform::secrets::Sealer::new(Some(
+                platform::secrets::SecretKey::load(path).context("loading the secrets key")?,
             )),
             None => {
                 tracing::warn!(
                     "no --secrets-key-file: secret parameter values are stored unsealed ({at_rest})"
                 );
-                contract::secrets::Sealer::default()
+                platform::secrets::Sealer::default()
             }
         })
     };

@@ -31,10 +31,8 @@ use std::{
     time::Duration,
 };
 
-use contract::{
-    metrics::{Counter, Gauge},
-    pb,
-};
+use contract::pb;
+use platform::metrics::{Counter, Gauge};
 
 use crate::core::AbandonedNode;
 
@@ -92,7 +90,7 @@ struct OrphanMetrics {
 }
 
 impl OrphanMetrics {
-    fn new(r: &contract::metrics::Registry) -> Self {
+    fn new(r: &platform::metrics::Registry) -> Self {
         Self {
             orphans: r.gauge(
                 "provisioning_orphans",
@@ -126,7 +124,7 @@ impl Orphans {
     pub fn new() -> Self {
         Self {
             inner: Mutex::new(Inner::default()),
-            metrics: OrphanMetrics::new(contract::metrics::global()),
+            metrics: OrphanMetrics::new(platform::metrics::global()),
         }
     }
 

@@ -9,6 +9,8 @@ use contract::{
         decider_client::DeciderClient, executor_client::ExecutorClient,
         provisioning_server::ProvisioningServer,
     },
+};
+use platform::{
     telemetry::grpc::{ServerLayer, traced},
     tls::ClientAuth,
 };
@@ -36,7 +38,7 @@ pub struct Config {
     pub decider: String,
     pub executor: String,
     /// Who the decider and the executor must be (names or URIs, see
-    /// [`contract::tls::identity_of`]), checked in the TLS handshake.
+    /// [`platform::tls::identity_of`]), checked in the TLS handshake.
     pub decider_identity: String,
     pub executor_identity: String,
     pub policy: Policy,
@@ -50,8 +52,8 @@ pub struct Config {
     pub orphan_destroy: bool,
     /// TLS (or plaintext) for the public API and for the channels to the
     /// decider and the executor, where the driver's certificate is its
-    /// client identity (see [`contract::tls`]).
-    pub transport: contract::tls::Transport,
+    /// client identity (see [`platform::tls`]).
+    pub transport: platform::tls::Transport,
     /// Who may call the public API (see [`crate::auth`]).
     pub auth: Arc<crate::auth::Authenticator>,
     /// What callers may ask of it (see [`crate::limits`]).
@@ -71,7 +73,7 @@ const TAKEOVER_RESCAN: Duration = Duration::from_secs(2);
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     #[error("cannot set up TLS: {0}")]
-    Tls(#[from] contract::tls::TlsError),
+    Tls(#[from] platform::tls::TlsError),
     #[error("the listener: {0}")]
     Listener(#[from] std::io::Error),
     #[error("cannot start the driver: {0}")]
@@ -185,7 +187,7 @@ pub async fn run(
     });
 
     let (_reporter, health, reflection) =
-        contract::runtime::health_and_reflection::<ProvisioningServer<Api>>().await?;
+        platform::runtime::health_and_reflection::<ProvisioningServer<Api>>().await?;
     // Authentication, then the limits, around the public API only: health
     // checks and reflection stay open.
     let api = tower::ServiceBuilder::new()
@@ -300,7 +302,7 @@ async fn take_over_loop(driver: Driver, replicas: Arc<dyn Replicas>, lost: tokio
 /// inventory and compares it with the runs (see [`crate::orphans`]).
 async fn sweep_orphans(
     driver: Driver,
-    mut executor: ExecutorClient<contract::telemetry::grpc::TracedChannel>,
+    mut executor: ExecutorClient<platform::telemetry::grpc::TracedChannel>,
     config: SweepConfig,
 ) {
     let poll = config
@@ -330,7 +332,7 @@ async fn sweep_orphans(
         // Inventory call nor the executor's side of it is recorded (an idle
         // driver makes no spans).
         let span = tracing::info_span!(parent: None, "orphan sweep");
-        contract::telemetry::set_unsampled_root(&span);
+        platform::telemetry::set_unsampled_root(&span);
         let inventory = executor
             .inventory(contract::pb::InventoryRequest::default())
             .instrument(span)

@@ -16,15 +16,15 @@
 //!
 //! Operations are kept with their inputs, so secret parameter values are
 //! sealed with the operator's key when one is configured (`--secrets-key-file`,
-//! see `contract::secrets`); the directory and file are private to their owner.
+//! see `platform::secrets`); the directory and file are private to their owner.
 
 use std::path::Path;
 
-use contract::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use contract::{
     AttemptId, Epoch, Operation, OperationId, OperationResult, RunUid,
     pb::{self, store::v1 as rec},
 };
+use platform::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 

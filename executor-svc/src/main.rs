@@ -7,17 +7,17 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
-use contract::{
-    Clock, SystemClock,
-    runtime::{CommonArgs, bind_and_announce, init_telemetry, shutdown_signal},
-    tls::{PeerArgs, PeerPolicy},
-};
+use contract::{Clock, SystemClock};
 use executor_svc::{
     backend::Backend,
     fake::{FakeConfig, FaultRates},
     fake_backend::FakeBackend,
     process::{ProcessBackend, ProcessConfig},
     server::{self, Config},
+};
+use platform::{
+    runtime::{CommonArgs, bind_and_announce, init_telemetry, shutdown_signal},
+    tls::{PeerArgs, PeerPolicy},
 };
 
 /// The executor: runs provider operations for drivers, deduplicated and fenced.
@@ -186,8 +186,8 @@ async fn main() -> anyhow::Result<()> {
     .await
     .context("binding the listen address")?;
     let secrets = match &cli.secrets_key_file {
-        Some(path) => contract::secrets::Sealer::new(Some(
-            contract::secrets::SecretKey::load(path).context("loading the secrets key")?,
+        Some(path) => platform::secrets::Sealer::new(Some(
+            platform::secrets::SecretKey::load(path).context("loading the secrets key")?,
         )),
         None => {
             if cli.state_dir.is_some() {
@@ -196,7 +196,7 @@ async fn main() -> anyhow::Result<()> {
                      directory (owner-only file)"
                 );
             }
-            contract::secrets::Sealer::default()
+            platform::secrets::Sealer::default()
         }
     };
     let config = Config {

@@ -35,15 +35,17 @@ use crate::budget::{Budget, BudgetConfig};
 use contract::{
     Claim, Clock, Epoch, FieldError, Monotonic, Observation, Operation, OperationId, OperationResult,
     Outcome, Rejection, RejectionReason, RunUid, SessionId, TraceContext,
-    event_trace::{self, ObsRec, OpRec, RejRec, ResultRec, SeqRef, TraceEvent},
-    metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS},
     pb::{
         self,
         executor_server::{Executor, ExecutorServer},
     },
+    wire::{trace_from_wire, trace_to_wire},
+};
+use platform::{
+    event_trace::{self, ObsRec, OpRec, RejRec, ResultRec, SeqRef, TraceEvent},
+    metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS},
     runtime::health_and_reflection,
     telemetry::{self, grpc::ServerLayer},
-    wire::{trace_from_wire, trace_to_wire},
 };
 use tokio::{
     net::TcpListener,
@@ -85,13 +87,13 @@ pub struct Config {
     pub state_dir: Option<std::path::PathBuf>,
     /// TLS and who may call (the driver); plaintext by default, for an
     /// executor embedded in a test.
-    pub peers: contract::tls::PeerPolicy,
+    pub peers: platform::tls::PeerPolicy,
     /// Seals secret parameter values of the operations kept in `state_dir`.
-    pub secrets: contract::secrets::Sealer,
+    pub secrets: platform::secrets::Sealer,
     /// Caps on backend calls (see `budget`).
     pub budget: crate::budget::BudgetConfig,
     /// The largest message the executor accepts and sends.
-    pub messages: contract::runtime::MessageLimits,
+    pub messages: platform::runtime::MessageLimits,
 }
 
 impl Default for Config {
@@ -103,10 +105,10 @@ impl Default for Config {
             event_buffer: 1024,
             shutdown_grace: Duration::from_secs(5),
             state_dir: None,
-            peers: contract::tls::PeerPolicy::plaintext(),
-            secrets: contract::secrets::Sealer::default(),
+            peers: platform::tls::PeerPolicy::plaintext(),
+            secrets: platform::secrets::Sealer::default(),
             budget: crate::budget::BudgetConfig::default(),
-            messages: contract::runtime::MessageLimits::default(),
+            messages: platform::runtime::MessageLimits::default(),
         }
     }
 }
@@ -130,7 +132,7 @@ struct ExecutorMetrics {
 
 impl ExecutorMetrics {
     fn new() -> Self {
-        let r = contract::metrics::global();
+        let r = platform::metrics::global();
         Self {
             started: r.counter(
                 "provisioning_executor_operations_started_total",
@@ -201,7 +203,7 @@ pub enum ServerError {
     #[error(transparent)]
     Store(#[from] crate::durable::StoreError),
     #[error("cannot set up TLS: {0}")]
-    Tls(#[from] contract::tls::TlsError),
+    Tls(#[from] platform::tls::TlsError),
 }
 
 /// Why a request failed; [`to_status`] maps it to a gRPC status.
@@ -1082,7 +1084,7 @@ impl Actor {
         let abandoned = Arc::new(AtomicBool::new(false));
         let span_abandoned = Arc::clone(&abandoned);
         let handle = tokio::spawn(async move {
-            let span = contract::operation_span!(parent: None, "execute", span_name(effect), &op);
+            let span = platform::operation_span!(parent: None, "execute", span_name(effect), &op);
             telemetry::set_parent(&span, &op.trace);
             // Without an OpenTelemetry layer (an executor embedded in a test)
             // the call has no context of its own; the operation's is passed on.

@@ -3,17 +3,15 @@
 //! Plain-Rust domain types live at the top: identities ([`ids`]), the desired
 //! shape and its validation ([`shape`]), the observed state ([`state`]), decisions
 //! ([`decision`]), what crosses the driver–executor link ([`ops`]), time as a value
-//! ([`time`]) and the one backoff function ([`backoff`]). With the `wire` feature
-//! (on by default) the crate also carries the `provisioning.v1` protos' generated
-//! code ([`pb`]) and the `TryFrom` conversions between wire and domain types
-//! ([`wire`]) (the entry points that fuzz what the services decode are the
-//! `provisioning-fuzz-harness` crate, `tests/fuzz-harness/`); the pure decider uses the crate without it, so it links
-//! neither tonic nor prost. The `runtime` feature adds what every service binary shares:
-//! flags and startup ([`runtime`]), tracing, trace propagation and logs
-//! ([`telemetry`]), the Prometheus registry with its endpoint ([`metrics`]) and
-//! the event trace tests read across processes ([`event_trace`]), and TLS with
-//! the peer-identity rule ([`tls`]). The `token` feature adds the bearer-token
-//! format the driver and its clients share ([`token`]).
+//! ([`time`]) and the one backoff function ([`backoff`]); they depend on nothing
+//! but `thiserror`. With the `wire` feature (on by default) the crate also
+//! carries the `provisioning.v1` protos' generated code ([`pb`]) and the
+//! `TryFrom` conversions between wire and domain types ([`wire`]); the pure
+//! decider and the driver core use the crate without it, so they link neither
+//! tonic nor prost. What the service binaries share around it (startup,
+//! telemetry, metrics, TLS, secrets, tokens) is the `provisioning-platform`
+//! crate (`platform/`); the fuzz entry points are `provisioning-fuzz-harness`
+//! (`tests/fuzz-harness/`).
 
 #![forbid(unsafe_code)]
 
@@ -28,23 +26,6 @@ pub mod time;
 
 #[cfg(feature = "wire")]
 pub mod wire;
-
-#[cfg(feature = "secrets")]
-pub mod secrets;
-
-#[cfg(feature = "runtime")]
-pub mod event_trace;
-#[cfg(feature = "runtime")]
-pub mod metrics;
-#[cfg(feature = "runtime")]
-pub mod runtime;
-#[cfg(feature = "runtime")]
-pub mod telemetry;
-#[cfg(feature = "runtime")]
-pub mod tls;
-
-#[cfg(feature = "token")]
-pub mod token;
 
 /// Metadata keys of the public API's answers.
 #[cfg(feature = "wire")]

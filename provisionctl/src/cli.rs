@@ -177,7 +177,7 @@ pub enum Command {
         out: std::path::PathBuf,
         /// A host name or IP address the services' certificates are valid
         /// for (repeat for several).
-        #[arg(long = "host", value_name = "HOST", default_values_t = contract::tls::dev::DEFAULT_HOSTS.map(String::from))]
+        #[arg(long = "host", value_name = "HOST", default_values_t = platform::tls::dev::DEFAULT_HOSTS.map(String::from))]
         hosts: Vec<String>,
         /// Also write `<NAME>.pem` and `<NAME>.key` for NAME, like a
         /// service's (for --host, serving and calling): `--also etcd` for
@@ -208,7 +208,7 @@ pub enum TokenCommand {
         /// `read`: get, list, watch, explain, plan, orphans; `write`: those
         /// and apply, delete, pause, resume, abandon.
         #[arg(long, value_enum)]
-        access: contract::token::Access,
+        access: platform::token::Access,
         /// Limit the token to this run (repeat for several); without it,
         /// every run.
         #[arg(long = "run", value_name = "RUN")]
@@ -253,7 +253,7 @@ fn also_name(s: &str) -> Result<String, String> {
     if !ok {
         return Err("a name of lowercase letters, digits and '-' (at most 63)".to_owned());
     }
-    if contract::tls::dev::SERVICES.contains(&s) || s == contract::tls::dev::CLIENT {
+    if platform::tls::dev::SERVICES.contains(&s) || s == platform::tls::dev::CLIENT {
         return Err(format!("{s} is written anyway"));
     }
     Ok(s.to_owned())

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use contract::tls::{
+use platform::tls::{
     TlsError, TlsMaterial, Transport,
     dev::{self, Validity},
 };

@@ -14,7 +14,7 @@ use super::{
     cli::TokenCommand,
     error::{CliError, Exit},
 };
-use contract::token as auth;
+use platform::token as auth;
 
 /// The environment variable that may hold the token itself.
 pub const TOKEN_ENV: &str = "PROVISIONCTL_TOKEN";

@@ -30,7 +30,7 @@ fn token_hash_prints_the_hash_the_tokens_file_keeps() {
     let out = provisionctl(&["token", "hash"], &format!("{token}\n"));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let printed = String::from_utf8(out.stdout).unwrap();
-    let want = contract::token::to_hex(&contract::token::hash_token(token));
+    let want = platform::token::to_hex(&platform::token::hash_token(token));
     assert_eq!(printed.trim(), want);
 }
 

@@ -8,7 +8,7 @@ use std::{
 
 use anyhow::Context as _;
 use contract::pb::provisioning_client::ProvisioningClient;
-use contract::token::{Access, entry_for, new_token};
+use platform::token::{Access, entry_for, new_token};
 use provisionctl::token::BearerToken;
 use tonic::{service::interceptor::InterceptedService, transport::Channel};
 

@@ -24,12 +24,10 @@ use std::{
 };
 
 use anyhow::Context;
-use contract::{
-    pb::{self, executor_client::ExecutorClient, provisioning_client::ProvisioningClient},
-    tls::{
-        TlsMaterial, Transport,
-        dev::{self, Validity},
-    },
+use contract::pb::{self, executor_client::ExecutorClient, provisioning_client::ProvisioningClient};
+use platform::tls::{
+    TlsMaterial, Transport,
+    dev::{self, Validity},
 };
 use tokio::process::{Child, Command};
 use tonic::transport::{Channel, Endpoint};
@@ -198,7 +196,7 @@ impl Service {
         env: &[(String, String)],
     ) -> anyhow::Result<Self> {
         let ready_file = dir.join(format!("{name}.ready"));
-        let metrics_file = contract::telemetry::metrics_ready_file(&ready_file);
+        let metrics_file = platform::telemetry::metrics_ready_file(&ready_file);
         let _ = std::fs::remove_file(&metrics_file);
         let _ = std::fs::remove_file(&ready_file);
         let log = std::fs::OpenOptions::new()
@@ -636,7 +634,7 @@ impl Cluster {
     /// certificate (the only identity the executor lets through).
     pub async fn executor_client(&self) -> anyhow::Result<ExecutorClient<Channel>> {
         Ok(ExecutorClient::new(
-            self.executor.channel(Some(contract::tls::DRIVER)).await?,
+            self.executor.channel(Some(platform::tls::DRIVER)).await?,
         ))
     }
 

@@ -98,3 +98,31 @@ fn the_pure_cores_link_no_runtime_and_no_wire_stack() {
         "the domain types depend only on thiserror: {others:?}"
     );
 }
+
+#[test]
+fn the_contract_with_its_wire_is_no_service_platform() {
+    // The protos and their conversions need the wire stack (tonic brings its
+    // own transport: tokio, hyper, rustls), and nothing that runs a service:
+    // no flags, no telemetry, no health or reflection, no certificates.
+    let wire = normal_deps("provisioning-contract", &[]);
+    assert!(wire.contains("tonic") && wire.contains("prost"));
+    assert_none_of(
+        "provisioning-contract (wire)",
+        &wire,
+        &[
+            "tracing-subscriber",
+            "opentelemetry",
+            "clap",
+            "tonic-health",
+            "tonic-reflection",
+            "rcgen",
+            "serde",
+            "provisioning-platform",
+        ],
+    );
+    // The platform is where those live, on top of the contract.
+    let platform = normal_deps("provisioning-platform", &[]);
+    for needed in ["provisioning-contract", "opentelemetry", "tracing-subscriber", "clap"] {
+        assert!(platform.contains(needed), "the platform lacks {needed}");
+    }
+}

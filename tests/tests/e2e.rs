@@ -504,7 +504,7 @@ async fn every_service_answers_health_and_reflection() {
     ] {
         // As the driver: the decider and the executor answer reflection
         // only to it (health checks, to any certificate from the CA).
-        let ch = svc.channel(Some(contract::tls::DRIVER)).await.unwrap();
+        let ch = svc.channel(Some(platform::tls::DRIVER)).await.unwrap();
         let mut health = HealthClient::new(ch.clone());
         let r = health
             .check(HealthCheckRequest { service: name.into() })

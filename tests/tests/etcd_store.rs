@@ -16,12 +16,13 @@ use std::{sync::Arc, time::Duration};
 
 use tokio::time::Instant;
 
-use contract::{ClusterShape, Epoch, Generation, RunId, RunUid, UnixMillis, secrets::Sealer};
+use contract::{ClusterShape, Epoch, Generation, RunId, RunUid, UnixMillis};
 use driver_svc::{
     core::{MemStore, Policy, RunDelta, RunState, RunStore, StoreError, StoredRun},
     etcd::{EtcdConfig, EtcdStore},
     replicas::{Claim, Owner, Placement},
 };
+use platform::secrets::Sealer;
 use provisioning_tests::etcd::Etcd;
 
 const NOW: UnixMillis = UnixMillis::new(1_700_000_000_000);

@@ -321,7 +321,7 @@ async fn the_executor_and_the_decider_refuse_over_large_messages() {
         .unwrap();
     let big = "x".repeat(2000);
 
-    let mut d = DeciderClient::new(decider.channel(Some(contract::tls::DRIVER)).await.unwrap());
+    let mut d = DeciderClient::new(decider.channel(Some(platform::tls::DRIVER)).await.unwrap());
     let header = pb::DecideRequest {
         part: Some(pb::decide_request::Part::Header(pb::DecideHeader {
             desired: Some(pb::ClusterShape {
@@ -346,7 +346,7 @@ async fn the_executor_and_the_decider_refuse_over_large_messages() {
 
     // The executor ends a link whose message is too large without acting
     // on it; the same claim, small, is answered.
-    let mut x = ExecutorClient::new(executor.channel(Some(contract::tls::DRIVER)).await.unwrap());
+    let mut x = ExecutorClient::new(executor.channel(Some(platform::tls::DRIVER)).await.unwrap());
     let claim = |run_id: &str| pb::DriverMessage {
         kind: Some(pb::driver_message::Kind::Claim(pb::Claim {
             run_uid: "0123456789abcdef0123456789abcdef".into(),

@@ -990,8 +990,8 @@ async fn a_secret_never_appears_in_logs_spans_metrics_reads_or_stores() {
     let (receiver, otlp) = start_receiver().await;
     let keys = tempfile::tempdir().unwrap();
     let key = keys.path().join("secrets.key");
-    std::fs::write(&key, contract::secrets::SecretKey::generate().unwrap().to_hex()).unwrap();
-    contract::secrets::restrict_to_owner(&key).unwrap();
+    std::fs::write(&key, platform::secrets::SecretKey::generate().unwrap().to_hex()).unwrap();
+    platform::secrets::restrict_to_owner(&key).unwrap();
     let key = key.display().to_string();
     let mut cluster = Cluster::start(
         traced(otlp)

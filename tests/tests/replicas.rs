@@ -39,12 +39,8 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use contract::{
-    ClusterShape, Param,
-    event_trace::{TraceEvent, TraceLine, parse_line},
-    pb,
-    pb::provisioning_client::ProvisioningClient,
-};
+use contract::{ClusterShape, Param, pb, pb::provisioning_client::ProvisioningClient};
+use platform::event_trace::{TraceEvent, TraceLine, parse_line};
 use provisioning_tests::{
     etcd::{self, Etcd, EtcdMembers, PREFIX},
     procs::{
@@ -86,7 +82,7 @@ impl Replicated {
                 _ => None,
             })
             .expect("an operation the old owner sent");
-        let mut op: pb::Operation = contract::event_trace::unhex(&old.wire).unwrap();
+        let mut op: pb::Operation = platform::event_trace::unhex(&old.wire).unwrap();
         let id = op.id.as_mut().unwrap();
         id.seq = 999;
         let stale = format!("a{}.{}", id.attempt, id.seq);
@@ -1398,10 +1394,10 @@ async fn replicas_started_from_the_manifest_share_a_run() {
     let (etcd_cert, etcd_key) = pki
         .issue(
             "etcd",
-            &contract::tls::dev::Leaf::service(
+            &platform::tls::dev::Leaf::service(
                 "etcd",
                 &["127.0.0.1".to_owned()],
-                contract::tls::dev::Validity::days_from_now(1),
+                platform::tls::dev::Validity::days_from_now(1),
             ),
         )
         .unwrap();

@@ -112,7 +112,7 @@ async fn start_driver(
             clock: Arc::new(contract::SystemClock),
             orphan_sweep: Duration::ZERO,
             orphan_destroy: false,
-            transport: contract::tls::Transport::Insecure,
+            transport: platform::tls::Transport::Insecure,
             auth: Authenticator::open(),
             limits: ApiLimits::default(),
             replicas: None,

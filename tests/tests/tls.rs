@@ -15,10 +15,10 @@ use std::{
 use contract::{
     TraceContext, UnixMillis,
     pb::{self, decide_response::Part, decider_client::DeciderClient, executor_client::ExecutorClient},
-    tls::{
-        TlsMaterial, Transport,
-        dev::{Leaf, Validity},
-    },
+};
+use platform::tls::{
+    TlsMaterial, Transport,
+    dev::{Leaf, Validity},
 };
 use provisioning_tests::{
     procs::{Cluster, ClusterOptions, Service, TestPki, bin_path, watch_until},
@@ -128,7 +128,7 @@ async fn the_executor_and_the_decider_take_calls_only_from_the_driver() {
     pki.issue(
         "expired-driver",
         &Leaf::service(
-            contract::tls::DRIVER,
+            platform::tls::DRIVER,
             &TestPki::hosts(),
             Validity {
                 not_before: now - 3 * day,
@@ -457,7 +457,7 @@ async fn the_driver_reaches_only_the_service_it_names() {
             health_of_peer(svc, &driver, name).await.unwrap(),
             ServingStatus::Serving
         );
-        let uri = contract::tls::identity_of(name);
+        let uri = platform::tls::identity_of(name);
         assert_eq!(
             health_of_peer(svc, &driver, &uri).await.unwrap(),
             ServingStatus::Serving

@@ -8,11 +8,9 @@ use std::{path::PathBuf, time::Duration};
 
 use anyhow::Context as _;
 use clap::Parser;
-use contract::{
-    AttemptId, LogicalNodeId, ResourceIdentity, RunId, RunUid,
-    runtime::{init_logging, shutdown_signal},
-};
+use contract::{AttemptId, LogicalNodeId, ResourceIdentity, RunId, RunUid};
 use executor_svc::process::agent::{self, AgentConfig};
+use platform::runtime::{init_logging, shutdown_signal};
 
 /// A node agent: binds a TCP endpoint and streams a bootstrap session.
 #[derive(Debug, Parser)]

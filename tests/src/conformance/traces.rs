@@ -1,4 +1,4 @@
-//! Levels 2 and 3: the services' event traces (`contract::event_trace`, JSON
+//! Levels 2 and 3: the services' event traces (`platform::event_trace`, JSON
 //! lines written with `--event-trace`) read back after every round and
 //! translated into the events the oracle's event checks read
 //! ([`crate::sim::Event`]), so the same checks run across processes.
@@ -51,9 +51,9 @@ use anyhow::Context as _;
 use contract::{
     AttemptId, BootstrapStage, Effect, LogicalNodeId, Operation, Outcome, PendingOp, RunUid, SessionId,
     UnixMillis,
-    event_trace::{Changes, Msg, TraceEvent, TraceLine, parse_line},
 };
 use driver_svc::core::{Discard, Fold};
+use platform::event_trace::{Changes, Msg, TraceEvent, TraceLine, parse_line};
 
 use crate::sim::{Cause, Event, Nodes, PassSummary, ToDriver, Transition};
 
@@ -374,7 +374,7 @@ impl Translator {
                 ..
             } => {
                 out.push(Event::Shape {
-                    shape: contract::event_trace::shape(&shape)?,
+                    shape: platform::event_trace::shape(&shape)?,
                     deleting,
                 });
                 let before = std::mem::take(&mut self.nodes);
@@ -403,7 +403,7 @@ impl Translator {
                 ..
             } => {
                 out.push(Event::Shape {
-                    shape: contract::event_trace::shape(&shape)?,
+                    shape: platform::event_trace::shape(&shape)?,
                     deleting,
                 });
                 if what == "adopt-orphans" {
@@ -715,7 +715,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use contract::event_trace::EventTrace;
+    use platform::event_trace::EventTrace;
 
     #[test]
     fn a_file_is_followed_a_whole_line_at_a_time() {
@@ -744,8 +744,8 @@ mod tests {
         use contract::{
             AttemptId, Epoch, LeaseId, LogicalNodeId, Operation, OperationId, OperationInput,
             OperationResult, Outcome, ResultFacts, RunId, RunUid, TraceContext,
-            event_trace::{OpRec, ResultRec, hex},
         };
+        use platform::event_trace::{OpRec, ResultRec, hex};
         let dir = tempfile::tempdir().unwrap();
         let paths = TracePaths {
             driver: dir.path().join("driver.jsonl"),

@@ -33,7 +33,7 @@ pub struct CommonArgs {
     pub metrics_listen: Option<SocketAddr>,
     /// Append a trace of what this service receives, decides, records and
     /// dispatches to this file, one JSON object per line (for tests and
-    /// debugging; see `contract::event_trace`). Off unless given.
+    /// debugging; see `platform::event_trace`). Off unless given.
     #[arg(long, env = "PROVISIONING_EVENT_TRACE")]
     pub event_trace: Option<PathBuf>,
     /// TLS: --tls-cert, --tls-key, --tls-ca, or --insecure.
@@ -173,7 +173,7 @@ pub async fn health_and_reflection<S: tonic::server::NamedService>() -> Result<
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<S>().await;
     let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(contract::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     Ok((reporter, health, reflection))

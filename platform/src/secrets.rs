@@ -21,7 +21,7 @@ use chacha20poly1305::{
     aead::{Aead, Payload},
 };
 
-use crate::pb;
+use contract::pb;
 
 const PREFIX: &str = "sealed:v1:";
 const NONCE_LEN: usize = 12;

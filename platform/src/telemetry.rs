@@ -35,7 +35,7 @@ use opentelemetry_sdk::{
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::{EnvFilter, Layer as _, filter::filter_fn, layer::SubscriberExt as _};
 
-use crate::ops::TraceContext;
+use contract::ops::TraceContext;
 
 pub mod grpc;
 mod json;
@@ -43,7 +43,7 @@ mod json;
 /// The crates whose spans are exported. Spans of the libraries underneath
 /// (tonic, hyper, h2) stay local: they would multiply the span count by the
 /// number of frames and say nothing an operator acts on.
-const EXPORTED_TARGETS: &[&str] = &["contract", "decider_svc", "driver_svc", "executor_svc"];
+const EXPORTED_TARGETS: &[&str] = &["platform", "decider_svc", "driver_svc", "executor_svc"];
 
 /// Whether `target` is one of [`EXPORTED_TARGETS`] or a module under one.
 /// Asked for every span and event the OpenTelemetry layer sees, so it
@@ -407,8 +407,8 @@ pub fn set_attribute(
 #[macro_export]
 macro_rules! operation_span {
     ($(parent: $parent:expr,)? $name:literal, $otel_name:expr, $op:expr) => {{
-        let op: &$crate::Operation = $op;
-        ::tracing::info_span!(
+        let op: &$crate::__macro::Operation = $op;
+        $crate::__macro::tracing::info_span!(
             $(parent: $parent,)?
             $name,
             otel.name = %$otel_name,
@@ -417,8 +417,8 @@ macro_rules! operation_span {
             provisioning.operation.id = %op.id,
             provisioning.operation.effect = op.input.effect().name(),
             provisioning.operation.attempt = op.id.attempt().get(),
-            provisioning.operation.outcome = ::tracing::field::Empty,
-            otel.status_code = ::tracing::field::Empty,
+            provisioning.operation.outcome = $crate::__macro::tracing::field::Empty,
+            otel.status_code = $crate::__macro::tracing::field::Empty,
         )
     }};
 }
@@ -430,7 +430,7 @@ mod tests {
     #[test]
     fn exported_targets_are_the_workspace_crates_and_their_modules() {
         for yes in [
-            "contract",
+            "platform",
             "driver_svc",
             "executor_svc::server",
             "decider_svc::a::b",
@@ -442,7 +442,8 @@ mod tests {
             "h2",
             "tonic::transport",
             "driver_svcx",
-            "contractual::x",
+            "platformx::x",
+            "contract",
             "driver_sv",
             "my::driver_svc",
         ] {

@@ -29,7 +29,7 @@ use std::{
 use prost::Message;
 use serde::{Deserialize, Serialize};
 
-use crate::{
+use contract::{
     Decision, FieldError, ManagedNode, NodeTemplate, Observation, Operation, OperationResult, Rejection, pb,
     wire::{TemplateTable, node_from_wire, node_to_wire},
 };
@@ -247,8 +247,8 @@ pub struct SeqRef {
 }
 
 /// A shape, from what [`hex`] wrote.
-pub fn shape(hex: &str) -> Result<crate::ClusterShape, TraceError> {
-    Ok(crate::ClusterShape::try_from(unhex::<pb::ClusterShape>(hex)?)?)
+pub fn shape(hex: &str) -> Result<contract::ClusterShape, TraceError> {
+    Ok(contract::ClusterShape::try_from(unhex::<pb::ClusterShape>(hex)?)?)
 }
 
 /// One node's state. `state` is its `pb::NodeState`, whose template
@@ -274,8 +274,8 @@ impl NodeRec {
             attempt: n.attempt.get(),
             stage: n.stage.name().to_owned(),
             intent: match n.intent {
-                crate::Intent::Active => "active",
-                crate::Intent::Deleting => "deleting",
+                contract::Intent::Active => "active",
+                contract::Intent::Deleting => "deleting",
             }
             .to_owned(),
             pending: n.pending.map(|p| p.id.to_string()),
@@ -432,7 +432,7 @@ impl DecisionRec {
     pub fn of(d: &Decision) -> Self {
         Self {
             node: d.node.to_string(),
-            attempt: d.attempt.map(crate::AttemptId::get),
+            attempt: d.attempt.map(contract::AttemptId::get),
             rule: d.rule.number(),
             action: d.action.name().to_owned(),
             wire: hex(&pb::Decision::from(d)),
@@ -624,10 +624,15 @@ mod tests {
 
     #[test]
     fn a_node_round_trips() {
-        let id = crate::LogicalNodeId::parse("node", "work-3").unwrap();
-        let spec = Arc::new(crate::shape::example_template("fake", "img"));
-        let mut n = ManagedNode::new(id, crate::AttemptId::new(4), spec, crate::RetryState::default());
-        n.facts.lease = Some(crate::LeaseId::new("lease", "l-1").unwrap());
+        let id = contract::LogicalNodeId::parse("node", "work-3").unwrap();
+        let spec = Arc::new(contract::shape::example_template("fake", "img"));
+        let mut n = ManagedNode::new(
+            id,
+            contract::AttemptId::new(4),
+            spec,
+            contract::RetryState::default(),
+        );
+        n.facts.lease = Some(contract::LeaseId::new("lease", "l-1").unwrap());
         let rec = NodeRec::of(&n);
         assert_eq!(
             (rec.id.as_str(), rec.attempt, rec.stage.as_str()),
