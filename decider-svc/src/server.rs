@@ -132,7 +132,7 @@ impl DeciderService {
     }
 }
 
-/// The decider's metrics (ARCHITECTURE.md, "Metrics"), in the process-wide
+/// The decider's metrics (docs/observability.md, "Metrics"), in the process-wide
 /// registry.
 #[derive(Debug, Clone)]
 pub struct DeciderMetrics {

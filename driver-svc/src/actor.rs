@@ -12,8 +12,8 @@
 //! anything is dirty or due, however many events made it so); a trigger during a
 //! pass leaves a node dirty, which guarantees exactly one follow-up pass.
 //!
-//! The actor is also where the driver's spans are made (ARCHITECTURE.md,
-//! "Tracing"): one per pass, one per dispatched operation from dispatch to
+//! The actor is also where the driver's spans are made (docs/observability.md,
+//! "Traces"): one per pass, one per dispatched operation from dispatch to
 //! the fold of its outcome, and one per fold. A pass carries out the client
 //! request that changed the run (it is the request's child) or links to the
 //! folds that made it necessary; a pass asked for only by the safety tick is
@@ -23,7 +23,7 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use contract::{
     Action, ClusterShape, DecideOutput, Effect, LogicalNodeId, Monotonic, Operation, OperationId,
-    RejectionReason, RunUid, TraceContext, UnixMillis, pb, pb::driver_message::Kind,
+    RejectionReason, RunUid, TraceContext, UnixMillis, pb,
 };
 use decider_svc::client::DecideError;
 use platform::telemetry;
@@ -31,15 +31,17 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{Instrument as _, field::Empty};
 
 use crate::{
+    context::RunContext,
     core::{
-        AbandonedNode, AckRef, Applied, ApplyError, Commit, Fold, LinkSession, OrphanResource, PassPlan,
-        Released, RunState, StoreError, ToExecutor,
+        AbandonedNode, Applied, ApplyError, Commit, Fold, LinkSession, OrphanResource, PassPlan, Released,
+        RunState, StoreError, ToExecutor,
     },
     crash,
-    driver::{DriverError, QUEUE, Shared},
+    error::DriverError,
     events::{In, RunEvents, Verdict},
-    link::FromExecutor,
-    status::run_status,
+    link::{self, FromExecutor, LinkEvent},
+    metrics::QUEUE,
+    status::{self, run_status},
 };
 
 /// The most span links a pass carries to the folds that made it necessary;
@@ -115,6 +117,16 @@ pub enum RunEvent {
     },
 }
 
+impl From<LinkEvent> for RunEvent {
+    fn from(ev: LinkEvent) -> Self {
+        match ev {
+            LinkEvent::Up(generation) => Self::LinkUp(generation),
+            LinkEvent::Down => Self::LinkDown,
+            LinkEvent::Message(msg) => Self::FromExecutor(msg),
+        }
+    }
+}
+
 /// Why a pass's decisions were not carried out.
 #[derive(Debug, thiserror::Error)]
 enum PassError {
@@ -134,7 +146,7 @@ pub struct RunHandle {
 
 pub(crate) struct RunActor {
     run: RunState,
-    shared: Arc<Shared>,
+    shared: Arc<RunContext>,
     rx: mpsc::UnboundedReceiver<RunEvent>,
     tx: mpsc::UnboundedSender<RunEvent>,
     status: watch::Sender<Arc<pb::RunStatus>>,
@@ -204,7 +216,7 @@ impl std::fmt::Debug for RunActor {
 impl RunActor {
     /// Spawns the actor for `run` and returns its handle. `origin` is the
     /// trace of the request that created the run, if one did.
-    pub(crate) fn spawn(run: RunState, shared: Arc<Shared>, origin: TraceContext) -> RunHandle {
+    pub(crate) fn spawn(run: RunState, shared: Arc<RunContext>, origin: TraceContext) -> RunHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let now = shared.clock.now();
         let (status, status_rx) = watch::channel(Arc::new(run_status(&run, false, now)));
@@ -260,7 +272,8 @@ impl RunActor {
         };
         // A new or restored run wants its first pass at once.
         actor.want();
-        shared.link.register(uid, tx.clone());
+        let route = tx.clone();
+        shared.link.register(uid, move |ev| route.send(ev.into()).is_ok());
         tokio::spawn(actor.run());
         RunHandle {
             uid,
@@ -552,31 +565,14 @@ impl RunActor {
     }
 
     fn explain(&self, node: &LogicalNodeId, now: UnixMillis) -> Option<pb::NodeExplanation> {
-        let n = self.run.node(node)?;
-        let mut table = contract::wire::TemplateTable::default();
-        let current = self
+        let executor_note = self
             .run
-            .desired_view()
-            .template_for(node)
-            .is_some_and(|t| contract::NodeTemplate::same(t, &n.spec));
-        Some(pb::NodeExplanation {
-            node: Some(pb::NodeStatus {
-                state: Some(contract::wire::node_to_wire(n, &mut table)),
-                group_id: node.group().to_string(),
-                spec_current: current,
-                last_decision: self
-                    .run
-                    .last_decision(node)
-                    .map(|l| pb::Decision::from(&l.decision)),
-            }),
-            decision: self.run.explain(node, now).map(|d| pb::Decision::from(&d)),
-            now_ms: now.as_millis(),
-            executor_note: n
-                .pending
-                .and_then(|p| self.in_flight.get(&p.id))
-                .and_then(|f| f.waiting.clone())
-                .unwrap_or_default(),
-        })
+            .node(node)?
+            .pending
+            .and_then(|p| self.in_flight.get(&p.id))
+            .and_then(|f| f.waiting.clone())
+            .unwrap_or_default();
+        status::explanation(&self.run, node, now, executor_note)
     }
 
     fn plan(&self, shape: ClusterShape, now: UnixMillis) -> Result<pb::PlanResponse, ApplyError> {
@@ -584,19 +580,7 @@ impl RunActor {
         // on a copy, so that a plan never promises what an apply would refuse.
         let mut probe = self.run.clone();
         probe.apply_shape(shape.clone())?;
-        let out = self.run.plan(&shape, now);
-        let mut scale_down: Vec<LogicalNodeId> = self
-            .run
-            .nodes()
-            .filter(|n| shape.desired_group(&n.id).is_none())
-            .map(|n| n.id.clone())
-            .collect();
-        scale_down.sort_by(|a, b| b.index().cmp(&a.index()).then_with(|| a.group().cmp(b.group())));
-        Ok(pb::PlanResponse {
-            decisions: out.decisions.iter().map(pb::Decision::from).collect(),
-            scale_down: scale_down.iter().map(ToString::to_string).collect(),
-            current_generation: self.run.shape().generation.get(),
-        })
+        Ok(status::plan(&self.run, &shape, now))
     }
 
     fn on_executor_message(&mut self, msg: FromExecutor, now: UnixMillis) {
@@ -810,59 +794,26 @@ impl RunActor {
         if next.is_none() {
             return;
         }
-        let uid = self.run.uid().to_string();
-        let observation = |session: contract::SessionId, seq: u64| pb::ObservationRef {
-            run_uid: uid.clone(),
-            session_id: session.to_string(),
-            seq,
-        };
+        let uid = self.run.uid();
         while let Some((generation, m)) = next.take() {
-            let msg = match m {
-                ToExecutor::Claim(claim) => {
-                    self.events.claim(claim.epoch, generation);
-                    let claim = pb::Claim {
-                        run_uid: claim.run_uid.to_string(),
-                        run_id: claim.run_id.to_string(),
-                        epoch: claim.epoch.get(),
-                    };
-                    message(Kind::Claim(claim), &TraceContext::default())
-                }
+            // A submission carries its operation span's context; a
+            // resubmission joins it, so the executor's replay or adoption
+            // shows under the original dispatch.
+            let mut trace = TraceContext::default();
+            match &m {
+                ToExecutor::Claim(claim) => self.events.claim(claim.epoch, generation),
                 ToExecutor::Submit { op, resubmission } => {
-                    // A submission carries its operation span's context; a
-                    // resubmission joins it, so the executor's replay or
-                    // adoption shows under the original dispatch.
-                    let trace = self
+                    trace = self
                         .in_flight
                         .get(&op.id)
                         .map(|f| telemetry::context_of(&f.span))
                         .filter(|t| !t.traceparent.is_empty())
                         .unwrap_or_else(|| op.trace.clone());
-                    self.events.dispatched(&op, true, resubmission);
-                    submit_message(&op, &trace)
+                    self.events.dispatched(op, true, *resubmission);
                 }
-                ToExecutor::ObserveFrom(after) => message(
-                    Kind::ObserveFrom(pb::ObserveFrom {
-                        run_uid: uid.clone(),
-                        after: after.into_iter().map(|(s, seq)| observation(s, seq)).collect(),
-                    }),
-                    &TraceContext::default(),
-                ),
-                ToExecutor::Ack(acks) => {
-                    let mut ack = pb::Ack::default();
-                    for a in acks {
-                        match a {
-                            AckRef::Result(id) => ack.results.push(pb::ResultRef {
-                                run_uid: uid.clone(),
-                                id: Some(id.into()),
-                            }),
-                            AckRef::Observation { session, seq } => {
-                                ack.observations.push(observation(session, seq))
-                            }
-                        }
-                    }
-                    message(Kind::Ack(ack), &TraceContext::default())
-                }
-            };
+                ToExecutor::ObserveFrom(_) | ToExecutor::Ack(_) => {}
+            }
+            let msg = link::encode(uid, m, &trace);
             self.shared.link.send(generation, msg);
             next = self.session.poll_transmit();
         }
@@ -1133,7 +1084,7 @@ impl RunActor {
     async fn persist(&self, commit: Commit) -> Result<Released, StoreError> {
         let store = self.shared.store.clone();
         if commit.delta().is_empty() || !store.blocks() {
-            return store.persist(commit);
+            return commit.persist_to(&*store);
         }
         let (delta, held) = commit.into_parts();
         match tokio::task::spawn_blocking(move || store.commit(&delta)).await {
@@ -1255,16 +1206,7 @@ impl RunActor {
         }
         self.unwant(false);
         if let Some(g) = self.session.link() {
-            self.shared.link.send(
-                g,
-                message(
-                    Kind::Forget(pb::ForgetRun {
-                        run_uid: uid.to_string(),
-                        epoch: self.run.epoch().get(),
-                    }),
-                    &TraceContext::default(),
-                ),
-            );
+            self.shared.link.send(g, link::forget(uid, self.run.epoch()));
         }
         self.changed = true;
         self.publish();
@@ -1287,19 +1229,5 @@ fn record_pass(span: &tracing::Span, o: &crate::core::PassOutcome, result: &str)
         if *n > 0 {
             telemetry::set_attribute(span, format!("provisioning.pass.rule_{rule}"), i64::from(*n));
         }
-    }
-}
-
-/// An operation's submission, with `trace` in the operation and the message.
-fn submit_message(op: &Operation, trace: &TraceContext) -> pb::DriverMessage {
-    let mut wire = pb::Operation::from(op);
-    wire.trace = contract::wire::trace_to_wire(trace);
-    message(Kind::Submit(wire), trace)
-}
-
-fn message(kind: Kind, trace: &TraceContext) -> pb::DriverMessage {
-    pb::DriverMessage {
-        kind: Some(kind),
-        trace: contract::wire::trace_to_wire(trace),
     }
 }

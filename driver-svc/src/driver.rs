@@ -1,5 +1,6 @@
-//! The registry of runs and what every run actor shares: the store, the
-//! clock, the executor link, the decider client and the policy.
+//! The registry of runs: it creates, restores, reloads, takes over and
+//! forgets run actors, answers the API's requests through them, and runs the
+//! orphan sweep. What the actors share is `context::RunContext`.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -10,257 +11,19 @@ use std::{
 use contract::{
     Clock, ClusterShape, Epoch, LogicalNodeId, RunId, RunUid, pb, pb::decider_client::DeciderClient,
 };
-use platform::{
-    metrics::{Counter, Gauge, Histogram},
-    telemetry::grpc::TracedChannel,
-};
+use platform::telemetry::grpc::TracedChannel;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
     actor::{RunActor, RunEvent, RunHandle},
-    core::{Applied, ApplyError, OrphanResource, PassOutcome, Policy, RunState, RunStore, StoreError},
+    context::{Registry, RunContext},
+    core::{Applied, ApplyError, OrphanResource, Policy, RunState, RunStore, StoreError},
     link::Link,
     orphans::{Holdings, Orphans},
-    replicas::{Claim, Owner, Placement, Replicas},
+    replicas::{Claim, Placement, Replicas},
+    status,
 };
-
-/// Driver-wide counters, and the driver's Prometheus metrics (each is
-/// documented in ARCHITECTURE.md, "Metrics"). The atomics are the driver's
-/// own totals for tests and callers of [`Driver::metrics`]; the registry
-/// handles are what the metrics endpoint serves.
-#[derive(Debug)]
-pub struct Metrics {
-    pub passes: AtomicU64,
-    pub operations: AtomicU64,
-    pub transitions: AtomicU64,
-    pub stale_decisions: AtomicU64,
-    pub decider_errors: AtomicU64,
-    pub actions_by_rule: [AtomicU64; 17],
-    pub(crate) exported: Exported,
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Self {
-            passes: AtomicU64::default(),
-            operations: AtomicU64::default(),
-            transitions: AtomicU64::default(),
-            stale_decisions: AtomicU64::default(),
-            decider_errors: AtomicU64::default(),
-            actions_by_rule: Default::default(),
-            exported: Exported::new(platform::metrics::global()),
-        }
-    }
-}
-
-/// The work queue's name in the `name` label, as client-go's work queues
-/// label theirs: one key per run.
-pub(crate) const QUEUE: &str = "runs";
-
-/// The driver's metric families, in the controller-runtime / client-go work
-/// queue conventions where one applies.
-#[derive(Debug, Clone)]
-pub(crate) struct Exported {
-    pub(crate) queue_depth: Gauge,
-    pub(crate) queue_adds: Counter,
-    pub(crate) queue_duration: Histogram,
-    pub(crate) queue_retries: Counter,
-    pub(crate) reconcile: Counter,
-    pub(crate) reconcile_errors: Counter,
-    pub(crate) pass_duration: Histogram,
-    pub(crate) actions: Counter,
-    pub(crate) stale_decisions: Counter,
-    pub(crate) dispatched: Counter,
-    pub(crate) in_flight: Gauge,
-    pub(crate) operation_duration: Histogram,
-    pub(crate) folds: Counter,
-    pub(crate) discarded: Counter,
-    pub(crate) converged: Counter,
-    takeovers: Counter,
-    reloads: Counter,
-    nodes: Gauge,
-    runs: Gauge,
-    link_up: Gauge,
-    link_events: Counter,
-}
-
-impl Exported {
-    fn new(r: &platform::metrics::Registry) -> Self {
-        use platform::metrics::LATENCY_BUCKETS;
-        Self {
-            queue_depth: r.gauge(
-                "provisioning_workqueue_depth",
-                "Runs whose next pass is wanted but has not started (a pass is in flight, or the \
-                 decider is being retried).",
-                &["name"],
-            ),
-            queue_adds: r.counter(
-                "provisioning_workqueue_adds_total",
-                "Times a run went from needing nothing to wanting a pass; triggers that arrive while \
-                 one is already wanted collapse into it.",
-                &["name"],
-            ),
-            queue_duration: r.histogram(
-                "provisioning_workqueue_queue_duration_seconds",
-                "How long a run wanted a pass before the pass started.",
-                &["name"],
-                LATENCY_BUCKETS,
-            ),
-            queue_retries: r.counter(
-                "provisioning_workqueue_retries_total",
-                "Passes put back with backoff because the decider could not be reached.",
-                &["name"],
-            ),
-            reconcile: r.counter(
-                "provisioning_reconcile_total",
-                "Passes, by result: success (nothing more to do), requeue (another pass at once), \
-                 requeue_after (a deadline will wake the run), error.",
-                &["result"],
-            ),
-            reconcile_errors: r.counter(
-                "provisioning_reconcile_errors_total",
-                "Passes that failed, by reason.",
-                &["reason"],
-            ),
-            pass_duration: r.histogram(
-                "provisioning_pass_duration_seconds",
-                "Time from the start of a pass to its decisions being applied and committed (the \
-                 Decide call included).",
-                &[],
-                LATENCY_BUCKETS,
-            ),
-            actions: r.counter(
-                "provisioning_actions_total",
-                "Actions applied (waits excluded), by ladder rule.",
-                &["rule", "name"],
-            ),
-            stale_decisions: r.counter(
-                "provisioning_stale_decisions_total",
-                "Decisions skipped because their node changed while the decider ran.",
-                &[],
-            ),
-            dispatched: r.counter(
-                "provisioning_operations_dispatched_total",
-                "Operations recorded pending and submitted to the executor, by effect.",
-                &["effect"],
-            ),
-            in_flight: r.gauge(
-                "provisioning_operations_in_flight",
-                "Operations recorded pending and not yet folded, by effect.",
-                &["effect"],
-            ),
-            operation_duration: r.histogram(
-                "provisioning_operation_duration_seconds",
-                "Time from an operation's dispatch to the fold of its outcome, by effect and outcome \
-                 class.",
-                &["effect", "outcome"],
-                LATENCY_BUCKETS,
-            ),
-            folds: r.counter(
-                "provisioning_folds_total",
-                "Executor results, bootstrap observations and rejections folded into run state, by kind.",
-                &["kind"],
-            ),
-            discarded: r.counter(
-                "provisioning_stale_results_discarded_total",
-                "Results and observations discarded instead of folded (superseded attempt, unknown or \
-                 expired operation, late completion, stale session, duplicate), by kind and reason.",
-                &["kind", "reason"],
-            ),
-            converged: r.counter(
-                "provisioning_runs_converged_total",
-                "Times a run reached convergence for its current generation.",
-                &[],
-            ),
-            takeovers: r.counter(
-                "provisioning_run_takeovers_total",
-                "Stored runs this replica claimed and restored, at its start or when their owner \
-                 went (replicas sharing an etcd store only).",
-                &[],
-            ),
-            reloads: r.counter(
-                "provisioning_run_reloads_total",
-                "Runs halted by a failed store write and reloaded from the store under a new epoch.",
-                &[],
-            ),
-            nodes: r.gauge(
-                "provisioning_nodes",
-                "Nodes across all runs, by stage.",
-                &["stage"],
-            ),
-            runs: r.gauge("provisioning_runs", "Runs, by phase.", &["phase"]),
-            link_up: r.gauge(
-                "provisioning_executor_link_up",
-                "1 while the driver's stream to the executor is up.",
-                &[],
-            ),
-            link_events: r.counter(
-                "provisioning_executor_link_events_total",
-                "Executor link events: connects, disconnects, and messages sent, dropped (link down), \
-                 received, undecodable or unrouted (no such run).",
-                &["event"],
-            ),
-        }
-    }
-}
-
-/// A rule's name in the `name` label: the action the ladder row takes.
-pub(crate) fn rule_name(rule: contract::Rule) -> &'static str {
-    use contract::Rule as R;
-    match rule {
-        R::Insert => "insert",
-        R::Reap => "reap",
-        R::Restart => "restart",
-        R::RestartBackoff => "restart-backoff",
-        R::BeginDelete => "begin-delete",
-        R::Pending => "pending",
-        R::ReissueCreate => "reissue-create",
-        R::CancelBootstrap => "cancel-bootstrap",
-        R::DestroyLease => "destroy-lease",
-        R::MarkDestroyed => "mark-destroyed",
-        R::RetryBackoff => "retry-backoff",
-        R::Ready => "ready",
-        R::CreateLease => "create-lease",
-        R::LookupEndpoint => "lookup-endpoint",
-        R::ObserveConvergence => "observe-convergence",
-        R::AwaitBootstrap => "await-bootstrap",
-        R::StartBootstrap => "start-bootstrap",
-    }
-}
-
-impl Metrics {
-    pub(crate) fn pass(&self, o: &PassOutcome) {
-        self.passes.fetch_add(1, Ordering::Relaxed);
-        self.operations
-            .fetch_add(u64::from(o.operations), Ordering::Relaxed);
-        self.transitions
-            .fetch_add(u64::from(o.transitions), Ordering::Relaxed);
-        self.stale_decisions
-            .fetch_add(u64::from(o.stale), Ordering::Relaxed);
-        for (i, n) in o.actions_by_rule.iter().enumerate() {
-            self.actions_by_rule[i].fetch_add(u64::from(*n), Ordering::Relaxed);
-        }
-        let e = &self.exported;
-        e.stale_decisions.add(&[], u64::from(o.stale));
-        for (rule, n) in contract::Rule::ALL.iter().zip(o.actions_by_rule) {
-            if n > 0 {
-                e.actions
-                    .add(&[&rule.number().to_string(), rule_name(*rule)], u64::from(n));
-            }
-        }
-    }
-
-    /// Operations a durable pass released for dispatch.
-    pub(crate) fn dispatched(&self, ops: &[contract::Operation]) {
-        for op in ops {
-            self.exported.dispatched.inc(&[op.input.effect().name()]);
-        }
-    }
-
-    pub(crate) fn decider_error(&self) {
-        self.decider_errors.fetch_add(1, Ordering::Relaxed);
-    }
-}
+pub use crate::{error::DriverError, metrics::Metrics};
 
 /// Refreshes the gauges read from live state (nodes by stage, runs by phase,
 /// the link) before each scrape; stops once the driver is gone.
@@ -291,13 +54,13 @@ fn register_scrape(shared: &Arc<Shared>) {
                 }
             }
         }
-        let e = &shared.metrics.exported;
+        let e = &shared.run.metrics.exported;
         e.nodes.replace_all(stages.into_iter().map(|(k, v)| (vec![k], v)));
         e.runs.replace_all(phases.into_iter().map(|(k, v)| (vec![k], v)));
-        let link = shared.link.counters();
+        let link = shared.run.link.counters();
         e.link_up.set(
             &[],
-            if shared.link.generation().is_some() {
+            if shared.run.link.generation().is_some() {
                 1.0
             } else {
                 0.0
@@ -329,54 +92,29 @@ fn phase_name(p: pb::RunPhase) -> &'static str {
     }
 }
 
+/// What the driver keeps besides what its run actors are given: the
+/// registry of runs and the orphan report.
 pub(crate) struct Shared {
-    /// Taken by every run's actor at once: each persists its own commits.
-    pub(crate) store: Arc<dyn RunStore>,
-    pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) link: Link,
-    pub(crate) decider: DeciderClient<TracedChannel>,
-    pub(crate) policy: Arc<Policy>,
-    pub(crate) safety_tick: Duration,
-    pub(crate) metrics: Metrics,
+    /// What every run actor is given (and the driver uses too).
+    pub(crate) run: Arc<RunContext>,
     pub(crate) orphans: Orphans,
     runs: RwLock<HashMap<RunId, RunHandle>>,
     /// Reclaim runs (see `orphans`), by uid: never listed as runs.
     reclaims: RwLock<HashMap<RunUid, RunHandle>>,
-    /// With a store shared by several drivers: which replica owns which run
-    /// (see [`crate::replicas`]); `None` when this driver owns every run it
-    /// stores.
-    pub(crate) replicas: Option<Arc<dyn Replicas>>,
     /// Held while a run is taken over, so one run is never restored twice.
     takeover: tokio::sync::Mutex<()>,
-    /// Runs halted by a failed write, to reload from the store
-    /// ([`Driver::reload`]).
-    reloads: mpsc::UnboundedSender<RunUid>,
 }
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared")
-            .field("policy", &self.policy)
+            .field("run", &self.run)
             .finish_non_exhaustive()
     }
 }
 
-impl Shared {
-    /// Whether this driver may write `uid` now (always, without replicas).
-    /// Reads local state only.
-    pub(crate) fn owns(&self, uid: RunUid) -> bool {
-        self.replicas.as_ref().is_none_or(|r| r.owns(uid))
-    }
-
-    /// A run actor's write failed: its run is halted, and reloaded from the
-    /// store once the store takes writes again.
-    pub(crate) fn reload_later(&self, uid: RunUid) {
-        let _ = self.reloads.send(uid);
-    }
-
-    /// Drops a run from the registry once it is gone (only the incarnation
-    /// with this uid: a new run with the same id may already exist).
-    pub(crate) fn forget(&self, run_id: &RunId, uid: RunUid) {
+impl Registry for Shared {
+    fn forget(&self, run_id: &RunId, uid: RunUid) {
         if let Ok(mut runs) = self.runs.write()
             && runs.get(run_id).is_some_and(|h| h.uid == uid)
         {
@@ -386,40 +124,6 @@ impl Shared {
             reclaims.remove(&uid);
         }
     }
-}
-
-/// Why a client request failed; mapped to a gRPC status in one place (`api`).
-#[derive(Debug, thiserror::Error)]
-pub enum DriverError {
-    #[error(transparent)]
-    Apply(#[from] ApplyError),
-    #[error("run {0} not found")]
-    NotFound(String),
-    #[error("node {node} not found in run {run}")]
-    NodeNotFound { run: String, node: String },
-    #[error("store: {0}")]
-    Store(#[from] StoreError),
-    #[error("the run's actor is gone")]
-    ActorGone,
-    #[error(
-        "the run is halted after a store failure ({0}); it is reloaded from the store once the store takes writes again: retry shortly"
-    )]
-    Halted(String),
-    /// Another replica serves the run: call it there.
-    #[error("run {run} is served by driver replica {} at {}; call it there", .owner.id,
-        .owner.address.as_deref().unwrap_or("an address it has not announced"))]
-    Elsewhere { run: String, owner: Owner },
-    /// The run's owner went and no replica has taken it over yet.
-    #[error("run {0} is between owners (its replica went); retry shortly")]
-    Moving(String),
-    /// One of the run's id spaces (attempts, operation sequence numbers,
-    /// epochs) is used up: no retry helps; the run must be created anew.
-    #[error("{0}: the run cannot go on; delete it and create it again")]
-    Exhausted(String),
-    /// The driver broke one of its own rules (a deadline past the clock's
-    /// range, a pass out of turn): a bug, not the caller's doing.
-    #[error("internal: {0}")]
-    Internal(String),
 }
 
 /// What an apply did.
@@ -501,20 +205,23 @@ impl Driver {
             None => config.store.load_all()?,
         };
         let (reloads, reload_rx) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared {
-            store: Arc::from(config.store),
-            clock: config.clock,
-            link: config.link,
-            decider: config.decider,
-            policy: Arc::new(config.policy),
-            safety_tick: config.safety_tick,
-            metrics: Metrics::default(),
+        let shared = Arc::new_cyclic(|registry: &std::sync::Weak<Shared>| Shared {
+            run: Arc::new(RunContext {
+                store: Arc::from(config.store),
+                clock: config.clock,
+                link: config.link,
+                decider: config.decider,
+                policy: Arc::new(config.policy),
+                safety_tick: config.safety_tick,
+                metrics: Metrics::default(),
+                replicas: config.replicas,
+                reloads,
+                registry: registry.clone(),
+            }),
             orphans: Orphans::new(),
             runs: RwLock::new(HashMap::new()),
             reclaims: RwLock::new(HashMap::new()),
-            replicas: config.replicas,
             takeover: tokio::sync::Mutex::new(()),
-            reloads,
         });
         register_scrape(&shared);
         tokio::spawn(reload_runs(Arc::downgrade(&shared), reload_rx));
@@ -529,7 +236,7 @@ impl Driver {
     /// reclaimed) changed. Such a run has dispatched nothing and folded
     /// nothing, so its commit holds nothing back.
     fn persist_actorless(&self, run: &mut RunState) -> Result<(), DriverError> {
-        let released = self.shared.store.persist(run.take_commit())?;
+        let released = run.take_commit().persist_to(&*self.shared.run.store)?;
         debug_assert!(released.operations.is_empty() && released.acks.is_empty());
         Ok(())
     }
@@ -550,7 +257,7 @@ impl Driver {
             .epoch
             .next()
             .ok_or_else(|| DriverError::Exhausted(format!("epoch of run {} exhausted", s.meta.run_id)))?;
-        let mut run = RunState::restore(s, epoch, self.shared.policy.clone());
+        let mut run = RunState::restore(s, epoch, self.shared.run.policy.clone());
         self.persist_actorless(&mut run)?;
         tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(),
             reclaim = run.is_reclaim(), "run restored");
@@ -563,14 +270,14 @@ impl Driver {
         let uid = run.uid();
         if run.is_reclaim() {
             self.shared.orphans.recovered(&run);
-            let handle = RunActor::spawn(run, self.shared.clone(), contract::TraceContext::default());
+            let handle = RunActor::spawn(run, self.shared.run.clone(), contract::TraceContext::default());
             if let Ok(mut reclaims) = self.shared.reclaims.write() {
                 reclaims.insert(uid, handle);
             }
             return uid;
         }
         let id = run.run_id().clone();
-        let handle = RunActor::spawn(run, self.shared.clone(), contract::TraceContext::default());
+        let handle = RunActor::spawn(run, self.shared.run.clone(), contract::TraceContext::default());
         if let Ok(mut runs) = self.shared.runs.write() {
             runs.insert(id, handle);
         }
@@ -589,12 +296,12 @@ impl Driver {
         let Some(old) = self.handle_by_uid(uid) else {
             return Ok(());
         };
-        let stored = if !self.shared.owns(uid) {
+        let stored = if !self.shared.run.owns(uid) {
             None
-        } else if let Some(replicas) = self.shared.replicas.clone() {
+        } else if let Some(replicas) = self.shared.run.replicas.clone() {
             blocking(move || replicas.load(uid)).await?
         } else {
-            let store = self.shared.store.clone();
+            let store = self.shared.run.store.clone();
             blocking(move || store.load_run(uid)).await?
         };
         let run = match stored {
@@ -609,11 +316,11 @@ impl Driver {
             Some(run) => {
                 let id = run.run_id().clone();
                 self.spawn_restored(run);
-                self.shared.metrics.exported.reloads.inc(&[]);
+                self.shared.run.metrics.exported.reloads.inc(&[]);
                 tracing::warn!(run = %id, run_uid = %uid, "run reloaded from the store after a failed write");
             }
             None => {
-                self.shared.link.unregister(uid);
+                self.shared.run.link.unregister(uid);
                 if let Ok(mut runs) = self.shared.runs.write() {
                     runs.retain(|_, h| h.uid != uid);
                 }
@@ -629,7 +336,7 @@ impl Driver {
     /// With replicas: claims every stored run no live replica owns and
     /// restores it (see [`Driver::take_over`]). Returns how many it took.
     pub async fn take_over_unowned(&self) -> Result<usize, DriverError> {
-        let Some(replicas) = self.shared.replicas.clone() else {
+        let Some(replicas) = self.shared.run.replicas.clone() else {
             return Ok(0);
         };
         let uids = blocking(move || replicas.unowned()).await?;
@@ -647,14 +354,14 @@ impl Driver {
     /// and restores it under a new epoch. Returns whether this driver took
     /// it (false: another replica holds it, or it is gone).
     pub async fn take_over(&self, uid: RunUid) -> Result<bool, DriverError> {
-        let Some(replicas) = self.shared.replicas.clone() else {
+        let Some(replicas) = self.shared.run.replicas.clone() else {
             return Ok(false);
         };
         let _one_at_a_time = self.shared.takeover.lock().await;
         if self.handle_by_uid(uid).is_some() {
             return Ok(false);
         }
-        let started = self.shared.clock.monotonic();
+        let started = self.shared.run.clock.monotonic();
         let stored = blocking(move || match replicas.claim(uid)? {
             Claim::Held { .. } | Claim::Gone => Ok(None),
             Claim::Mine => match replicas.load(uid)? {
@@ -672,8 +379,8 @@ impl Driver {
         };
         let (run, from_epoch) = (stored.meta.run_id.clone(), stored.meta.epoch);
         self.restore(stored)?;
-        self.shared.metrics.exported.takeovers.inc(&[]);
-        tracing::warn!(%run, run_uid = %uid, %from_epoch, took_ms = self.shared.clock.monotonic().saturating_since(started).as_millis() as u64,
+        self.shared.run.metrics.exported.takeovers.inc(&[]);
+        tracing::warn!(%run, run_uid = %uid, %from_epoch, took_ms = self.shared.run.clock.monotonic().saturating_since(started).as_millis() as u64,
             "took over a run no live replica owned");
         Ok(true)
     }
@@ -682,7 +389,7 @@ impl Driver {
     /// another replica ([`DriverError::Elsewhere`]), here once taken over
     /// (a run whose owner went), or nowhere ([`DriverError::NotFound`]).
     async fn locate(&self, run_id: &RunId) -> Result<RunHandle, DriverError> {
-        let Some(replicas) = self.shared.replicas.clone() else {
+        let Some(replicas) = self.shared.run.replicas.clone() else {
             return Err(DriverError::NotFound(run_id.to_string()));
         };
         let id = run_id.to_string();
@@ -716,20 +423,20 @@ impl Driver {
     }
 
     pub fn metrics(&self) -> &Metrics {
-        &self.shared.metrics
+        &self.shared.run.metrics
     }
 
     pub fn link(&self) -> &Link {
-        &self.shared.link
+        &self.shared.run.link
     }
 
     /// The clock the driver reads time from (its runs and its loops).
     pub fn clock(&self) -> &dyn Clock {
-        &*self.shared.clock
+        &*self.shared.run.clock
     }
 
     pub fn policy(&self) -> &Policy {
-        &self.shared.policy
+        &self.shared.run.policy
     }
 
     fn handle(&self, run_id: &RunId) -> Result<RunHandle, DriverError> {
@@ -798,12 +505,12 @@ impl Driver {
                 shape.generation,
             )));
         }
-        let now = self.shared.clock.now();
+        let now = self.shared.run.clock.now();
         let uid = fresh_uid();
-        let mut run = RunState::create(shape, uid, Epoch::new(1), self.shared.policy.clone(), now)?;
+        let mut run = RunState::create(shape, uid, Epoch::new(1), self.shared.run.policy.clone(), now)?;
         if let Err(e) = self.persist_actorless(&mut run) {
             // The fresh uid's ownership claim is of no use now.
-            if let Some(r) = &self.shared.replicas
+            if let Some(r) = &self.shared.run.replicas
                 && let Err(release) = r.release(uid)
             {
                 tracing::warn!(run_uid = %uid, error = %release, "could not release a run uid never created");
@@ -812,7 +519,7 @@ impl Driver {
         }
         crate::crash::hit(crate::crash::Point::ApplyCommitted);
         let id = run.run_id().clone();
-        let handle = RunActor::spawn(run, self.shared.clone(), request_trace());
+        let handle = RunActor::spawn(run, self.shared.run.clone(), request_trace());
         runs.insert(id, handle);
         Ok(ApplyOutcome {
             uid,
@@ -836,16 +543,16 @@ impl Driver {
             .map(|r| r.values().cloned().collect())
             .unwrap_or_default();
         let mut out: Vec<pb::RunStatus> = handles.iter().map(|h| (**h.status.borrow()).clone()).collect();
-        if let Some(replicas) = self.shared.replicas.clone() {
+        if let Some(replicas) = self.shared.run.replicas.clone() {
             let here: std::collections::HashSet<String> = out.iter().map(|s| s.run_uid.clone()).collect();
-            let now = self.shared.clock.now();
+            let now = self.shared.run.clock.now();
             for (stored, owner) in blocking(move || replicas.elsewhere()).await? {
                 if here.contains(&stored.meta.uid.to_string()) {
                     continue;
                 }
                 let epoch = stored.meta.epoch;
-                let run = RunState::restore(stored, epoch, self.shared.policy.clone());
-                let mut s = crate::status::run_status(&run, false, now);
+                let run = RunState::restore(stored, epoch, self.shared.run.policy.clone());
+                let mut s = status::run_status(&run, false, now);
                 s.from_store = true;
                 if let Some(o) = owner {
                     s.served_by = o.id;
@@ -890,19 +597,18 @@ impl Driver {
             }
             Err(DriverError::NotFound(_)) => {
                 // A new run: plan against an empty state.
-                let now = self.shared.clock.now();
+                let now = self.shared.run.clock.now();
                 let run = RunState::create(
                     shape.clone(),
                     RunUid::from_u128(0),
                     Epoch::new(0),
-                    self.shared.policy.clone(),
+                    self.shared.run.policy.clone(),
                     now,
                 )?;
-                let out = run.plan(&shape, now);
+                // Generation 0: there is no run yet.
                 Ok(pb::PlanResponse {
-                    decisions: out.decisions.iter().map(pb::Decision::from).collect(),
-                    scale_down: Vec::new(),
                     current_generation: 0,
+                    ..status::plan(&run, &shape, now)
                 })
             }
             Err(e) => Err(e),
@@ -1001,7 +707,7 @@ impl Driver {
     /// sweep leaves it out.
     pub async fn sweep_orphans(&self, inventory: &[pb::Resource], destroy: bool) -> Vec<pb::Orphan> {
         let held = self.holdings().await;
-        let theirs = match self.shared.replicas.clone() {
+        let theirs = match self.shared.run.replicas.clone() {
             None => Default::default(),
             Some(r) => match blocking(move || r.known_runs()).await {
                 Ok(known) => known,
@@ -1020,7 +726,7 @@ impl Driver {
             })
             .cloned()
             .collect();
-        let now = self.shared.clock.now().as_millis();
+        let now = self.shared.run.clock.now().as_millis();
         let new = self.shared.orphans.sweep(&mine, &held, now);
         if destroy {
             self.destroy_orphans().await;
@@ -1123,8 +829,8 @@ impl Driver {
         let epoch = Epoch::new(highest)
             .next()
             .ok_or_else(|| DriverError::Exhausted(format!("epoch of run uid {uid} exhausted")))?;
-        let now = self.shared.clock.now();
-        let mut run = RunState::reclaim(run_id, uid, epoch, self.shared.policy.clone(), now);
+        let now = self.shared.run.clock.now();
+        let mut run = RunState::reclaim(run_id, uid, epoch, self.shared.run.policy.clone(), now);
         let adopted: Vec<bool> = orphans.iter().map(|(_, o)| run.adopt_orphan(o)).collect();
         if !adopted.iter().any(|a| *a) {
             return Ok(adopted);
@@ -1132,7 +838,7 @@ impl Driver {
         self.persist_actorless(&mut run)?;
         tracing::warn!(run = %run.run_id(), run_uid = %uid, %epoch, nodes = run.node_count(),
             "reclaim run recorded: destroying the orphans of a run the driver no longer has");
-        let handle = RunActor::spawn(run, self.shared.clone(), contract::TraceContext::default());
+        let handle = RunActor::spawn(run, self.shared.run.clone(), contract::TraceContext::default());
         if let Ok(mut reclaims) = self.shared.reclaims.write() {
             reclaims.insert(uid, handle);
         }

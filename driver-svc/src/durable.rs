@@ -414,7 +414,7 @@ mod tests {
                 decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
             };
             let mut outcome = run.apply_decisions(plan, out, now).unwrap();
-            let _ = store.persist(outcome.take_commit()).unwrap();
+            let _ = outcome.take_commit().persist_to(store).unwrap();
         }
     }
 

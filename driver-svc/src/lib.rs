@@ -3,8 +3,10 @@
 //! [`core`] is the sans-IO state machine of one run ([`core::RunState`]): shape
 //! updates under the revision contract, passes (plan → decide → record →
 //! commit → submit), folding of results, observations and deadlines. Around it:
-//! [`actor`] runs one single-writer task per run; [`driver`] is the registry of
-//! runs; [`link`] keeps the stream to the executor; [`api`] serves clients;
+//! [`actor`] runs one single-writer task per run, given a `RunContext`
+//! (the store, clock, link, decider and policy every actor shares);
+//! [`driver`] is the registry of runs; [`error`] is what a request fails
+//! with; [`metrics`] the driver's metrics; [`link`] keeps the stream to the executor; [`api`] serves clients;
 //! [`orphans`] keeps the orphan report and runs the orphan sweep;
 //! [`status`] builds what clients read; [`server`] assembles it all;
 //! [`crash`] holds the named crash points crash tests arm.
@@ -17,14 +19,17 @@ pub mod actor;
 pub mod api;
 pub mod auth;
 pub use driver_core as core;
+mod context;
 pub mod crash;
 pub mod driver;
 pub mod durable;
+pub mod error;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 mod events;
 pub mod limits;
 pub mod link;
+pub mod metrics;
 pub mod orphans;
 pub mod replicas;
 pub mod server;

@@ -15,14 +15,14 @@ use std::{
 };
 
 use contract::{
-    Observation, OperationResult, Rejection, RunUid, pb,
-    pb::{executor_client::ExecutorClient, executor_message::Kind},
+    Epoch, Observation, OperationResult, Rejection, RunUid, SessionId, TraceContext, pb,
+    pb::{driver_message, executor_client::ExecutorClient, executor_message::Kind},
 };
 use platform::tls::PeerEndpoint;
 use tokio::sync::mpsc;
 use tokio_stream::{StreamExt, wrappers::UnboundedReceiverStream};
 
-use crate::actor::RunEvent;
+use crate::core::{AckRef, ToExecutor};
 
 /// A message from the executor for one run.
 #[derive(Debug, Clone)]
@@ -37,16 +37,38 @@ pub enum FromExecutor {
 
 type Outbound = mpsc::UnboundedSender<pb::DriverMessage>;
 
+/// What the link tells a run: its stream came up (with its generation) or
+/// went down, or the executor sent it something.
+#[derive(Debug, Clone)]
+pub enum LinkEvent {
+    Up(u64),
+    Down,
+    Message(FromExecutor),
+}
+
+/// Where a run's link events go (its actor's queue); `false` once it is gone.
+type Route = Box<dyn Fn(LinkEvent) -> bool + Send + Sync>;
+
 /// How long opening the link stream may take before the driver reconnects.
 const LINK_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Inner {
     current: Mutex<Option<(u64, Outbound)>>,
-    routes: RwLock<HashMap<RunUid, mpsc::UnboundedSender<RunEvent>>>,
+    routes: RwLock<HashMap<RunUid, Route>>,
     counters: Mutex<LinkCounters>,
     /// Why the last connection attempt failed, if it did.
     last_error: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inner")
+            .field("current", &self.current)
+            .field("counters", &self.counters)
+            .field("last_error", &self.last_error)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Link health counters, for metrics and tests.
@@ -103,13 +125,14 @@ impl Link {
         self.inner.counters.lock().map(|c| c.clone()).unwrap_or_default()
     }
 
-    /// Routes the run's messages to its actor; tells it at once if the link is up.
-    pub fn register(&self, uid: RunUid, tx: mpsc::UnboundedSender<RunEvent>) {
+    /// Routes the run's link events to `route` (its actor); tells it at
+    /// once if the link is up.
+    pub fn register(&self, uid: RunUid, route: impl Fn(LinkEvent) -> bool + Send + Sync + 'static) {
         if let Some(g) = self.generation() {
-            let _ = tx.send(RunEvent::LinkUp(g));
+            route(LinkEvent::Up(g));
         }
         if let Ok(mut r) = self.inner.routes.write() {
-            r.insert(uid, tx);
+            r.insert(uid, Box::new(route));
         }
     }
 
@@ -119,10 +142,10 @@ impl Link {
         }
     }
 
-    fn broadcast(&self, ev: impl Fn() -> RunEvent) {
+    fn broadcast(&self, ev: impl Fn() -> LinkEvent) {
         if let Ok(r) = self.inner.routes.read() {
-            for tx in r.values() {
-                let _ = tx.send(ev());
+            for route in r.values() {
+                route(ev());
             }
         }
     }
@@ -133,7 +156,7 @@ impl Link {
             .routes
             .read()
             .ok()
-            .and_then(|r| r.get(&uid).map(|tx| tx.send(RunEvent::FromExecutor(msg)).is_ok()))
+            .and_then(|r| r.get(&uid).map(|route| route(LinkEvent::Message(msg))))
             .unwrap_or(false);
         if !routed && let Ok(mut c) = self.inner.counters.lock() {
             c.unrouted += 1;
@@ -165,7 +188,7 @@ impl Link {
             if let Ok(mut c) = self.inner.current.lock() {
                 *c = None;
             }
-            self.broadcast(|| RunEvent::LinkDown);
+            self.broadcast(|| LinkEvent::Down);
             tokio::select! {
                 () = &mut shutdown => break,
                 () = tokio::time::sleep(delay) => {}
@@ -237,7 +260,7 @@ impl Link {
         };
         self.count(|c| c.connects += 1);
         tracing::info!(generation, "executor link up");
-        self.broadcast(|| RunEvent::LinkUp(generation));
+        self.broadcast(|| LinkEvent::Up(generation));
         while let Some(item) = inbound.next().await {
             match item {
                 Ok(msg) => self.dispatch(msg),
@@ -278,5 +301,59 @@ impl Link {
                 tracing::warn!(error = %e, "undecodable message from the executor");
             }
         }
+    }
+}
+
+/// What the run's link session emitted, as the message that carries it;
+/// `trace` goes in the message (and, for a submission, in the operation).
+pub fn encode(uid: RunUid, m: ToExecutor, trace: &TraceContext) -> pb::DriverMessage {
+    let observation = |session: SessionId, seq: u64| pb::ObservationRef {
+        run_uid: uid.to_string(),
+        session_id: session.to_string(),
+        seq,
+    };
+    let kind = match m {
+        ToExecutor::Claim(claim) => driver_message::Kind::Claim(pb::Claim {
+            run_uid: claim.run_uid.to_string(),
+            run_id: claim.run_id.to_string(),
+            epoch: claim.epoch.get(),
+        }),
+        ToExecutor::Submit { op, .. } => {
+            let mut wire = pb::Operation::from(&op);
+            wire.trace = contract::wire::trace_to_wire(trace);
+            driver_message::Kind::Submit(wire)
+        }
+        ToExecutor::ObserveFrom(after) => driver_message::Kind::ObserveFrom(pb::ObserveFrom {
+            run_uid: uid.to_string(),
+            after: after.into_iter().map(|(s, seq)| observation(s, seq)).collect(),
+        }),
+        ToExecutor::Ack(acks) => {
+            let mut ack = pb::Ack::default();
+            for a in acks {
+                match a {
+                    AckRef::Result(id) => ack.results.push(pb::ResultRef {
+                        run_uid: uid.to_string(),
+                        id: Some(id.into()),
+                    }),
+                    AckRef::Observation { session, seq } => ack.observations.push(observation(session, seq)),
+                }
+            }
+            driver_message::Kind::Ack(ack)
+        }
+    };
+    pb::DriverMessage {
+        kind: Some(kind),
+        trace: contract::wire::trace_to_wire(trace),
+    }
+}
+
+/// The message that tells the executor a deleted run's epoch is done with.
+pub fn forget(uid: RunUid, epoch: Epoch) -> pb::DriverMessage {
+    pb::DriverMessage {
+        kind: Some(driver_message::Kind::Forget(pb::ForgetRun {
+            run_uid: uid.to_string(),
+            epoch: epoch.get(),
+        })),
+        trace: contract::wire::trace_to_wire(&TraceContext::default()),
     }
 }

@@ -89,7 +89,7 @@ struct Cli {
     secrets_key_file: Option<std::path::PathBuf>,
     /// For crash tests: abort the process at a named point of its work, on
     /// the point's n-th hit (`<point>[:<n>]`; points are listed in
-    /// ARCHITECTURE.md, "Crash points"). Off unless given.
+    /// docs/driver.md, "Crash points"). Off unless given.
     #[arg(long, env = "DRIVER_CRASH_AT", value_parser = driver_svc::crash::parse)]
     crash_at: Option<driver_svc::crash::Armed>,
     #[command(flatten)]

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use contract::{
-    GroupId, NodeStage, NodeTemplate, UnixMillis, pb,
+    ClusterShape, GroupId, LogicalNodeId, NodeStage, NodeTemplate, UnixMillis, pb,
     wire::{TemplateTable, node_to_wire, shape_to_wire_redacted},
 };
 
@@ -107,5 +107,50 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
         served_by: String::new(),
         served_at: String::new(),
         from_store: false,
+    }
+}
+
+/// What `ExplainNode` answers for `node`: its state, the last decision and
+/// the decision it would get now; `executor_note` is what the executor said
+/// of its pending call (a budget wait).
+pub fn explanation(
+    run: &RunState,
+    node: &LogicalNodeId,
+    now: UnixMillis,
+    executor_note: String,
+) -> Option<pb::NodeExplanation> {
+    let n = run.node(node)?;
+    let mut table = TemplateTable::default();
+    let current = run
+        .desired_view()
+        .template_for(node)
+        .is_some_and(|t| NodeTemplate::same(t, &n.spec));
+    Some(pb::NodeExplanation {
+        node: Some(pb::NodeStatus {
+            state: Some(node_to_wire(n, &mut table)),
+            group_id: node.group().to_string(),
+            spec_current: current,
+            last_decision: run.last_decision(node).map(|l| pb::Decision::from(&l.decision)),
+        }),
+        decision: run.explain(node, now).map(|d| pb::Decision::from(&d)),
+        now_ms: now.as_millis(),
+        executor_note,
+    })
+}
+
+/// What `Plan` answers for `shape`: the decisions a pass would make now and
+/// the nodes the shape scales away (highest index first).
+pub fn plan(run: &RunState, shape: &ClusterShape, now: UnixMillis) -> pb::PlanResponse {
+    let out = run.plan(shape, now);
+    let mut scale_down: Vec<&LogicalNodeId> = run
+        .nodes()
+        .filter(|n| shape.desired_group(&n.id).is_none())
+        .map(|n| &n.id)
+        .collect();
+    scale_down.sort_by(|a, b| b.index().cmp(&a.index()).then_with(|| a.group().cmp(b.group())));
+    pb::PlanResponse {
+        decisions: out.decisions.iter().map(pb::Decision::from).collect(),
+        scale_down: scale_down.iter().map(ToString::to_string).collect(),
+        current_generation: run.shape().generation.get(),
     }
 }

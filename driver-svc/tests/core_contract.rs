@@ -84,7 +84,7 @@ fn pass(run: &mut RunState, store: &MemStore, now: UnixMillis) -> Passed {
         decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
     };
     let mut outcome = run.apply_decisions(plan, out, now).unwrap();
-    let released = store.persist(outcome.take_commit()).unwrap();
+    let released = outcome.take_commit().persist_to(store).unwrap();
     Passed {
         outcome,
         operations: released.operations,
@@ -388,7 +388,7 @@ fn folding_discards_what_it_must() {
         Fold::Discarded(Discard::UnknownOperation)
     );
     // Acknowledgements are released only by a commit.
-    let acks = store.persist(run.take_commit()).unwrap().acks;
+    let acks = run.take_commit().persist_to(&store).unwrap().acks;
     assert!(!acks.is_empty());
 }
 
@@ -633,7 +633,7 @@ fn a_pass_applies_decisions_only_to_the_state_they_were_made_from() {
     };
     let _ = run.fold_result(&created, T0).unwrap();
     let mut outcome = run.apply_decisions(plan, out, T0).unwrap();
-    let _ = store.persist(outcome.take_commit()).unwrap();
+    let _ = outcome.take_commit().persist_to(&store).unwrap();
     // The decision for workers-2 was made before the fold: skipped, and a
     // follow-up pass is requested.
     assert!(outcome.stale >= 1 && outcome.follow_up, "{outcome:?}");
@@ -680,7 +680,7 @@ fn an_orphan_of_a_gone_run_is_destroyed_through_the_deletion_path() {
     let mut without_lease = orphan("workers-8", 1, false);
     without_lease.lease = None;
     assert!(!run.adopt_orphan(&without_lease), "nothing to destroy by id");
-    let _ = store.persist(run.take_commit()).unwrap();
+    let _ = run.take_commit().persist_to(&store).unwrap();
     let stored = store.load_all().unwrap();
     assert!(stored[0].meta.reclaim && stored[0].meta.deleting);
     assert_eq!(stored[0].meta.next_attempt, 4, "attempts above the orphan's");

@@ -113,7 +113,7 @@ impl Default for Config {
     }
 }
 
-/// The executor's metrics (ARCHITECTURE.md, "Metrics"), in the
+/// The executor's metrics (docs/observability.md, "Metrics"), in the
 /// process-wide registry.
 #[derive(Debug, Clone)]
 struct ExecutorMetrics {

@@ -1,7 +1,7 @@
 //! What the three service binaries (and provisionctl) share around the
 //! contract: the service platform.
 //!
-//! Flags and startup ([`runtime`]); tracing, trace propagation and logs
+//! Flags and startup ([`runtime`], with the ready file in [`announce`]); tracing, trace propagation and logs
 //! ([`telemetry`]); the Prometheus registry with its endpoint ([`metrics`]);
 //! the event trace tests read across processes ([`event_trace`]); TLS with the
 //! peer-identity rule ([`tls`], and with `certgen` a development CA in
@@ -14,6 +14,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod announce;
 pub mod event_trace;
 pub mod metrics;
 pub mod runtime;

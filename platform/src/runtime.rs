@@ -124,15 +124,9 @@ pub async fn bind_and_announce(
     let addr = listener.local_addr()?;
     tracing::info!(service, %addr, "listening");
     if let Some(path) = ready_file {
-        write_ready_file(path, addr)?;
+        crate::announce::write_ready_file(path, addr)?;
     }
     Ok(listener)
-}
-
-pub fn write_ready_file(path: &Path, addr: SocketAddr) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, format!("{addr}\n"))?;
-    std::fs::rename(&tmp, path)
 }
 
 /// Resolves on SIGTERM or SIGINT.

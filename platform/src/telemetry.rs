@@ -276,7 +276,7 @@ fn serve_metrics(
     tracing::info!(service, metrics_addr = %bound, "serving metrics at http://{bound}/metrics");
     if let Some(ready) = ready_file {
         let path = metrics_ready_file(ready);
-        crate::runtime::write_ready_file(&path, bound)
+        crate::announce::write_ready_file(&path, bound)
             .map_err(|source| TelemetryError::MetricsReadyFile { path, source })?;
     }
     let task = tokio::spawn(crate::metrics::serve(listener, crate::metrics::global()));

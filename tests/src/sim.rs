@@ -358,7 +358,7 @@ impl Sim {
         let store = MemStore::new();
         // The actor commits a created run before it answers the client.
         let mut run = run;
-        store.persist(run.take_commit())?;
+        run.take_commit().persist_to(&store)?;
         let mut sim = Self {
             now: START,
             run,
@@ -498,7 +498,7 @@ impl Sim {
         {
             self.transition(Cause::Timer, before);
         }
-        let released = self.store.persist(self.run.take_commit())?;
+        let released = self.run.take_commit().persist_to(&self.store)?;
         self.session.handle_released(released, &mut self.run);
         self.transmit(None)?;
         Ok(())
@@ -534,7 +534,7 @@ impl Sim {
         let decisions = self.record.then(|| output.decisions.clone());
         let actions = output.actions().count();
         let mut outcome: PassOutcome = self.run.apply_decisions(plan, output, self.now)?;
-        let released = self.store.persist(outcome.take_commit())?;
+        let released = outcome.take_commit().persist_to(&self.store)?;
         let mut changed = timer_changed;
         if let (Some(s1), Some(decisions)) = (s1, decisions) {
             changed |= s1 != self.nodes();
@@ -832,7 +832,7 @@ impl Sim {
             self.history.push_back(m);
         }
         // Folds are acknowledged only once committed.
-        let released = self.store.persist(self.run.take_commit())?;
+        let released = self.run.take_commit().persist_to(&self.store)?;
         self.session.handle_released(released, &mut self.run);
         self.transmit(None)?;
         Ok(n)
@@ -1086,7 +1086,7 @@ impl Sim {
             self.transition(Cause::Restore, before);
         }
         // The new epoch is durable before the new process claims it.
-        let released = self.store.persist(self.run.take_commit())?;
+        let released = self.run.take_commit().persist_to(&self.store)?;
         debug_assert!(released.operations.is_empty() && released.acks.is_empty());
         // A new process: a new session, and a new stream if the network is up.
         let up = !self.link_down();
@@ -1104,7 +1104,7 @@ impl Sim {
         let before = self.snapshot_if_recording();
         let r = self.run.apply_shape(shape);
         if matches!(r, Ok(Applied::Changed)) {
-            let released = self.store.persist(self.run.take_commit())?;
+            let released = self.run.take_commit().persist_to(&self.store)?;
             self.session.handle_released(released, &mut self.run);
             self.transmit(None)?;
             if let Some(before) = before {
@@ -1118,7 +1118,7 @@ impl Sim {
     pub fn delete_run(&mut self) -> anyhow::Result<bool> {
         let changed = self.run.delete();
         if changed {
-            let released = self.store.persist(self.run.take_commit())?;
+            let released = self.run.take_commit().persist_to(&self.store)?;
             self.session.handle_released(released, &mut self.run);
             self.transmit(None)?;
         }

@@ -122,7 +122,12 @@ fn the_contract_with_its_wire_is_no_service_platform() {
     );
     // The platform is where those live, on top of the contract.
     let platform = normal_deps("provisioning-platform", &[]);
-    for needed in ["provisioning-contract", "opentelemetry", "tracing-subscriber", "clap"] {
+    for needed in [
+        "provisioning-contract",
+        "opentelemetry",
+        "tracing-subscriber",
+        "clap",
+    ] {
         assert!(platform.contains(needed), "the platform lacks {needed}");
     }
 }

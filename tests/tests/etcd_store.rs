@@ -106,7 +106,7 @@ fn drive(run: &mut RunState, store: &dyn RunStore) {
             decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), NOW)
         };
         let mut outcome = run.apply_decisions(plan, out, NOW).unwrap();
-        let _ = store.persist(outcome.take_commit()).unwrap();
+        let _ = outcome.take_commit().persist_to(store).unwrap();
     }
 }
 
@@ -455,7 +455,7 @@ fn two_replicas_cannot_create_the_same_run_id() {
         decider::decide(&view, b.plan_nodes(&plan), &b.slot_set(), NOW)
     };
     let mut outcome = b.apply_decisions(plan, out, NOW).unwrap();
-    let err = second.persist(outcome.take_commit()).unwrap_err();
+    let err = outcome.take_commit().persist_to(&second).unwrap_err();
     assert!(
         err.to_string().contains(&RunUid::from_u128(1).to_string()),
         "{err}"

@@ -9,12 +9,9 @@
 //! A commit the store refused is dropped with everything it held: the run is
 //! then ahead of its store, and the shell reloads it from the store.
 
-use contract::Operation;
+use contract::{Operation, OperationId};
 
-use crate::{
-    run::AckRef,
-    store::{RunDelta, StoreError},
-};
+use crate::store::{RunDelta, RunStore, StoreError};
 
 /// The writes of one pass (or one batch of folds) for one run, and what may be
 /// released once they are durable.
@@ -88,6 +85,11 @@ impl Commit {
         }
         Ok(self.held.durable())
     }
+
+    /// Commits the delta to `store`, then releases what it held.
+    pub fn persist_to(self, store: &(impl RunStore + ?Sized)) -> Result<Released, StoreError> {
+        self.persist(|delta| store.commit(delta))
+    }
 }
 
 impl Held {
@@ -98,4 +100,11 @@ impl Held {
             acks: self.acks,
         }
     }
+}
+
+/// Something to acknowledge to the executor once the fold is committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AckRef {
+    Result(OperationId),
+    Observation { session: contract::SessionId, seq: u64 },
 }

@@ -14,10 +14,10 @@ pub mod run;
 pub mod session;
 pub mod store;
 
-pub use commit::{Commit, Held, Released};
+pub use commit::{AckRef, Commit, Held, Released};
 pub use policy::Policy;
 pub use run::{
-    AbandonedNode, AckRef, Applied, ApplyError, CoreError, Discard, Fold, LastDecision, ORPHAN_SEQ_BASE,
+    AbandonedNode, Applied, ApplyError, CoreError, Discard, Fold, LastDecision, ORPHAN_SEQ_BASE,
     OrphanResource, PassOutcome, PassPlan, RunState,
 };
 pub use session::{LinkSession, ToExecutor};

@@ -30,7 +30,7 @@ use contract::{
 use decider::{DesiredView, SlotSet};
 
 use crate::{
-    commit::Commit,
+    commit::{AckRef, Commit},
     policy::Policy,
     store::{NodeRecord, RunDelta, RunMeta, StoredRun},
 };
@@ -117,13 +117,6 @@ impl Discard {
 pub enum Fold {
     Folded,
     Discarded(Discard),
-}
-
-/// Something to acknowledge to the executor once the fold is committed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AckRef {
-    Result(OperationId),
-    Observation { session: contract::SessionId, seq: u64 },
 }
 
 /// The nodes a pass asks the decider about, and the state it asked about.
@@ -1896,7 +1889,7 @@ mod tests {
         );
         assert_eq!(run.pending_count(), 1);
         assert!(run.uncommitted());
-        let _ = store.persist(run.take_commit()).unwrap();
+        let _ = run.take_commit().persist_to(&store).unwrap();
         let stored = store.load_all().unwrap();
         let ids: Vec<String> = stored[0].nodes.iter().map(|n| n.node.id.to_string()).collect();
         assert_eq!(ids, vec!["workers-1".to_owned()], "the removal is committed");
@@ -1908,7 +1901,7 @@ mod tests {
         let old = run.node(&node("workers-0")).unwrap().attempt;
         let highest = run.nodes().map(|n| n.attempt.get()).max().unwrap();
         let _ = run.abandon(&node("workers-0"), T0).unwrap();
-        let _ = store.persist(run.take_commit()).unwrap();
+        let _ = run.take_commit().persist_to(&store).unwrap();
         assert!(run.needs_pass(T0), "the missing slot asks for a pass");
         let _ = pass(&mut run, &store, T0);
         let again = run.node(&node("workers-0")).expect("re-inserted").attempt;
@@ -1941,7 +1934,7 @@ mod tests {
     #[test]
     fn abandoning_an_unknown_node_changes_nothing() {
         let (mut run, store) = run_with_live_node();
-        let _ = store.persist(run.take_commit()).unwrap();
+        let _ = run.take_commit().persist_to(&store).unwrap();
         let before = format!("{:?}|{:?}", run.meta(), run.nodes().collect::<Vec<_>>());
         assert!(run.abandon(&node("workers-7"), T0).is_none());
         assert!(!run.uncommitted());

@@ -23,7 +23,10 @@ use std::collections::VecDeque;
 
 use contract::{Claim, Operation, SessionId};
 
-use crate::{commit::Released, run::AckRef, run::RunState};
+use crate::{
+    commit::{AckRef, Released},
+    run::RunState,
+};
 
 /// A message for the executor, in domain types (the shell encodes it).
 #[derive(Debug, Clone, PartialEq)]
@@ -195,10 +198,7 @@ mod tests {
     use contract::{ClusterShape, Epoch, Generation, RunId, RunUid, UnixMillis};
 
     use super::*;
-    use crate::{
-        policy::Policy,
-        store::{MemStore, RunStore},
-    };
+    use crate::{policy::Policy, store::MemStore};
 
     const T0: UnixMillis = UnixMillis::new(1_700_000_000_000);
 
@@ -228,7 +228,7 @@ mod tests {
             let plan = run.begin_pass(T0).unwrap();
             let out = decider::decide(&run.desired_view(), run.plan_nodes(&plan), &run.slot_set(), T0);
             let mut outcome = run.apply_decisions(plan, out, T0).unwrap();
-            released = store.persist(outcome.take_commit()).unwrap();
+            released = outcome.take_commit().persist_to(&store).unwrap();
         }
         assert_eq!(released.operations.len(), 2);
         (run, released)

@@ -2,9 +2,8 @@
 //! implementation (a test double; the durable stores implement the same trait).
 //!
 //! A pass's writes are one [`RunDelta`], committed together. The core never
-//! calls a store: it hands the shell a [`Commit`], which the shell persists
-//! (for example with [`RunStore::persist`]) before anything it holds is
-//! released.
+//! calls a store: it hands the shell a `Commit`, which the shell persists
+//! (`Commit::persist_to`) before anything it holds is released.
 
 use std::{
     collections::BTreeMap,
@@ -14,8 +13,6 @@ use std::{
 use contract::{
     ClusterShape, Epoch, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
 };
-
-use crate::commit::{Commit, Released};
 
 /// A run's own fields (everything but its nodes).
 #[derive(Debug, Clone, PartialEq)]
@@ -112,11 +109,6 @@ pub trait RunStore: Send + Sync + std::fmt::Debug {
     /// answers from memory says `false` and is written inline.
     fn blocks(&self) -> bool {
         true
-    }
-
-    /// Commits `commit`'s delta and releases what it held.
-    fn persist(&self, commit: Commit) -> Result<Released, StoreError> {
-        commit.persist(|delta| self.commit(delta))
     }
 }
 

@@ -30,7 +30,7 @@ use contract::{
     shape::example_template,
 };
 use decider::{DesiredView, SlotSet};
-use driver_svc::core::{MemStore, Policy, RunState, RunStore};
+use driver_svc::core::{MemStore, Policy, RunState};
 use executor_svc::{
     core::{ExecutorCore, Output},
     fake::{FakeConfig, FakeProvider},
@@ -295,7 +295,7 @@ fn in_process(n: u64) -> anyhow::Result<(Duration, u64)> {
             };
             let mut outcome = run.apply_decisions(plan, out, now)?;
             passes += 1;
-            let mut queue: Vec<Operation> = store.persist(outcome.take_commit())?.operations;
+            let mut queue: Vec<Operation> = outcome.take_commit().persist_to(&store)?.operations;
             let mut results = Vec::new();
             while let Some(op) = queue.pop() {
                 for o in exec.submit(op, now) {
@@ -332,7 +332,7 @@ fn in_process(n: u64) -> anyhow::Result<(Duration, u64)> {
                     }
                 }
             }
-            for a in store.persist(run.take_commit())?.acks {
+            for a in run.take_commit().persist_to(&store)?.acks {
                 if let driver_svc::core::AckRef::Result(id) = a {
                     exec.ack_result(uid, id);
                 }

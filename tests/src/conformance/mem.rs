@@ -232,7 +232,7 @@ impl MemSut {
                 decider::decide(&view, run.plan_nodes(&plan), &slots, now)
             };
             match run.apply_decisions(plan, output, now) {
-                Ok(mut outcome) => match store.persist(outcome.take_commit()) {
+                Ok(mut outcome) => match outcome.take_commit().persist_to(&store) {
                     Ok(_) => (None, false),
                     Err(e) => panic!("the in-memory store refused a commit: {e}"),
                 },

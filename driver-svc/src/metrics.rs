@@ -1,0 +1,247 @@
+//! The driver's metrics: its own totals (for tests and [`crate::driver::Driver::metrics`])
+//! and the Prometheus families the metrics endpoint serves, each documented in
+//! docs/observability.md, "Metrics".
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use platform::metrics::{Counter, Gauge, Histogram};
+
+use crate::core::PassOutcome;
+
+/// Driver-wide counters, and the driver's Prometheus metrics (each is
+/// documented in docs/observability.md, "Metrics"). The atomics are the driver's
+/// own totals for tests and callers of [`Driver::metrics`]; the registry
+/// handles are what the metrics endpoint serves.
+#[derive(Debug)]
+pub struct Metrics {
+    pub passes: AtomicU64,
+    pub operations: AtomicU64,
+    pub transitions: AtomicU64,
+    pub stale_decisions: AtomicU64,
+    pub decider_errors: AtomicU64,
+    pub actions_by_rule: [AtomicU64; 17],
+    pub(crate) exported: Exported,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            passes: AtomicU64::default(),
+            operations: AtomicU64::default(),
+            transitions: AtomicU64::default(),
+            stale_decisions: AtomicU64::default(),
+            decider_errors: AtomicU64::default(),
+            actions_by_rule: Default::default(),
+            exported: Exported::new(platform::metrics::global()),
+        }
+    }
+}
+
+/// The work queue's name in the `name` label, as client-go's work queues
+/// label theirs: one key per run.
+pub(crate) const QUEUE: &str = "runs";
+
+/// The driver's metric families, in the controller-runtime / client-go work
+/// queue conventions where one applies.
+#[derive(Debug, Clone)]
+pub(crate) struct Exported {
+    pub(crate) queue_depth: Gauge,
+    pub(crate) queue_adds: Counter,
+    pub(crate) queue_duration: Histogram,
+    pub(crate) queue_retries: Counter,
+    pub(crate) reconcile: Counter,
+    pub(crate) reconcile_errors: Counter,
+    pub(crate) pass_duration: Histogram,
+    pub(crate) actions: Counter,
+    pub(crate) stale_decisions: Counter,
+    pub(crate) dispatched: Counter,
+    pub(crate) in_flight: Gauge,
+    pub(crate) operation_duration: Histogram,
+    pub(crate) folds: Counter,
+    pub(crate) discarded: Counter,
+    pub(crate) converged: Counter,
+    pub(crate) takeovers: Counter,
+    pub(crate) reloads: Counter,
+    pub(crate) nodes: Gauge,
+    pub(crate) runs: Gauge,
+    pub(crate) link_up: Gauge,
+    pub(crate) link_events: Counter,
+}
+
+impl Exported {
+    fn new(r: &platform::metrics::Registry) -> Self {
+        use platform::metrics::LATENCY_BUCKETS;
+        Self {
+            queue_depth: r.gauge(
+                "provisioning_workqueue_depth",
+                "Runs whose next pass is wanted but has not started (a pass is in flight, or the \
+                 decider is being retried).",
+                &["name"],
+            ),
+            queue_adds: r.counter(
+                "provisioning_workqueue_adds_total",
+                "Times a run went from needing nothing to wanting a pass; triggers that arrive while \
+                 one is already wanted collapse into it.",
+                &["name"],
+            ),
+            queue_duration: r.histogram(
+                "provisioning_workqueue_queue_duration_seconds",
+                "How long a run wanted a pass before the pass started.",
+                &["name"],
+                LATENCY_BUCKETS,
+            ),
+            queue_retries: r.counter(
+                "provisioning_workqueue_retries_total",
+                "Passes put back with backoff because the decider could not be reached.",
+                &["name"],
+            ),
+            reconcile: r.counter(
+                "provisioning_reconcile_total",
+                "Passes, by result: success (nothing more to do), requeue (another pass at once), \
+                 requeue_after (a deadline will wake the run), error.",
+                &["result"],
+            ),
+            reconcile_errors: r.counter(
+                "provisioning_reconcile_errors_total",
+                "Passes that failed, by reason.",
+                &["reason"],
+            ),
+            pass_duration: r.histogram(
+                "provisioning_pass_duration_seconds",
+                "Time from the start of a pass to its decisions being applied and committed (the \
+                 Decide call included).",
+                &[],
+                LATENCY_BUCKETS,
+            ),
+            actions: r.counter(
+                "provisioning_actions_total",
+                "Actions applied (waits excluded), by ladder rule.",
+                &["rule", "name"],
+            ),
+            stale_decisions: r.counter(
+                "provisioning_stale_decisions_total",
+                "Decisions skipped because their node changed while the decider ran.",
+                &[],
+            ),
+            dispatched: r.counter(
+                "provisioning_operations_dispatched_total",
+                "Operations recorded pending and submitted to the executor, by effect.",
+                &["effect"],
+            ),
+            in_flight: r.gauge(
+                "provisioning_operations_in_flight",
+                "Operations recorded pending and not yet folded, by effect.",
+                &["effect"],
+            ),
+            operation_duration: r.histogram(
+                "provisioning_operation_duration_seconds",
+                "Time from an operation's dispatch to the fold of its outcome, by effect and outcome \
+                 class.",
+                &["effect", "outcome"],
+                LATENCY_BUCKETS,
+            ),
+            folds: r.counter(
+                "provisioning_folds_total",
+                "Executor results, bootstrap observations and rejections folded into run state, by kind.",
+                &["kind"],
+            ),
+            discarded: r.counter(
+                "provisioning_stale_results_discarded_total",
+                "Results and observations discarded instead of folded (superseded attempt, unknown or \
+                 expired operation, late completion, stale session, duplicate), by kind and reason.",
+                &["kind", "reason"],
+            ),
+            converged: r.counter(
+                "provisioning_runs_converged_total",
+                "Times a run reached convergence for its current generation.",
+                &[],
+            ),
+            takeovers: r.counter(
+                "provisioning_run_takeovers_total",
+                "Stored runs this replica claimed and restored, at its start or when their owner \
+                 went (replicas sharing an etcd store only).",
+                &[],
+            ),
+            reloads: r.counter(
+                "provisioning_run_reloads_total",
+                "Runs halted by a failed store write and reloaded from the store under a new epoch.",
+                &[],
+            ),
+            nodes: r.gauge(
+                "provisioning_nodes",
+                "Nodes across all runs, by stage.",
+                &["stage"],
+            ),
+            runs: r.gauge("provisioning_runs", "Runs, by phase.", &["phase"]),
+            link_up: r.gauge(
+                "provisioning_executor_link_up",
+                "1 while the driver's stream to the executor is up.",
+                &[],
+            ),
+            link_events: r.counter(
+                "provisioning_executor_link_events_total",
+                "Executor link events: connects, disconnects, and messages sent, dropped (link down), \
+                 received, undecodable or unrouted (no such run).",
+                &["event"],
+            ),
+        }
+    }
+}
+
+/// A rule's name in the `name` label: the action the ladder row takes.
+pub(crate) fn rule_name(rule: contract::Rule) -> &'static str {
+    use contract::Rule as R;
+    match rule {
+        R::Insert => "insert",
+        R::Reap => "reap",
+        R::Restart => "restart",
+        R::RestartBackoff => "restart-backoff",
+        R::BeginDelete => "begin-delete",
+        R::Pending => "pending",
+        R::ReissueCreate => "reissue-create",
+        R::CancelBootstrap => "cancel-bootstrap",
+        R::DestroyLease => "destroy-lease",
+        R::MarkDestroyed => "mark-destroyed",
+        R::RetryBackoff => "retry-backoff",
+        R::Ready => "ready",
+        R::CreateLease => "create-lease",
+        R::LookupEndpoint => "lookup-endpoint",
+        R::ObserveConvergence => "observe-convergence",
+        R::AwaitBootstrap => "await-bootstrap",
+        R::StartBootstrap => "start-bootstrap",
+    }
+}
+
+impl Metrics {
+    pub(crate) fn pass(&self, o: &PassOutcome) {
+        self.passes.fetch_add(1, Ordering::Relaxed);
+        self.operations
+            .fetch_add(u64::from(o.operations), Ordering::Relaxed);
+        self.transitions
+            .fetch_add(u64::from(o.transitions), Ordering::Relaxed);
+        self.stale_decisions
+            .fetch_add(u64::from(o.stale), Ordering::Relaxed);
+        for (i, n) in o.actions_by_rule.iter().enumerate() {
+            self.actions_by_rule[i].fetch_add(u64::from(*n), Ordering::Relaxed);
+        }
+        let e = &self.exported;
+        e.stale_decisions.add(&[], u64::from(o.stale));
+        for (rule, n) in contract::Rule::ALL.iter().zip(o.actions_by_rule) {
+            if n > 0 {
+                e.actions
+                    .add(&[&rule.number().to_string(), rule_name(*rule)], u64::from(n));
+            }
+        }
+    }
+
+    /// Operations a durable pass released for dispatch.
+    pub(crate) fn dispatched(&self, ops: &[contract::Operation]) {
+        for op in ops {
+            self.exported.dispatched.inc(&[op.input.effect().name()]);
+        }
+    }
+
+    pub(crate) fn decider_error(&self) {
+        self.decider_errors.fetch_add(1, Ordering::Relaxed);
+    }
+}
