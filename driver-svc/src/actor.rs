@@ -667,6 +667,34 @@ impl RunActor {
                 }
                 folded
             }
+            FromExecutor::Change(c) => {
+                let span = tracing::info_span!(
+                    parent: None,
+                    "fold",
+                    otel.name = "fold resource change",
+                    provisioning.run.id = %self.run.run_id(),
+                    provisioning.node.id = %c.node,
+                    provisioning.change = c.change.name(),
+                    provisioning.fold.discarded = Empty,
+                );
+                let _entered = span.enter();
+                let before = self.events.before(&self.run);
+                let folded = self.run.fold_resource_change(&c, now);
+                self.events
+                    .received(before, &self.run, now, In::Change(&c), Verdict::Fold(&folded));
+                match &folded {
+                    Ok(Fold::Folded) => {
+                        tracing::warn!(run = %self.run.run_id(), node = %c.node, attempt = %c.attempt,
+                            change = ?c.change, "a node's resource is lost; its slot is replaced");
+                        self.shared.metrics.exported.folds.inc(&["change"]);
+                        self.shared.metrics.exported.lost.inc(&[]);
+                        self.caused_by(&span);
+                    }
+                    Ok(Fold::Discarded(why)) => self.discarded(&span, "change", why.name()),
+                    Err(_) => {}
+                }
+                folded
+            }
             FromExecutor::Rejection(rej) => {
                 if matches!(rej.reason, RejectionReason::Fenced) {
                     // A newer incarnation owns this run: this driver must not act.

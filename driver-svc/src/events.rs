@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use contract::{
     DecideOutput, Decision, Epoch, LogicalNodeId, ManagedNode, Observation, Operation, OperationResult,
-    Rejection, UnixMillis, pb,
+    Rejection, ResourceChange, UnixMillis, pb,
 };
 use platform::event_trace::{
     self, Changes, DecisionRec, EventTrace, Msg, NodeRec, NodeVersion, OpRec, TraceEvent,
@@ -30,6 +30,7 @@ pub(crate) enum In<'a> {
     Result(&'a OperationResult),
     Observation(&'a Observation),
     Rejection(&'a Rejection),
+    Change(&'a ResourceChange),
     Claimed(Epoch),
 }
 
@@ -138,6 +139,7 @@ impl RunEvents {
             In::Result(r) => Msg::Result(event_trace::ResultRec::of(r)),
             In::Observation(o) => Msg::Observation(event_trace::ObsRec::of(o)),
             In::Rejection(r) => Msg::Rejection(event_trace::RejRec::of(r)),
+            In::Change(c) => Msg::Change(event_trace::ChangeRec::of(c)),
             In::Claimed(epoch) => Msg::Claimed { epoch: epoch.get() },
         };
         let verdict = match verdict {

@@ -15,7 +15,7 @@ use std::{
 };
 
 use contract::{
-    Epoch, Observation, OperationResult, Rejection, RunUid, SessionId, TraceContext, pb,
+    Epoch, Observation, OperationResult, Rejection, ResourceChange, RunUid, SessionId, TraceContext, pb,
     pb::{driver_message, executor_client::ExecutorClient, executor_message::Kind},
 };
 use platform::tls::PeerEndpoint;
@@ -31,6 +31,8 @@ pub enum FromExecutor {
     Result(OperationResult),
     Observation(Observation),
     Rejection(Rejection),
+    /// A resource the run holds changed (it is lost).
+    Change(ResourceChange),
     /// The operation waits for a budget at the executor, or has started.
     Waiting(contract::wire::Waiting),
 }
@@ -289,6 +291,9 @@ impl Link {
             Some(Kind::Rejection(r)) => {
                 Rejection::try_from(r).map(|r| (r.run_uid, FromExecutor::Rejection(r)))
             }
+            Some(Kind::Change(c)) => {
+                ResourceChange::try_from(c).map(|c| (c.run_uid, FromExecutor::Change(c)))
+            }
             Some(Kind::Waiting(w)) => {
                 contract::wire::Waiting::try_from(w).map(|w| (w.run_uid, FromExecutor::Waiting(w)))
             }
@@ -336,6 +341,10 @@ pub fn encode(uid: RunUid, m: ToExecutor, trace: &TraceContext) -> pb::DriverMes
                         id: Some(id.into()),
                     }),
                     AckRef::Observation { session, seq } => ack.observations.push(observation(session, seq)),
+                    AckRef::Change { seq } => ack.changes.push(pb::ChangeRef {
+                        run_uid: uid.to_string(),
+                        seq,
+                    }),
                 }
             }
             driver_message::Kind::Ack(ack)

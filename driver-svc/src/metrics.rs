@@ -60,6 +60,7 @@ pub(crate) struct Exported {
     pub(crate) folds: Counter,
     pub(crate) discarded: Counter,
     pub(crate) converged: Counter,
+    pub(crate) lost: Counter,
     pub(crate) takeovers: Counter,
     pub(crate) reloads: Counter,
     pub(crate) nodes: Gauge,
@@ -154,6 +155,12 @@ impl Exported {
             converged: r.counter(
                 "provisioning_runs_converged_total",
                 "Times a run reached convergence for its current generation.",
+                &[],
+            ),
+            lost: r.counter(
+                "provisioning_nodes_lost_total",
+                "Node attempts failed because the executor reported their resource lost; each slot is \
+                 replaced on a fresh attempt.",
                 &[],
             ),
             takeovers: r.counter(

@@ -800,3 +800,70 @@ fn a_burst_of_results_is_gathered_into_one_pass_and_a_pause_ends_it() {
     let decided = pass(&mut run, &store, at(60));
     assert_eq!(decided.acks.len(), 3, "{decided:?}");
 }
+
+/// SPEC §8: a lost resource fails the attempt it names (then row 4 cleans it
+/// up and the slot restarts under backoff); a loss of another run or attempt
+/// changes nothing; every change is acknowledged only by a commit.
+#[test]
+fn a_lost_resource_fails_only_the_attempt_it_names() {
+    let (mut run, store) = run_with_nodes();
+    let id = node("ctrl-0");
+    let attempt = run.node(&id).unwrap().attempt;
+    let lost = |run_uid: RunUid, attempt: contract::AttemptId, seq: u64| contract::ResourceChange {
+        run_uid,
+        node: id.clone(),
+        attempt,
+        seq,
+        change: contract::Change::Lost {
+            reason: "node agent pid 7 was killed by signal 9".to_owned(),
+        },
+        at: T0,
+        trace: TraceContext::default(),
+    };
+    let before = fingerprint(&run);
+    let other_attempt = contract::AttemptId::new(attempt.get() + 1000);
+    assert_eq!(
+        run.fold_resource_change(&lost(UID, other_attempt, 1), T0)
+            .unwrap(),
+        Fold::Discarded(Discard::SupersededAttempt)
+    );
+    assert_eq!(
+        run.fold_resource_change(&lost(RunUid::from_u128(0xdef), attempt, 2), T0)
+            .unwrap(),
+        Fold::Discarded(Discard::OtherRun)
+    );
+    assert_eq!(fingerprint(&run), before, "a discarded change changed the run");
+
+    assert_eq!(
+        run.fold_resource_change(&lost(UID, attempt, 3), T0).unwrap(),
+        Fold::Folded
+    );
+    let n = run.node(&id).unwrap();
+    assert_eq!(n.stage, NodeStage::Failed);
+    assert_eq!(
+        n.facts.failure.as_ref().unwrap().reason,
+        "resource lost: node agent pid 7 was killed by signal 9"
+    );
+    assert_eq!(n.retry.consecutive_failures, 1);
+    assert!(n.retry.restart_at.is_some(), "the restart backs off");
+    // The same loss again is a duplicate.
+    assert_eq!(
+        run.fold_resource_change(&lost(UID, attempt, 3), T0).unwrap(),
+        Fold::Discarded(Discard::Duplicate)
+    );
+    // The changes of this run are acknowledged once committed; the other
+    // run's is not this run's to acknowledge.
+    let acks = run.take_commit().persist_to(&store).unwrap().acks;
+    let changes: Vec<u64> = acks
+        .iter()
+        .filter_map(|a| match a {
+            AckRef::Change { seq } => Some(*seq),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(changes, [1, 3, 3]);
+    // The next pass begins its cleanup (row 4).
+    let p = pass(&mut run, &store, T0);
+    assert!(p.transitions >= 1);
+    assert_eq!(run.node(&id).unwrap().intent, contract::Intent::Deleting);
+}

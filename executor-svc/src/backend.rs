@@ -8,7 +8,7 @@
 //! ([`crate::fake_backend`]) or, later, real child processes.
 
 use contract::{
-    BootstrapStage, Endpoint, LeaseId, Operation, Outcome, ResourceIdentity, SessionId, TraceContext,
+    BootstrapStage, Change, Endpoint, LeaseId, Operation, Outcome, ResourceIdentity, SessionId, TraceContext,
     UnixMillis,
 };
 use futures::future::BoxFuture;
@@ -79,6 +79,34 @@ impl ObservationSink {
     }
 }
 
+/// A change a backend saw in a resource it holds, outside any operation
+/// (the resource is gone), before the core gives it its sequence number.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawChange {
+    pub identity: ResourceIdentity,
+    pub change: Change,
+    pub at: UnixMillis,
+}
+
+/// Where a backend reports the changes it sees in the resources it holds.
+/// Unbounded for the reason [`ObservationSink`] is; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ChangeSink {
+    tx: mpsc::UnboundedSender<RawChange>,
+}
+
+impl ChangeSink {
+    pub fn new(tx: mpsc::UnboundedSender<RawChange>) -> Self {
+        Self { tx }
+    }
+
+    /// Reports one change. Returns `false` once the executor no longer
+    /// listens.
+    pub fn send(&self, change: RawChange) -> bool {
+        self.tx.send(change).is_ok()
+    }
+}
+
 /// A live resource, by identity.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InventoryItem {
@@ -128,4 +156,10 @@ pub trait Backend: Send + Sync + 'static {
     /// running (it adopted them after a restart) stream their stages here,
     /// since no `StartBootstrap` of this executor handed them a sink.
     fn resume(&self, _observations: ObservationSink) {}
+
+    /// Called once when the executor starts: from then on the backend
+    /// watches every resource it holds (the ones it creates and the ones it
+    /// found at start) and reports each one that is lost to `changes` as soon
+    /// as it knows, but never one it destroys on request.
+    fn watch(&self, _changes: ChangeSink) {}
 }

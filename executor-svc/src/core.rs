@@ -18,8 +18,9 @@ use std::{
 };
 
 use contract::{
-    AttemptId, BootstrapStage, Claim, Effect, Epoch, Observation, Operation, OperationId, OperationResult,
-    Outcome, Rejection, RejectionReason, ResourceIdentity, RunUid, SessionId, TraceContext, UnixMillis,
+    AttemptId, BootstrapStage, Change, Claim, Effect, Epoch, Observation, Operation, OperationId,
+    OperationResult, Outcome, Rejection, RejectionReason, ResourceChange, ResourceIdentity, RunUid,
+    SessionId, TraceContext, UnixMillis,
 };
 
 /// Reason of the `Retryable` result of an operation whose deadline passed before
@@ -46,6 +47,8 @@ pub enum Output {
     Rejected(Rejection),
     /// Send this bootstrap observation to the driver.
     Observation(Observation),
+    /// Send this resource change (a lost resource) to the driver.
+    ResourceChange(ResourceChange),
 }
 
 /// A change to what the executor keeps across its own restart, for its shell
@@ -238,6 +241,10 @@ struct RunState {
     /// digest of each operation id they used, by sequence number.
     retired: BTreeMap<AttemptId, BTreeMap<u32, u64>>,
     sessions: BTreeMap<SessionId, SessionLog>,
+    /// Resource changes by sequence number, kept until acknowledged; the next
+    /// one gets `next_change_seq` (from 1).
+    resource_changes: BTreeMap<u64, ResourceChange>,
+    next_change_seq: u64,
     /// Operations whose durable record (a completed operation, its result and
     /// whether it was acknowledged) changed or went since `take_changes`.
     /// Queued and running operations are not kept, so their moves are not
@@ -385,7 +392,10 @@ impl RunState {
     }
 
     fn is_empty(&self) -> bool {
-        self.highest_epoch.is_none() && self.ops.is_empty() && self.sessions.is_empty()
+        self.highest_epoch.is_none()
+            && self.ops.is_empty()
+            && self.sessions.is_empty()
+            && self.resource_changes.is_empty()
     }
 }
 
@@ -855,6 +865,52 @@ impl ExecutorCore {
                     .flat_map(|log| log.unacked.values().cloned())
                     .collect()
             })
+            .unwrap_or_default()
+    }
+
+    /// Sequences a change the backend saw in a resource it holds (the
+    /// resource is gone) and keeps it until the driver acknowledges it. A
+    /// change of an attempt already cleaned up is dropped: the driver has
+    /// nothing left of it to fold.
+    pub fn record_resource_change(
+        &mut self,
+        identity: &ResourceIdentity,
+        change: Change,
+        at: UnixMillis,
+    ) -> Vec<Output> {
+        let run = self.runs.entry(identity.run_uid).or_default();
+        if run.retired.contains_key(&identity.attempt) {
+            return Vec::new();
+        }
+        run.next_change_seq = run.next_change_seq.max(1);
+        let seq = run.next_change_seq;
+        run.next_change_seq = seq.saturating_add(1);
+        let change = ResourceChange {
+            run_uid: identity.run_uid,
+            node: identity.node.clone(),
+            attempt: identity.attempt,
+            seq,
+            change,
+            at,
+            trace: TraceContext::default(),
+        };
+        run.resource_changes.insert(seq, change.clone());
+        vec![Output::ResourceChange(change)]
+    }
+
+    /// The driver has folded the run's resource change `seq`.
+    pub fn ack_resource_change(&mut self, run_uid: RunUid, seq: u64) {
+        if let Some(run) = self.runs.get_mut(&run_uid) {
+            run.resource_changes.remove(&seq);
+        }
+    }
+
+    /// One run's unacknowledged resource changes, in sequence: re-sent on
+    /// every claim of the run.
+    pub fn unacked_resource_changes_of(&self, run_uid: RunUid) -> Vec<ResourceChange> {
+        self.runs
+            .get(&run_uid)
+            .map(|run| run.resource_changes.values().cloned().collect())
             .unwrap_or_default()
     }
 
@@ -1359,6 +1415,48 @@ mod tests {
         assert_eq!(ids, [id(2, 0)]);
         core.ack_result(RUN, id(2, 0));
         assert!(core.unacked_results().is_empty());
+    }
+
+    #[test]
+    fn resource_changes_are_sequenced_per_run_and_kept_until_acknowledged() {
+        let mut core = claimed();
+        let lost = |reason: &str| Change::Lost {
+            reason: reason.to_owned(),
+        };
+        let seqs: Vec<u64> = [1, 2]
+            .into_iter()
+            .flat_map(|attempt| core.record_resource_change(&identity(attempt), lost("exited"), t(3)))
+            .map(|o| match o {
+                Output::ResourceChange(c) => c.seq,
+                other => panic!("expected a resource change, got {other:?}"),
+            })
+            .collect();
+        assert_eq!(seqs, [1, 2]);
+        let kept = |core: &ExecutorCore| -> Vec<u64> {
+            core.unacked_resource_changes_of(RUN)
+                .iter()
+                .map(|c| c.seq)
+                .collect()
+        };
+        assert_eq!(kept(&core), [1, 2]);
+        core.ack_resource_change(RUN, 1);
+        assert_eq!(kept(&core), [2]);
+        core.ack_resource_change(RUN, 2);
+        assert!(kept(&core).is_empty());
+
+        // An attempt already cleaned up has nothing left to lose.
+        let _ = core.submit(
+            op(3, 0, 1, 100, OperationInput::DestroyLease { lease: None }),
+            t(4),
+        );
+        let _ = core.complete(RUN, id(3, 0), succeeded(), t(5));
+        core.ack_result(RUN, id(3, 0));
+        assert!(core.is_retired(RUN, AttemptId::new(3)));
+        assert!(
+            core.record_resource_change(&identity(3), lost("late"), t(6))
+                .is_empty()
+        );
+        assert!(kept(&core).is_empty());
     }
 
     fn identity(attempt: u64) -> ResourceIdentity {

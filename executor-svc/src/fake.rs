@@ -590,6 +590,15 @@ impl FakeProvider {
         self.nodes.remove(identity);
     }
 
+    /// Loses the resource of `identity` behind the executor's back (its
+    /// machine went away), for tests: it leaves the inventory and its session
+    /// stops. Returns whether there was one.
+    pub fn lose(&mut self, identity: &ResourceIdentity) -> bool {
+        let held = self.nodes.contains_key(identity);
+        self.remove_node(identity);
+        held
+    }
+
     /// When the next bootstrap stage is due, if any session has one left.
     pub fn next_observation_at(&self) -> Option<UnixMillis> {
         self.agenda.first().map(|(at, _)| *at)

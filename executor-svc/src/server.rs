@@ -34,7 +34,7 @@ use std::{
 use crate::budget::{Budget, BudgetConfig};
 use contract::{
     Claim, Clock, Epoch, FieldError, Monotonic, Observation, Operation, OperationId, OperationResult,
-    Outcome, Rejection, RejectionReason, RunUid, SessionId, TraceContext,
+    Outcome, Rejection, RejectionReason, ResourceChange, RunUid, SessionId, TraceContext,
     pb::{
         self,
         executor_server::{Executor, ExecutorServer},
@@ -42,7 +42,7 @@ use contract::{
     wire::{trace_from_wire, trace_to_wire},
 };
 use platform::{
-    event_trace::{self, ObsRec, OpRec, RejRec, ResultRec, SeqRef, TraceEvent},
+    event_trace::{self, ChangeRec, ObsRec, OpRec, RejRec, ResultRec, SeqRef, TraceEvent},
     metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS},
     runtime::health_and_reflection,
     telemetry::{self, grpc::ServerLayer},
@@ -60,7 +60,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
 use crate::{
-    backend::{Backend, BackendError, ObservationSink, RawObservation},
+    backend::{Backend, BackendError, ChangeSink, ObservationSink, RawChange, RawObservation},
     core::{ExecutorCore, Output},
 };
 
@@ -124,6 +124,7 @@ struct ExecutorMetrics {
     backend_call: Histogram,
     running: Gauge,
     observations: Counter,
+    resource_changes: Counter,
     rejections: Counter,
     links: Gauge,
     budget_waiting: Gauge,
@@ -182,6 +183,12 @@ impl ExecutorMetrics {
                 "provisioning_executor_observations_total",
                 "Bootstrap observations recorded and sent, by stage.",
                 &["stage"],
+            ),
+            resource_changes: r.counter(
+                "provisioning_executor_resource_changes_total",
+                "Changes seen in held resources outside any operation and sent to the driver, by \
+                 change (lost).",
+                &["change"],
             ),
             rejections: r.counter(
                 "provisioning_executor_rejections_total",
@@ -251,6 +258,8 @@ pub async fn run(
         observations_tx.clone(),
         TraceContext::default(),
     ));
+    let (changes_tx, changes_rx) = mpsc::unbounded_channel();
+    backend.watch(ChangeSink::new(changes_tx));
     let mut actor = Actor::new(Arc::clone(&backend), clock, events_tx.clone(), observations_tx);
     actor.budget = Budget::new(config.budget, actor.clock.monotonic());
     if let Some(dir) = &config.state_dir {
@@ -258,7 +267,7 @@ pub async fn run(
         actor.core = ExecutorCore::restore(store.load()?);
         actor.store = Some(store);
     }
-    let actor = tokio::spawn(actor.run(events_rx, observations_rx, lifecycle_rx));
+    let actor = tokio::spawn(actor.run(events_rx, observations_rx, changes_rx, lifecycle_rx));
 
     let service = ExecutorService {
         events: events_tx,
@@ -490,6 +499,8 @@ enum Event {
     },
     /// A backend reported a bootstrap stage.
     Observation(RawObservation),
+    /// A backend saw a resource it holds change (it is lost).
+    ResourceChange(RawChange),
     /// The earliest deadline may have passed.
     Tick,
     /// The inventory asks for the highest epoch of each run it lists.
@@ -586,6 +597,7 @@ impl Actor {
         mut self,
         mut events: mpsc::Receiver<Event>,
         mut observations: mpsc::UnboundedReceiver<RawObservation>,
+        mut changes: mpsc::UnboundedReceiver<RawChange>,
         mut lifecycle: watch::Receiver<Lifecycle>,
     ) {
         loop {
@@ -621,6 +633,7 @@ impl Actor {
                     None => break,
                 },
                 Some(raw) = observations.recv() => Event::Observation(raw),
+                Some(raw) = changes.recv() => Event::ResourceChange(raw),
                 () = sleep_for(timer) => Event::Tick,
             };
             self.fold(event);
@@ -632,7 +645,10 @@ impl Actor {
                     Ok(ev) => ev,
                     Err(_) => match observations.try_recv() {
                         Ok(raw) => Event::Observation(raw),
-                        Err(_) => break,
+                        Err(_) => match changes.try_recv() {
+                            Ok(raw) => Event::ResourceChange(raw),
+                            Err(_) => break,
+                        },
                     },
                 };
                 self.fold(next);
@@ -722,6 +738,13 @@ impl Actor {
                 );
                 self.apply(out, None, &TraceContext::default());
             }
+            Event::ResourceChange(raw) => {
+                tracing::info!(identity = ?raw.identity, change = ?raw.change, "a resource changed");
+                let out = self
+                    .core
+                    .record_resource_change(&raw.identity, raw.change, raw.at);
+                self.apply(out, None, &TraceContext::default());
+            }
             Event::Tick => {
                 let out = self.core.handle_timeout(self.clock.now());
                 self.apply(out, None, &TraceContext::default());
@@ -784,6 +807,13 @@ impl Actor {
                         resend: true,
                     });
                     self.send(link, result_message(&result));
+                }
+                for change in self.core.unacked_resource_changes_of(run_uid) {
+                    self.trace.push(|| TraceEvent::ChangeOut {
+                        change: ChangeRec::of(&change),
+                        resend: true,
+                    });
+                    self.send(link, change_message(&change));
                 }
                 // Observations are not re-sent here: the driver asks for each
                 // session's after its last folded sequence (`ObserveFrom`), and
@@ -868,6 +898,7 @@ impl Actor {
                 Err(e) => self.reject_invalid(link, raw_uid, r.id, "result acknowledgement", &e, trace),
             }
         }
+        self.on_ack_changes(link, ack.changes, trace);
         for o in ack.observations {
             let raw_uid = o.run_uid.clone();
             let parsed = RunUid::parse("run_uid", &o.run_uid)
@@ -879,6 +910,26 @@ impl Actor {
                     }
                 }
                 Err(e) => self.reject_invalid(link, raw_uid, None, "observation acknowledgement", &e, trace),
+            }
+        }
+    }
+
+    fn on_ack_changes(&mut self, link: LinkId, changes: Vec<pb::ChangeRef>, trace: &TraceContext) {
+        for c in changes {
+            match RunUid::parse("run_uid", &c.run_uid) {
+                Ok(run_uid) => {
+                    if self.routed_here(link, run_uid, None, "acknowledge", trace) {
+                        self.core.ack_resource_change(run_uid, c.seq);
+                    }
+                }
+                Err(e) => self.reject_invalid(
+                    link,
+                    c.run_uid.clone(),
+                    None,
+                    "resource change acknowledgement",
+                    &e,
+                    trace,
+                ),
             }
         }
     }
@@ -992,6 +1043,14 @@ impl Actor {
                         self.metrics.completed.inc(&[effect, result.outcome.class_name()]);
                     }
                     self.route(result.run_uid, result_message(&result));
+                }
+                Output::ResourceChange(c) => {
+                    self.trace.push(|| TraceEvent::ChangeOut {
+                        change: ChangeRec::of(&c),
+                        resend: false,
+                    });
+                    self.metrics.resource_changes.inc(&[c.change.name()]);
+                    self.route(c.run_uid, change_message(&c));
                 }
                 Output::Observation(o) => {
                     self.trace.push(|| TraceEvent::ObservationOut {
@@ -1275,6 +1334,13 @@ fn observation_message(observation: &Observation) -> pb::ExecutorMessage {
     message(
         pb::executor_message::Kind::Observation(pb::BootstrapObservation::from(observation)),
         &observation.trace,
+    )
+}
+
+fn change_message(change: &ResourceChange) -> pb::ExecutorMessage {
+    message(
+        pb::executor_message::Kind::Change(pb::ResourceChange::from(change)),
+        &change.trace,
     )
 }
 

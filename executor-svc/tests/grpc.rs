@@ -170,6 +170,7 @@ impl Link {
                 id: Some(id),
             }],
             observations: Vec::new(),
+            changes: Vec::new(),
         }))
         .await
     }

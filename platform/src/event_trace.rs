@@ -30,7 +30,8 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 
 use contract::{
-    Decision, FieldError, ManagedNode, NodeTemplate, Observation, Operation, OperationResult, Rejection, pb,
+    Decision, FieldError, ManagedNode, NodeTemplate, Observation, Operation, OperationResult, Rejection,
+    ResourceChange, pb,
     wire::{TemplateTable, node_from_wire, node_to_wire},
 };
 
@@ -183,6 +184,8 @@ pub enum TraceEvent {
     ObservationOut { obs: ObsRec, replay: bool },
     /// A rejection for the driver.
     RejectionOut { rejection: RejRec },
+    /// A resource change for the driver; `resend`: sent again on a claim.
+    ChangeOut { change: ChangeRec, resend: bool },
     /// Acknowledgements from a driver.
     AckReceived {
         run: String,
@@ -213,6 +216,7 @@ pub enum Msg {
     Result(ResultRec),
     Observation(ObsRec),
     Rejection(RejRec),
+    Change(ChangeRec),
     Claimed { epoch: u64 },
 }
 
@@ -387,6 +391,36 @@ impl ObsRec {
 
     pub fn observation(&self) -> Result<Observation, TraceError> {
         Ok(Observation::try_from(unhex::<pb::BootstrapObservation>(
+            &self.wire,
+        )?)?)
+    }
+}
+
+/// One resource change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChangeRec {
+    pub run: String,
+    pub node: String,
+    pub attempt: u64,
+    pub seq: u64,
+    pub change: String,
+    pub wire: String,
+}
+
+impl ChangeRec {
+    pub fn of(c: &ResourceChange) -> Self {
+        Self {
+            run: c.run_uid.to_string(),
+            node: c.node.to_string(),
+            attempt: c.attempt.get(),
+            seq: c.seq,
+            change: c.change.name().to_owned(),
+            wire: hex(&pb::ResourceChange::from(c)),
+        }
+    }
+
+    pub fn resource_change(&self) -> Result<ResourceChange, TraceError> {
+        Ok(ResourceChange::try_from(unhex::<pb::ResourceChange>(
             &self.wire,
         )?)?)
     }

@@ -69,8 +69,8 @@ pub use ids::{
     SessionId,
 };
 pub use ops::{
-    Claim, Observation, Operation, OperationInput, OperationResult, Outcome, Rejection, RejectionReason,
-    ResourceIdentity, ResultFacts, TraceContext,
+    Change, Claim, Observation, Operation, OperationInput, OperationResult, Outcome, Rejection,
+    RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext,
 };
 pub use shape::{
     Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape, ShapeLimits,

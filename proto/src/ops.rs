@@ -1,5 +1,6 @@
 //! What crosses the driver–executor link: claims, operations, results with their
-//! explicit outcome classes, bootstrap observations and rejections.
+//! explicit outcome classes, bootstrap observations, resource changes and
+//! rejections.
 
 use std::sync::Arc;
 
@@ -180,6 +181,34 @@ pub struct Observation {
     pub seq: u64,
     pub stage: BootstrapStage,
     pub detail: String,
+    pub at: UnixMillis,
+    pub trace: TraceContext,
+}
+
+/// What happened to a resource outside any operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// The resource is gone (its process exited, its machine was deleted).
+    Lost { reason: String },
+}
+
+impl Change {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Change::Lost { .. } => "lost",
+        }
+    }
+}
+
+/// A change the executor saw in a resource it holds, sequenced per run from 1
+/// and kept until the driver acknowledges it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResourceChange {
+    pub run_uid: RunUid,
+    pub node: LogicalNodeId,
+    pub attempt: AttemptId,
+    pub seq: u64,
+    pub change: Change,
     pub at: UnixMillis,
     pub trace: TraceContext,
 }

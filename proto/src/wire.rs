@@ -51,8 +51,8 @@ use crate::{
         SessionId,
     },
     ops::{
-        Claim, Observation, Operation, OperationInput, OperationResult, Outcome, Rejection, RejectionReason,
-        ResourceIdentity, ResultFacts, TraceContext,
+        Change, Claim, Observation, Operation, OperationInput, OperationResult, Outcome, Rejection,
+        RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext,
     },
     pb,
     shape::{Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape},
@@ -1214,6 +1214,43 @@ impl From<&Observation> for pb::BootstrapObservation {
             detail: o.detail.clone(),
             at_ms: o.at.as_millis(),
             trace: trace_to_wire(&o.trace),
+        }
+    }
+}
+
+impl TryFrom<pb::ResourceChange> for ResourceChange {
+    type Error = FieldError;
+
+    fn try_from(c: pb::ResourceChange) -> Result<Self, FieldError> {
+        let change = match required("change", c.change)? {
+            pb::resource_change::Change::Lost(l) => Change::Lost { reason: l.reason },
+        };
+        Ok(ResourceChange {
+            run_uid: RunUid::parse("run_uid", &c.run_uid)?,
+            node: LogicalNodeId::parse("node_id", &c.node_id)?,
+            attempt: attempt_from_wire("attempt", c.attempt)?,
+            seq: c.seq,
+            change,
+            at: UnixMillis::new(c.at_ms),
+            trace: trace_from_wire(c.trace),
+        })
+    }
+}
+
+impl From<&ResourceChange> for pb::ResourceChange {
+    fn from(c: &ResourceChange) -> Self {
+        Self {
+            run_uid: c.run_uid.to_string(),
+            node_id: c.node.to_string(),
+            attempt: c.attempt.get(),
+            seq: c.seq,
+            change: Some(match &c.change {
+                Change::Lost { reason } => pb::resource_change::Change::Lost(pb::ResourceLost {
+                    reason: reason.clone(),
+                }),
+            }),
+            at_ms: c.at.as_millis(),
+            trace: trace_to_wire(&c.trace),
         }
     }
 }

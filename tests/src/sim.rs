@@ -28,8 +28,8 @@ use std::{
 
 use contract::{
     AttemptId, ClusterShape, DecideOutput, Decision, Effect, Epoch, LogicalNodeId, ManagedNode, Observation,
-    Operation, OperationId, OperationInput, OperationResult, Outcome, PendingOp, Rejection, RunUid,
-    SessionId, UnixMillis, backoff::mix64,
+    Operation, OperationId, OperationInput, OperationResult, Outcome, PendingOp, Rejection, ResourceChange,
+    RunUid, SessionId, UnixMillis, backoff::mix64,
 };
 use driver_svc::core::{
     AckRef, Applied, ApplyError, Fold, LinkSession, MemStore, PassOutcome, Policy, RunState, RunStore,
@@ -59,6 +59,8 @@ pub enum ToDriver {
     Result(OperationResult),
     Observation(Observation),
     Rejection(Rejection),
+    /// A resource change (a lost resource).
+    Change(ResourceChange),
 }
 
 impl ToDriver {
@@ -67,6 +69,7 @@ impl ToDriver {
         match self {
             ToDriver::Result(r) => Some(&r.node),
             ToDriver::Observation(o) => Some(&o.node),
+            ToDriver::Change(c) => Some(&c.node),
             ToDriver::Rejection(_) => None,
         }
     }
@@ -413,6 +416,9 @@ impl Sim {
         for r in self.exec.unacked_results_of(uid) {
             self.send(ToDriver::Result(r));
         }
+        for c in self.exec.unacked_resource_changes_of(uid) {
+            self.send(ToDriver::Change(c));
+        }
         self.session.handle_link_up(self.link_generation, &self.run);
         self.transmit(None)
     }
@@ -447,6 +453,7 @@ impl Sim {
                             AckRef::Observation { session, seq } => {
                                 self.exec.ack_observations(uid, &session, seq)
                             }
+                            AckRef::Change { seq } => self.exec.ack_resource_change(uid, seq),
                         }
                     }
                 }
@@ -741,6 +748,7 @@ impl Sim {
                 Output::Result(r) => self.send(ToDriver::Result(r)),
                 Output::Rejected(rej) => self.send(ToDriver::Rejection(rej)),
                 Output::Observation(o) => self.send(ToDriver::Observation(o)),
+                Output::ResourceChange(c) => self.send(ToDriver::Change(c)),
             }
         }
     }
@@ -756,6 +764,7 @@ impl Sim {
             ),
             ToDriver::Observation(o) => (Some(&o.node), o.seq, o.stage as u64 | 1 << 10),
             ToDriver::Rejection(rej) => (None, rej.id.map_or(0, |id| u64::from(id.seq())), 1 << 11),
+            ToDriver::Change(c) => (Some(&c.node), c.seq, 1 << 12),
         };
         mix64(node.map_or(0, node_key) ^ mix64(a) ^ mix64(b.wrapping_mul(0x9e37)))
     }
@@ -816,6 +825,7 @@ impl Sim {
                 ToDriver::Result(r) => self.run.fold_result(r, self.now)?,
                 ToDriver::Observation(o) => self.run.fold_observation(o, self.now)?,
                 ToDriver::Rejection(rej) => self.run.fold_rejection(rej, self.now)?,
+                ToDriver::Change(c) => self.run.fold_resource_change(c, self.now)?,
             };
             if let Some(before) = before {
                 self.transition(
@@ -949,6 +959,30 @@ impl Sim {
         Ok(())
     }
 
+    /// The provider loses `node`'s resource (its machine went away) and the
+    /// executor reports it, as a watching backend does. Returns whether the
+    /// node held one.
+    pub fn lose(&mut self, node: &LogicalNodeId) -> bool {
+        let Some(n) = self.run.node(node) else {
+            return false;
+        };
+        let identity = contract::ResourceIdentity {
+            run_uid: self.run.uid(),
+            run_id: self.run.run_id().clone(),
+            node: node.clone(),
+            attempt: n.attempt,
+        };
+        if !self.fake.lose(&identity) {
+            return false;
+        }
+        let lost = contract::Change::Lost {
+            reason: "the fake provider lost it".to_owned(),
+        };
+        let out = self.exec.record_resource_change(&identity, lost, self.now);
+        self.handle_outputs(out);
+        true
+    }
+
     /// Steps until converged (or `max_steps`); returns the steps taken.
     pub fn run_until_converged(&mut self, max_steps: u64) -> anyhow::Result<u64> {
         for i in 0..max_steps {
@@ -992,6 +1026,9 @@ impl Sim {
         }
         for o in self.exec.unacked_observations_of(uid) {
             self.send(ToDriver::Observation(o));
+        }
+        for c in self.exec.unacked_resource_changes_of(uid) {
+            self.send(ToDriver::Change(c));
         }
     }
 

@@ -343,3 +343,39 @@ fn a_permanent_failure_holds_until_the_spec_changes() {
         }
     )));
 }
+
+/// SPEC §8: a ready node whose resource is lost fails its attempt; the slot
+/// is cleaned up and replaced on a fresh attempt, and only that slot.
+#[test]
+fn a_lost_resource_is_replaced_on_a_fresh_attempt() {
+    let mut sim = Sim::new(three_groups(1), FakeConfig::default(), Delivery::InOrder, 7).unwrap();
+    sim.run_until_converged(MAX_STEPS).unwrap();
+    let before: BTreeMap<LogicalNodeId, _> = sim.run.nodes().map(|n| (n.id.clone(), n.attempt)).collect();
+    let lost = LogicalNodeId::parse("node", "workers-2").unwrap();
+    assert!(sim.lose(&lost));
+    // The loss is folded when it is delivered; the run is no longer
+    // converged before anything else happens.
+    sim.deliver().unwrap();
+    assert!(!sim.run.is_converged());
+    let n = sim.run.node(&lost).unwrap();
+    assert_eq!(n.stage, NodeStage::Failed);
+    assert!(
+        n.facts
+            .failure
+            .as_ref()
+            .is_some_and(|f| f.reason.starts_with("resource lost:")),
+        "{n:?}"
+    );
+    sim.run_until_converged(MAX_STEPS).unwrap();
+    for n in sim.run.nodes() {
+        if n.id == lost {
+            assert!(n.attempt > before[&n.id], "the lost slot kept its attempt");
+        } else {
+            assert_eq!(n.attempt, before[&n.id], "{} was replaced too", n.id);
+        }
+    }
+    assert_eq!(ready_slots(&sim).len(), 21);
+    assert_eq!(sim.fake.inventory().len(), 21);
+    assert_eq!(sim.run.counters().lost, 1);
+    check_trace(&sim);
+}

@@ -434,6 +434,10 @@ fn driver_messages() -> anyhow::Result<Vec<(String, pb::DriverMessage)>> {
                 session_id: "session-3".to_owned(),
                 seq: 4,
             }],
+            changes: vec![pb::ChangeRef {
+                run_uid: uid().to_string(),
+                seq: 2,
+            }],
         })),
     ));
     out.push((
@@ -518,6 +522,22 @@ fn executor_messages() -> anyhow::Result<Vec<(String, pb::ExecutorMessage)>> {
                 at: UnixMillis::new(NOW),
                 trace: trace(),
             }))),
+        ),
+        (
+            "resource-lost".to_owned(),
+            msg(Kind::Change(pb::ResourceChange::from(
+                &contract::ResourceChange {
+                    run_uid: uid(),
+                    node: node("workers-3")?,
+                    attempt: AttemptId::new(4),
+                    seq: 1,
+                    change: contract::Change::Lost {
+                        reason: "node agent pid 42 was killed by signal 9".to_owned(),
+                    },
+                    at: UnixMillis::new(NOW),
+                    trace: trace(),
+                },
+            ))),
         ),
         (
             "rejection".to_owned(),

@@ -577,3 +577,113 @@ async fn an_agent_stopped_mid_bootstrap_times_out_and_cleanup_still_destroys_it(
     delete_run(&mut c).await;
     assert_all_gone(&keep).await;
 }
+
+/// SPEC §8: a converged run stays true. A ready node's agent is SIGKILLed:
+/// the executor sees the exit (its pidfd), the driver fails the attempt, the
+/// run leaves convergence, the slot is cleaned up and replaced on a fresh
+/// attempt, and the run converges again with one agent per slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ready_nodes_agent_killed_is_found_lost_and_replaced() {
+    let (keep, agents) = agents_dir();
+    let opts = process_cluster(&agents).driver("--backoff-base-ms", "100");
+    let cluster = Cluster::start(opts).await.unwrap();
+    apply(
+        &cluster,
+        &shape("agents", 1, "process", &[("workers", 10, "img:1")]),
+    )
+    .await;
+    let s = converged(&cluster, 1).await;
+    assert_eq!(s.ready_count, 10);
+    let mut c = cluster.client().await.unwrap();
+    let mut attempts = BTreeMap::new();
+    for i in 0..10 {
+        let node = format!("workers-{i}");
+        let state = node_state(&mut c, &node).await.unwrap();
+        attempts.insert(node, state.attempt);
+    }
+    let before = node_state(&mut c, "workers-3").await.unwrap();
+    let pid = agent_of(&agents, "workers-3", before.attempt).unwrap();
+    signal(pid, "KILL");
+
+    // Nothing polls the node: the run leaves convergence because the
+    // executor saw the agent go.
+    let left = watch_until(&mut c, "agents", CONVERGE, |s| !s.converged).await;
+    if let Err(e) = left {
+        cluster.dump_logs();
+        panic!("the run never left convergence after its agent died: {e}");
+    }
+    assert_replaced(
+        &cluster,
+        &mut c,
+        &agents,
+        &[
+            "workers-0",
+            "workers-1",
+            "workers-2",
+            "workers-3",
+            "workers-4",
+            "workers-5",
+            "workers-6",
+            "workers-7",
+            "workers-8",
+            "workers-9",
+        ],
+        "workers-3",
+        before.attempt,
+    )
+    .await;
+    // Only the lost slot was replaced.
+    for (node, attempt) in &attempts {
+        if node != "workers-3" {
+            let state = node_state(&mut c, node).await.unwrap();
+            assert_eq!(state.attempt, *attempt, "{node} was replaced too: {state:?}");
+        }
+    }
+    delete_run(&mut c).await;
+    assert_all_gone(&keep).await;
+}
+
+/// An agent that dies while the executor is down is found when the executor
+/// starts again (it finds the agent's directory with no live agent) and its
+/// slot is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_died_while_the_executor_was_down_is_found_at_its_restart() {
+    let (keep, agents) = agents_dir();
+    let opts = process_cluster(&agents).driver("--backoff-base-ms", "100");
+    let mut cluster = Cluster::start(opts).await.unwrap();
+    apply(
+        &cluster,
+        &shape("agents", 1, "process", &[("workers", 3, "img:1")]),
+    )
+    .await;
+    converged(&cluster, 1).await;
+    let mut c = cluster.client().await.unwrap();
+    let before = node_state(&mut c, "workers-1").await.unwrap();
+    let pid = agent_of(&agents, "workers-1", before.attempt).unwrap();
+
+    cluster.executor.kill().await.unwrap();
+    signal(pid, "KILL");
+    eventually("the agent is dead", || {
+        agent_of(&agents, "workers-1", before.attempt).is_none()
+    })
+    .await;
+    cluster.executor.restart(cluster.dir.path()).await.unwrap();
+
+    // The run still says converged until the restarted executor reports the
+    // loss; then the slot gets a fresh attempt.
+    wait_for_state(&cluster, &mut c, "workers-1", "a fresh attempt", |s| {
+        s.attempt > before.attempt
+    })
+    .await;
+    assert_replaced(
+        &cluster,
+        &mut c,
+        &agents,
+        &["workers-0", "workers-1", "workers-2"],
+        "workers-1",
+        before.attempt,
+    )
+    .await;
+    delete_run(&mut c).await;
+    assert_all_gone(&keep).await;
+}

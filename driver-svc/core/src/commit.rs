@@ -106,5 +106,12 @@ impl Held {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AckRef {
     Result(OperationId),
-    Observation { session: contract::SessionId, seq: u64 },
+    Observation {
+        session: contract::SessionId,
+        seq: u64,
+    },
+    /// A resource change, by its per-run sequence number.
+    Change {
+        seq: u64,
+    },
 }

@@ -22,10 +22,11 @@ use std::{
 };
 
 use contract::{
-    Action, AttemptId, BootstrapProgress, BootstrapStage, ClockSaturated, ClusterShape, DecideOutput,
+    Action, AttemptId, BootstrapProgress, BootstrapStage, Change, ClockSaturated, ClusterShape, DecideOutput,
     Decision, Effect, Epoch, Failure, FieldError, Generation, Intent, LogicalNodeId, ManagedNode, NodeStage,
     NodeTemplate, Observation, Operation, OperationId, OperationInput, OperationResult, Outcome, PendingOp,
-    PermanentFailure, Rejection, RetryState, Rule, RunId, RunUid, TraceContext, UnixMillis, backoff_delay,
+    PermanentFailure, Rejection, ResourceChange, RetryState, Rule, RunId, RunUid, TraceContext, UnixMillis,
+    backoff_delay,
 };
 use decider::{DesiredView, SlotSet};
 
@@ -254,6 +255,8 @@ pub struct RunCounters {
     pub discarded: BTreeMap<&'static str, u64>,
     pub deadline_folds: u64,
     pub stage_timeouts: u64,
+    /// Attempts failed because their resource was lost.
+    pub lost: u64,
 }
 
 /// One run's state and the machine that changes it.
@@ -1538,7 +1541,9 @@ impl RunState {
             detail: o.detail.clone(),
         });
         if n.intent == Intent::Active {
-            if o.stage.is_failure() {
+            // An attempt already failed (its resource was lost first) fails
+            // once: its failure count moves once.
+            if o.stage.is_failure() && n.stage != NodeStage::Failed {
                 // The attempt fails; the session stays recorded as live so that
                 // cleanup cancels it ("already absent" is success).
                 n.stage = NodeStage::Failed;
@@ -1564,6 +1569,61 @@ impl RunState {
             seq: o.seq,
         });
         self.counters.folded_observations += 1;
+        Ok(Fold::Folded)
+    }
+
+    /// Folds a change the executor saw in a resource (SPEC §8): a lost
+    /// resource fails its attempt, which row 4 then cleans up ("already
+    /// absent" is success) and the slot restarts under its restart backoff,
+    /// the failure count carried. A change of another attempt, of a node
+    /// being deleted or of an attempt that already failed changes nothing;
+    /// every change is acknowledged once its fold is committed.
+    pub fn fold_resource_change(&mut self, c: &ResourceChange, now: UnixMillis) -> Result<Fold, CoreError> {
+        if c.run_uid != self.meta.uid {
+            return Ok(Fold::Discarded(Discard::OtherRun));
+        }
+        self.unacked.push(AckRef::Change { seq: c.seq });
+        let why = match self.nodes.get(&c.node).map(|e| &e.rec.node) {
+            None => Some(Discard::UnknownNode),
+            Some(n) if n.attempt != c.attempt => Some(Discard::SupersededAttempt),
+            Some(n)
+                if n.intent == Intent::Deleting
+                    || matches!(n.stage, NodeStage::Failed | NodeStage::Destroyed) =>
+            {
+                Some(Discard::Duplicate)
+            }
+            Some(_) => None,
+        };
+        if let Some(why) = why {
+            *self.counters.discarded.entry(why.name()).or_default() += 1;
+            return Ok(Fold::Discarded(why));
+        }
+        let Change::Lost { reason } = &c.change;
+        let failures = self
+            .nodes
+            .get(&c.node)
+            .map_or(1, |e| e.rec.node.retry.consecutive_failures.saturating_add(1));
+        let restart_at = self.backoff_at(c.attempt, failures, now)?;
+        let Some(e) = self.nodes.get_mut(&c.node) else {
+            return Ok(Fold::Discarded(Discard::UnknownNode));
+        };
+        e.version += 1;
+        e.dirty = true;
+        e.wake_at = None;
+        let n = &mut e.rec.node;
+        n.stage = NodeStage::Failed;
+        n.stage_deadline = None;
+        n.retry.consecutive_failures = failures;
+        n.retry.next_effect_at = None;
+        n.retry.restart_at = Some(restart_at);
+        n.facts.failure = Some(Failure {
+            reason: format!("resource lost: {reason}"),
+            at: c.at,
+        });
+        self.changed.insert(c.node.clone());
+        self.reindex(&c.node);
+        self.note_fold(now);
+        self.counters.lost += 1;
         Ok(Fold::Folded)
     }
 

@@ -32,6 +32,7 @@
 
 pub mod agent;
 pub mod agent_protocol;
+mod exits;
 pub mod registry;
 mod relay;
 
@@ -68,7 +69,7 @@ use self::{
     registry::{AgentEntry, STATE_DIR_FLAG, clear_records, dir_name, inspect, processes_naming, read_stat},
     relay::{Connection, Relay},
 };
-use crate::backend::{Backend, BackendError, InventoryItem, ObservationSink};
+use crate::backend::{Backend, BackendError, ChangeSink, InventoryItem, ObservationSink};
 
 /// The agent binary's name, looked up next to the executor's own binary.
 pub const AGENT_BINARY: &str = "node-agent";
@@ -167,6 +168,8 @@ impl Drop for StopRelaysOnDrop {
         for task in relays.other_tasks.drain(..) {
             task.abort();
         }
+        drop(relays);
+        lock(&self.0.watches).stop();
     }
 }
 
@@ -180,6 +183,8 @@ struct Shared {
     /// Agents this process spawned and whose identity was not destroyed yet,
     /// each with a watch that turns `Some(how it ended)` once it is reaped.
     children: Mutex<HashMap<i32, watch::Receiver<Option<String>>>>,
+    /// The watchers of live agents (`exits`).
+    watches: Mutex<exits::Watches>,
     /// Set when the last handle dropped: no new relay starts.
     stopped: AtomicBool,
 }
@@ -225,6 +230,7 @@ impl ProcessBackend {
             locks: Mutex::new(HashMap::new()),
             relays: Mutex::new(Relays::default()),
             children: Mutex::new(HashMap::new()),
+            watches: Mutex::new(exits::Watches::default()),
             stopped: AtomicBool::new(false),
         });
         Ok(Self {
@@ -287,7 +293,13 @@ impl Shared {
         let guard = self.identity_lock(&identity);
         let _held = guard.lock().await;
         match &op.input {
-            OperationInput::CreateLease { template } => self.create(&identity, template, op.deadline).await,
+            OperationInput::CreateLease { template } => {
+                let outcome = self.create(&identity, template, op.deadline).await;
+                if matches!(outcome, Outcome::Succeeded(_)) {
+                    self.watch_identity(&identity);
+                }
+                outcome
+            }
             OperationInput::LookupEndpoint { lease } => self.lookup(&identity, lease),
             OperationInput::StartBootstrap {
                 lease, boot, join, ..
@@ -300,6 +312,17 @@ impl Shared {
                 self.cancel(&identity, session.as_ref(), op.deadline).await
             }
             OperationInput::DestroyLease { .. } => self.destroy(&identity).await,
+        }
+    }
+
+    /// Watches the live agent of `identity` (it holds the lease a create
+    /// reported).
+    fn watch_identity(self: &Arc<Self>, identity: &ResourceIdentity) {
+        if let Ok(entry) = inspect(&self.dir_of(identity))
+            && let (Some(pid), Some(agent)) = (entry.live_pid, entry.agent.as_ref())
+            && agent.pid == pid
+        {
+            exits::agent_held(self, identity, pid, Some(agent.start_time));
         }
     }
 
@@ -756,6 +779,9 @@ impl Shared {
                 targets.push((pid, None));
             }
         }
+        for &(pid, _) in &targets {
+            exits::agent_released(self, pid);
+        }
         for &(pid, start_time) in &targets {
             if let Err(reason) = self.terminate(pid, start_time, &dir).await {
                 return Outcome::Retryable { reason };
@@ -896,6 +922,10 @@ impl Backend for ProcessBackend {
     fn resume(&self, observations: ObservationSink) {
         let task = tokio::spawn(Arc::clone(&self.shared).resume(observations));
         self.shared.relays().other_tasks.push(task.abort_handle());
+    }
+
+    fn watch(&self, changes: ChangeSink) {
+        exits::start(&self.shared, changes);
     }
 }
 

@@ -810,6 +810,17 @@ pub fn executor_message(data: &[u8]) -> Result<Verdict, Violation> {
             Ok(_) => Ok(Verdict::Accepted),
             Err(e) => refused(T, &e),
         },
+        Some(Kind::Change(c)) => match contract::ResourceChange::try_from(c) {
+            Ok(c) => {
+                domain_round_trip::<contract::ResourceChange, pb::ResourceChange>(
+                    T,
+                    "a resource change",
+                    &c,
+                )?;
+                Ok(Verdict::Accepted)
+            }
+            Err(e) => refused(T, &e),
+        },
     }
 }
 

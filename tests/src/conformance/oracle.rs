@@ -692,6 +692,8 @@ impl Oracle {
                 matches!(rej.reason, RejectionReason::Fenced | RejectionReason::UnknownRun)
                     .then(|| format!("a {} rejection must change nothing", rej.reason.name()))
             }
+            ToDriver::Change(c) => (b.attempt != c.attempt)
+                .then(|| format!("it names attempt {} but {id} holds {}", c.attempt, b.attempt)),
         };
         if let Some(why) = why {
             self.fail(
@@ -1302,6 +1304,10 @@ impl Oracle {
                 verdict: Fold::Folded,
             } if o.stage.is_failure() => Some((o.node.clone(), true)),
             Cause::Fold {
+                msg: ToDriver::Change(c),
+                verdict: Fold::Folded,
+            } => Some((c.node.clone(), true)),
+            Cause::Fold {
                 msg: ToDriver::Rejection(rej),
                 verdict: Fold::Folded,
             } => t
@@ -1843,5 +1849,12 @@ pub fn describe(m: &ToDriver) -> String {
             o.attempt
         ),
         ToDriver::Rejection(r) => format!("rejection {:?} {}", r.id, r.reason.name()),
+        ToDriver::Change(c) => format!(
+            "resource change #{} {} of {} attempt {}",
+            c.seq,
+            c.change.name(),
+            c.node,
+            c.attempt
+        ),
     }
 }

@@ -345,6 +345,7 @@ impl Translator {
             TraceEvent::ResultOut { result, .. } => &result.run,
             TraceEvent::ObservationOut { obs, .. } => &obs.run,
             TraceEvent::RejectionOut { rejection } => &rejection.run,
+            TraceEvent::ChangeOut { change, .. } => &change.run,
         };
         self.uid.as_ref() == Some(uid)
     }
@@ -439,6 +440,7 @@ impl Translator {
                     }
                     Msg::Observation(o) => ToDriver::Observation(o.observation()?),
                     Msg::Rejection(r) => ToDriver::Rejection(r.rejection()?),
+                    Msg::Change(c) => ToDriver::Change(c.resource_change()?),
                     Msg::Claimed { .. } => return Ok(()),
                 };
                 let verdict = match verdict.as_str() {
@@ -620,6 +622,9 @@ impl Translator {
             }
             TraceEvent::RejectionOut { rejection } => {
                 out.push(Event::Emitted(ToDriver::Rejection(rejection.rejection()?)));
+            }
+            TraceEvent::ChangeOut { change, .. } => {
+                out.push(Event::Emitted(ToDriver::Change(change.resource_change()?)));
             }
             TraceEvent::AckReceived { .. } | TraceEvent::ForgetReceived { .. } => {}
             TraceEvent::Decide {
