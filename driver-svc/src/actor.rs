@@ -156,6 +156,10 @@ pub(crate) struct RunActor {
     session: LinkSession,
     pass_in_flight: bool,
     decider_failures: u32,
+    /// Why the decider cannot be reached, while it cannot (a condition).
+    decider_down: Option<String>,
+    /// Each condition's last change.
+    conditions: status::Conditions,
     decider_retry_at: Option<Monotonic>,
     next_safety_tick: Monotonic,
     changed: bool,
@@ -254,6 +258,8 @@ impl RunActor {
             session: LinkSession::new(),
             pass_in_flight: false,
             decider_failures: 0,
+            decider_down: None,
+            conditions: status::Conditions::default(),
             decider_retry_at: None,
             changed: true,
             last_publish: None,
@@ -467,7 +473,7 @@ impl RunActor {
                 self.events
                     .request(before, &self.run, now, "delete", || format!("{result:?}"));
                 self.changed = true;
-                let _ = reply.send(result.map(|()| run_status(&self.run, false, now)));
+                let _ = reply.send(result.map(|()| self.status(false, now)));
             }
             RunEvent::SetPaused { paused, trace, reply } => {
                 let before = self.events.before(&self.run);
@@ -483,10 +489,10 @@ impl RunActor {
                 self.events
                     .request(before, &self.run, now, what, || format!("{result:?}"));
                 self.changed = true;
-                let _ = reply.send(result.map(|()| run_status(&self.run, false, now)));
+                let _ = reply.send(result.map(|()| self.status(false, now)));
             }
             RunEvent::Get { include_nodes, reply } => {
-                let _ = reply.send(run_status(&self.run, include_nodes, now));
+                let _ = reply.send(self.status(include_nodes, now));
             }
             RunEvent::Explain { node, reply } => {
                 let _ = reply.send(self.explain(&node, now));
@@ -548,8 +554,14 @@ impl RunActor {
                 let _ = reply.send(result);
             }
             RunEvent::FromExecutor(msg) => self.on_executor_message(msg, now),
-            RunEvent::LinkUp(generation) => self.link_up(generation),
-            RunEvent::LinkDown => self.session.handle_link_down(),
+            RunEvent::LinkUp(generation) => {
+                self.link_up(generation);
+                self.changed = true;
+            }
+            RunEvent::LinkDown => {
+                self.session.handle_link_down();
+                self.changed = true;
+            }
             RunEvent::Decided { plan, result } => self.decided(plan, result, now).await,
             RunEvent::Shutdown { done } => self.stopping = Some(done),
         }
@@ -866,6 +878,9 @@ impl RunActor {
             Ok(out) => {
                 crash::hit(crash::Point::PassDecided);
                 self.decider_failures = 0;
+                if self.decider_down.take().is_some() {
+                    self.changed = true;
+                }
                 if speculative
                     && out
                         .decisions
@@ -971,6 +986,8 @@ impl RunActor {
                 self.events.pass_failed(|| format!("the decider failed: {err}"));
                 self.run.abort_pass(plan);
                 self.decider_failures = self.decider_failures.saturating_add(1);
+                self.decider_down = Some(err.to_string());
+                self.changed = true;
                 let exp = self.decider_failures.min(6);
                 let delay = Duration::from_millis(100 * (1u64 << exp)).min(Duration::from_secs(5));
                 self.decider_retry_at = Some(self.monotonic().saturating_add(delay));
@@ -1204,6 +1221,18 @@ impl RunActor {
         )
     }
 
+    /// The run's status, with its conditions.
+    fn status(&mut self, include_nodes: bool, now: UnixMillis) -> pb::RunStatus {
+        let mut status = run_status(&self.run, include_nodes, now);
+        let deps = status::Dependencies {
+            decider_down: self.decider_down.clone(),
+            executor_link_down: self.session.link().is_none() && !self.run.is_gone(),
+        };
+        let observed = status::observe(&self.run, &deps);
+        status.conditions = self.conditions.stamp(observed, status.generation, now);
+        status
+    }
+
     fn publish(&mut self) {
         if !self.changed {
             return;
@@ -1220,7 +1249,7 @@ impl RunActor {
         }
         self.changed = false;
         self.last_publish = Some((now, key));
-        let status = run_status(&self.run, false, self.now());
+        let status = self.status(false, self.now());
         self.status.send_replace(Arc::new(status));
     }
 

@@ -8,7 +8,7 @@ use contract::{
     wire::{TemplateTable, node_to_wire, shape_to_wire_redacted},
 };
 
-use crate::core::RunState;
+use crate::core::{LOST_PREFIX, RunState};
 
 /// A run's status. Secrets in the shape are redacted.
 pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::RunStatus {
@@ -107,6 +107,9 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
         served_by: String::new(),
         served_at: String::new(),
         from_store: false,
+        // The run's actor adds them (`Conditions`): they need what it knows
+        // of the decider and the link, and when each last changed.
+        conditions: Vec::new(),
     }
 }
 
@@ -152,5 +155,223 @@ pub fn plan(run: &RunState, shape: &ClusterShape, now: UnixMillis) -> pb::PlanRe
         decisions: out.decisions.iter().map(pb::Decision::from).collect(),
         scale_down: scale_down.iter().map(ToString::to_string).collect(),
         current_generation: run.shape().generation.get(),
+    }
+}
+
+/// What the run's actor knows of the services it depends on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Dependencies {
+    /// Why the last pass could not reach the decider, while it cannot.
+    pub decider_down: Option<String>,
+    /// The executor link is down (no stream, or it is reconnecting).
+    pub executor_link_down: bool,
+}
+
+/// The condition types, in the order a status lists them.
+pub const CONDITION_TYPES: [&str; 4] = ["Ready", "Progressing", "Degraded", "Stalled"];
+
+/// One condition as observed now, before its `since` is known.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Observed {
+    pub kind: &'static str,
+    pub status: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// At most this many nodes are named in a condition's message.
+const NAMED: usize = 5;
+
+fn named(nodes: &[String]) -> String {
+    let mut s = nodes.iter().take(NAMED).cloned().collect::<Vec<_>>().join(", ");
+    if nodes.len() > NAMED {
+        s.push_str(&format!(" and {} more", nodes.len() - NAMED));
+    }
+    s
+}
+
+/// The run's conditions now (SPEC §8), in [`CONDITION_TYPES`] order.
+pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
+    let meta = run.meta();
+    let desired = run.desired_view();
+    let mut want = 0usize;
+    let mut ready = 0usize;
+    let (mut lost, mut failed, mut permanent, mut moving) = (Vec::new(), Vec::new(), Vec::new(), 0usize);
+    let mut permanent_reason = None;
+    for n in run.nodes() {
+        let Some(template) = desired.template_for(&n.id) else {
+            continue;
+        };
+        want += 1;
+        if n.is_ready() && NodeTemplate::same(template, &n.spec) {
+            ready += 1;
+            continue;
+        }
+        let why = n.facts.failure.as_ref().map(|f| f.reason.as_str());
+        if let Some(p) = n
+            .retry
+            .permanent
+            .as_ref()
+            .filter(|p| NodeTemplate::same(&p.spec, template))
+        {
+            permanent.push(n.id.to_string());
+            permanent_reason.get_or_insert_with(|| p.reason.clone());
+        } else if why.is_some_and(|w| w.starts_with(LOST_PREFIX)) {
+            lost.push(n.id.to_string());
+        } else if n.stage == NodeStage::Failed || n.retry.consecutive_failures > 0 {
+            failed.push(n.id.to_string());
+        } else {
+            moving += 1;
+        }
+    }
+    // Desired slots with no node yet are on their way.
+    let missing = desired
+        .groups()
+        .map(|g| g.count as usize)
+        .sum::<usize>()
+        .saturating_sub(want);
+    let converged = run.is_converged();
+    let generation = meta.shape.generation;
+    let ready_c = if converged {
+        Observed {
+            kind: "Ready",
+            status: true,
+            reason: "Converged",
+            message: format!("{ready} of {ready} nodes ready at generation {generation}"),
+        }
+    } else {
+        Observed {
+            kind: "Ready",
+            status: false,
+            reason: if meta.deleting { "Deleting" } else { "NotConverged" },
+            message: format!("{ready} of {} nodes ready", want + missing),
+        }
+    };
+    let stalled = !converged
+        && !meta.deleting
+        && !permanent.is_empty()
+        && lost.is_empty()
+        && failed.is_empty()
+        && moving == 0
+        && missing == 0;
+    let stalled_c = if stalled {
+        Observed {
+            kind: "Stalled",
+            status: true,
+            reason: "PermanentFailure",
+            message: format!(
+                "{} failed permanently ({}); change the node spec to retry",
+                named(&permanent),
+                permanent_reason.unwrap_or_default()
+            ),
+        }
+    } else {
+        Observed {
+            kind: "Stalled",
+            status: false,
+            reason: "AsExpected",
+            message: String::new(),
+        }
+    };
+    let progressing_c = if converged {
+        Observed {
+            kind: "Progressing",
+            status: false,
+            reason: "Converged",
+            message: String::new(),
+        }
+    } else if meta.paused {
+        Observed {
+            kind: "Progressing",
+            status: false,
+            reason: "Paused",
+            message: "the run is paused; resume it to go on".to_owned(),
+        }
+    } else if stalled {
+        Observed {
+            kind: "Progressing",
+            status: false,
+            reason: "Stalled",
+            message: String::new(),
+        }
+    } else {
+        Observed {
+            kind: "Progressing",
+            status: true,
+            reason: if meta.deleting { "Deleting" } else { "Reconciling" },
+            message: format!("{ready} of {} nodes ready", want + missing),
+        }
+    };
+    let degraded_c = if let Some(why) = &deps.decider_down {
+        Observed {
+            kind: "Degraded",
+            status: true,
+            reason: "DeciderUnreachable",
+            message: format!("the decider cannot be reached ({why}); nothing is decided until it is back"),
+        }
+    } else if deps.executor_link_down {
+        Observed {
+            kind: "Degraded",
+            status: true,
+            reason: "ExecutorLinkDown",
+            message: "the executor link is down; operations wait until it is back".to_owned(),
+        }
+    } else if !lost.is_empty() {
+        Observed {
+            kind: "Degraded",
+            status: true,
+            reason: "NodesLost",
+            message: format!("lost: {}; each is replaced on a fresh attempt", named(&lost)),
+        }
+    } else if !failed.is_empty() || !permanent.is_empty() {
+        let mut all = failed.clone();
+        all.extend(permanent.iter().cloned());
+        Observed {
+            kind: "Degraded",
+            status: true,
+            reason: "NodesFailed",
+            message: format!("failed: {}", named(&all)),
+        }
+    } else {
+        Observed {
+            kind: "Degraded",
+            status: false,
+            reason: "AsExpected",
+            message: String::new(),
+        }
+    };
+    [ready_c, progressing_c, degraded_c, stalled_c]
+}
+
+/// The conditions of one run across its statuses: each keeps the time its
+/// status last changed.
+#[derive(Debug, Clone, Default)]
+pub struct Conditions {
+    since: BTreeMap<&'static str, (bool, UnixMillis)>,
+}
+
+impl Conditions {
+    /// `observed` with the time each condition's status last changed.
+    pub fn stamp(&mut self, observed: [Observed; 4], generation: u64, now: UnixMillis) -> Vec<pb::Condition> {
+        observed
+            .into_iter()
+            .map(|o| {
+                let since = match self.since.get(o.kind) {
+                    Some((status, since)) if *status == o.status => *since,
+                    _ => {
+                        self.since.insert(o.kind, (o.status, now));
+                        now
+                    }
+                };
+                pb::Condition {
+                    r#type: o.kind.to_owned(),
+                    status: o.status,
+                    reason: o.reason.to_owned(),
+                    message: o.message,
+                    since_ms: since.as_millis(),
+                    observed_generation: generation,
+                }
+            })
+            .collect()
     }
 }

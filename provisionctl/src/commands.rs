@@ -905,9 +905,19 @@ impl Ctx {
                     Ok(Some(s)) => {
                         let done = (s.converged && s.generation >= generation)
                             || s.phase == pb::RunPhase::Deleted as i32;
+                        // Stalled at the generation waited for: nothing more
+                        // will happen without a change, so waiting on is
+                        // pointless.
+                        let stalled = (s.generation >= generation)
+                            .then(|| render::condition(&s, "Stalled"))
+                            .flatten()
+                            .map(|c| c.message.clone());
                         latest = Some(s);
                         if done {
                             break Ok(());
+                        }
+                        if let Some(message) = stalled {
+                            break Err(CliError::Stalled { message });
                         }
                     }
                     Ok(None) => {
@@ -962,6 +972,11 @@ impl Ctx {
             }
             Err(CliError::Timeout { .. }) => Err(CliError::Timeout {
                 message: timeout_message(run, latest.as_ref(), &failing, &elapsed),
+            }),
+            Err(CliError::Stalled { message }) => Err(CliError::Stalled {
+                message: format!(
+                    "run {run} is stalled after {elapsed}: {message}\n`provisionctl get {run}` shows its conditions; `provisionctl explain {run} NODE` says what a node waits for"
+                ),
             }),
             Err(e) => Err(e),
         }

@@ -23,6 +23,9 @@ pub enum Exit {
     Timeout = 3,
     /// The server could not be reached, or a service behind it is down.
     Unavailable = 4,
+    /// `watch`: the run is stalled (its `Stalled` condition is true):
+    /// nothing more can happen without a change to its shape.
+    Stalled = 5,
     /// Interrupted with Ctrl-C (128 + SIGINT, as shells report it).
     Interrupted = 130,
 }
@@ -41,6 +44,7 @@ Exit codes:
   2    bad command line
   3    --timeout expired (watch: not converged; delete --wait: not gone)
   4    the server is unreachable or a service behind it is unavailable
+  5    watch: the run is stalled (nothing more can happen without a change)
   130  interrupted (Ctrl-C)";
 
 /// A failed command. `Display` is the whole message the user reads.
@@ -60,6 +64,8 @@ pub enum CliError {
     Unavailable { message: String },
     #[error("{message}")]
     Timeout { message: String },
+    #[error("{message}")]
+    Stalled { message: String },
     #[error("interrupted")]
     Interrupted,
     /// The command line is wrong in a way the parser cannot see (flags that
@@ -88,6 +94,7 @@ impl CliError {
             | CliError::Other(_) => Exit::Failed,
             CliError::Unavailable { .. } => Exit::Unavailable,
             CliError::Timeout { .. } => Exit::Timeout,
+            CliError::Stalled { .. } => Exit::Stalled,
             CliError::Interrupted => Exit::Interrupted,
             CliError::Usage(_) => Exit::Usage,
         }
@@ -251,6 +258,7 @@ mod tests {
             (Exit::Usage, 2),
             (Exit::Timeout, 3),
             (Exit::Unavailable, 4),
+            (Exit::Stalled, 5),
             (Exit::Interrupted, 130),
         ] {
             assert_eq!(exit.code(), code);

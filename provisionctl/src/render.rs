@@ -207,6 +207,7 @@ pub fn status_json(s: &pb::RunStatus, with_shape: bool, with_nodes: bool) -> Val
         "folded_observations": s.folded_observations,
         "discarded": s.discarded,
         "groups": groups,
+        "conditions": s.conditions.iter().map(condition_json).collect::<Vec<_>>(),
     });
     if let Value::Object(m) = &mut v {
         if s.from_store {
@@ -226,6 +227,22 @@ pub fn status_json(s: &pb::RunStatus, with_shape: bool, with_nodes: bool) -> Val
         }
     }
     v
+}
+
+fn condition_json(c: &pb::Condition) -> Value {
+    json!({
+        "type": c.r#type,
+        "status": c.status,
+        "reason": c.reason,
+        "message": c.message,
+        "since_ms": ms_or_null(c.since_ms),
+        "observed_generation": c.observed_generation,
+    })
+}
+
+/// The run's condition of type `kind`, if it is true.
+pub fn condition<'a>(s: &'a pb::RunStatus, kind: &str) -> Option<&'a pb::Condition> {
+    s.conditions.iter().find(|c| c.r#type == kind && c.status)
 }
 
 pub fn desired(s: &pb::RunStatus) -> u32 {
@@ -292,6 +309,24 @@ pub fn status_table(s: &pb::RunStatus) -> Vec<String> {
         ]);
     }
     out.extend(head.lines());
+    if !s.conditions.is_empty() {
+        out.push(String::new());
+        let mut c = Table::new(&["CONDITION", "STATUS", "REASON", "SINCE", "MESSAGE"]);
+        for cond in &s.conditions {
+            c.row(vec![
+                cond.r#type.clone(),
+                if cond.status { "True" } else { "False" }.to_owned(),
+                cond.reason.clone(),
+                if cond.since_ms > 0 {
+                    text::relative(cond.since_ms, now)
+                } else {
+                    String::new()
+                },
+                cond.message.clone(),
+            ]);
+        }
+        out.extend(c.lines());
+    }
     out.push(String::new());
     let mut t = Table::new(&["GROUP", "READY", "DESIRED", "FAILING", "STAGES"]);
     for g in &s.groups {

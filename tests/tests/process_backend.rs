@@ -585,7 +585,8 @@ async fn an_agent_stopped_mid_bootstrap_times_out_and_cleanup_still_destroys_it(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ready_nodes_agent_killed_is_found_lost_and_replaced() {
     let (keep, agents) = agents_dir();
-    let opts = process_cluster(&agents).driver("--backoff-base-ms", "100");
+    // A restart backoff long enough for the degraded run to be seen.
+    let opts = process_cluster(&agents).driver("--backoff-base-ms", "1000");
     let cluster = Cluster::start(opts).await.unwrap();
     apply(
         &cluster,
@@ -606,11 +607,19 @@ async fn a_ready_nodes_agent_killed_is_found_lost_and_replaced() {
     signal(pid, "KILL");
 
     // Nothing polls the node: the run leaves convergence because the
-    // executor saw the agent go.
-    let left = watch_until(&mut c, "agents", CONVERGE, |s| !s.converged).await;
-    if let Err(e) = left {
-        cluster.dump_logs();
-        panic!("the run never left convergence after its agent died: {e}");
+    // executor saw the agent go, and its Degraded condition names the node.
+    let left = watch_until(&mut c, "agents", CONVERGE, |s| {
+        s.conditions.iter().any(|c| {
+            c.r#type == "Degraded" && c.status && c.reason == "NodesLost" && c.message.contains("workers-3")
+        })
+    })
+    .await;
+    match left {
+        Ok(s) => assert!(!s.converged, "a run with a lost node is not converged"),
+        Err(e) => {
+            cluster.dump_logs();
+            panic!("the run never said its node was lost: {e}");
+        }
     }
     assert_replaced(
         &cluster,

@@ -423,32 +423,64 @@ async fn plan_shows_inserts_scale_down_and_replacements_and_changes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_watch_and_their_exit_codes() {
-    let (cluster, ctl) = start().await;
+    // Bootstrap stages a second and a half apart: a good run takes several
+    // seconds to converge, long enough to time out and interrupt a watch.
+    let cluster = Cluster::start(ClusterOptions::default().executor("--fake-stage-interval-ms", "1500"))
+        .await
+        .unwrap();
+    let ctl = Ctl::new(&cluster);
 
     // A run that cannot converge: the fake backend refuses `invalid` images
-    // for good.
+    // for good. Watch sees it stalled and says so at once (exit 5), long
+    // before its timeout.
     let broken = ctl.write("broken.yaml", &shape("broken", 2, "invalid:x"));
     ctl.run(&["apply", "-f", &broken]).await.expect(0);
     let t = Instant::now();
-    let out = ctl.run(&["watch", "broken", "--timeout", "3"]).await.expect(3);
-    assert!(t.elapsed() < Duration::from_secs(30));
-    assert!(out.stderr.contains("did not converge within"), "{}", out.stderr);
+    let out = ctl.run(&["watch", "broken", "--timeout", "120"]).await.expect(5);
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    assert!(out.stderr.contains("run broken is stalled"), "{}", out.stderr);
+    assert!(out.stderr.contains("failed permanently"), "{}", out.stderr);
+    assert!(out.stderr.contains("invalid image"), "{}", out.stderr);
     assert!(
-        out.stderr.contains("provisionctl explain broken workers-"),
+        out.stderr.contains("provisionctl explain broken"),
         "{}",
         out.stderr
     );
     assert!(out.stdout.contains("failing workers-"), "{}", out.stdout);
-    assert!(out.stdout.contains("invalid image"), "{}", out.stdout);
     assert!(
         !out.stdout.contains('\x1b'),
         "escapes in plain output: {:?}",
         out.stdout
     );
+    // `get` shows the conditions that say why.
+    let out = ctl.run(&["get", "broken"]).await.expect(0);
+    assert!(out.stdout.contains("CONDITION"), "{}", out.stdout);
+    let stalled = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("Stalled"))
+        .unwrap_or_default();
+    assert!(
+        stalled.contains("True") && stalled.contains("PermanentFailure"),
+        "{}",
+        out.stdout
+    );
+    let v = ctl.run(&["get", "broken", "-o", "json"]).await.expect(0).json();
+    let conditions = v["conditions"].as_array().unwrap();
+    let types: Vec<&str> = conditions.iter().map(|c| c["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["Ready", "Progressing", "Degraded", "Stalled"]);
+    assert_eq!(conditions[0]["status"], false);
+    assert_eq!(conditions[3]["status"], true);
+
+    // A run still on its way that does not converge in time: exit 3.
+    let slow = ctl.write("slow.yaml", &shape("slow", 3, "img:1"));
+    ctl.run(&["apply", "-f", &slow]).await.expect(0);
+    let out = ctl.run(&["watch", "slow", "--timeout", "1"]).await.expect(3);
+    assert!(out.stderr.contains("did not converge within"), "{}", out.stderr);
 
     // Ctrl-C ends a watch with 130.
     let mut child = tokio::process::Command::new(&ctl.bin)
-        .args(["--server", &ctl.server, "watch", "broken"])
+        .args(["--server", &ctl.server, "watch", "slow"])
         .envs(ctl.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -490,25 +522,23 @@ async fn explain_watch_and_their_exit_codes() {
             .contains("invalid image")
     );
 
-    // A run that converges: watch exits 0, and explain shows a ready node.
-    let good = ctl.write("good.yaml", &shape("good", 3, "img:1"));
-    ctl.run(&["apply", "-f", &good]).await.expect(0);
-    let out = ctl.run(&["watch", "good", "--timeout", "60"]).await.expect(0);
-    assert!(out.stdout.contains("run good converged after"), "{}", out.stdout);
-    let out = ctl.run(&["explain", "good", "ctrl-1"]).await.expect(0);
+    // The slow run converges: watch exits 0, and explain shows a ready node.
+    let out = ctl.run(&["watch", "slow", "--timeout", "90"]).await.expect(0);
+    assert!(out.stdout.contains("run slow converged after"), "{}", out.stdout);
+    let out = ctl.run(&["explain", "slow", "ctrl-1"]).await.expect(0);
     assert!(out.stdout.contains("ready, attempt"), "{}", out.stdout);
     assert!(out.stdout.contains("now: rule 11 (ready)"), "{}", out.stdout);
     assert!(out.stdout.contains("lease "), "{}", out.stdout);
     no_secret(&out);
 
     // Unknown nodes and malformed ids are the user's problem, in words.
-    let out = ctl.run(&["explain", "good", "ctrl-9"]).await.expect(1);
+    let out = ctl.run(&["explain", "slow", "ctrl-9"]).await.expect(1);
     assert!(
-        out.stderr.contains("run good has no node ctrl-9"),
+        out.stderr.contains("run slow has no node ctrl-9"),
         "{}",
         out.stderr
     );
-    let out = ctl.run(&["explain", "good", "nonsense"]).await.expect(1);
+    let out = ctl.run(&["explain", "slow", "nonsense"]).await.expect(1);
     assert!(out.stderr.contains("is not a node id"), "{}", out.stderr);
     drop(cluster);
 }

@@ -17,7 +17,7 @@ pub mod store;
 pub use commit::{AckRef, Commit, Held, Released};
 pub use policy::Policy;
 pub use run::{
-    AbandonedNode, Applied, ApplyError, CoreError, Discard, Fold, LastDecision, ORPHAN_SEQ_BASE,
+    AbandonedNode, Applied, ApplyError, CoreError, Discard, Fold, LOST_PREFIX, LastDecision, ORPHAN_SEQ_BASE,
     OrphanResource, PassOutcome, PassPlan, RunState,
 };
 pub use session::{LinkSession, ToExecutor};

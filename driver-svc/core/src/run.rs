@@ -240,6 +240,9 @@ pub struct OrphanResource {
     pub session_live: bool,
 }
 
+/// How the failure of an attempt whose resource was lost begins.
+pub const LOST_PREFIX: &str = "resource lost: ";
+
 /// The first operation sequence number on an adopted orphan: above any its
 /// attempt used before, so the executor never sees one of the attempt's
 /// operation ids again with another input.
@@ -1617,7 +1620,7 @@ impl RunState {
         n.retry.next_effect_at = None;
         n.retry.restart_at = Some(restart_at);
         n.facts.failure = Some(Failure {
-            reason: format!("resource lost: {reason}"),
+            reason: format!("{LOST_PREFIX}{reason}"),
             at: c.at,
         });
         self.changed.insert(c.node.clone());
