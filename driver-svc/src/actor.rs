@@ -23,7 +23,7 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use contract::{
     Action, ClusterShape, DecideOutput, Effect, LogicalNodeId, Monotonic, Operation, OperationId,
-    RejectionReason, RunUid, TraceContext, UnixMillis, pb,
+    RejectionReason, ResourceChange, RunUid, TraceContext, UnixMillis, pb,
 };
 use decider_svc::client::DecideError;
 use platform::telemetry;
@@ -54,6 +54,15 @@ const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 /// What makes a status change worth publishing at once: generation,
 /// converged, deleting, paused, gone, halted.
 type PhaseKey = (u64, bool, bool, bool, bool, bool);
+
+/// What a run holds, for the inventory resync.
+#[derive(Debug, Default)]
+pub struct Held {
+    /// Every node, at its current attempt.
+    pub nodes: Vec<(LogicalNodeId, contract::AttemptId)>,
+    /// The nodes whose lease the run believes live.
+    pub leases: Vec<(LogicalNodeId, contract::AttemptId)>,
+}
 
 /// Everything a run actor reacts to.
 #[derive(Debug)]
@@ -92,9 +101,15 @@ pub enum RunEvent {
         node: LogicalNodeId,
         reply: oneshot::Sender<Result<Option<AbandonedNode>, DriverError>>,
     },
-    /// The orphan sweep asks which (node, attempt) pairs the run holds.
+    /// The inventory resync asks which (node, attempt) pairs the run holds,
+    /// and which of them hold a lease the run believes live.
     Holdings {
-        reply: oneshot::Sender<Vec<(LogicalNodeId, contract::AttemptId)>>,
+        reply: oneshot::Sender<Held>,
+    },
+    /// The inventory resync found these leases missing from the executor's
+    /// inventory at two consecutive looks: they are lost.
+    Missing {
+        nodes: Vec<(LogicalNodeId, contract::AttemptId)>,
     },
     /// The orphan sweep hands the run resources of its own that no node
     /// holds, to destroy through its deletion path; the answer says which
@@ -529,7 +544,27 @@ impl RunActor {
                 let _ = reply.send(result);
             }
             RunEvent::Holdings { reply } => {
-                let _ = reply.send(self.run.nodes().map(|n| (n.id.clone(), n.attempt)).collect());
+                let _ = reply.send(Held {
+                    nodes: self.run.nodes().map(|n| (n.id.clone(), n.attempt)).collect(),
+                    leases: self.run.leases_held().map(|(n, a)| (n.clone(), a)).collect(),
+                });
+            }
+            RunEvent::Missing { nodes } => {
+                for (node, attempt) in nodes {
+                    let lost = ResourceChange {
+                        run_uid: self.run.uid(),
+                        node,
+                        attempt,
+                        seq: 0,
+                        change: contract::Change::Lost {
+                            reason: "missing from the executor's inventory at two consecutive looks"
+                                .to_owned(),
+                        },
+                        at: now,
+                        trace: TraceContext::default(),
+                    };
+                    self.on_executor_message(FromExecutor::Change(lost), now);
+                }
             }
             RunEvent::AdoptOrphans { orphans, reply } => {
                 let result = match &self.halted {

@@ -103,7 +103,12 @@ pub(crate) struct Shared {
     reclaims: RwLock<HashMap<RunUid, RunHandle>>,
     /// Held while a run is taken over, so one run is never restored twice.
     takeover: tokio::sync::Mutex<()>,
+    /// The leases the last resync found missing from the inventory.
+    missing: std::sync::Mutex<std::collections::HashSet<LeaseKey>>,
 }
+
+/// One lease a run holds: its run, node and attempt.
+pub type LeaseKey = (RunUid, LogicalNodeId, contract::AttemptId);
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -222,6 +227,7 @@ impl Driver {
             runs: RwLock::new(HashMap::new()),
             reclaims: RwLock::new(HashMap::new()),
             takeover: tokio::sync::Mutex::new(()),
+            missing: std::sync::Mutex::new(std::collections::HashSet::new()),
         });
         register_scrape(&shared);
         tokio::spawn(reload_runs(Arc::downgrade(&shared), reload_rx));
@@ -672,7 +678,7 @@ impl Driver {
     /// What every run holds: run uid → node → current attempt. A run whose
     /// actor is gone is left out (it was deleted). Reclaim runs count: what
     /// they hold is being destroyed already.
-    pub async fn holdings(&self) -> Holdings {
+    pub async fn holdings(&self) -> (Holdings, Vec<LeaseKey>) {
         let mut handles: Vec<RunHandle> = self
             .shared
             .runs
@@ -681,19 +687,24 @@ impl Driver {
             .unwrap_or_default();
         handles.extend(self.reclaim_handles());
         let mut held = Holdings::new();
+        let mut leases = Vec::new();
         for h in handles {
             let (tx, rx) = oneshot::channel();
             if h.tx.send(RunEvent::Holdings { reply: tx }).is_err() {
                 continue;
             }
-            if let Ok(nodes) = rx.await {
+            if let Ok(run) = rx.await {
                 held.insert(
                     h.uid.to_string(),
-                    nodes.into_iter().map(|(n, a)| (n.to_string(), a.get())).collect(),
+                    run.nodes
+                        .into_iter()
+                        .map(|(n, a)| (n.to_string(), a.get()))
+                        .collect(),
                 );
+                leases.extend(run.leases.into_iter().map(|(n, a)| (h.uid, n, a)));
             }
         }
-        held
+        (held, leases)
     }
 
     /// One orphan sweep over `inventory` (read from the executor just
@@ -706,7 +717,7 @@ impl Driver {
     /// holds (or is about to take over) is that replica's business: this
     /// sweep leaves it out.
     pub async fn sweep_orphans(&self, inventory: &[pb::Resource], destroy: bool) -> Vec<pb::Orphan> {
-        let held = self.holdings().await;
+        let (held, leases) = self.holdings().await;
         let theirs = match self.shared.run.replicas.clone() {
             None => Default::default(),
             Some(r) => match blocking(move || r.known_runs()).await {
@@ -728,10 +739,47 @@ impl Driver {
             .collect();
         let now = self.shared.run.clock.now().as_millis();
         let new = self.shared.orphans.sweep(&mine, &held, now);
+        self.lost_from_inventory(inventory, leases).await;
         if destroy {
             self.destroy_orphans().await;
         }
         new
+    }
+
+    /// The other finding of the same comparison (SPEC §8, inventory
+    /// resync): a lease a run believes live that the inventory lacks at two
+    /// consecutive looks is lost, and its run is told.
+    async fn lost_from_inventory(&self, inventory: &[pb::Resource], leases: Vec<LeaseKey>) {
+        let listed: std::collections::HashSet<(&str, &str, u64)> = inventory
+            .iter()
+            .map(|r| (r.run_uid.as_str(), r.node_id.as_str(), r.attempt))
+            .collect();
+        let uids: HashMap<RunUid, String> = leases.iter().map(|(u, _, _)| (*u, u.to_string())).collect();
+        let missing: std::collections::HashSet<LeaseKey> = leases
+            .into_iter()
+            .filter(|(uid, node, attempt)| {
+                let uid = uids.get(uid).map_or("", String::as_str);
+                !listed.contains(&(uid, node.to_string().as_str(), attempt.get()))
+            })
+            .collect();
+        let confirmed: Vec<LeaseKey> = {
+            let Ok(mut last) = self.shared.missing.lock() else {
+                return;
+            };
+            let confirmed = missing.intersection(&last).cloned().collect();
+            *last = missing;
+            confirmed
+        };
+        let mut by_run: BTreeMap<RunUid, Vec<(LogicalNodeId, contract::AttemptId)>> = BTreeMap::new();
+        for (uid, node, attempt) in confirmed {
+            by_run.entry(uid).or_default().push((node, attempt));
+        }
+        for (uid, nodes) in by_run {
+            tracing::warn!(run_uid = %uid, nodes = ?nodes, "leases missing from the executor's inventory at two looks: lost");
+            if let Some(h) = self.handle_by_uid(uid) {
+                let _ = h.tx.send(RunEvent::Missing { nodes });
+            }
+        }
     }
 
     /// Hands the orphans the sweep confirmed to the normal deletion path: a

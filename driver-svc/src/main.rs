@@ -65,8 +65,10 @@ struct Cli {
     max_nodes_per_group: u32,
     #[arg(long, env = "DRIVER_MAX_NODES_TOTAL", default_value_t = 200_000)]
     max_nodes_total: u64,
-    /// How often the orphan sweep compares the executor's inventory with the
-    /// runs (the first sweep follows the executor link coming up); 0 = off.
+    /// How often the inventory resync compares the executor's inventory
+    /// with the runs (the first look follows the executor link coming up):
+    /// resources no run wants are orphans, and leases a run holds that the
+    /// inventory lacks at two consecutive looks are lost; 0 = off.
     #[arg(long, env = "DRIVER_ORPHAN_SWEEP_MS", default_value_t = 60_000)]
     orphan_sweep_ms: u64,
     /// What the sweep does with an orphan it confirmed: `destroy` it through

@@ -696,3 +696,51 @@ async fn an_agent_that_died_while_the_executor_was_down_is_found_at_its_restart(
     delete_run(&mut c).await;
     assert_all_gone(&keep).await;
 }
+
+/// SPEC §8, inventory resync: a resource that vanished without a trace (its
+/// agent killed and its directory removed while the executor was down, so no
+/// watch can report it) is missing from the executor's inventory at two
+/// consecutive looks, is found lost, and its slot is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_missing_from_the_inventory_at_two_looks_is_lost_and_replaced() {
+    let (keep, agents) = agents_dir();
+    let opts = process_cluster(&agents)
+        .driver("--backoff-base-ms", "100")
+        .driver("--orphan-sweep-ms", "300");
+    let mut cluster = Cluster::start(opts).await.unwrap();
+    apply(
+        &cluster,
+        &shape("agents", 1, "process", &[("workers", 3, "img:1")]),
+    )
+    .await;
+    converged(&cluster, 1).await;
+    let mut c = cluster.client().await.unwrap();
+    let before = node_state(&mut c, "workers-2").await.unwrap();
+    let pid = agent_of(&agents, "workers-2", before.attempt).unwrap();
+    let dir = state_dir_of(pid).unwrap();
+
+    cluster.executor.kill().await.unwrap();
+    signal(pid, "KILL");
+    eventually("the agent is dead", || {
+        agent_of(&agents, "workers-2", before.attempt).is_none()
+    })
+    .await;
+    std::fs::remove_dir_all(&dir).unwrap();
+    cluster.executor.restart(cluster.dir.path()).await.unwrap();
+
+    wait_for_state(&cluster, &mut c, "workers-2", "a fresh attempt", |s| {
+        s.attempt > before.attempt
+    })
+    .await;
+    assert_replaced(
+        &cluster,
+        &mut c,
+        &agents,
+        &["workers-0", "workers-1", "workers-2"],
+        "workers-2",
+        before.attempt,
+    )
+    .await;
+    delete_run(&mut c).await;
+    assert_all_gone(&keep).await;
+}

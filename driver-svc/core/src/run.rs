@@ -1585,7 +1585,11 @@ impl RunState {
         if c.run_uid != self.meta.uid {
             return Ok(Fold::Discarded(Discard::OtherRun));
         }
-        self.unacked.push(AckRef::Change { seq: c.seq });
+        // Sequence 0: the driver found the loss itself (inventory resync);
+        // there is nothing to acknowledge.
+        if c.seq > 0 {
+            self.unacked.push(AckRef::Change { seq: c.seq });
+        }
         let why = match self.nodes.get(&c.node).map(|e| &e.rec.node) {
             None => Some(Discard::UnknownNode),
             Some(n) if n.attempt != c.attempt => Some(Discard::SupersededAttempt),
@@ -1628,6 +1632,20 @@ impl RunState {
         self.note_fold(now);
         self.counters.lost += 1;
         Ok(Fold::Folded)
+    }
+
+    /// The leases the run believes live: nodes of an active attempt that
+    /// hold one, are neither failed nor destroyed and have no operation in
+    /// flight (whose result may change that). The inventory resync compares
+    /// them with the executor's inventory.
+    pub fn leases_held(&self) -> impl Iterator<Item = (&LogicalNodeId, AttemptId)> {
+        self.nodes.values().map(|e| &e.rec.node).filter_map(|n| {
+            let live = n.intent == Intent::Active
+                && n.facts.lease.is_some()
+                && n.pending.is_none()
+                && !matches!(n.stage, NodeStage::Failed | NodeStage::Destroyed);
+            live.then_some((&n.id, n.attempt))
+        })
     }
 
     fn check_observation(&self, o: &Observation) -> Fold {
