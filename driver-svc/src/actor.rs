@@ -612,13 +612,19 @@ impl RunActor {
     }
 
     fn explain(&self, node: &LogicalNodeId, now: UnixMillis) -> Option<pb::NodeExplanation> {
-        let executor_note = self
-            .run
-            .node(node)?
-            .pending
-            .and_then(|p| self.in_flight.get(&p.id))
-            .and_then(|f| f.waiting.clone())
-            .unwrap_or_default();
+        let pending = self.run.node(node)?.pending;
+        // What the node waits on when a service it needs is down says so,
+        // rather than "in flight".
+        let executor_note = if let Some(why) = &self.decider_down {
+            format!("the decider cannot be reached ({why}); nothing is decided until it is back")
+        } else if pending.is_some() && self.session.link().is_none() {
+            "the executor link is down; the pending operation is resubmitted when it is back".to_owned()
+        } else {
+            pending
+                .and_then(|p| self.in_flight.get(&p.id))
+                .and_then(|f| f.waiting.clone())
+                .unwrap_or_default()
+        };
         status::explanation(&self.run, node, now, executor_note)
     }
 

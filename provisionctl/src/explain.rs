@@ -205,7 +205,7 @@ pub fn explain_text(run: &str, e: &pb::NodeExplanation) -> Vec<String> {
         None => out.push("now: no rule (the server gave no decision)".to_owned()),
     }
     if !e.executor_note.is_empty() {
-        out.push(format!("executor: {}", e.executor_note));
+        out.push(format!("note: {}", e.executor_note));
     }
     if let Some(last) = &node.last_decision {
         out.push(format!(
@@ -284,7 +284,7 @@ mod tests {
         );
         assert!(text.contains("new, attempt 7"), "{text}");
         assert!(
-            text.contains("executor: waiting for the provider budget: 4 calls in flight, cap 4"),
+            text.contains("note: waiting for the provider budget: 4 calls in flight, cap 4"),
             "{text}"
         );
         assert!(

@@ -85,6 +85,21 @@ async fn a_dependency_down_degrades_the_run_until_it_is_back() {
     .await;
     assert!(!s.converged);
     assert!(is(&s, "Ready", false, "NotConverged"), "{:?}", s.conditions);
+    // Explain says what the node waits on.
+    let mut c = cluster.client().await.unwrap();
+    let e = c
+        .explain_node(pb::ExplainNodeRequest {
+            run_id: "cond".into(),
+            node_id: "workers-0".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        e.executor_note.contains("the decider cannot be reached"),
+        "{:?}",
+        e.executor_note
+    );
     cluster.decider.restart(cluster.dir.path()).await.unwrap();
     let s = until(&cluster, "converged at generation 2", |s| {
         s.converged && s.generation == 2
