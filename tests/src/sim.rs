@@ -407,18 +407,12 @@ impl Sim {
         self.session.handle_link_down();
     }
 
-    /// A new stream: the executor sends every unacknowledged result again,
-    /// and the driver's session claims the run, resubmits what is pending
-    /// and asks for observations after the last sequence it folded.
+    /// A new stream: the driver's session claims the run (the executor then
+    /// sends every unacknowledged result and resource change again),
+    /// resubmits what is pending and asks for observations after the last
+    /// sequence it folded.
     fn connect(&mut self) -> anyhow::Result<()> {
         self.link_generation += 1;
-        let uid = self.run.uid();
-        for r in self.exec.unacked_results_of(uid) {
-            self.send(ToDriver::Result(r));
-        }
-        for c in self.exec.unacked_resource_changes_of(uid) {
-            self.send(ToDriver::Change(c));
-        }
         self.session.handle_link_up(self.link_generation, &self.run);
         self.transmit(None)
     }
@@ -437,6 +431,14 @@ impl Sim {
                     self.exec
                         .claim(&claim)
                         .map_err(|r| anyhow::anyhow!("claim rejected: {r:?}"))?;
+                    // As the executor does on a claim: whatever the driver
+                    // has not acknowledged may never have reached it.
+                    for r in self.exec.unacked_results_of(uid) {
+                        self.send(ToDriver::Result(r));
+                    }
+                    for c in self.exec.unacked_resource_changes_of(uid) {
+                        self.send(ToDriver::Change(c));
+                    }
                 }
                 ToExecutor::Submit { op, .. } => self.submit_checked(op, store),
                 ToExecutor::ObserveFrom(after) => {
@@ -901,6 +903,9 @@ impl Sim {
             && self.transit.is_empty()
             && self.exec.running_count() == 0
             && self.exec.queued_count() == 0
+            // A loss the executor holds for the driver (the link was down
+            // when it happened) is on its way too.
+            && self.exec.unacked_resource_changes_of(self.run.uid()).is_empty()
     }
 
     /// The next time after `now` anything is due, if anything is.

@@ -300,6 +300,7 @@ mutant_tests! {
     mutant_lenient_revision => LenientRevision,
     mutant_recreate_instead_of_adopt => RecreateInsteadOfAdopt,
     mutant_destroy_lies => DestroyLies,
+    mutant_ignore_loss => IgnoreLoss,
 }
 
 /// A failure shrinks to a short trace that still fails the same way, and its

@@ -211,6 +211,10 @@ pub enum Input {
     RestartDriver,
     /// The run is deleted.
     Delete,
+    /// The provider loses the resource of the slot at `slot` (modulo the
+    /// slots the run holds, in slot order) behind the executor's back, and
+    /// the executor reports it.
+    Lose(u8),
 }
 
 fn effect_name(e: Effect) -> &'static str {
@@ -262,6 +266,7 @@ impl fmt::Display for Input {
             Input::Resend(k) => write!(f, "resend:{k}"),
             Input::Resubmit => f.write_str("resubmit"),
             Input::Conflict(k) => write!(f, "conflict:{k}"),
+            Input::Lose(k) => write!(f, "lose:{k}"),
             Input::RestartDriver => f.write_str("restart-driver"),
             Input::Delete => f.write_str("delete"),
         }
@@ -360,6 +365,7 @@ impl FromStr for Input {
             "resend" => Input::Resend(small(1)?),
             "resubmit" => Input::Resubmit,
             "conflict" => Input::Conflict(small(1)?),
+            "lose" => Input::Lose(small(1)?),
             "restart-driver" => Input::RestartDriver,
             "delete" => Input::Delete,
             _ => return Err(err("unknown input")),
@@ -400,6 +406,7 @@ mod tests {
             Input::Resend(3),
             Input::Resubmit,
             Input::Conflict(2),
+            Input::Lose(4),
             Input::RestartDriver,
             Input::Delete,
         ];

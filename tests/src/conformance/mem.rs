@@ -366,6 +366,14 @@ impl SystemUnderTest for MemSut {
                 }
                 one(self, None)
             }
+            Input::Lose(slot) => {
+                let ids: Vec<LogicalNodeId> = sim.run.nodes().map(|n| n.id.clone()).collect();
+                if !ids.is_empty() {
+                    let id = ids[usize::from(*slot) % ids.len()].clone();
+                    sim.lose(&id);
+                }
+                one(self, None)
+            }
             Input::LinkDown => {
                 sim.cut_link();
                 one(self, None)

@@ -82,10 +82,12 @@ pub enum Mutant {
     RecreateInsteadOfAdopt,
     /// The backend says a destroy of an undesired slot succeeded and keeps it.
     DestroyLies,
+    /// The driver ignores a lost resource (as if it named another attempt).
+    IgnoreLoss,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 25] = [
+    pub const ALL: [Mutant; 26] = [
         Mutant::ReuseAttemptIds,
         Mutant::FoldIntoCurrentAttempt,
         Mutant::CarryFactsIntoReplacement,
@@ -111,6 +113,7 @@ impl Mutant {
         Mutant::LenientRevision,
         Mutant::RecreateInsteadOfAdopt,
         Mutant::DestroyLies,
+        Mutant::IgnoreLoss,
     ];
 
     /// The guarantee whose check must catch the mutant.
@@ -139,7 +142,7 @@ impl Mutant {
                 Guarantee::G20NoPanicNoSpin
             }
             Mutant::RecreateInsteadOfAdopt => Guarantee::NoDoubleCreate,
-            Mutant::DestroyLies => Guarantee::ConvergedLeaksNothing,
+            Mutant::DestroyLies | Mutant::IgnoreLoss => Guarantee::ConvergedLeaksNothing,
         }
     }
 
@@ -376,6 +379,12 @@ impl Tamper for Hooks {
     }
 
     fn fold(&mut self, sim: &Sim, msg: &ToDriver) -> Option<ToDriver> {
+        if let (Mutant::IgnoreLoss, ToDriver::Change(c)) = (self.mutant, msg) {
+            return Some(ToDriver::Change(contract::ResourceChange {
+                attempt: AttemptId::new(c.attempt.get().saturating_add(1 << 40)),
+                ..c.clone()
+            }));
+        }
         let ToDriver::Result(r) = msg else { return None };
         match self.mutant {
             Mutant::FoldIntoCurrentAttempt => {

@@ -448,6 +448,7 @@ pub fn generate(seed: u64, alphabet: Alphabet, len: usize) -> Vec<Input> {
                     deleted = true;
                     Input::Delete
                 }
+                96 | 97 => Input::Lose(rng.below(8) as u8),
                 _ => pick_steps(&mut rng),
             },
             Alphabet::Services => match r {
