@@ -623,6 +623,17 @@ impl Cluster {
         Ok(ProvisioningClient::new(self.channel().await?))
     }
 
+    /// Applies `shape` through the public API.
+    pub async fn apply(&self, shape: &contract::ClusterShape) -> anyhow::Result<pb::ApplyResponse> {
+        let mut c = self.client().await?;
+        let answer = c
+            .apply(pb::ApplyRequest {
+                shape: Some(pb::ClusterShape::from(shape)),
+            })
+            .await?;
+        Ok(answer.into_inner())
+    }
+
     /// A connection to the driver's public API (for clients with their own
     /// layers, such as a bearer token); with TLS it presents `provisionctl`'s
     /// certificate.

@@ -28,12 +28,7 @@ fn is(s: &pb::RunStatus, kind: &str, status: bool, reason: &str) -> bool {
 }
 
 async fn apply(cluster: &Cluster, s: &contract::ClusterShape) {
-    let mut c = cluster.client().await.unwrap();
-    c.apply(pb::ApplyRequest {
-        shape: Some(pb::ClusterShape::from(s)),
-    })
-    .await
-    .unwrap();
+    cluster.apply(s).await.unwrap();
 }
 
 async fn until(cluster: &Cluster, what: &str, done: impl FnMut(&pb::RunStatus) -> bool) -> pb::RunStatus {

@@ -49,12 +49,7 @@ fn slots(m: &BTreeMap<(String, String), Vec<u32>>) -> BTreeMap<String, usize> {
 }
 
 async fn apply(cluster: &Cluster, s: &contract::ClusterShape) {
-    let mut c = cluster.client().await.unwrap();
-    c.apply(pb::ApplyRequest {
-        shape: Some(pb::ClusterShape::from(s)),
-    })
-    .await
-    .unwrap();
+    cluster.apply(s).await.unwrap();
 }
 
 async fn converged(cluster: &Cluster, generation: u64) -> pb::RunStatus {
@@ -677,24 +672,20 @@ async fn an_agent_that_died_while_the_executor_was_down_is_found_at_its_restart(
     })
     .await;
     cluster.executor.restart(cluster.dir.path()).await.unwrap();
-
     // The run still says converged until the restarted executor reports the
     // loss; then the slot gets a fresh attempt.
-    wait_for_state(&cluster, &mut c, "workers-1", "a fresh attempt", |s| {
-        s.attempt > before.attempt
-    })
-    .await;
-    assert_replaced(
-        &cluster,
-        &mut c,
-        &agents,
-        &["workers-0", "workers-1", "workers-2"],
-        "workers-1",
-        before.attempt,
-    )
-    .await;
-    delete_run(&mut c).await;
-    assert_all_gone(&keep).await;
+    replaced_after_restart(&cluster, &mut c, &keep, "workers-1", before.attempt).await;
+}
+
+/// After an executor restart: `node` gets a fresh attempt past `gone`, the
+/// run converges with one agent per slot of its three workers, and a delete
+/// leaves nothing.
+async fn replaced_after_restart(cluster: &Cluster, c: &mut Client, keep: &AgentsDir, node: &str, gone: u64) {
+    wait_for_state(cluster, c, node, "a fresh attempt", |s| s.attempt > gone).await;
+    let expected = ["workers-0", "workers-1", "workers-2"];
+    assert_replaced(cluster, c, &keep.root, &expected, node, gone).await;
+    delete_run(c).await;
+    assert_all_gone(keep).await;
 }
 
 /// SPEC §8, inventory resync: a resource that vanished without a trace (its
@@ -727,20 +718,5 @@ async fn a_lease_missing_from_the_inventory_at_two_looks_is_lost_and_replaced() 
     .await;
     std::fs::remove_dir_all(&dir).unwrap();
     cluster.executor.restart(cluster.dir.path()).await.unwrap();
-
-    wait_for_state(&cluster, &mut c, "workers-2", "a fresh attempt", |s| {
-        s.attempt > before.attempt
-    })
-    .await;
-    assert_replaced(
-        &cluster,
-        &mut c,
-        &agents,
-        &["workers-0", "workers-1", "workers-2"],
-        "workers-2",
-        before.attempt,
-    )
-    .await;
-    delete_run(&mut c).await;
-    assert_all_gone(&keep).await;
+    replaced_after_restart(&cluster, &mut c, &keep, "workers-2", before.attempt).await;
 }

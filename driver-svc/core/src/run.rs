@@ -240,6 +240,17 @@ pub struct OrphanResource {
     pub session_live: bool,
 }
 
+/// The attempt of `n` fails: its cleanup starts at once (row 4), its restart
+/// backs off until `restart_at`, and its failure count is `failures`.
+fn attempt_failed(n: &mut ManagedNode, failures: u32, restart_at: UnixMillis, failure: Failure) {
+    n.stage = NodeStage::Failed;
+    n.stage_deadline = None;
+    n.retry.consecutive_failures = failures;
+    n.retry.next_effect_at = None;
+    n.retry.restart_at = Some(restart_at);
+    n.facts.failure = Some(failure);
+}
+
 /// How the failure of an attempt whose resource was lost begins.
 pub const LOST_PREFIX: &str = "resource lost: ";
 
@@ -1549,15 +1560,11 @@ impl RunState {
             if o.stage.is_failure() && n.stage != NodeStage::Failed {
                 // The attempt fails; the session stays recorded as live so that
                 // cleanup cancels it ("already absent" is success).
-                n.stage = NodeStage::Failed;
-                n.stage_deadline = None;
-                n.retry.consecutive_failures = failures;
-                n.retry.next_effect_at = None;
-                n.retry.restart_at = Some(restart_at);
-                n.facts.failure = Some(Failure {
+                let failure = Failure {
                     reason: format!("bootstrap {}: {}", o.stage.name(), o.detail),
                     at: o.at,
-                });
+                };
+                attempt_failed(n, failures, restart_at, failure);
             } else if matches!(o.stage, BootstrapStage::Joined | BootstrapStage::Converged)
                 && n.stage == NodeStage::BootstrapRunning
             {
@@ -1617,16 +1624,11 @@ impl RunState {
         e.version += 1;
         e.dirty = true;
         e.wake_at = None;
-        let n = &mut e.rec.node;
-        n.stage = NodeStage::Failed;
-        n.stage_deadline = None;
-        n.retry.consecutive_failures = failures;
-        n.retry.next_effect_at = None;
-        n.retry.restart_at = Some(restart_at);
-        n.facts.failure = Some(Failure {
+        let failure = Failure {
             reason: format!("{LOST_PREFIX}{reason}"),
             at: c.at,
-        });
+        };
+        attempt_failed(&mut e.rec.node, failures, restart_at, failure);
         self.changed.insert(c.node.clone());
         self.reindex(&c.node);
         self.note_fold(now);
@@ -1823,12 +1825,7 @@ impl RunState {
                     NodeStage::LeaseCreated => format!("no endpoint within {}", human(endpoint_timeout)),
                     _ => format!("bootstrap did not converge within {}", human(bootstrap_timeout)),
                 };
-                n.stage = NodeStage::Failed;
-                n.stage_deadline = None;
-                n.retry.consecutive_failures = failures;
-                n.retry.next_effect_at = None;
-                n.retry.restart_at = Some(restart_at);
-                n.facts.failure = Some(Failure { reason, at: now });
+                attempt_failed(n, failures, restart_at, Failure { reason, at: now });
                 e.version += 1;
                 e.dirty = true;
                 e.wake_at = None;
