@@ -728,13 +728,17 @@ impl Oracle {
 
     /// Guarantee 3, for life: every lease, endpoint and session value a node's
     /// facts hold belongs to the first attempt that held it; no other attempt
-    /// (a replacement in particular) may ever hold it.
+    /// of its slot (a replacement in particular) may ever hold it. Another
+    /// slot may hold it once its owner no longer does: a real provider hands
+    /// out a freed value again (the OS reuses an exited agent's port).
     fn g03_fact_owners(&mut self, nodes: &Nodes) {
         fn owned<K: Ord + Clone + std::fmt::Display>(
             map: &mut BTreeMap<K, (LogicalNodeId, AttemptId)>,
             key: Option<&K>,
             n: &ManagedNode,
             what: &str,
+            nodes: &Nodes,
+            held: impl Fn(&ManagedNode) -> Option<&K>,
         ) -> Option<String> {
             let key = key?;
             let owner = match map.get(key) {
@@ -744,6 +748,14 @@ impl Oracle {
                     return None;
                 }
             };
+            let released = owner.0 != n.id
+                && !nodes
+                    .values()
+                    .any(|o| o.id == owner.0 && o.attempt == owner.1 && held(o) == Some(key));
+            if released {
+                map.insert(key.clone(), (n.id.clone(), n.attempt));
+                return None;
+            }
             (owner.0 != n.id || owner.1 != n.attempt).then(|| {
                 format!(
                     "{} attempt {} holds {what} {key}, a fact of {} attempt {}",
@@ -754,9 +766,25 @@ impl Oracle {
         for n in nodes.values() {
             let f = &n.facts;
             let found = [
-                owned(&mut self.lease_owner, f.lease.as_ref(), n, "lease"),
-                owned(&mut self.endpoint_owner, f.endpoint.as_ref(), n, "endpoint"),
-                owned(&mut self.session_owner, f.session.as_ref(), n, "session"),
+                owned(&mut self.lease_owner, f.lease.as_ref(), n, "lease", nodes, |o| {
+                    o.facts.lease.as_ref()
+                }),
+                owned(
+                    &mut self.endpoint_owner,
+                    f.endpoint.as_ref(),
+                    n,
+                    "endpoint",
+                    nodes,
+                    |o| o.facts.endpoint.as_ref(),
+                ),
+                owned(
+                    &mut self.session_owner,
+                    f.session.as_ref(),
+                    n,
+                    "session",
+                    nodes,
+                    |o| o.facts.session.as_ref(),
+                ),
             ];
             for detail in found.into_iter().flatten() {
                 self.fail(Guarantee::G03RetiredFactsNeverCarried, detail);
