@@ -8,7 +8,8 @@
 //! templates travel once, in the header's table.
 
 use contract::{
-    ClusterShape, DecideOutput, Decision, FieldError, ManagedNode, Problem, TraceContext, UnixMillis,
+    ClusterShape, DecideOutput, Decision, FieldError, GroupCounts, GroupId, ManagedNode, Problem,
+    TraceContext, UnixMillis,
     pb::{self, decide_request::Part, decider_client::DeciderClient},
     wire::{TemplateTable, node_to_wire, shape_to_wire_with_table, trace_to_wire},
 };
@@ -86,6 +87,21 @@ pub fn encode_request<'a>(
     now: UnixMillis,
     trace: &TraceContext,
 ) -> Vec<pb::DecideRequest> {
+    encode_request_with_counts(shape, deleting, nodes, slots, &[], now, trace)
+}
+
+/// [`encode_request`] with each group's day-2 counts over the whole run
+/// ([`GroupCounts`]), which the remediation budget needs when `nodes` is only
+/// part of the run.
+pub fn encode_request_with_counts<'a>(
+    shape: &ClusterShape,
+    deleting: bool,
+    nodes: impl IntoIterator<Item = &'a ManagedNode>,
+    slots: &SlotSet,
+    counts: &[(GroupId, GroupCounts)],
+    now: UnixMillis,
+    trace: &TraceContext,
+) -> Vec<pb::DecideRequest> {
     let trace = trace_to_wire(trace);
     let message = |part: Part| pb::DecideRequest {
         part: Some(part),
@@ -135,6 +151,15 @@ pub fn encode_request<'a>(
         templates: table.into_wire(),
         group_template_refs,
         deleting,
+        group_counts: counts
+            .iter()
+            .filter(|(_, c)| *c != GroupCounts::default())
+            .map(|(g, c)| pb::GroupCounts {
+                group_id: g.as_str().to_owned(),
+                unhealthy: c.unhealthy,
+                remediating: c.remediating,
+            })
+            .collect(),
     }));
     let mut messages = Vec::with_capacity(body.len() + 1);
     messages.push(header);

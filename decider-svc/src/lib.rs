@@ -20,5 +20,5 @@
 pub mod client;
 pub mod server;
 
-pub use client::{DecideError, decide, encode_request};
+pub use client::{DecideError, decide, encode_request, encode_request_with_counts};
 pub use server::{CallError, Config, DeciderService, run, serve};

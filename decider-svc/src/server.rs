@@ -15,7 +15,7 @@
 use std::future::Future;
 
 use contract::{
-    FieldError, GroupId, UnixMillis,
+    FieldError, GroupCounts, GroupId, UnixMillis,
     pb::{
         self, DecideRequest, DecideResponse,
         decide_request::Part,
@@ -23,7 +23,7 @@ use contract::{
     },
     wire::{TemplateTable, node_from_wire, shape_from_wire_with_table},
 };
-use decider::{DesiredView, SlotSet};
+use decider::{DesiredView, Remediations, SlotSet};
 use platform::{
     event_trace::{self, DecisionRec, TraceEvent},
     runtime::health_and_reflection,
@@ -340,6 +340,18 @@ async fn serve_call(
         .map_err(|e| e.within("header"))?;
     let now = UnixMillis::new(header.now_ms);
     let deleting = header.deleting;
+    let mut counts = Vec::with_capacity(header.group_counts.len());
+    for (i, c) in header.group_counts.into_iter().enumerate() {
+        let group = GroupId::parse("group_id", &c.group_id)
+            .map_err(|e| e.within(&format!("header.group_counts[{i}]")))?;
+        counts.push((
+            group,
+            GroupCounts {
+                unhealthy: c.unhealthy,
+                remediating: c.remediating,
+            },
+        ));
+    }
     // The call's trace context arrives in its metadata (the tracing layer
     // has already made the span its child); the copy in each message is for
     // tools reading a recorded stream, so it is not consulted here.
@@ -362,7 +374,8 @@ async fn serve_call(
         }
     }
 
-    let desired = DesiredView::new(&shape, deleting);
+    let desired = DesiredView::new(&shape, deleting).with_counts(counts);
+    let mut remediations = Remediations::new();
     let mut batcher = Batcher::new(out);
     let mut slots = SlotSet::new();
     let mut decided: u32 = 0;
@@ -382,7 +395,12 @@ async fn serve_call(
                     // one node even though the client chose the batch boundaries.
                     let node = node_from_wire(wire, &templates)
                         .map_err(|e| e.within(&format!("nodes[{decided}]")))?;
-                    let d = decider::decide_node(&desired, &node, now);
+                    // A node due for remediation is answered at `end`, once
+                    // the budget has seen every such node of the call.
+                    let Some(d) = decider::decide_or_defer(&desired, &node, now, &mut remediations) else {
+                        decided += 1;
+                        continue;
+                    };
                     requeue_at = decider::fold_requeue(requeue_at, &d, now);
                     tally.count(&d);
                     if let Some(t) = &mut traced {
@@ -407,6 +425,13 @@ async fn serve_call(
         }
     }
 
+    for d in remediations.settle(&desired, now) {
+        tally.count(&d);
+        if let Some(t) = &mut traced {
+            t.push(DecisionRec::of(&d));
+        }
+        batcher.push(&d).await?;
+    }
     slots.finish();
     let mut inserts: u32 = 0;
     for d in decider::inserts(&desired, &slots) {

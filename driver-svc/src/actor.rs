@@ -461,6 +461,9 @@ impl RunActor {
                     Ok(Applied::Changed) => {
                         self.request_changed(trace);
                         let committed = self.commit().await.map(|()| Applied::Changed);
+                        // Health policies apply at once and replace nothing.
+                        self.session.handle_shape_changed(&self.run);
+                        self.flush();
                         if committed.is_ok() {
                             crash::hit(crash::Point::ApplyCommitted);
                         }
@@ -892,7 +895,7 @@ impl RunActor {
                         .unwrap_or_else(|| op.trace.clone());
                     self.events.dispatched(op, true, *resubmission);
                 }
-                ToExecutor::ObserveFrom(_) | ToExecutor::Ack(_) => {}
+                ToExecutor::ObserveFrom(_) | ToExecutor::Ack(_) | ToExecutor::Watch(_) => {}
             }
             let msg = link::encode(uid, m, &trace);
             self.shared.link.send(generation, msg);
@@ -1224,11 +1227,12 @@ impl RunActor {
         let span = self.new_pass_span(&plan, speculative);
         let requests = {
             let slots = self.run.slot_set();
-            decider_svc::client::encode_request(
+            decider_svc::client::encode_request_with_counts(
                 self.run.shape(),
                 self.run.is_deleting(),
                 self.run.plan_nodes(&plan),
                 &slots,
+                &self.run.group_counts(),
                 now,
                 &telemetry::context_of(&span),
             )

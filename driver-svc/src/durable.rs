@@ -394,6 +394,7 @@ mod tests {
                 id: contract::GroupId::parse("g", "workers").unwrap(),
                 count: 4,
                 template: Arc::new(contract::shape::example_template("fake", "img:1")),
+                policy: Default::default(),
             }],
         };
         Arc::make_mut(&mut s.groups[0].template).boot.insert(

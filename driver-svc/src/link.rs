@@ -332,6 +332,7 @@ pub fn encode(uid: RunUid, m: ToExecutor, trace: &TraceContext) -> pb::DriverMes
             run_uid: uid.to_string(),
             after: after.into_iter().map(|(s, seq)| observation(s, seq)).collect(),
         }),
+        ToExecutor::Watch(w) => driver_message::Kind::Watch(pb::WatchHealth::from(&w)),
         ToExecutor::Ack(acks) => {
             let mut ack = pb::Ack::default();
             for a in acks {

@@ -19,7 +19,7 @@ pub struct Metrics {
     pub transitions: AtomicU64,
     pub stale_decisions: AtomicU64,
     pub decider_errors: AtomicU64,
-    pub actions_by_rule: [AtomicU64; 17],
+    pub actions_by_rule: [AtomicU64; contract::Rule::SLOTS],
     pub(crate) exported: Exported,
 }
 
@@ -216,6 +216,7 @@ pub(crate) fn rule_name(rule: contract::Rule) -> &'static str {
         R::ObserveConvergence => "observe-convergence",
         R::AwaitBootstrap => "await-bootstrap",
         R::StartBootstrap => "start-bootstrap",
+        R::RemediationBudget => "remediation-budget",
     }
 }
 
@@ -233,7 +234,10 @@ impl Metrics {
         }
         let e = &self.exported;
         e.stale_decisions.add(&[], u64::from(o.stale));
-        for (rule, n) in contract::Rule::ALL.iter().zip(o.actions_by_rule) {
+        for (rule, n) in contract::Rule::ALL
+            .iter()
+            .map(|r| (r, o.actions_by_rule[r.number() as usize]))
+        {
             if n > 0 {
                 e.actions
                     .add(&[&rule.number().to_string(), rule_name(*rule)], u64::from(n));

@@ -28,11 +28,13 @@ fn pb_shape(generation: u64) -> pb::ClusterShape {
                 id: contract::GroupId::parse("id", "ctrl").unwrap(),
                 count: 2,
                 template: Arc::new(contract::shape::example_template("fake", "img:1")),
+                policy: Default::default(),
             },
             contract::NodeGroup {
                 id: contract::GroupId::parse("id", "workers").unwrap(),
                 count: 3,
                 template: Arc::new(contract::shape::example_template("fake", "img:1")),
+                policy: Default::default(),
             },
         ],
     };

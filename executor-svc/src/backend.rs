@@ -162,4 +162,21 @@ pub trait Backend: Send + Sync + 'static {
     /// found at start) and reports each one that is lost to `changes` as soon
     /// as it knows, but never one it destroys on request.
     fn watch(&self, _changes: ChangeSink) {}
+
+    /// One health probe of a resource's endpoint (SPEC.md section 8):
+    /// `Err` says what failed. The caller bounds it by the group's timeout.
+    /// The default is a TCP connect.
+    fn probe(
+        &self,
+        _identity: &ResourceIdentity,
+        endpoint: &Endpoint,
+    ) -> BoxFuture<'static, Result<(), String>> {
+        let addr = endpoint.as_str().to_owned();
+        Box::pin(async move {
+            tokio::net::TcpStream::connect(&addr)
+                .await
+                .map(drop)
+                .map_err(|e| format!("connect to {addr}: {e}"))
+        })
+    }
 }

@@ -282,6 +282,8 @@ pub struct FakeProvider {
     creates: u64,
     adoptions: u64,
     calls: u64,
+    /// Resources whose probes fail (see [`FakeProvider::sicken`]).
+    sick: BTreeSet<ResourceIdentity>,
 }
 
 const NO_SUCH_LEASE: &str = "no such lease";
@@ -322,6 +324,7 @@ impl FakeProvider {
             creates: 0,
             adoptions: 0,
             calls: 0,
+            sick: BTreeSet::new(),
         }
     }
 
@@ -596,7 +599,33 @@ impl FakeProvider {
     pub fn lose(&mut self, identity: &ResourceIdentity) -> bool {
         let held = self.nodes.contains_key(identity);
         self.remove_node(identity);
+        self.sick.remove(identity);
         held
+    }
+
+    /// Makes the resource of `identity` fail its health probes until
+    /// [`FakeProvider::heal`], for tests. Returns whether there is one.
+    pub fn sicken(&mut self, identity: &ResourceIdentity) -> bool {
+        let held = self.nodes.contains_key(identity);
+        if held {
+            self.sick.insert(identity.clone());
+        }
+        held
+    }
+
+    pub fn heal(&mut self, identity: &ResourceIdentity) -> bool {
+        self.sick.remove(identity)
+    }
+
+    /// A health probe of the resource: it must exist and not be sick.
+    pub fn probe(&self, identity: &ResourceIdentity) -> Result<(), String> {
+        if !self.nodes.contains_key(identity) {
+            return Err("no such resource".to_owned());
+        }
+        if self.sick.contains(identity) {
+            return Err("the resource does not answer its probe".to_owned());
+        }
+        Ok(())
     }
 
     /// When the next bootstrap stage is due, if any session has one left.

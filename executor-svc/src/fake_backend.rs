@@ -241,6 +241,16 @@ impl Backend for FakeBackend {
         })
     }
 
+    /// The fake's endpoints are not sockets: the probe asks the provider.
+    fn probe(
+        &self,
+        identity: &contract::ResourceIdentity,
+        _endpoint: &contract::Endpoint,
+    ) -> BoxFuture<'static, Result<(), String>> {
+        let result = self.shared.lock().provider.probe(identity);
+        Box::pin(async move { result })
+    }
+
     fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {

@@ -27,5 +27,6 @@ pub mod core;
 pub mod durable;
 pub mod fake;
 pub mod fake_backend;
+pub mod health;
 pub mod process;
 pub mod server;

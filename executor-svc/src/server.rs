@@ -34,7 +34,7 @@ use std::{
 use crate::budget::{Budget, BudgetConfig};
 use contract::{
     Claim, Clock, Epoch, FieldError, Monotonic, Observation, Operation, OperationId, OperationResult,
-    Outcome, Rejection, RejectionReason, ResourceChange, RunUid, SessionId, TraceContext,
+    Outcome, Rejection, RejectionReason, ResourceChange, RunUid, SessionId, TraceContext, WatchHealth,
     pb::{
         self,
         executor_server::{Executor, ExecutorServer},
@@ -62,6 +62,7 @@ use tracing::Instrument as _;
 use crate::{
     backend::{Backend, BackendError, ChangeSink, ObservationSink, RawChange, RawObservation},
     core::{ExecutorCore, Output},
+    health,
 };
 
 /// The longest the actor sleeps before it reads the clock again while a
@@ -259,8 +260,17 @@ pub async fn run(
         TraceContext::default(),
     ));
     let (changes_tx, changes_rx) = mpsc::unbounded_channel();
-    backend.watch(ChangeSink::new(changes_tx));
+    let changes = ChangeSink::new(changes_tx);
+    backend.watch(changes.clone());
+    let (health_tx, health_rx) = mpsc::unbounded_channel();
+    tokio::spawn(crate::health::run(
+        Arc::clone(&backend),
+        Arc::clone(&clock),
+        health_rx,
+        changes,
+    ));
     let mut actor = Actor::new(Arc::clone(&backend), clock, events_tx.clone(), observations_tx);
+    actor.health = Some(health_tx);
     actor.budget = Budget::new(config.budget, actor.clock.monotonic());
     if let Some(dir) = &config.state_dir {
         let store = crate::durable::ExecutorStore::open_sealed(dir, config.secrets.clone())?;
@@ -545,6 +555,8 @@ struct Actor {
     store: Option<crate::durable::ExecutorStore>,
     /// Set when the store refused a write: nothing more is accepted.
     store_failed: bool,
+    /// The health prober's commands (`None` in an actor without one).
+    health: Option<mpsc::UnboundedSender<health::Command>>,
     metrics: ExecutorMetrics,
     /// Messages of the current step, sent by `flush` after its changes are
     /// durable.
@@ -584,6 +596,7 @@ impl Actor {
             next_task: 0,
             draining: false,
             store: None,
+            health: None,
             store_failed: false,
             metrics: ExecutorMetrics::new(),
             outbox: Vec::new(),
@@ -765,6 +778,27 @@ impl Actor {
             Some(Kind::Ack(ack)) => self.on_ack(link, ack, &trace),
             Some(Kind::ObserveFrom(from)) => self.on_observe_from(link, from, &trace),
             Some(Kind::Forget(forget)) => self.on_forget(link, forget, &trace),
+            Some(Kind::Watch(watch)) => self.on_watch(link, watch, &trace),
+        }
+    }
+
+    /// How to probe a run's resources: from the link that routes the run, at
+    /// its claimed epoch; the prober takes it from there.
+    fn on_watch(&mut self, link: LinkId, watch: pb::WatchHealth, trace: &TraceContext) {
+        let raw_uid = watch.run_uid.clone();
+        let watch = match WatchHealth::try_from(watch) {
+            Ok(w) => w,
+            Err(e) => return self.reject_invalid(link, raw_uid, None, "watch", &e, trace),
+        };
+        if !self.routed_here(link, watch.run_uid, None, "watch", trace) {
+            return;
+        }
+        if self.core.highest_epoch(watch.run_uid) != Some(watch.epoch) {
+            tracing::debug!(run = %watch.run_uid, epoch = %watch.epoch, "health policy of an old epoch ignored");
+            return;
+        }
+        if let Some(h) = &self.health {
+            let _ = h.send(health::Command::Policy(watch));
         }
     }
 
@@ -976,6 +1010,9 @@ impl Actor {
         let out = self.core.forget_run(run_uid, Epoch::new(forget.epoch));
         if !out.iter().any(|o| matches!(o, Output::Rejected(_))) {
             self.routes.remove(&run_uid);
+            if let Some(h) = &self.health {
+                let _ = h.send(health::Command::Forget(run_uid));
+            }
         }
         self.apply(out, Some(link), trace);
     }

@@ -48,10 +48,18 @@ pub enum Rule {
     AwaitBootstrap = 15,
     /// Lease and endpoint, no session.
     StartBootstrap = 16,
+    /// Unhealthy past its deadline, but the group's remediation budget holds
+    /// it (too many in flight, or too many of the group impaired). Number 17
+    /// is the rollout budget's (SPEC.md section 9).
+    RemediationBudget = 18,
 }
 
 impl Rule {
-    pub const ALL: [Rule; 17] = [
+    /// One more than the highest rule number: the size of a table indexed by
+    /// [`Rule::number`].
+    pub const SLOTS: usize = 19;
+
+    pub const ALL: [Rule; 18] = [
         Rule::Insert,
         Rule::Reap,
         Rule::Restart,
@@ -69,6 +77,7 @@ impl Rule {
         Rule::ObserveConvergence,
         Rule::AwaitBootstrap,
         Rule::StartBootstrap,
+        Rule::RemediationBudget,
     ];
 
     pub fn number(self) -> u32 {
@@ -76,7 +85,7 @@ impl Rule {
     }
 
     pub fn from_number(n: u32) -> Option<Rule> {
-        Rule::ALL.get(usize::try_from(n).ok()?).copied()
+        Rule::ALL.into_iter().find(|r| r.number() == n)
     }
 }
 

@@ -18,6 +18,7 @@
 pub mod backoff;
 pub mod decision;
 pub mod error;
+pub mod health;
 pub mod ids;
 pub mod ops;
 pub mod shape;
@@ -64,13 +65,14 @@ pub mod pb {
 pub use backoff::{BackoffPolicy, backoff_delay};
 pub use decision::{Action, DecideOutput, Decision, Rule};
 pub use error::{FieldError, Problem};
+pub use health::{Budget, GroupCounts, GroupPolicy, HealthPolicy, NodeHealth, Probe, RemediationPolicy};
 pub use ids::{
     AttemptId, Endpoint, Epoch, Generation, GroupId, LeaseId, LogicalNodeId, OperationId, RunId, RunUid,
     SessionId,
 };
 pub use ops::{
     Change, Claim, Observation, Operation, OperationInput, OperationResult, Outcome, Rejection,
-    RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext,
+    RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext, WatchHealth,
 };
 pub use shape::{
     Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape, ShapeLimits,

@@ -5,7 +5,10 @@
 use std::sync::Arc;
 
 use crate::{
-    ids::{AttemptId, Endpoint, Epoch, LeaseId, LogicalNodeId, OperationId, RunId, RunUid, SessionId},
+    health::HealthPolicy,
+    ids::{
+        AttemptId, Endpoint, Epoch, GroupId, LeaseId, LogicalNodeId, OperationId, RunId, RunUid, SessionId,
+    },
     shape::{NodeTemplate, Params},
     state::{BootstrapStage, Effect},
     time::UnixMillis,
@@ -190,12 +193,16 @@ pub struct Observation {
 pub enum Change {
     /// The resource is gone (its process exited, its machine was deleted).
     Lost { reason: String },
+    /// The resource's health probes changed state (or were first answered).
+    Health { healthy: bool, detail: String },
 }
 
 impl Change {
     pub fn name(&self) -> &'static str {
         match self {
             Change::Lost { .. } => "lost",
+            Change::Health { healthy: true, .. } => "healthy",
+            Change::Health { healthy: false, .. } => "unhealthy",
         }
     }
 }
@@ -211,6 +218,16 @@ pub struct ResourceChange {
     pub change: Change,
     pub at: UnixMillis,
     pub trace: TraceContext,
+}
+
+/// How to probe a claimed run's resources, per group, sent after every claim
+/// and whenever the run's shape changes; it replaces what was sent before. A
+/// group not listed (or with `Probe::None`) is not probed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchHealth {
+    pub run_uid: RunUid,
+    pub epoch: Epoch,
+    pub groups: Vec<(GroupId, HealthPolicy)>,
 }
 
 /// A driver takes ownership of a run at the executor.

@@ -5,6 +5,7 @@ use std::{collections::BTreeMap, sync::Arc};
 
 use crate::{
     error::{FieldError, Problem},
+    health::GroupPolicy,
     ids::{Generation, GroupId, LogicalNodeId, RunId},
 };
 
@@ -70,6 +71,21 @@ pub struct NodeGroup {
     pub id: GroupId,
     pub count: u32,
     pub template: Arc<NodeTemplate>,
+    /// Health probing and the remediation budget; outside the template, so
+    /// changing it replaces nothing.
+    pub policy: GroupPolicy,
+}
+
+impl NodeGroup {
+    /// A group with the default policy.
+    pub fn new(id: GroupId, count: u32, template: Arc<NodeTemplate>) -> Self {
+        Self {
+            id,
+            count,
+            template,
+            policy: GroupPolicy::default(),
+        }
+    }
 }
 
 /// A run's desired shape at one generation.
@@ -159,6 +175,7 @@ impl ClusterShape {
                 ));
             }
             validate_template(&g.template, limits).map_err(|e| e.within(&format!("{path}.template")))?;
+            g.policy.validate().map_err(|e| e.within(&path))?;
         }
         let total = self.total_nodes();
         if total > limits.max_nodes_total {
@@ -290,6 +307,7 @@ mod tests {
                 id: GroupId::parse("id", "workers").unwrap(),
                 count: 3,
                 template: Arc::new(example_template("fake", "img:1")),
+                policy: Default::default(),
             }],
         }
     }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use crate::{
+    health::NodeHealth,
     ids::{AttemptId, Endpoint, LeaseId, LogicalNodeId, OperationId, SessionId},
     shape::NodeTemplate,
     time::UnixMillis,
@@ -215,6 +216,11 @@ pub struct NodeFacts {
     pub ambiguous_create: bool,
     /// A `StartBootstrap` ended ambiguously: a session may exist.
     pub ambiguous_bootstrap: bool,
+    /// The executor reported the attempt's resource gone (the attempt has
+    /// failed, and `failure` says why).
+    pub lost: bool,
+    /// What the executor last reported of the attempt's health probes.
+    pub health: Option<NodeHealth>,
 }
 
 impl NodeFacts {
@@ -227,6 +233,11 @@ impl NodeFacts {
         self.bootstrap
             .as_ref()
             .is_some_and(|b| b.stage == BootstrapStage::Converged)
+    }
+
+    /// Unhealthy or lost: what a group's `max_unhealthy` counts.
+    pub fn is_impaired(&self) -> bool {
+        self.lost || self.health.as_ref().is_some_and(NodeHealth::is_unhealthy)
     }
 
     pub fn bootstrap_failed(&self) -> bool {
@@ -262,6 +273,10 @@ pub struct RetryState {
     /// A destroyed slot is not restarted before this.
     pub restart_at: Option<UnixMillis>,
     pub permanent: Option<PermanentFailure>,
+    /// The slot is being replaced for health: set when the driver begins the
+    /// unhealthy attempt's cleanup, cleared when the slot is ready again. What
+    /// a group's `max_in_flight` counts.
+    pub remediating: bool,
 }
 
 /// One slot's observed state.

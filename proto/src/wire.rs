@@ -46,13 +46,14 @@ use std::{
 use crate::{
     decision::{Action, Decision, Rule},
     error::{FieldError, Problem},
+    health::{Budget, GroupPolicy, HealthPolicy, NodeHealth, Probe, RemediationPolicy},
     ids::{
         AttemptId, Endpoint, Epoch, Generation, GroupId, LeaseId, LogicalNodeId, OperationId, RunId, RunUid,
         SessionId,
     },
     ops::{
         Change, Claim, Observation, Operation, OperationInput, OperationResult, Outcome, Rejection,
-        RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext,
+        RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext, WatchHealth,
     },
     pb,
     shape::{Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape},
@@ -419,7 +420,90 @@ fn group_from_wire(g: pb::NodeGroup, from_table: Option<Arc<NodeTemplate>>) -> R
         (None, Some(t)) => Arc::new(NodeTemplate::try_from(t).map_err(within("template"))?),
         (None, None) => return Err(FieldError::new("template", Problem::Missing)),
     };
-    Ok(NodeGroup { id, count, template })
+    let policy = GroupPolicy {
+        health: g
+            .health
+            .map(health_from_wire)
+            .transpose()
+            .map_err(within("health"))?
+            .unwrap_or_default(),
+        remediation: g
+            .remediation
+            .map(remediation_from_wire)
+            .transpose()
+            .map_err(within("remediation"))?
+            .unwrap_or_default(),
+    };
+    Ok(NodeGroup {
+        id,
+        count,
+        template,
+        policy,
+    })
+}
+
+/// Zero times and an unset probe decode as the defaults. Range checks are
+/// `GroupPolicy::validate`'s (run by `ClusterShape::validate`).
+pub fn health_from_wire(h: pb::HealthPolicy) -> Result<HealthPolicy, FieldError> {
+    let d = HealthPolicy::default();
+    let probe = match pb::Probe::try_from(h.probe) {
+        Ok(pb::Probe::Unspecified | pb::Probe::None) => Probe::None,
+        Ok(pb::Probe::Tcp) => Probe::Tcp,
+        Err(_) => return Err(FieldError::new("probe", Problem::UnknownValue(h.probe))),
+    };
+    let or = |v: u64, default: u64| if v == 0 { default } else { v };
+    Ok(HealthPolicy {
+        probe,
+        interval_ms: or(h.interval_ms, d.interval_ms),
+        timeout_ms: or(h.timeout_ms, d.timeout_ms),
+        unhealthy_after_ms: or(h.unhealthy_after_ms, d.unhealthy_after_ms),
+        startup_grace_ms: h.startup_grace_ms,
+    })
+}
+
+pub fn health_to_wire(h: &HealthPolicy) -> pb::HealthPolicy {
+    pb::HealthPolicy {
+        probe: match h.probe {
+            Probe::None => pb::Probe::None,
+            Probe::Tcp => pb::Probe::Tcp,
+        } as i32,
+        interval_ms: h.interval_ms,
+        timeout_ms: h.timeout_ms,
+        unhealthy_after_ms: h.unhealthy_after_ms,
+        startup_grace_ms: h.startup_grace_ms,
+    }
+}
+
+fn remediation_from_wire(r: pb::RemediationPolicy) -> Result<RemediationPolicy, FieldError> {
+    let d = RemediationPolicy::default();
+    let max_unhealthy = match r.max_unhealthy.and_then(|b| b.value) {
+        None => d.max_unhealthy,
+        Some(pb::budget::Value::Count(n)) => Budget::Count(n),
+        Some(pb::budget::Value::Percent(p)) => Budget::Percent(p),
+    };
+    Ok(RemediationPolicy {
+        max_in_flight: r.max_in_flight.unwrap_or(d.max_in_flight),
+        max_unhealthy,
+    })
+}
+
+fn remediation_to_wire(r: &RemediationPolicy) -> pb::RemediationPolicy {
+    pb::RemediationPolicy {
+        max_in_flight: Some(r.max_in_flight),
+        max_unhealthy: Some(pb::Budget {
+            value: Some(match r.max_unhealthy {
+                Budget::Count(n) => pb::budget::Value::Count(n),
+                Budget::Percent(p) => pb::budget::Value::Percent(p),
+            }),
+        }),
+    }
+}
+
+fn policy_fields(p: &GroupPolicy) -> (Option<pb::HealthPolicy>, Option<pb::RemediationPolicy>) {
+    (
+        Some(health_to_wire(&p.health)),
+        Some(remediation_to_wire(&p.remediation)),
+    )
 }
 
 /// A group on its own. Its optional `run_id` is not checked, because a group
@@ -436,11 +520,14 @@ impl TryFrom<pb::NodeGroup> for NodeGroup {
 /// enclosing shape names the run.
 impl From<&NodeGroup> for pb::NodeGroup {
     fn from(g: &NodeGroup) -> Self {
+        let (health, remediation) = policy_fields(&g.policy);
         Self {
             id: g.id.as_str().to_owned(),
             count: i64::from(g.count),
             template: Some(pb::NodeTemplate::from(&*g.template)),
             run_id: String::new(),
+            health,
+            remediation,
         }
     }
 }
@@ -528,11 +615,16 @@ pub fn shape_to_wire_with_table(
         groups: shape
             .groups
             .iter()
-            .map(|g| pb::NodeGroup {
-                id: g.id.as_str().to_owned(),
-                count: i64::from(g.count),
-                template: None,
-                run_id: String::new(),
+            .map(|g| {
+                let (health, remediation) = policy_fields(&g.policy);
+                pb::NodeGroup {
+                    id: g.id.as_str().to_owned(),
+                    count: i64::from(g.count),
+                    template: None,
+                    run_id: String::new(),
+                    health,
+                    remediation,
+                }
             })
             .collect(),
     };
@@ -803,6 +895,14 @@ impl TryFrom<pb::NodeFacts> for NodeFacts {
             }),
             ambiguous_create: f.ambiguous_create,
             ambiguous_bootstrap: f.ambiguous_bootstrap,
+            lost: f.lost,
+            health: f.health.map(|h| NodeHealth {
+                healthy: h.healthy,
+                since: UnixMillis::new(h.since_ms),
+                observed_at: UnixMillis::new(h.observed_at_ms),
+                detail: h.detail,
+                remediate_at: UnixMillis::from_wire(h.remediate_at_ms),
+            }),
         })
     }
 }
@@ -828,6 +928,14 @@ impl From<&NodeFacts> for pb::NodeFacts {
             ambiguous_create: f.ambiguous_create,
             ambiguous_bootstrap: f.ambiguous_bootstrap,
             bootstrap_stage_at_ms,
+            lost: f.lost,
+            health: f.health.as_ref().map(|h| pb::NodeHealth {
+                healthy: h.healthy,
+                since_ms: h.since.as_millis(),
+                observed_at_ms: h.observed_at.as_millis(),
+                detail: h.detail.clone(),
+                remediate_at_ms: UnixMillis::to_wire(h.remediate_at),
+            }),
         }
     }
 }
@@ -843,6 +951,7 @@ fn retry_to_wire(r: &RetryState, table: &mut TemplateTable) -> pb::RetryState {
         restart_at_ms: UnixMillis::to_wire(r.restart_at),
         permanent_failure,
         permanent_template_ref,
+        remediating: r.remediating,
     }
 }
 
@@ -861,6 +970,7 @@ fn retry_from_wire(r: pb::RetryState, templates: &[Arc<NodeTemplate>]) -> Result
         next_effect_at: UnixMillis::from_wire(r.next_effect_at_ms),
         restart_at: UnixMillis::from_wire(r.restart_at_ms),
         permanent,
+        remediating: r.remediating,
     })
 }
 
@@ -1224,6 +1334,10 @@ impl TryFrom<pb::ResourceChange> for ResourceChange {
     fn try_from(c: pb::ResourceChange) -> Result<Self, FieldError> {
         let change = match required("change", c.change)? {
             pb::resource_change::Change::Lost(l) => Change::Lost { reason: l.reason },
+            pb::resource_change::Change::Health(h) => Change::Health {
+                healthy: h.healthy,
+                detail: h.detail,
+            },
         };
         Ok(ResourceChange {
             run_uid: RunUid::parse("run_uid", &c.run_uid)?,
@@ -1248,9 +1362,57 @@ impl From<&ResourceChange> for pb::ResourceChange {
                 Change::Lost { reason } => pb::resource_change::Change::Lost(pb::ResourceLost {
                     reason: reason.clone(),
                 }),
+                Change::Health { healthy, detail } => {
+                    pb::resource_change::Change::Health(pb::ResourceHealth {
+                        healthy: *healthy,
+                        detail: detail.clone(),
+                    })
+                }
             }),
             at_ms: c.at.as_millis(),
             trace: trace_to_wire(&c.trace),
+        }
+    }
+}
+
+impl TryFrom<pb::WatchHealth> for WatchHealth {
+    type Error = FieldError;
+
+    fn try_from(w: pb::WatchHealth) -> Result<Self, FieldError> {
+        let groups = w
+            .groups
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let at = |e: FieldError| e.within(&format!("groups[{i}]"));
+                let id = GroupId::parse("group_id", &g.group_id).map_err(at)?;
+                let health = health_from_wire(required("health", g.health).map_err(at)?)
+                    .map_err(|e| at(e.within("health")))?;
+                health.validate().map_err(|e| at(e.within("health")))?;
+                Ok((id, health))
+            })
+            .collect::<Result<_, FieldError>>()?;
+        Ok(WatchHealth {
+            run_uid: RunUid::parse("run_uid", &w.run_uid)?,
+            epoch: Epoch::new(w.epoch),
+            groups,
+        })
+    }
+}
+
+impl From<&WatchHealth> for pb::WatchHealth {
+    fn from(w: &WatchHealth) -> Self {
+        Self {
+            run_uid: w.run_uid.to_string(),
+            epoch: w.epoch.get(),
+            groups: w
+                .groups
+                .iter()
+                .map(|(id, h)| pb::GroupHealth {
+                    group_id: id.as_str().to_owned(),
+                    health: Some(health_to_wire(h)),
+                })
+                .collect(),
         }
     }
 }
@@ -1411,11 +1573,13 @@ mod tests {
                     id: GroupId::parse("id", "gpu")?,
                     count: 4,
                     template: Arc::new(rich_template()),
+                    policy: Default::default(),
                 },
                 NodeGroup {
                     id: GroupId::parse("id", "cpu")?,
                     count: 0,
                     template: Arc::new(example_template("fake", "img:1")),
+                    policy: Default::default(),
                 },
             ],
         })
@@ -1610,6 +1774,14 @@ mod tests {
                 }),
                 ambiguous_create: true,
                 ambiguous_bootstrap: true,
+                lost: true,
+                health: Some(NodeHealth {
+                    healthy: false,
+                    since: UnixMillis::new(1_700_000_000_400),
+                    observed_at: UnixMillis::new(1_700_000_000_500),
+                    detail: "no answer within 500 ms".to_owned(),
+                    remediate_at: Some(UnixMillis::new(1_700_000_030_400)),
+                }),
             },
             pending: Some(PendingOp {
                 id: OperationId::new(attempt, 5),
@@ -1625,6 +1797,7 @@ mod tests {
                     reason: "image not found".to_owned(),
                     spec: failed_spec,
                 }),
+                remediating: true,
             },
             stage_deadline: Some(UnixMillis::new(1_700_000_060_000)),
         })

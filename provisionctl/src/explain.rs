@@ -41,6 +41,11 @@ fn hint(st: &pb::NodeState, d: Option<&pb::Decision>, spec_current: bool) -> Opt
              deadline"
                 .to_owned(),
         ),
+        R::RemediationBudget => Some(
+            "the reason says which budget holds it; a group over max_unhealthy is more likely a network \
+             or probe fault than failed nodes: fix that, or raise the group's remediation.max_unhealthy"
+                .to_owned(),
+        ),
         R::BeginDelete if !spec_current => {
             Some("the group's template changed: this attempt is replaced by one with the new spec".to_owned())
         }

@@ -119,6 +119,7 @@ pub fn rule(n: u32) -> &'static str {
         Rule::ObserveConvergence => "observe-convergence",
         Rule::AwaitBootstrap => "await-bootstrap",
         Rule::StartBootstrap => "start-bootstrap",
+        Rule::RemediationBudget => "remediation-budget",
     })
 }
 
@@ -142,6 +143,7 @@ pub fn rule_meaning(n: u32) -> &'static str {
         Rule::ObserveConvergence => "the bootstrap converged: the node becomes ready",
         Rule::AwaitBootstrap => "the bootstrap is running: waiting for its stages",
         Rule::StartBootstrap => "the endpoint is known: start the bootstrap",
+        Rule::RemediationBudget => "unhealthy, but its group's remediation budget holds its replacement",
     })
 }
 

@@ -506,6 +506,7 @@ pub(crate) mod tests {
                         ..Default::default()
                     }),
                     run_id: String::new(),
+                    ..Default::default()
                 }],
             }),
             ..Default::default()

@@ -22,6 +22,13 @@
 //!                   accelerators: [{ kind: a100, count: 1 }], labels: { pool: general } }
 //!       boot: { greeting: hello, token: { value: s3cret, secret: true } }
 //!       join: { cluster: demo }
+//!     health:              # optional; outside the template, so changing it replaces nothing
+//!       probe: tcp         # tcp | none (the default: not probed)
+//!       interval: 10s      # between probes; timeout: 2s; startup_grace: 0s
+//!       unhealthy_after: 30s   # unhealthy this long: due for replacement
+//!     remediation:         # optional: the budget for replacing unhealthy nodes
+//!       max_in_flight: 1   # replaced at once (0: report, never replace)
+//!       max_unhealthy: 40% # more unhealthy or lost than this: replace none
 //! ```
 //!
 //! A boot or join parameter is a string (numbers and booleans are taken as
@@ -57,6 +64,155 @@ pub struct GroupFile {
     /// validation the server runs, rather than as a type error.
     pub count: i64,
     pub template: TemplateFile,
+    /// Outside the template: changing it replaces nothing.
+    #[serde(default)]
+    pub health: Option<HealthFile>,
+    #[serde(default)]
+    pub remediation: Option<RemediationFile>,
+}
+
+/// `health:` of a group; every field optional (the defaults: no probe,
+/// interval 10s, timeout 2s, unhealthy_after 30s, startup_grace 0s).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthFile {
+    #[serde(default)]
+    pub probe: Option<ProbeFile>,
+    #[serde(default)]
+    pub interval: Option<Millis>,
+    #[serde(default)]
+    pub timeout: Option<Millis>,
+    #[serde(default)]
+    pub unhealthy_after: Option<Millis>,
+    #[serde(default)]
+    pub startup_grace: Option<Millis>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProbeFile {
+    None,
+    Tcp,
+}
+
+/// `remediation:` of a group (defaults: `max_in_flight: 1`,
+/// `max_unhealthy: 100%`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemediationFile {
+    #[serde(default)]
+    pub max_in_flight: Option<u32>,
+    #[serde(default)]
+    pub max_unhealthy: Option<BudgetFile>,
+}
+
+/// A duration: milliseconds as a number, or a string with a unit
+/// (`500ms`, `10s`, `2m`, `1h`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Millis(pub u64);
+
+impl Millis {
+    pub fn parse(s: &str) -> Option<Self> {
+        let s = s.trim();
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let (n, unit) = s.split_at(split);
+        let n: u64 = n.parse().ok()?;
+        let scale = match unit.trim() {
+            "" | "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            _ => return None,
+        };
+        n.checked_mul(scale).map(Millis)
+    }
+}
+
+impl<'de> Deserialize<'de> for Millis {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Millis;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a duration: milliseconds, or a string such as \"500ms\", \"10s\", \"2m\"")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Millis, E> {
+                Ok(Millis(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Millis, E> {
+                u64::try_from(v)
+                    .map(Millis)
+                    .map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Millis, E> {
+                Millis::parse(v).ok_or_else(|| E::invalid_value(de::Unexpected::Str(v), &self))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A count of a group's nodes (`3`) or a percentage of them (`"40%"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetFile(pub contract::Budget);
+
+impl<'de> Deserialize<'de> for BudgetFile {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = BudgetFile;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a count of nodes (3) or a percentage (\"40%\")")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<BudgetFile, E> {
+                u32::try_from(v)
+                    .map(|n| BudgetFile(contract::Budget::Count(n)))
+                    .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<BudgetFile, E> {
+                u32::try_from(v)
+                    .map(|n| BudgetFile(contract::Budget::Count(n)))
+                    .map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<BudgetFile, E> {
+                contract::Budget::parse(v)
+                    .map(BudgetFile)
+                    .ok_or_else(|| E::invalid_value(de::Unexpected::Str(v), &self))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl HealthFile {
+    fn to_wire(&self) -> pb::HealthPolicy {
+        let ms = |m: Option<Millis>| m.map_or(0, |m| m.0);
+        pb::HealthPolicy {
+            probe: match self.probe {
+                None => pb::Probe::Unspecified,
+                Some(ProbeFile::None) => pb::Probe::None,
+                Some(ProbeFile::Tcp) => pb::Probe::Tcp,
+            } as i32,
+            interval_ms: ms(self.interval),
+            timeout_ms: ms(self.timeout),
+            unhealthy_after_ms: ms(self.unhealthy_after),
+            startup_grace_ms: ms(self.startup_grace),
+        }
+    }
+}
+
+impl RemediationFile {
+    fn to_wire(&self) -> pb::RemediationPolicy {
+        pb::RemediationPolicy {
+            max_in_flight: self.max_in_flight,
+            max_unhealthy: self.max_unhealthy.map(|b| pb::Budget {
+                value: Some(match b.0 {
+                    contract::Budget::Count(n) => pb::budget::Value::Count(n),
+                    contract::Budget::Percent(p) => pb::budget::Value::Percent(p),
+                }),
+            }),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -353,6 +509,8 @@ impl ShapeFile {
                     id: g.id.clone(),
                     count: g.count,
                     run_id: String::new(),
+                    health: g.health.as_ref().map(HealthFile::to_wire),
+                    remediation: g.remediation.as_ref().map(RemediationFile::to_wire),
                     template: Some(pb::NodeTemplate {
                         role: g.template.role.clone(),
                         image: g.template.image.clone(),

@@ -15,6 +15,7 @@ pub fn shape(run: &str, generation: u64, provider: &str, groups: &[(&str, u32, &
                 id: GroupId::parse("id", id).unwrap_or_else(|e| panic!("bad group id in a test: {e}")),
                 count: *count,
                 template: Arc::new(example_template(provider, image)),
+                policy: Default::default(),
             })
             .collect(),
     }

@@ -69,6 +69,7 @@ fn shape(count: u32, run_id: &str) -> ClusterShape {
             id: contract::GroupId::parse("g", "workers").unwrap(),
             count,
             template: Arc::new(contract::shape::example_template("fake", "img:1")),
+            policy: Default::default(),
         }],
     };
     Arc::make_mut(&mut s.groups[0].template).boot.insert(

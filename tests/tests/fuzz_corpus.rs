@@ -214,6 +214,8 @@ fn nodes(shape: &ClusterShape) -> anyhow::Result<Vec<ManagedNode>> {
         failure: None,
         ambiguous_create: false,
         ambiguous_bootstrap: false,
+        lost: false,
+        health: None,
     };
 
     let mut bootstrapping = ManagedNode::new(
@@ -240,6 +242,7 @@ fn nodes(shape: &ClusterShape) -> anyhow::Result<Vec<ManagedNode>> {
                 reason: "image not found".to_owned(),
                 spec: Arc::clone(&workers),
             }),
+            remediating: false,
         },
     );
     destroyed.stage = NodeStage::Destroyed;
@@ -322,6 +325,7 @@ fn decide_seed(shape: &ClusterShape, nodes: &[ManagedNode], deleting: bool) -> V
         templates: table.into_wire(),
         group_template_refs,
         deleting,
+        group_counts: Vec::new(),
     }))];
     requests.push(part(Part::Nodes(pb::NodeBatch { nodes: wire_nodes })));
     for (group, indices) in slots {
@@ -633,6 +637,7 @@ fn seeds() -> anyhow::Result<Vec<(&'static str, String, Vec<u8>)>> {
                 templates: Vec::new(),
                 group_template_refs: Vec::new(),
                 deleting: false,
+                group_counts: Vec::new(),
             })),
             trace: None,
         },

@@ -16,8 +16,8 @@
 use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
 use contract::{
-    Action, ClusterShape, DecideOutput, Decision, Effect, GroupId, Intent, LogicalNodeId, ManagedNode,
-    NodeGroup, NodeStage, NodeTemplate, Rule, UnixMillis,
+    Action, ClusterShape, DecideOutput, Decision, Effect, GroupCounts, GroupId, Intent, LogicalNodeId,
+    ManagedNode, NodeGroup, NodeStage, NodeTemplate, Rule, UnixMillis,
 };
 
 /// The desired shape as the ladder sees it: which slots are wanted, and with
@@ -28,6 +28,9 @@ pub struct DesiredView<'a> {
     deleting: bool,
     /// Only built for shapes with many groups; a linear scan wins below that.
     index: Option<HashMap<&'a GroupId, usize>>,
+    /// Each group's day-2 counts over the whole run (the Decide header's), for
+    /// the remediation budget. A group not here has none.
+    counts: HashMap<GroupId, GroupCounts>,
 }
 
 const INDEX_THRESHOLD: usize = 16;
@@ -44,7 +47,18 @@ impl<'a> DesiredView<'a> {
             groups,
             deleting,
             index,
+            counts: HashMap::new(),
         }
+    }
+
+    /// The view with the run's per-group counts (see [`GroupCounts`]).
+    pub fn with_counts(mut self, counts: impl IntoIterator<Item = (GroupId, GroupCounts)>) -> Self {
+        self.counts = counts.into_iter().collect();
+        self
+    }
+
+    pub fn counts(&self, group: &GroupId) -> GroupCounts {
+        self.counts.get(group).copied().unwrap_or_default()
     }
 
     /// A view that wants nothing (a run with no shape, or being deleted).
@@ -53,6 +67,7 @@ impl<'a> DesiredView<'a> {
             groups: &[],
             deleting: true,
             index: None,
+            counts: HashMap::new(),
         }
     }
 
@@ -177,8 +192,169 @@ fn wait(
     decision(node, rule, Action::Wait { until }, reason)
 }
 
-/// The ladder for one node: first matching row wins. Row numbers are SPEC.md's.
+/// What the ladder makes of one node: a decision, or a node due for
+/// remediation, which the group's budget decides once every such node of the
+/// pass is known ([`Remediations`]).
+enum Step {
+    Decided(Decision),
+    Remediate(Candidate),
+}
+
+/// A ready node unhealthy past its deadline.
+#[derive(Debug, Clone)]
+struct Candidate {
+    node: LogicalNodeId,
+    attempt: contract::AttemptId,
+    since: UnixMillis,
+    detail: String,
+}
+
+/// The remediation budget of one pass (SPEC.md section 8): the nodes due for
+/// remediation are held back until every node of the pass was seen, then
+/// granted per group in a deterministic order (longest unhealthy first, then
+/// lowest index) up to `max_in_flight` less those already in flight, unless
+/// more of the group is unhealthy or lost than `max_unhealthy` allows.
+#[derive(Debug, Default)]
+pub struct Remediations {
+    candidates: Vec<Candidate>,
+}
+
+impl Remediations {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.candidates.is_empty()
+    }
+
+    /// One decision per node offered: `BeginDelete` (row 4) for the granted,
+    /// a wait under row 18 for the held, each saying which budget and the counts.
+    pub fn settle(mut self, desired: &DesiredView<'_>, now: UnixMillis) -> Vec<Decision> {
+        self.candidates.sort_by(|a, b| {
+            (a.node.group(), a.since, a.node.index()).cmp(&(b.node.group(), b.since, b.node.index()))
+        });
+        let mut out = Vec::with_capacity(self.candidates.len());
+        let mut granted_in_group = 0u32;
+        let mut group: Option<&GroupId> = None;
+        for c in &self.candidates {
+            if group != Some(c.node.group()) {
+                group = Some(c.node.group());
+                granted_in_group = 0;
+            }
+            let Some(g) = desired.group(c.node.group()) else {
+                continue;
+            };
+            let policy = g.policy.remediation;
+            let counts = desired.counts(&g.id);
+            let max_unhealthy = policy.max_unhealthy.resolve(g.count);
+            let in_flight = counts.remediating + granted_in_group;
+            let held = |reason: String| Decision {
+                node: c.node.clone(),
+                attempt: Some(c.attempt),
+                rule: Rule::RemediationBudget,
+                action: Action::Wait { until: None },
+                reason: reason.into(),
+            };
+            let d = if counts.unhealthy > max_unhealthy {
+                held(format!(
+                    "{}: {}/{} unhealthy or lost, more than max_unhealthy {} allows ({}): remediation held",
+                    g.id, counts.unhealthy, g.count, policy.max_unhealthy, max_unhealthy
+                ))
+            } else if policy.max_in_flight == 0 {
+                held(format!(
+                    "{}: max_in_flight is 0: unhealthy nodes are reported, never replaced",
+                    g.id
+                ))
+            } else if in_flight >= policy.max_in_flight {
+                held(format!(
+                    "{}: {}/{} remediations in flight: waiting for one to finish",
+                    g.id, in_flight, policy.max_in_flight
+                ))
+            } else {
+                granted_in_group += 1;
+                let secs = now.saturating_since(c.since).as_secs();
+                Decision {
+                    node: c.node.clone(),
+                    attempt: Some(c.attempt),
+                    rule: Rule::BeginDelete,
+                    action: Action::BeginDelete,
+                    reason: format!(
+                        "unhealthy for {secs}s ({}): remediate ({}: {}/{} in flight)",
+                        c.detail,
+                        g.id,
+                        in_flight + 1,
+                        policy.max_in_flight
+                    )
+                    .into(),
+                }
+            };
+            out.push(d);
+        }
+        out
+    }
+}
+
+/// The ladder for one node, its remediation budget applied with the view's
+/// counts as if it were the only node of the pass due for remediation.
 pub fn decide_node(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Decision {
+    match ladder(desired, n, now) {
+        Step::Decided(d) => d,
+        Step::Remediate(c) => {
+            let mut r = Remediations::new();
+            r.candidates.push(c);
+            let mut out = r.settle(desired, now);
+            // `settle` answers every candidate whose group is desired, and the
+            // ladder offers only nodes of desired groups.
+            out.pop()
+                .unwrap_or_else(|| wait(n, Rule::RemediationBudget, None, "group not desired"))
+        }
+    }
+}
+
+/// The ladder for one node in a pass of many: the decision, or `None` when
+/// the node is due for remediation and went to `remediations`, which answers
+/// for it in [`Remediations::settle`].
+pub fn decide_or_defer(
+    desired: &DesiredView<'_>,
+    n: &ManagedNode,
+    now: UnixMillis,
+    remediations: &mut Remediations,
+) -> Option<Decision> {
+    match ladder(desired, n, now) {
+        Step::Decided(d) => Some(d),
+        Step::Remediate(c) => {
+            remediations.candidates.push(c);
+            None
+        }
+    }
+}
+
+/// The ladder for one node. Remediation is row 4 for a ready node that is
+/// still wanted as it is (rows 1-4 fire for none of those otherwise) and
+/// unhealthy past its stored deadline; the budget decides it ([`Remediations`]).
+fn ladder(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Step {
+    let remediable = n.intent == Intent::Active
+        && n.stage.is_ready()
+        && n.pending.is_none()
+        && !n.facts.bootstrap_failed()
+        && desired
+            .template_for(&n.id)
+            .is_some_and(|t| NodeTemplate::same(t, &n.spec));
+    if remediable && let Some(h) = n.facts.health.as_ref().filter(|h| h.due(now)) {
+        return Step::Remediate(Candidate {
+            node: n.id.clone(),
+            attempt: n.attempt,
+            since: h.since,
+            detail: h.detail.clone(),
+        });
+    }
+    Step::Decided(rows(desired, n, now))
+}
+
+/// The ladder's rows for one node: first matching row wins. Row numbers are
+/// SPEC.md's.
+fn rows(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Decision {
     let wanted = desired.template_for(&n.id);
     let due = |t: Option<UnixMillis>| t.is_none_or(|t| t <= now);
 
@@ -293,8 +469,20 @@ pub fn decide_node(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) 
         );
     }
 
-    // Row 11: ready is the steady state.
+    // Row 11: ready is the steady state. An unhealthy node not yet due for
+    // remediation wants another look at its stored deadline.
     if n.stage.is_ready() {
+        if let Some(h) = n.facts.health.as_ref().filter(|h| h.is_unhealthy()) {
+            return wait(
+                n,
+                Rule::Ready,
+                h.remediate_at,
+                format!(
+                    "ready but unhealthy ({}): remediation is due at its deadline",
+                    h.detail
+                ),
+            );
+        }
         return wait(n, Rule::Ready, None, "ready");
     }
 
@@ -381,7 +569,8 @@ pub fn fold_requeue(acc: Option<UnixMillis>, d: &Decision, now: UnixMillis) -> O
     }
 }
 
-/// One whole pass: a decision per given node, inserts for missing slots, and
+/// One whole pass: a decision per given node (those due for remediation after
+/// the others, as the budget settled them), inserts for missing slots, and
 /// `requeue_at`. `existing` must hold every slot of the run (finished), not only
 /// the nodes passed in.
 pub fn decide<'n>(
@@ -391,11 +580,14 @@ pub fn decide<'n>(
     now: UnixMillis,
 ) -> DecideOutput {
     let mut out = DecideOutput::default();
+    let mut remediations = Remediations::new();
     for n in nodes {
-        let d = decide_node(desired, n, now);
-        out.requeue_at = fold_requeue(out.requeue_at, &d, now);
-        out.decisions.push(d);
+        if let Some(d) = decide_or_defer(desired, n, now, &mut remediations) {
+            out.requeue_at = fold_requeue(out.requeue_at, &d, now);
+            out.decisions.push(d);
+        }
     }
+    out.decisions.extend(remediations.settle(desired, now));
     out.decisions.extend(inserts(desired, existing));
     out
 }

@@ -62,6 +62,7 @@ fn group(id: &str, count: u32, template: Arc<NodeTemplate>) -> NodeGroup {
         id: gid(id),
         count,
         template,
+        policy: Default::default(),
     }
 }
 
@@ -161,6 +162,17 @@ impl N {
     }
     fn stage_deadline(mut self, t: u64) -> Self {
         self.0.stage_deadline = Some(at(t));
+        self
+    }
+    /// Unhealthy since `since`, due for remediation at `due`.
+    fn unhealthy(mut self, since: u64, due: u64) -> Self {
+        self.0.facts.health = Some(contract::NodeHealth {
+            healthy: false,
+            since: at(since),
+            observed_at: at(since),
+            detail: "no answer".to_owned(),
+            remediate_at: Some(at(due)),
+        });
         self
     }
     /// A fully provisioned, ready node.
@@ -1304,6 +1316,125 @@ fn row_11_ready_is_steady() {
 // Rows 12-16: the healthy progression
 // ---------------------------------------------------------------------------
 
+/// The remediation budget of a group of ten with `max_in_flight` and
+/// `max_unhealthy`, the nodes given, and the header's counts.
+fn remediate(
+    max_in_flight: u32,
+    max_unhealthy: contract::Budget,
+    counts: contract::GroupCounts,
+    nodes: &[ManagedNode],
+) -> Vec<(String, Rule, String)> {
+    let mut g = group("w", 10, template("img:1"));
+    g.policy.remediation = contract::RemediationPolicy {
+        max_in_flight,
+        max_unhealthy,
+    };
+    let s = shape(vec![g]);
+    let view = DesiredView::new(&s, false).with_counts([(gid("w"), counts)]);
+    let mut existing = SlotSet::new();
+    for n in nodes {
+        existing.insert(&n.id);
+    }
+    existing.finish();
+    decide(&view, nodes, &existing, now())
+        .decisions
+        .into_iter()
+        .filter(|d| d.rule != Rule::Insert)
+        .map(|d| (d.node.to_string(), d.rule, d.reason.into_owned()))
+        .collect()
+}
+
+#[test]
+fn row_4_and_18_the_remediation_budget() {
+    let counts = |unhealthy, remediating| contract::GroupCounts {
+        unhealthy,
+        remediating,
+    };
+    // Not yet due: ready, and another look at the stored deadline.
+    let n = node("w-0").ready().unhealthy(NOW - 10, NOW + 500).0;
+    let view_shape = shape(vec![group("w", 10, template("img:1"))]);
+    let d = decide_node(&DesiredView::new(&view_shape, false), &n, now());
+    assert_eq!((d.rule, d.action), (Rule::Ready, wait(Some(NOW + 500))));
+
+    // Three due; one may be in flight: the longest unhealthy goes first, then
+    // the lowest index; the others wait under rule 18 saying why.
+    let nodes = [
+        node("w-1").ready().unhealthy(NOW - 300, NOW - 1).0,
+        node("w-2").ready().unhealthy(NOW - 900, NOW - 1).0,
+        node("w-3").ready().unhealthy(NOW - 900, NOW - 1).0,
+    ];
+    let out = remediate(1, contract::Budget::Percent(100), counts(3, 0), &nodes);
+    let granted: Vec<_> = out.iter().filter(|(_, r, _)| *r == Rule::BeginDelete).collect();
+    assert_eq!(granted.len(), 1, "{out:?}");
+    assert_eq!(granted[0].0, "w-2", "{out:?}");
+    assert!(granted[0].2.contains("w: 1/1 in flight"), "{out:?}");
+    let held: Vec<_> = out
+        .iter()
+        .filter(|(_, r, _)| *r == Rule::RemediationBudget)
+        .collect();
+    assert_eq!(held.len(), 2, "{out:?}");
+    assert!(
+        held.iter()
+            .all(|(_, _, why)| why.contains("1/1 remediations in flight")),
+        "{out:?}"
+    );
+
+    // Two allowed, one already in flight (counted in the header): one more.
+    let out = remediate(2, contract::Budget::Percent(100), counts(3, 1), &nodes);
+    assert_eq!(
+        out.iter().filter(|(_, r, _)| *r == Rule::BeginDelete).count(),
+        1,
+        "{out:?}"
+    );
+
+    // More of the group unhealthy than max_unhealthy allows: none, and the
+    // reason has the counts. 40% of 10 is 4; 6 are unhealthy.
+    let out = remediate(3, contract::Budget::Percent(40), counts(6, 0), &nodes);
+    assert!(
+        out.iter().all(|(_, r, _)| *r == Rule::RemediationBudget),
+        "{out:?}"
+    );
+    assert!(
+        out[0]
+            .2
+            .contains("w: 6/10 unhealthy or lost, more than max_unhealthy 40% allows (4)"),
+        "{out:?}"
+    );
+    // At the limit it still acts.
+    let out = remediate(3, contract::Budget::Count(4), counts(4, 0), &nodes);
+    assert_eq!(
+        out.iter().filter(|(_, r, _)| *r == Rule::BeginDelete).count(),
+        3,
+        "{out:?}"
+    );
+
+    // max_in_flight 0: reported, never replaced.
+    let out = remediate(0, contract::Budget::Percent(100), counts(1, 0), &nodes[..1]);
+    assert_eq!(out[0].1, Rule::RemediationBudget);
+    assert!(out[0].2.contains("max_in_flight is 0"), "{out:?}");
+
+    // A drifted or failed unhealthy node is row 4 without the budget.
+    let drifted = node("w-1")
+        .ready()
+        .unhealthy(NOW - 300, NOW - 1)
+        .spec(template("img:9"))
+        .0;
+    let out = remediate(0, contract::Budget::Percent(0), counts(9, 9), &[drifted]);
+    assert_eq!(out[0].1, Rule::BeginDelete, "{out:?}");
+
+    // The same answer through the decider's per-node entry point.
+    let g = {
+        let mut g = group("w", 10, template("img:1"));
+        g.policy.remediation.max_in_flight = 1;
+        g
+    };
+    let s = shape(vec![g]);
+    let busy = DesiredView::new(&s, false).with_counts([(gid("w"), counts(1, 1))]);
+    assert_eq!(decide_node(&busy, &nodes[0], now()).rule, Rule::RemediationBudget);
+    let idle = DesiredView::new(&s, false).with_counts([(gid("w"), counts(1, 0))]);
+    assert_eq!(decide_node(&idle, &nodes[0], now()).rule, Rule::BeginDelete);
+}
+
 #[test]
 fn rows_12_13_lease_and_endpoint() {
     use NodeStage::*;
@@ -1643,7 +1774,23 @@ fn random_shape(rng: &mut Rng, shared: &Arc<NodeTemplate>) -> (ClusterShape, boo
     };
     let id = if rng.chance(1, 6) { "x" } else { "w" };
     let count = rng.below(4) as u32;
-    (shape(vec![group(id, count, t)]), rng.chance(1, 8))
+    let mut g = group(id, count, t);
+    g.policy.remediation = contract::RemediationPolicy {
+        max_in_flight: rng.below(3) as u32,
+        max_unhealthy: if rng.chance(1, 2) {
+            contract::Budget::Count(rng.below(4) as u32)
+        } else {
+            contract::Budget::Percent(rng.pick(&[0, 50, 100]))
+        },
+    };
+    (shape(vec![g]), rng.chance(1, 8))
+}
+
+fn random_counts(rng: &mut Rng) -> contract::GroupCounts {
+    contract::GroupCounts {
+        unhealthy: rng.below(4) as u32,
+        remediating: rng.below(3) as u32,
+    }
 }
 
 fn random_node(rng: &mut Rng, shared: &Arc<NodeTemplate>) -> ManagedNode {
@@ -1693,6 +1840,16 @@ fn random_node(rng: &mut Rng, shared: &Arc<NodeTemplate>) -> ManagedNode {
     }
     n.facts.ambiguous_create = rng.chance(1, 4);
     n.facts.ambiguous_bootstrap = rng.chance(1, 4);
+    if rng.chance(1, 2) {
+        let healthy = rng.chance(1, 3);
+        n.facts.health = Some(contract::NodeHealth {
+            healthy,
+            since: at(NOW - 100),
+            observed_at: at(NOW - 50),
+            detail: "no answer".to_owned(),
+            remediate_at: if healthy { None } else { rng.time().map(at) },
+        });
+    }
     if rng.chance(1, 3) {
         n.pending = Some(PendingOp {
             id: OperationId::new(n.attempt, 1),
@@ -1721,9 +1878,16 @@ fn random_node(rng: &mut Rng, shared: &Arc<NodeTemplate>) -> ManagedNode {
 
 /// The ladder written out again from the spec's table, independently of the
 /// decider: the rule each row's condition selects.
-fn expected_rule(n: &ManagedNode, wanted: Option<&NodeTemplate>, now: UnixMillis) -> Rule {
+fn expected_rule(
+    n: &ManagedNode,
+    wanted: Option<&contract::NodeGroup>,
+    counts: contract::GroupCounts,
+    now: UnixMillis,
+) -> Rule {
     let due = |t: Option<UnixMillis>| t.is_none_or(|t| t <= now);
     let f = &n.facts;
+    let group = wanted;
+    let wanted = wanted.map(|g| &*g.template);
     if n.stage == NodeStage::Destroyed {
         return match wanted {
             None => Rule::Reap,
@@ -1735,6 +1899,25 @@ fn expected_rule(n: &ManagedNode, wanted: Option<&NodeTemplate>, now: UnixMillis
     let failed = n.stage == NodeStage::Failed || f.bootstrap.as_ref().is_some_and(|b| b.stage.is_failure());
     if n.intent == Intent::Active && wanted.is_none_or(|w| *w != *n.spec || failed) {
         return Rule::BeginDelete;
+    }
+    // Row 4 for health, within the budget (row 18 holds it otherwise).
+    let unhealthy_due = f
+        .health
+        .as_ref()
+        .is_some_and(|h| !h.healthy && h.remediate_at.is_some_and(|t| t <= now));
+    if n.intent == Intent::Active
+        && matches!(n.stage, NodeStage::Dormant | NodeStage::HandedOff)
+        && n.pending.is_none()
+        && unhealthy_due
+        && let Some(g) = group
+    {
+        let r = g.policy.remediation;
+        let over = counts.unhealthy > r.max_unhealthy.resolve(g.count);
+        return if over || r.max_in_flight == 0 || counts.remediating >= r.max_in_flight {
+            Rule::RemediationBudget
+        } else {
+            Rule::BeginDelete
+        };
     }
     if n.pending.is_some() {
         return Rule::Pending;
@@ -1808,7 +1991,17 @@ fn action_fits_rule(d: &Decision, n: &ManagedNode, now: UnixMillis) -> bool {
         Rule::DestroyLease => d.action == dispatch(Effect::DestroyLease) || backoff_wait(d.action),
         Rule::MarkDestroyed => d.action == Action::MarkDestroyed,
         Rule::RetryBackoff => backoff_wait(d.action),
-        Rule::Ready => d.action == Action::Wait { until: None },
+        Rule::Ready => {
+            d.action == Action::Wait { until: None }
+                || n.facts.health.as_ref().is_some_and(|h| {
+                    !h.healthy
+                        && d.action
+                            == Action::Wait {
+                                until: h.remediate_at,
+                            }
+                })
+        }
+        Rule::RemediationBudget => d.action == Action::Wait { until: None },
         Rule::CreateLease => d.action == dispatch(Effect::CreateLease),
         Rule::LookupEndpoint => d.action == dispatch(Effect::LookupEndpoint),
         Rule::ObserveConvergence => d.action == Action::ObserveConvergence,
@@ -1838,7 +2031,8 @@ fn property_decide_node_over_random_nodes() {
     for seed in 0..CASES {
         let mut rng = Rng(seed);
         let (s, deleting) = random_shape(&mut rng, &shared);
-        let view = DesiredView::new(&s, deleting);
+        let counts = random_counts(&mut rng);
+        let view = DesiredView::new(&s, deleting).with_counts([(gid("w"), counts)]);
         let n = random_node(&mut rng, &shared);
         let base = || format!("seed {seed}: {n:#?}\nshape {s:#?} deleting={deleting}");
 
@@ -1863,8 +2057,8 @@ fn property_decide_node_over_random_nodes() {
         assert_eq!(mine, vec![&d], "{}", ctx());
 
         // The rule is the one the spec's table selects, with a fitting action.
-        let wanted = s.desired_group(&n.id).filter(|_| !deleting).map(|g| &*g.template);
-        assert_eq!(d.rule, expected_rule(&n, wanted, now()), "{}", ctx());
+        let wanted = s.desired_group(&n.id).filter(|_| !deleting);
+        assert_eq!(d.rule, expected_rule(&n, wanted, counts, now()), "{}", ctx());
         assert!(action_fits_rule(&d, &n, now()), "{}", ctx());
 
         // Computes no deadline: every `until` is one the driver stored.
@@ -1874,6 +2068,7 @@ fn property_decide_node_over_random_nodes() {
                 n.retry.next_effect_at,
                 n.retry.restart_at,
                 n.stage_deadline,
+                n.facts.health.as_ref().and_then(|h| h.remediate_at),
             ];
             assert!(stored.contains(&Some(t)), "{}", ctx());
         }
@@ -1907,13 +2102,15 @@ fn property_decide_node_over_random_nodes() {
         }
 
         // Guarantee 15: a ready, active, desired, current-spec node with nothing
-        // pending (and no failed bootstrap recorded) gets no action.
-        let current = wanted.is_some_and(|w| *w == *n.spec);
+        // pending (and no failed bootstrap recorded, and not unhealthy or
+        // lost: converged means observed) gets no action.
+        let current = wanted.is_some_and(|w| *w.template == *n.spec);
         if n.intent == Intent::Active
             && n.stage.is_ready()
             && current
             && n.pending.is_none()
             && !n.facts.bootstrap_failed()
+            && !n.facts.is_impaired()
         {
             assert!(
                 matches!(d.action, Action::Wait { .. }),
@@ -2019,7 +2216,34 @@ fn property_decide_requeue_over_random_batches() {
         let ctx = format!("seed {seed}: {out:#?}");
 
         let singles: Vec<Decision> = nodes.iter().map(|n| decide_node(&view, n, now())).collect();
-        assert_eq!(out.decisions[..nodes.len()], singles[..], "{ctx}");
+        // A node due for remediation is decided after the others, by the
+        // budget over all of them; every other node as on its own.
+        let candidate = |d: &Decision| {
+            d.rule == Rule::RemediationBudget
+                || (d.rule == Rule::BeginDelete && d.reason.starts_with("unhealthy for"))
+        };
+        let by_node = |ds: &[Decision]| -> BTreeMap<LogicalNodeId, Decision> {
+            ds.iter().map(|d| (d.node.clone(), d.clone())).collect()
+        };
+        let batch = by_node(&out.decisions[..nodes.len()]);
+        let single = by_node(&singles);
+        assert_eq!(batch.len(), nodes.len(), "{ctx}");
+        let mut granted = 0u32;
+        for (id, d) in &single {
+            if candidate(d) {
+                let b = &batch[id];
+                assert!(candidate(b), "{ctx}");
+                granted += u32::from(b.rule == Rule::BeginDelete);
+            } else {
+                assert_eq!(&batch[id], d, "{ctx}");
+            }
+        }
+        // The budget over the batch: never more than max_in_flight at once
+        // (none already in flight here), never one while the group is over
+        // max_unhealthy (no counts given: nothing is).
+        if let Some(g) = s.groups.first() {
+            assert!(granted <= g.policy.remediation.max_in_flight, "{ctx}");
+        }
         let want_requeue = singles
             .iter()
             .filter_map(|d| match d.action {

@@ -129,6 +129,7 @@ pub fn shape(groups: &[(&str, u32, &Arc<NodeTemplate>)]) -> ClusterShape {
                 id: gid(id),
                 count: *count,
                 template: Arc::clone(t),
+                policy: Default::default(),
             })
             .collect(),
     }

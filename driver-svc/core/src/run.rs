@@ -23,10 +23,10 @@ use std::{
 
 use contract::{
     Action, AttemptId, BootstrapProgress, BootstrapStage, Change, ClockSaturated, ClusterShape, DecideOutput,
-    Decision, Effect, Epoch, Failure, FieldError, Generation, Intent, LogicalNodeId, ManagedNode, NodeStage,
-    NodeTemplate, Observation, Operation, OperationId, OperationInput, OperationResult, Outcome, PendingOp,
-    PermanentFailure, Rejection, ResourceChange, RetryState, Rule, RunId, RunUid, TraceContext, UnixMillis,
-    backoff_delay,
+    Decision, Effect, Epoch, Failure, FieldError, Generation, GroupCounts, Intent, LogicalNodeId,
+    ManagedNode, NodeHealth, NodeStage, NodeTemplate, Observation, Operation, OperationId, OperationInput,
+    OperationResult, Outcome, PendingOp, PermanentFailure, Rejection, ResourceChange, RetryState, Rule,
+    RunId, RunUid, TraceContext, UnixMillis, backoff_delay,
 };
 use decider::{DesiredView, SlotSet};
 
@@ -149,7 +149,7 @@ pub struct PassOutcome {
     /// Decisions skipped because their node changed while the decider ran.
     pub stale: u32,
     /// Actions (not waits) by rule number.
-    pub actions_by_rule: [u32; 17],
+    pub actions_by_rule: [u32; contract::Rule::SLOTS],
     /// Another pass is needed at once (a driver transition happened, or a
     /// decision was stale).
     pub follow_up: bool,
@@ -194,6 +194,9 @@ struct Indexed {
     dirty: bool,
     wake: Option<UnixMillis>,
     deadline: Option<UnixMillis>,
+    /// Counted in its group's `GroupCounts`.
+    impaired: bool,
+    remediating: bool,
 }
 
 impl Entry {
@@ -271,6 +274,8 @@ pub struct RunCounters {
     pub stage_timeouts: u64,
     /// Attempts failed because their resource was lost.
     pub lost: u64,
+    /// Attempts replaced for health.
+    pub remediated: u64,
 }
 
 /// One run's state and the machine that changes it.
@@ -310,6 +315,14 @@ pub struct RunState {
     wakes: BTreeSet<(UnixMillis, LogicalNodeId)>,
     deadlines: BTreeSet<(UnixMillis, LogicalNodeId)>,
     held: HashMap<contract::GroupId, u64>,
+    /// Each group's day-2 counts (unhealthy or lost, remediating), for the
+    /// remediation budget the decider applies.
+    counts: HashMap<contract::GroupId, GroupCounts>,
+    /// Nodes whose last decision was a wait for the remediation budget: a
+    /// change of their group's counts decides them again.
+    budget_held: BTreeSet<LogicalNodeId>,
+    /// Groups whose counts changed since the last pass.
+    counts_changed: BTreeSet<contract::GroupId>,
 }
 
 /// How many `pass_batch` windows a burst of results may stretch one batch to
@@ -376,6 +389,9 @@ impl RunState {
             wakes: BTreeSet::new(),
             deadlines: BTreeSet::new(),
             held: HashMap::new(),
+            counts: HashMap::new(),
+            budget_held: BTreeSet::new(),
+            counts_changed: BTreeSet::new(),
             urgent: false,
             batch_from: None,
             folds_since_pass: 0,
@@ -421,8 +437,16 @@ impl RunState {
             dirty: e.dirty,
             wake: e.wake_at,
             deadline,
+            impaired: n.stage != NodeStage::Destroyed && n.facts.is_impaired(),
+            remediating: n.retry.remediating,
         };
         let was = std::mem::replace(&mut e.indexed, now);
+        if (was.impaired, was.remediating) != (now.impaired, now.remediating) {
+            let c = self.counts.entry(id.group().clone()).or_default();
+            c.unhealthy = c.unhealthy + u32::from(now.impaired) - u32::from(was.impaired);
+            c.remediating = c.remediating + u32::from(now.remediating) - u32::from(was.remediating);
+            self.counts_changed.insert(id.group().clone());
+        }
         if was.dirty != now.dirty {
             if now.dirty {
                 self.dirty_ids.insert(id.clone());
@@ -478,6 +502,14 @@ impl RunState {
         if let Some(t) = e.indexed.deadline {
             self.deadlines.remove(&(t, id.clone()));
         }
+        if (e.indexed.impaired || e.indexed.remediating)
+            && let Some(c) = self.counts.get_mut(id.group())
+        {
+            c.unhealthy -= u32::from(e.indexed.impaired);
+            c.remediating -= u32::from(e.indexed.remediating);
+            self.counts_changed.insert(id.group().clone());
+        }
+        self.budget_held.remove(id);
     }
 
     /// Whether the indexes match a scan of the nodes (for tests and debug
@@ -520,7 +552,59 @@ impl RunState {
             .filter(|(_, n)| **n > 0)
             .map(|(g, n)| (g.clone(), *n))
             .collect();
-        dirty == self.dirty_ids && wakes == self.wakes && deadlines == self.deadlines && held == held_now
+        let mut counts: HashMap<contract::GroupId, GroupCounts> = HashMap::new();
+        for (id, e) in &self.nodes {
+            let n = &e.rec.node;
+            let c = counts.entry(id.group().clone()).or_default();
+            c.unhealthy += u32::from(n.stage != NodeStage::Destroyed && n.facts.is_impaired());
+            c.remediating += u32::from(n.retry.remediating);
+        }
+        let nonzero =
+            |m: &HashMap<contract::GroupId, GroupCounts>| -> HashMap<contract::GroupId, GroupCounts> {
+                m.iter()
+                    .filter(|(_, c)| **c != GroupCounts::default())
+                    .map(|(g, c)| (g.clone(), *c))
+                    .collect()
+            };
+        dirty == self.dirty_ids
+            && wakes == self.wakes
+            && deadlines == self.deadlines
+            && held == held_now
+            && nonzero(&counts) == nonzero(&self.counts)
+    }
+
+    /// What the executor is to probe: the run's groups that have a probe
+    /// (none while the run is being deleted).
+    pub fn watch_health(&self) -> contract::WatchHealth {
+        let groups = if self.meta.deleting {
+            Vec::new()
+        } else {
+            self.meta
+                .shape
+                .groups
+                .iter()
+                .filter(|g| g.policy.health.probe != contract::Probe::None)
+                .map(|g| (g.id.clone(), g.policy.health))
+                .collect()
+        };
+        contract::WatchHealth {
+            run_uid: self.meta.uid,
+            epoch: self.meta.epoch,
+            groups,
+        }
+    }
+
+    /// Each group's day-2 counts over the whole run, for the Decide header
+    /// (groups with none are left out).
+    pub fn group_counts(&self) -> Vec<(contract::GroupId, GroupCounts)> {
+        let mut v: Vec<_> = self
+            .counts
+            .iter()
+            .filter(|(_, c)| **c != GroupCounts::default())
+            .map(|(g, c)| (g.clone(), *c))
+            .collect();
+        v.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        v
     }
 
     // ----- reads ---------------------------------------------------------
@@ -707,8 +791,9 @@ impl RunState {
         self.nodes.get(id).and_then(|e| e.last.as_ref())
     }
 
+    /// The desired shape as the decider sees it, with the run's group counts.
     pub fn desired_view(&self) -> DesiredView<'_> {
-        DesiredView::new(&self.meta.shape, self.meta.deleting)
+        DesiredView::new(&self.meta.shape, self.meta.deleting).with_counts(self.group_counts())
     }
 
     /// Every slot the run holds.
@@ -750,10 +835,12 @@ impl RunState {
             let Some(t) = desired.template_for(&n.id) else {
                 return false;
             };
+            // Converged means observed: a lost or unhealthy node is not ready.
             if !(NodeTemplate::same(t, &n.spec)
                 && n.is_ready()
                 && n.intent == Intent::Active
-                && n.pending.is_none())
+                && n.pending.is_none()
+                && !n.facts.is_impaired())
             {
                 return false;
             }
@@ -927,12 +1014,20 @@ impl RunState {
         } else {
             let mut ids: BTreeSet<&LogicalNodeId> = self.dirty_ids.iter().collect();
             ids.extend(self.wakes.iter().take_while(|(t, _)| *t <= now).map(|(_, id)| id));
+            // A node the remediation budget held is decided again when its
+            // group's counts change (a remediation ended, a node healed).
+            ids.extend(
+                self.budget_held
+                    .iter()
+                    .filter(|id| self.counts_changed.contains(id.group())),
+            );
             ids.into_iter()
                 .filter_map(|id| self.nodes.get(id).map(|e| (id.clone(), e.version)))
                 .collect()
         };
         self.full = false;
         self.urgent = false;
+        self.counts_changed.clear();
         self.batch_from = None;
         self.folds_since_pass = 0;
         self.last_fold = None;
@@ -981,7 +1076,7 @@ impl RunState {
             operations: 0,
             transitions: 0,
             stale: 0,
-            actions_by_rule: [0; 17],
+            actions_by_rule: [0; contract::Rule::SLOTS],
             follow_up: false,
             converged: false,
         };
@@ -1056,6 +1151,11 @@ impl RunState {
     }
 
     fn record_decision(&mut self, d: &Decision, now: UnixMillis, wake: Option<UnixMillis>) {
+        if d.rule == contract::Rule::RemediationBudget {
+            self.budget_held.insert(d.node.clone());
+        } else {
+            self.budget_held.remove(&d.node);
+        }
         if let Some(e) = self.nodes.get_mut(&d.node) {
             e.wake_at = wake;
             e.last = Some(LastDecision {
@@ -1106,6 +1206,7 @@ impl RunState {
                 self.change(&d.node, now, &d, |rec| {
                     let carried = RetryState {
                         consecutive_failures: rec.node.retry.consecutive_failures,
+                        remediating: rec.node.retry.remediating,
                         ..RetryState::default()
                     };
                     rec.node = ManagedNode::new(rec.node.id.clone(), attempt, template, carried);
@@ -1114,7 +1215,28 @@ impl RunState {
                 });
             }
             Action::BeginDelete => {
+                // A replacement for health: the slot counts as remediating
+                // until it is ready again, and its restart backs off with the
+                // failure counted, as any failed attempt's does.
+                let remediation = self.nodes.get(&d.node).and_then(|e| {
+                    let n = &e.rec.node;
+                    let due =
+                        n.intent == Intent::Active && n.facts.health.as_ref().is_some_and(|h| h.due(now));
+                    due.then(|| (n.attempt, n.retry.consecutive_failures.saturating_add(1)))
+                });
+                let restart_at = match remediation {
+                    Some((attempt, failures)) => Some((failures, self.backoff_at(attempt, failures, now)?)),
+                    None => None,
+                };
+                if restart_at.is_some() {
+                    self.counters.remediated += 1;
+                }
                 self.change(&d.node, now, &d, |rec| {
+                    if let Some((failures, at)) = restart_at {
+                        rec.node.retry.remediating = true;
+                        rec.node.retry.consecutive_failures = failures;
+                        rec.node.retry.restart_at = Some(at);
+                    }
                     rec.node.intent = Intent::Deleting;
                     // Cleanup starts at once; backoff delays only a restart.
                     rec.node.retry.next_effect_at = None;
@@ -1612,7 +1734,10 @@ impl RunState {
             *self.counters.discarded.entry(why.name()).or_default() += 1;
             return Ok(Fold::Discarded(why));
         }
-        let Change::Lost { reason } = &c.change;
+        let reason = match &c.change {
+            Change::Lost { reason } => reason,
+            Change::Health { healthy, detail } => return self.fold_health(c, *healthy, detail, now),
+        };
         let failures = self
             .nodes
             .get(&c.node)
@@ -1629,10 +1754,65 @@ impl RunState {
             at: c.at,
         };
         attempt_failed(&mut e.rec.node, failures, restart_at, failure);
+        e.rec.node.facts.lost = true;
         self.changed.insert(c.node.clone());
         self.reindex(&c.node);
         self.note_fold(now);
         self.counters.lost += 1;
+        Ok(Fold::Folded)
+    }
+
+    /// A health report of the attempt (SPEC.md section 8): the node is
+    /// unhealthy from the first failed probe, and due for remediation once it
+    /// has been for its group's `unhealthy_after`, a deadline stored here. A
+    /// report older than the one folded is stale.
+    fn fold_health(
+        &mut self,
+        c: &ResourceChange,
+        healthy: bool,
+        detail: &str,
+        now: UnixMillis,
+    ) -> Result<Fold, CoreError> {
+        let unhealthy_after = self
+            .meta
+            .shape
+            .group(c.node.group())
+            .map_or(contract::HealthPolicy::default(), |g| g.policy.health)
+            .unhealthy_after_ms;
+        let Some(e) = self.nodes.get_mut(&c.node) else {
+            return Ok(Fold::Discarded(Discard::UnknownNode));
+        };
+        let prev = e.rec.node.facts.health.as_ref();
+        if prev.is_some_and(|h| c.at < h.observed_at) {
+            *self
+                .counters
+                .discarded
+                .entry(Discard::Duplicate.name())
+                .or_default() += 1;
+            return Ok(Fold::Discarded(Discard::Duplicate));
+        }
+        let since = match prev {
+            Some(h) if h.healthy == healthy => h.since,
+            _ => c.at,
+        };
+        let remediate_at = if healthy {
+            None
+        } else {
+            Some(since.checked_add(std::time::Duration::from_millis(unhealthy_after))?)
+        };
+        e.rec.node.facts.health = Some(NodeHealth {
+            healthy,
+            since,
+            observed_at: c.at,
+            detail: detail.to_owned(),
+            remediate_at,
+        });
+        e.version += 1;
+        e.dirty = true;
+        e.wake_at = None;
+        self.changed.insert(c.node.clone());
+        self.reindex(&c.node);
+        self.note_fold(now);
         Ok(Fold::Folded)
     }
 
@@ -1908,6 +2088,7 @@ mod tests {
                 id: contract::GroupId::parse("id", "workers").unwrap(),
                 count: 2,
                 template: Arc::new(contract::shape::example_template("fake", "img:1")),
+                policy: Default::default(),
             }],
         }
     }

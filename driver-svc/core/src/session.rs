@@ -21,7 +21,7 @@
 
 use std::collections::VecDeque;
 
-use contract::{Claim, Operation, SessionId};
+use contract::{Claim, Operation, SessionId, WatchHealth};
 
 use crate::{
     commit::{AckRef, Released},
@@ -41,6 +41,8 @@ pub enum ToExecutor {
     /// Send the observations of each session after the sequence given.
     ObserveFrom(Vec<(SessionId, u64)>),
     Ack(Vec<AckRef>),
+    /// How to probe the run's resources, per group.
+    Watch(WatchHealth),
 }
 
 /// One run's link state. See the module documentation.
@@ -95,6 +97,7 @@ impl LinkSession {
         if self.fenced {
             return;
         }
+        self.push(ToExecutor::Watch(run.watch_health()));
         for op in run.inflight_operations() {
             self.push(ToExecutor::Submit {
                 op,
@@ -104,6 +107,14 @@ impl LinkSession {
         let after = run.observation_cursors();
         if !after.is_empty() {
             self.push(ToExecutor::ObserveFrom(after));
+        }
+    }
+
+    /// The run's shape changed: tell the executor its health policies (they
+    /// apply at once, to every resource of the run; they replace nothing).
+    pub fn handle_shape_changed(&mut self, run: &RunState) {
+        if self.sends() {
+            self.push(ToExecutor::Watch(run.watch_health()));
         }
     }
 
@@ -117,7 +128,8 @@ impl LinkSession {
     /// The executor fenced the run's epoch: no further submissions.
     pub fn handle_fenced(&mut self) {
         self.fenced = true;
-        self.out.retain(|(_, m)| !matches!(m, ToExecutor::Submit { .. }));
+        self.out
+            .retain(|(_, m)| !matches!(m, ToExecutor::Submit { .. } | ToExecutor::Watch(_)));
     }
 
     /// A commit is durable: submit its operations, acknowledge its folds,
@@ -212,6 +224,7 @@ mod tests {
                 id: contract::GroupId::parse("id", "w").unwrap(),
                 count: 2,
                 template: Arc::new(contract::shape::example_template("fake", "img:1")),
+                policy: Default::default(),
             }],
         };
         let mut run = RunState::create(
@@ -280,6 +293,21 @@ mod tests {
                 .count(),
             2
         );
+    }
+
+    #[test]
+    fn the_health_policy_follows_the_claim_and_every_shape_change() {
+        let (run, _) = run_with_two_pending();
+        let mut s = LinkSession::new();
+        s.handle_shape_changed(&run);
+        assert!(drain(&mut s).is_empty(), "no link: nothing to tell");
+        s.handle_link_up(1, &run);
+        let out = drain(&mut s);
+        assert!(
+            matches!(&out[1], (1, ToExecutor::Watch(w)) if w.run_uid == run.uid() && w.epoch == run.epoch())
+        );
+        s.handle_shape_changed(&run);
+        assert!(matches!(drain(&mut s).as_slice(), [(1, ToExecutor::Watch(_))]));
     }
 
     #[test]

@@ -448,6 +448,7 @@ impl Agent {
                 let (session, existed) = self.cancel(session.as_deref());
                 return send(&mut write, &Reply::Cancelled { session, existed }).await;
             }
+            Request::Ping => return send(&mut write, &Reply::Pong).await,
         };
         let accepted = match accepted {
             Ok(accepted) => accepted,

@@ -15,6 +15,8 @@
 //!   agent's stage log, then the live ones.
 //! - `{"type":"cancel","session":null}` ends the session (the named one, or
 //!   whichever exists); the agent answers `cancelled` and closes.
+//! - `{"type":"ping"}` is the executor's health probe; the agent answers
+//!   `{"type":"pong"}` and closes.
 //!
 //! After a `start` or `attach` the agent answers `accepted` (or `error`), then
 //! sends `stage` lines (`{"type":"stage","seq":1,"stage":"connected",
@@ -228,6 +230,9 @@ pub enum Request {
         #[serde(default)]
         session: Option<String>,
     },
+    /// A health probe: the agent answers `pong` and closes. (A connect alone
+    /// proves nothing of a stopped agent: the kernel accepts for it.)
+    Ping,
 }
 
 /// Why a session ended.
@@ -252,6 +257,8 @@ pub enum Reply {
     End {
         reason: EndReason,
     },
+    /// The answer to a `ping`.
+    Pong,
     /// The answer to a `cancel` on a connection of its own.
     Cancelled {
         session: Option<String>,

@@ -927,6 +927,27 @@ impl Backend for ProcessBackend {
     fn watch(&self, changes: ChangeSink) {
         exits::start(&self.shared, changes);
     }
+
+    /// A `ping` answered by `pong`: a stopped or wedged agent whose kernel
+    /// still accepts connections fails it.
+    fn probe(
+        &self,
+        _identity: &ResourceIdentity,
+        endpoint: &Endpoint,
+    ) -> BoxFuture<'static, Result<(), String>> {
+        let endpoint = endpoint.as_str().to_owned();
+        Box::pin(async move {
+            let mut conn = connect(&endpoint)
+                .await
+                .map_err(|e| format!("connect to {endpoint}: {e}"))?;
+            match conn.request(&Request::Ping).await {
+                Ok(Some(Reply::Pong)) => Ok(()),
+                Ok(Some(other)) => Err(format!("unexpected answer to ping: {other:?}")),
+                Ok(None) => Err("the agent closed the connection without answering".to_owned()),
+                Err(e) => Err(format!("ping {endpoint}: {e}")),
+            }
+        })
+    }
 }
 
 /// An identity's agent that is alive, recorded, and the lease a request named.

@@ -690,6 +690,13 @@ pub fn driver_message(data: &[u8]) -> Result<Verdict, Violation> {
                 Err(e) => refused(T, &e),
             }
         }
+        Some(Kind::Watch(w)) => match contract::WatchHealth::try_from(w) {
+            Ok(w) => {
+                domain_round_trip::<contract::WatchHealth, pb::WatchHealth>(T, "a health watch", &w)?;
+                Ok(Verdict::Accepted)
+            }
+            Err(e) => refused(T, &e),
+        },
         Some(Kind::Submit(op)) => match Operation::try_from(op) {
             Ok(op) => {
                 domain_round_trip::<Operation, pb::Operation>(T, "an operation", &op)?;
@@ -976,7 +983,7 @@ impl Source<'_> {
                 Some(last) if self.below(4) == 0 => Arc::clone(&last.template),
                 _ => Arc::new(self.template()),
             };
-            groups.push(NodeGroup { id, count, template });
+            groups.push(NodeGroup::new(id, count, template));
         }
         Ok(ClusterShape {
             run_id,
@@ -1119,6 +1126,7 @@ mod tests {
                 id: GroupId::parse("id", "workers")?,
                 count: 3,
                 template: Arc::new(t),
+                policy: Default::default(),
             }],
         }))
     }

@@ -99,6 +99,7 @@ fn valid_shape() -> impl Strategy<Value = ClusterShape> {
                     id: GroupId::parse("id", &id).ok()?,
                     count,
                     template,
+                    policy: Default::default(),
                 });
             }
             Some(ClusterShape {

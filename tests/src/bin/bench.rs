@@ -100,6 +100,7 @@ fn shape(n: u64) -> ClusterShape {
                     per
                 },
                 template: Arc::new(example_template("fake", "img:1")),
+                policy: Default::default(),
             })
             .collect(),
     }

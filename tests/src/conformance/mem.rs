@@ -290,6 +290,7 @@ impl MemSut {
                 id: GroupId::parse("id", "spare").unwrap_or_else(|e| unreachable!("{e}")),
                 count: 1,
                 template: Arc::new(example_template("fake", "img:1")),
+                policy: Default::default(),
             });
             if copy.apply_shape(shape).is_ok() {
                 probes.push(Self::limits_probe(

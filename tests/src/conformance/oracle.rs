@@ -403,9 +403,10 @@ impl Oracle {
             // A lost resource is gone: a create for its identity after the
             // loss makes the identity's only lease, not a second one.
             Event::Emitted(ToDriver::Change(c)) => {
-                let contract::Change::Lost { .. } = &c.change;
-                self.leases_made.remove(&(c.node.clone(), c.attempt));
-                self.lease_of.remove(&(c.node.clone(), c.attempt));
+                if let contract::Change::Lost { .. } = &c.change {
+                    self.leases_made.remove(&(c.node.clone(), c.attempt));
+                    self.lease_of.remove(&(c.node.clone(), c.attempt));
+                }
             }
             Event::ConflictProbe { op, outputs } => self.g07_conflict(op, outputs),
             Event::Pass(p) => {

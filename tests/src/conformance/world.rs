@@ -93,11 +93,13 @@ impl World {
                 id: group_id(Group::Ctrl),
                 count: 1 + rng.below(2) as u32,
                 template: Arc::new(template(Group::Ctrl, "img:1")),
+                policy: Default::default(),
             },
             NodeGroup {
                 id: group_id(Group::Work),
                 count: 1 + rng.below(4) as u32,
                 template: Arc::new(template(Group::Work, "img:1")),
+                policy: Default::default(),
             },
         ];
         if rng.chance(0.3) {
@@ -105,6 +107,7 @@ impl World {
                 id: group_id(Group::Gpu),
                 count: 1 + rng.below(2) as u32,
                 template: Arc::new(template(Group::Gpu, "img:1")),
+                policy: Default::default(),
             });
         }
         let initial = ClusterShape {
@@ -209,6 +212,7 @@ pub fn changed_shape(current: &ClusterShape, change: Change) -> ClusterShape {
                     id: group_id(g),
                     count: add.min(MAX_PER_GROUP),
                     template: Arc::new(template(g, "img:1")),
+                    policy: Default::default(),
                 }),
             }
         }
@@ -249,6 +253,7 @@ fn other_content(current: &ClusterShape) -> ClusterShape {
             id: group_id(Group::Work),
             count: 1,
             template: Arc::new(template(Group::Work, "img:1")),
+            policy: Default::default(),
         }),
     }
     s
@@ -265,6 +270,7 @@ pub fn bad_shape(current: &ClusterShape, bad: Bad) -> ClusterShape {
             id: group_id(Group::Work),
             count: 1,
             template: Arc::new(template(Group::Work, "img:1")),
+            policy: Default::default(),
         });
     }
     let first = |s: &mut ClusterShape| (*s.groups[0].template).clone();
