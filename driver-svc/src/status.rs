@@ -197,6 +197,7 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
     let mut want = 0usize;
     let mut ready = 0usize;
     let (mut lost, mut failed, mut permanent, mut moving) = (Vec::new(), Vec::new(), Vec::new(), 0usize);
+    let mut unhealthy = Vec::new();
     let mut permanent_reason = None;
     for n in run.nodes() {
         let Some(template) = desired.template_for(&n.id) else {
@@ -204,7 +205,12 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
         };
         want += 1;
         if n.is_ready() && NodeTemplate::same(template, &n.spec) {
-            ready += 1;
+            // Ready means observed ready: an unhealthy node is not.
+            if n.facts.health.as_ref().is_some_and(|h| h.is_unhealthy()) {
+                unhealthy.push(n.id.to_string());
+            } else {
+                ready += 1;
+            }
             continue;
         }
         let why = n.facts.failure.as_ref().map(|f| f.reason.as_str());
@@ -216,7 +222,7 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
         {
             permanent.push(n.id.to_string());
             permanent_reason.get_or_insert_with(|| p.reason.clone());
-        } else if why.is_some_and(|w| w.starts_with(LOST_PREFIX)) {
+        } else if n.facts.lost || why.is_some_and(|w| w.starts_with(LOST_PREFIX)) {
             lost.push(n.id.to_string());
         } else if n.stage == NodeStage::Failed || n.retry.consecutive_failures > 0 {
             failed.push(n.id.to_string());
@@ -230,6 +236,27 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
         .map(|g| g.count as usize)
         .sum::<usize>()
         .saturating_sub(want);
+    // Groups whose unhealthy nodes the remediation budget holds for good:
+    // more of the group impaired than max_unhealthy allows, or max_in_flight
+    // 0. Nothing changes there until a node heals or the budget changes.
+    let mut held = Vec::new();
+    if !unhealthy.is_empty() {
+        for (group, counts) in run.group_counts() {
+            let Some(g) = meta.shape.group(&group) else {
+                continue;
+            };
+            let r = g.policy.remediation;
+            let limit = r.max_unhealthy.resolve(g.count);
+            if counts.unhealthy > limit {
+                held.push(format!(
+                    "{group}: {}/{} unhealthy or lost, more than max_unhealthy {} allows ({limit})",
+                    counts.unhealthy, g.count, r.max_unhealthy
+                ));
+            } else if r.max_in_flight == 0 && unhealthy.iter().any(|n| n.starts_with(&format!("{group}-"))) {
+                held.push(format!("{group}: max_in_flight is 0"));
+            }
+        }
+    }
     let converged = run.is_converged();
     let generation = meta.shape.generation;
     let ready_c = if converged {
@@ -247,14 +274,23 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             message: format!("{ready} of {} nodes ready", want + missing),
         }
     };
-    let stalled = !converged
-        && !meta.deleting
-        && !permanent.is_empty()
-        && lost.is_empty()
-        && failed.is_empty()
-        && moving == 0
-        && missing == 0;
-    let stalled_c = if stalled {
+    let settled =
+        !converged && !meta.deleting && lost.is_empty() && failed.is_empty() && moving == 0 && missing == 0;
+    let remediation_held = settled && !held.is_empty();
+    let stalled = remediation_held || (settled && !permanent.is_empty() && unhealthy.is_empty());
+    let stalled_c = if remediation_held {
+        Observed {
+            kind: "Stalled",
+            status: true,
+            reason: "RemediationHeld",
+            message: format!(
+                "remediation held by its budget: {}; unhealthy: {}. So many at once is more likely the \
+                 network or the probe than the nodes",
+                held.join("; "),
+                named(&unhealthy)
+            ),
+        }
+    } else if stalled {
         Observed {
             kind: "Stalled",
             status: true,
@@ -322,6 +358,13 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             status: true,
             reason: "NodesLost",
             message: format!("lost: {}; each is replaced on a fresh attempt", named(&lost)),
+        }
+    } else if !unhealthy.is_empty() {
+        Observed {
+            kind: "Degraded",
+            status: true,
+            reason: "NodesUnhealthy",
+            message: format!("unhealthy: {}", named(&unhealthy)),
         }
     } else if !failed.is_empty() || !permanent.is_empty() {
         let mut all = failed.clone();

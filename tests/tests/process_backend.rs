@@ -699,3 +699,146 @@ async fn a_lease_missing_from_the_inventory_at_two_looks_is_lost_and_replaced() 
     cluster.executor.restart(cluster.dir.path()).await.unwrap();
     replaced_after_restart(&cluster, &mut c, &keep, "workers-2", before.attempt).await;
 }
+
+/// `workers` probed every 200 ms (a probe unanswered in 200 ms fails), due
+/// for replacement after a second unhealthy.
+fn probed(count: u32, max_unhealthy: contract::Budget) -> contract::ClusterShape {
+    let mut s = shape("agents", 1, "process", &[("workers", count, "img:1")]);
+    s.groups[0].policy = contract::GroupPolicy {
+        health: contract::HealthPolicy {
+            probe: contract::Probe::Tcp,
+            interval_ms: 200,
+            timeout_ms: 200,
+            unhealthy_after_ms: 1_000,
+            startup_grace_ms: 0,
+        },
+        remediation: contract::RemediationPolicy {
+            max_in_flight: 1,
+            max_unhealthy,
+        },
+    };
+    s
+}
+
+async fn attempts_of(c: &mut Client, count: u32) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for i in 0..count {
+        let node = format!("workers-{i}");
+        out.insert(node.clone(), node_state(c, &node).await.unwrap().attempt);
+    }
+    out
+}
+
+async fn condition(
+    cluster: &Cluster,
+    c: &mut Client,
+    what: &str,
+    f: impl Fn(&pb::Condition) -> bool,
+) -> pb::RunStatus {
+    match watch_until(c, "agents", CONVERGE, |s| s.conditions.iter().any(&f)).await {
+        Ok(s) => s,
+        Err(e) => {
+            cluster.dump_logs();
+            panic!("never {what}: {e}");
+        }
+    }
+}
+
+/// A ready node's agent stopped (SIGSTOP): its process lives and the kernel
+/// still accepts connections for it, but its probe goes unanswered. The node
+/// is unhealthy at once (the run leaves Ready, Degraded names it), is
+/// replaced once it has been for `unhealthy_after`, and the run converges
+/// again with one live agent per slot; nothing else is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_ready_agent_is_unhealthy_then_remediated() {
+    let (keep, agents) = agents_dir();
+    let cluster = Cluster::start(process_cluster(&agents)).await.unwrap();
+    apply(&cluster, &probed(3, contract::Budget::Percent(100))).await;
+    converged(&cluster, 1).await;
+    let mut c = cluster.client().await.unwrap();
+    let attempts = attempts_of(&mut c, 3).await;
+    let pid = agent_of(&agents, "workers-1", attempts["workers-1"]).unwrap();
+    signal(pid, "STOP");
+
+    let s = condition(&cluster, &mut c, "degraded for health", |c| {
+        c.r#type == "Degraded" && c.status && c.reason == "NodesUnhealthy" && c.message.contains("workers-1")
+    })
+    .await;
+    assert!(
+        !s.converged,
+        "a run with an unhealthy node is not converged: {s:?}"
+    );
+    assert_replaced(
+        &cluster,
+        &mut c,
+        &agents,
+        &["workers-0", "workers-1", "workers-2"],
+        "workers-1",
+        attempts["workers-1"],
+    )
+    .await;
+    let after = attempts_of(&mut c, 3).await;
+    assert_eq!(after["workers-0"], attempts["workers-0"]);
+    assert_eq!(after["workers-2"], attempts["workers-2"]);
+    delete_run(&mut c).await;
+    assert_all_gone(&keep).await;
+}
+
+/// Six of ten agents stopped with `max_unhealthy: 40%`: more of the group is
+/// unhealthy than the budget allows, so nothing is replaced and the run says
+/// why (Stalled, RemediationHeld, with the counts). Resuming the agents heals
+/// their probes and the run converges with every original attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mass_failure_over_max_unhealthy_replaces_nothing_and_heals() {
+    let (keep, agents) = agents_dir();
+    let cluster = Cluster::start(process_cluster(&agents)).await.unwrap();
+    apply(&cluster, &probed(10, contract::Budget::Percent(40))).await;
+    converged(&cluster, 1).await;
+    let mut c = cluster.client().await.unwrap();
+    let attempts = attempts_of(&mut c, 10).await;
+    let stopped: Vec<u32> = (0..6)
+        .map(|i| {
+            agent_of(
+                &agents,
+                &format!("workers-{i}"),
+                attempts[&format!("workers-{i}")],
+            )
+            .unwrap()
+        })
+        .collect();
+    for pid in &stopped {
+        signal(*pid, "STOP");
+    }
+    let s = condition(&cluster, &mut c, "stalled by the remediation budget", |c| {
+        c.r#type == "Stalled" && c.status && c.reason == "RemediationHeld" && c.message.contains("6/10")
+    })
+    .await;
+    assert!(!s.converged);
+    // Well past `unhealthy_after`: still nothing replaced, and each stopped
+    // node's decision names the budget.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        attempts_of(&mut c, 10).await,
+        attempts,
+        "a node was replaced over the budget"
+    );
+    let explained = c
+        .explain_node(pb::ExplainNodeRequest {
+            run_id: "agents".into(),
+            node_id: "workers-0".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let last = explained.node.and_then(|n| n.last_decision).unwrap();
+    assert_eq!(last.rule, contract::Rule::RemediationBudget.number(), "{last:?}");
+    assert!(last.reason.contains("max_unhealthy 40%"), "{last:?}");
+
+    for pid in &stopped {
+        signal(*pid, "CONT");
+    }
+    converged(&cluster, 1).await;
+    assert_eq!(attempts_of(&mut c, 10).await, attempts, "healing replaced a node");
+    delete_run(&mut c).await;
+    assert_all_gone(&keep).await;
+}

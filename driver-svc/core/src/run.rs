@@ -1791,8 +1791,9 @@ impl RunState {
                 .or_default() += 1;
             return Ok(Fold::Discarded(Discard::Duplicate));
         }
+        let same = prev.is_some_and(|h| h.healthy == healthy);
         let since = match prev {
-            Some(h) if h.healthy == healthy => h.since,
+            Some(h) if same => h.since,
             _ => c.at,
         };
         let remediate_at = if healthy {
@@ -1807,9 +1808,13 @@ impl RunState {
             detail: detail.to_owned(),
             remediate_at,
         });
-        e.version += 1;
-        e.dirty = true;
-        e.wake_at = None;
+        // A report of the state already known changes no decision: it is
+        // kept (the last observation time), and nothing is decided again.
+        if !same {
+            e.version += 1;
+            e.dirty = true;
+            e.wake_at = None;
+        }
         self.changed.insert(c.node.clone());
         self.reindex(&c.node);
         self.note_fold(now);
