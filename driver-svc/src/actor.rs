@@ -740,10 +740,24 @@ impl RunActor {
                     .received(before, &self.run, now, In::Change(&c), Verdict::Fold(&folded));
                 match &folded {
                     Ok(Fold::Folded) => {
-                        tracing::warn!(run = %self.run.run_id(), node = %c.node, attempt = %c.attempt,
-                            change = ?c.change, "a node's resource is lost; its slot is replaced");
+                        match &c.change {
+                            contract::Change::Lost { .. } => {
+                                tracing::warn!(run = %self.run.run_id(), node = %c.node, attempt = %c.attempt,
+                                    change = ?c.change, "a node's resource is lost; its slot is replaced");
+                                self.shared.metrics.exported.lost.inc(&[]);
+                            }
+                            contract::Change::Health { healthy, detail } => {
+                                if *healthy {
+                                    tracing::info!(run = %self.run.run_id(), node = %c.node, attempt = %c.attempt,
+                                        "a node is healthy");
+                                } else {
+                                    tracing::warn!(run = %self.run.run_id(), node = %c.node, attempt = %c.attempt,
+                                        %detail, "a node is unhealthy");
+                                }
+                                self.shared.metrics.exported.health.inc(&[c.change.name()]);
+                            }
+                        }
                         self.shared.metrics.exported.folds.inc(&["change"]);
-                        self.shared.metrics.exported.lost.inc(&[]);
                         self.caused_by(&span);
                     }
                     Ok(Fold::Discarded(why)) => self.discarded(&span, "change", why.name()),
@@ -941,7 +955,12 @@ impl RunActor {
                 let requeue_after = out.requeue_at.is_some();
                 let was_converged = self.run.meta().converged_at.is_some();
                 let cx = self.events.pass_context(&self.run, &plan, &out);
+                let remediated_before = self.run.counters().remediated;
                 let outcome = span.in_scope(|| self.run.apply_decisions(plan, out, now));
+                let remediated = self.run.counters().remediated - remediated_before;
+                if remediated > 0 {
+                    self.shared.metrics.exported.remediated.add(&[], remediated);
+                }
                 // Recorded pending, then made durable, then dispatched.
                 let outcome = match outcome {
                     Ok(mut outcome) => {

@@ -61,6 +61,8 @@ pub(crate) struct Exported {
     pub(crate) discarded: Counter,
     pub(crate) converged: Counter,
     pub(crate) lost: Counter,
+    pub(crate) health: Counter,
+    pub(crate) remediated: Counter,
     pub(crate) takeovers: Counter,
     pub(crate) reloads: Counter,
     pub(crate) nodes: Gauge,
@@ -161,6 +163,18 @@ impl Exported {
                 "provisioning_nodes_lost_total",
                 "Node attempts failed because the executor reported their resource lost; each slot is \
                  replaced on a fresh attempt.",
+                &[],
+            ),
+            health: r.counter(
+                "provisioning_node_health_changes_total",
+                "Health reports the driver folded, by the state reported (healthy, unhealthy): the \
+                 executor reports a node's first answered probe and every change.",
+                &["state"],
+            ),
+            remediated: r.counter(
+                "provisioning_nodes_remediated_total",
+                "Node attempts replaced because they were unhealthy for their group's unhealthy_after, \
+                 within its remediation budget.",
                 &[],
             ),
             takeovers: r.counter(

@@ -188,7 +188,7 @@ impl ExecutorMetrics {
             resource_changes: r.counter(
                 "provisioning_executor_resource_changes_total",
                 "Changes seen in held resources outside any operation and sent to the driver, by \
-                 change (lost).",
+                 change (lost, healthy, unhealthy).",
                 &["change"],
             ),
             rejections: r.counter(

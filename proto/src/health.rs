@@ -194,8 +194,10 @@ pub struct NodeHealth {
     pub healthy: bool,
     /// When the current state (healthy or not) began, by the executor's report.
     pub since: UnixMillis,
-    /// The latest report.
+    /// The latest report, and its sequence number on the link (reports are
+    /// ordered by both, so one overtaken by a later report is stale).
     pub observed_at: UnixMillis,
+    pub seq: u64,
     pub detail: String,
     /// Unhealthy only: when the node is due for remediation (`since` plus the
     /// group's `unhealthy_after`), stored by the driver when it folded the
@@ -261,6 +263,7 @@ mod tests {
             healthy: false,
             since: UnixMillis::new(1_000),
             observed_at: UnixMillis::new(1_000),
+            seq: 1,
             detail: String::new(),
             remediate_at: Some(UnixMillis::new(2_000)),
         };

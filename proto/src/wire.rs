@@ -474,7 +474,9 @@ pub fn health_to_wire(h: &HealthPolicy) -> pb::HealthPolicy {
     }
 }
 
-fn remediation_from_wire(r: pb::RemediationPolicy) -> Result<RemediationPolicy, FieldError> {
+/// Unset fields decode as the defaults (`max_in_flight` 1, `max_unhealthy`
+/// 100%).
+pub fn remediation_from_wire(r: pb::RemediationPolicy) -> Result<RemediationPolicy, FieldError> {
     let d = RemediationPolicy::default();
     let max_unhealthy = match r.max_unhealthy.and_then(|b| b.value) {
         None => d.max_unhealthy,
@@ -487,7 +489,7 @@ fn remediation_from_wire(r: pb::RemediationPolicy) -> Result<RemediationPolicy, 
     })
 }
 
-fn remediation_to_wire(r: &RemediationPolicy) -> pb::RemediationPolicy {
+pub fn remediation_to_wire(r: &RemediationPolicy) -> pb::RemediationPolicy {
     pb::RemediationPolicy {
         max_in_flight: Some(r.max_in_flight),
         max_unhealthy: Some(pb::Budget {
@@ -900,6 +902,7 @@ impl TryFrom<pb::NodeFacts> for NodeFacts {
                 healthy: h.healthy,
                 since: UnixMillis::new(h.since_ms),
                 observed_at: UnixMillis::new(h.observed_at_ms),
+                seq: h.seq,
                 detail: h.detail,
                 remediate_at: UnixMillis::from_wire(h.remediate_at_ms),
             }),
@@ -933,6 +936,7 @@ impl From<&NodeFacts> for pb::NodeFacts {
                 healthy: h.healthy,
                 since_ms: h.since.as_millis(),
                 observed_at_ms: h.observed_at.as_millis(),
+                seq: h.seq,
                 detail: h.detail.clone(),
                 remediate_at_ms: UnixMillis::to_wire(h.remediate_at),
             }),
@@ -1779,6 +1783,7 @@ mod tests {
                     healthy: false,
                     since: UnixMillis::new(1_700_000_000_400),
                     observed_at: UnixMillis::new(1_700_000_000_500),
+                    seq: 9,
                     detail: "no answer within 500 ms".to_owned(),
                     remediate_at: Some(UnixMillis::new(1_700_000_030_400)),
                 }),

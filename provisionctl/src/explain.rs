@@ -108,6 +108,30 @@ pub fn explain_text(run: &str, e: &pb::NodeExplanation) -> Vec<String> {
             ),
         );
     }
+    if facts.lost {
+        row("health", "lost: the executor saw the resource go".to_owned());
+    } else if let Some(h) = &facts.health {
+        let v = if h.healthy {
+            format!(
+                "healthy since {}, last observed {}",
+                text::relative(h.since_ms, now),
+                text::relative(h.observed_at_ms, now)
+            )
+        } else {
+            let due = if h.remediate_at_ms > 0 {
+                format!("; due for replacement {}", text::relative(h.remediate_at_ms, now))
+            } else {
+                String::new()
+            };
+            format!(
+                "unhealthy since {} ({}), last observed {}{due}",
+                text::relative(h.since_ms, now),
+                h.detail,
+                text::relative(h.observed_at_ms, now)
+            )
+        };
+        row("health", v);
+    }
     match &st.pending {
         Some(p) => {
             let op =

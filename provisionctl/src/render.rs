@@ -96,7 +96,15 @@ pub fn node_json(n: &pb::NodeStatus) -> Value {
             "failed_at_ms": ms_or_null(facts.failed_at_ms),
             "ambiguous_create": facts.ambiguous_create,
             "ambiguous_bootstrap": facts.ambiguous_bootstrap,
+            "lost": facts.lost,
         },
+        "health": facts.health.as_ref().map(|h| json!({
+            "healthy": h.healthy,
+            "since_ms": ms_or_null(h.since_ms),
+            "observed_at_ms": ms_or_null(h.observed_at_ms),
+            "detail": h.detail,
+            "remediate_at_ms": ms_or_null(h.remediate_at_ms),
+        })),
         "pending": st.pending.map(|p| json!({
             "effect": names::effect(p.effect),
             "operation": p.id.map(|id| format!("{}.{}", id.attempt, id.seq)),
@@ -108,6 +116,7 @@ pub fn node_json(n: &pb::NodeStatus) -> Value {
             "next_effect_at_ms": ms_or_null(retry.next_effect_at_ms),
             "restart_at_ms": ms_or_null(retry.restart_at_ms),
             "permanent_failure": non_empty(&retry.permanent_failure),
+            "remediating": retry.remediating,
         },
         "stage_deadline_ms": ms_or_null(st.stage_deadline_ms),
         "last_decision": n.last_decision.as_ref().map(decision_json),
@@ -349,11 +358,13 @@ pub fn status_table(s: &pb::RunStatus) -> Vec<String> {
 /// One row per node: where it is and why.
 pub fn nodes_table(nodes: &[pb::NodeStatus], now_ms: u64) -> Vec<String> {
     let mut t = Table::new(&[
-        "NODE", "ATTEMPT", "STAGE", "PENDING", "FAILURES", "RULE", "REASON",
+        "NODE", "ATTEMPT", "STAGE", "HEALTH", "PENDING", "FAILURES", "RULE", "REASON",
     ]);
     for n in nodes {
         let st = n.state.clone().unwrap_or_default();
         let retry = st.retry.unwrap_or_default();
+        let facts = st.facts.clone().unwrap_or_default();
+        let health = health_cell(&facts, now_ms);
         let pending = st.pending.map_or_else(
             || "-".to_owned(),
             |p| {
@@ -381,6 +392,7 @@ pub fn nodes_table(nodes: &[pb::NodeStatus], now_ms: u64) -> Vec<String> {
             st.node_id,
             st.attempt.to_string(),
             stage,
+            health,
             pending,
             retry.consecutive_failures.to_string(),
             rule,
@@ -388,6 +400,20 @@ pub fn nodes_table(nodes: &[pb::NodeStatus], now_ms: u64) -> Vec<String> {
         ]);
     }
     t.lines()
+}
+
+/// A node's health as a table cell: `lost`, `healthy (3s ago)` with the age
+/// of the last observation, `unhealthy 12s` with how long, or `-` when never
+/// probed.
+fn health_cell(facts: &pb::NodeFacts, now_ms: u64) -> String {
+    if facts.lost {
+        return "lost".to_owned();
+    }
+    match &facts.health {
+        None => "-".to_owned(),
+        Some(h) if h.healthy => format!("healthy (seen {})", text::relative(h.observed_at_ms, now_ms)),
+        Some(h) => format!("unhealthy since {}", text::relative(h.since_ms, now_ms)),
+    }
 }
 
 /// `list` as a table.

@@ -991,6 +991,36 @@ impl Sim {
         true
     }
 
+    /// The executor reports `node`'s current attempt healthy or not, as its
+    /// prober does when the node's probes change. Returns whether the node
+    /// holds a resource to report on.
+    pub fn report_health(&mut self, node: &LogicalNodeId, healthy: bool) -> bool {
+        let Some(n) = self.run.node(node) else {
+            return false;
+        };
+        let identity = contract::ResourceIdentity {
+            run_uid: self.run.uid(),
+            run_id: self.run.run_id().clone(),
+            node: node.clone(),
+            attempt: n.attempt,
+        };
+        if self.fake.probe(&identity).is_err() && healthy {
+            return false;
+        }
+        let change = contract::Change::Health {
+            healthy,
+            detail: if healthy {
+                "probe answered"
+            } else {
+                "the probe went unanswered"
+            }
+            .to_owned(),
+        };
+        let out = self.exec.record_resource_change(&identity, change, self.now);
+        self.handle_outputs(out);
+        true
+    }
+
     /// Steps until converged (or `max_steps`); returns the steps taken.
     pub fn run_until_converged(&mut self, max_steps: u64) -> anyhow::Result<u64> {
         for i in 0..max_steps {

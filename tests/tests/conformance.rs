@@ -185,6 +185,15 @@ fn regression_a_retired_attempts_operation_id_with_other_input_is_not_rejected()
     );
 }
 
+/// A resource lost while its attempt's bootstrap start was in flight: the
+/// start's late success moved the failed attempt on to ready, a node whose
+/// resource is gone. A failed attempt records what a result names (for its
+/// cleanup) but never moves forward.
+#[test]
+fn regression_a_late_result_revives_an_attempt_whose_resource_was_lost() {
+    check_trace(218, Delivery::InOrder, "step*7 advance:7000 lose:0");
+}
+
 /// Every guarantee has at least one mutant that must be caught by it.
 #[test]
 fn every_guarantee_has_a_mutant() {
@@ -276,6 +285,8 @@ macro_rules! mutant_tests {
 
 mutant_tests! {
     mutant_reuse_attempt_ids => ReuseAttemptIds,
+    mutant_ignore_remediation_budget => IgnoreRemediationBudget,
+    mutant_hide_unhealthy => HideUnhealthy,
     mutant_fold_into_current_attempt => FoldIntoCurrentAttempt,
     mutant_carry_facts_into_replacement => CarryFactsIntoReplacement,
     mutant_submit_before_commit => SubmitBeforeCommit,

@@ -334,14 +334,9 @@ pub fn decide_or_defer(
 /// still wanted as it is (rows 1-4 fire for none of those otherwise) and
 /// unhealthy past its stored deadline; the budget decides it ([`Remediations`]).
 fn ladder(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Step {
-    let remediable = n.intent == Intent::Active
-        && n.stage.is_ready()
-        && n.pending.is_none()
-        && !n.facts.bootstrap_failed()
-        && desired
-            .template_for(&n.id)
-            .is_some_and(|t| NodeTemplate::same(t, &n.spec));
-    if remediable && let Some(h) = n.facts.health.as_ref().filter(|h| h.due(now)) {
+    if due_for_remediation(desired, n, now)
+        && let Some(h) = &n.facts.health
+    {
         return Step::Remediate(Candidate {
             node: n.id.clone(),
             attempt: n.attempt,
@@ -350,6 +345,21 @@ fn ladder(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Step {
         });
     }
     Step::Decided(rows(desired, n, now))
+}
+
+/// A ready node that is still wanted as it is, with nothing pending, and
+/// unhealthy past its stored deadline: what the remediation budget decides.
+/// The driver asks the same when it applies a `BeginDelete`, to know it for a
+/// replacement for health.
+pub fn due_for_remediation(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> bool {
+    n.intent == Intent::Active
+        && n.stage.is_ready()
+        && n.pending.is_none()
+        && !n.facts.bootstrap_failed()
+        && n.facts.health.as_ref().is_some_and(|h| h.due(now))
+        && desired
+            .template_for(&n.id)
+            .is_some_and(|t| NodeTemplate::same(t, &n.spec))
 }
 
 /// The ladder's rows for one node: first matching row wins. Row numbers are

@@ -170,6 +170,7 @@ impl N {
             healthy: false,
             since: at(since),
             observed_at: at(since),
+            seq: 1,
             detail: "no answer".to_owned(),
             remediate_at: Some(at(due)),
         });
@@ -1846,6 +1847,7 @@ fn random_node(rng: &mut Rng, shared: &Arc<NodeTemplate>) -> ManagedNode {
             healthy,
             since: at(NOW - 100),
             observed_at: at(NOW - 50),
+            seq: 1,
             detail: "no answer".to_owned(),
             remediate_at: if healthy { None } else { rng.time().map(at) },
         });

@@ -1218,11 +1218,11 @@ impl RunState {
                 // A replacement for health: the slot counts as remediating
                 // until it is ready again, and its restart backs off with the
                 // failure counted, as any failed attempt's does.
+                let desired = DesiredView::new(&self.meta.shape, self.meta.deleting);
                 let remediation = self.nodes.get(&d.node).and_then(|e| {
                     let n = &e.rec.node;
-                    let due =
-                        n.intent == Intent::Active && n.facts.health.as_ref().is_some_and(|h| h.due(now));
-                    due.then(|| (n.attempt, n.retry.consecutive_failures.saturating_add(1)))
+                    decider::due_for_remediation(&desired, n, now)
+                        .then(|| (n.attempt, n.retry.consecutive_failures.saturating_add(1)))
                 });
                 let restart_at = match remediation {
                     Some((attempt, failures)) => Some((failures, self.backoff_at(attempt, failures, now)?)),
@@ -1501,7 +1501,10 @@ impl RunState {
         }
         self.folds_since_pass += 1;
         self.last_fold = Some(now);
-        let active = n.intent == Intent::Active;
+        // A failed attempt (its resource lost while this operation ran)
+        // records what the result names, for its cleanup, but never moves
+        // forward again: a late success must not revive it.
+        let active = n.intent == Intent::Active && n.stage != NodeStage::Failed;
 
         // Shared shapes of failure handling.
         let retry_later = |n: &mut ManagedNode, reason: &str| {
@@ -1783,7 +1786,7 @@ impl RunState {
             return Ok(Fold::Discarded(Discard::UnknownNode));
         };
         let prev = e.rec.node.facts.health.as_ref();
-        if prev.is_some_and(|h| c.at < h.observed_at) {
+        if prev.is_some_and(|h| (c.at, c.seq) <= (h.observed_at, h.seq)) {
             *self
                 .counters
                 .discarded
@@ -1805,6 +1808,7 @@ impl RunState {
             healthy,
             since,
             observed_at: c.at,
+            seq: c.seq,
             detail: detail.to_owned(),
             remediate_at,
         });

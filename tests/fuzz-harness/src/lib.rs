@@ -255,10 +255,26 @@ fn shape_request(target: &'static str, shape: Option<pb::ClusterShape>) -> Resul
         Err(e) => return refused(target, &e.within("shape")),
     };
     // Decoding is lossless: the shape maps back to the message it came from,
-    // but for the groups' optional run ids, which are checked and dropped.
+    // but for the groups' optional run ids, which are checked and dropped, and
+    // their policies, whose unset fields decode as the defaults (and encode
+    // explicitly).
     let mut expected = wire;
     for g in &mut expected.groups {
         g.run_id.clear();
+        let health = contract::wire::health_from_wire(g.health.take().unwrap_or_default());
+        let remediation = contract::wire::remediation_from_wire(g.remediation.take().unwrap_or_default());
+        match (health, remediation) {
+            (Ok(h), Ok(r)) => {
+                g.health = Some(contract::wire::health_to_wire(&h));
+                g.remediation = Some(contract::wire::remediation_to_wire(&r));
+            }
+            _ => {
+                return Err(violation(
+                    target,
+                    "a policy the shape accepted decodes alone as an error",
+                ));
+            }
+        }
     }
     if !bitwise_eq(&pb::ClusterShape::from(&shape), &expected, shape_floats) {
         return Err(violation(target, "decoding the shape lost or changed a field"));

@@ -215,6 +215,10 @@ pub enum Input {
     /// slots the run holds, in slot order) behind the executor's back, and
     /// the executor reports it.
     Lose(u8),
+    /// The executor reports the slot's node unhealthy (its probes fail).
+    Sicken(u8),
+    /// The executor reports the slot's node healthy again.
+    Heal(u8),
 }
 
 fn effect_name(e: Effect) -> &'static str {
@@ -267,6 +271,8 @@ impl fmt::Display for Input {
             Input::Resubmit => f.write_str("resubmit"),
             Input::Conflict(k) => write!(f, "conflict:{k}"),
             Input::Lose(k) => write!(f, "lose:{k}"),
+            Input::Sicken(k) => write!(f, "sicken:{k}"),
+            Input::Heal(k) => write!(f, "heal:{k}"),
             Input::RestartDriver => f.write_str("restart-driver"),
             Input::Delete => f.write_str("delete"),
         }
@@ -366,6 +372,8 @@ impl FromStr for Input {
             "resubmit" => Input::Resubmit,
             "conflict" => Input::Conflict(small(1)?),
             "lose" => Input::Lose(small(1)?),
+            "sicken" => Input::Sicken(small(1)?),
+            "heal" => Input::Heal(small(1)?),
             "restart-driver" => Input::RestartDriver,
             "delete" => Input::Delete,
             _ => return Err(err("unknown input")),
@@ -407,6 +415,8 @@ mod tests {
             Input::Resubmit,
             Input::Conflict(2),
             Input::Lose(4),
+            Input::Sicken(3),
+            Input::Heal(3),
             Input::RestartDriver,
             Input::Delete,
         ];

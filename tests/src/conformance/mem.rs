@@ -375,6 +375,14 @@ impl SystemUnderTest for MemSut {
                 }
                 one(self, None)
             }
+            Input::Sicken(slot) | Input::Heal(slot) => {
+                let ids: Vec<LogicalNodeId> = sim.run.nodes().map(|n| n.id.clone()).collect();
+                if !ids.is_empty() {
+                    let id = ids[usize::from(*slot) % ids.len()].clone();
+                    sim.report_health(&id, matches!(input, Input::Heal(_)));
+                }
+                one(self, None)
+            }
             Input::LinkDown => {
                 sim.cut_link();
                 one(self, None)

@@ -84,10 +84,14 @@ pub enum Mutant {
     DestroyLies,
     /// The driver ignores a lost resource (as if it named another attempt).
     IgnoreLoss,
+    /// The decider grants every remediation its budget holds.
+    IgnoreRemediationBudget,
+    /// The driver takes an unhealthy report for a healthy one.
+    HideUnhealthy,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 26] = [
+    pub const ALL: [Mutant; 28] = [
         Mutant::ReuseAttemptIds,
         Mutant::FoldIntoCurrentAttempt,
         Mutant::CarryFactsIntoReplacement,
@@ -114,6 +118,8 @@ impl Mutant {
         Mutant::RecreateInsteadOfAdopt,
         Mutant::DestroyLies,
         Mutant::IgnoreLoss,
+        Mutant::IgnoreRemediationBudget,
+        Mutant::HideUnhealthy,
     ];
 
     /// The guarantee whose check must catch the mutant.
@@ -143,6 +149,8 @@ impl Mutant {
             }
             Mutant::RecreateInsteadOfAdopt => Guarantee::NoDoubleCreate,
             Mutant::DestroyLies | Mutant::IgnoreLoss => Guarantee::ConvergedLeaksNothing,
+            Mutant::IgnoreRemediationBudget => Guarantee::G22RemediationWithinBudget,
+            Mutant::HideUnhealthy => Guarantee::G23ConvergedMeansObserved,
         }
     }
 
@@ -258,6 +266,14 @@ impl Tamper for Hooks {
                     {
                         d.rule = Rule::Restart;
                         d.action = Action::Restart;
+                    }
+                }
+            }
+            Mutant::IgnoreRemediationBudget => {
+                for d in &mut out.decisions {
+                    if d.rule == Rule::RemediationBudget {
+                        d.rule = Rule::BeginDelete;
+                        d.action = Action::BeginDelete;
                     }
                 }
             }
@@ -379,9 +395,22 @@ impl Tamper for Hooks {
     }
 
     fn fold(&mut self, sim: &Sim, msg: &ToDriver) -> Option<ToDriver> {
-        if let (Mutant::IgnoreLoss, ToDriver::Change(c)) = (self.mutant, msg) {
+        if let (Mutant::IgnoreLoss, ToDriver::Change(c)) = (self.mutant, msg)
+            && matches!(c.change, contract::Change::Lost { .. })
+        {
             return Some(ToDriver::Change(contract::ResourceChange {
                 attempt: AttemptId::new(c.attempt.get().saturating_add(1 << 40)),
+                ..c.clone()
+            }));
+        }
+        if let (Mutant::HideUnhealthy, ToDriver::Change(c)) = (self.mutant, msg)
+            && let contract::Change::Health { healthy: false, .. } = c.change
+        {
+            return Some(ToDriver::Change(contract::ResourceChange {
+                change: contract::Change::Health {
+                    healthy: true,
+                    detail: "probe answered".to_owned(),
+                },
                 ..c.clone()
             }));
         }

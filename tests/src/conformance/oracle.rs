@@ -50,12 +50,14 @@ pub enum Guarantee {
     G18FairConvergence,
     G19ScaleDownHighestNoTwoLive,
     G20NoPanicNoSpin,
+    G22RemediationWithinBudget,
+    G23ConvergedMeansObserved,
     NoDoubleCreate,
     ConvergedLeaksNothing,
 }
 
 impl Guarantee {
-    pub const ALL: [Guarantee; 22] = [
+    pub const ALL: [Guarantee; 24] = [
         Guarantee::G01AttemptIdsUniqueIncreasing,
         Guarantee::G02FoldOnlyIntoNamedAttempt,
         Guarantee::G03RetiredFactsNeverCarried,
@@ -76,6 +78,8 @@ impl Guarantee {
         Guarantee::G18FairConvergence,
         Guarantee::G19ScaleDownHighestNoTwoLive,
         Guarantee::G20NoPanicNoSpin,
+        Guarantee::G22RemediationWithinBudget,
+        Guarantee::G23ConvergedMeansObserved,
         Guarantee::NoDoubleCreate,
         Guarantee::ConvergedLeaksNothing,
     ];
@@ -136,6 +140,13 @@ impl Guarantee {
             }
             Guarantee::G20NoPanicNoSpin => {
                 "no panics, no spins; exhaustion and saturation are errors; at most one action per node"
+            }
+            Guarantee::G22RemediationWithinBudget => {
+                "remediation never has more than max_in_flight nodes of a group in flight, and never acts \
+                 while the group is over max_unhealthy"
+            }
+            Guarantee::G23ConvergedMeansObserved => {
+                "a run is reported converged only when no desired node is lost or unhealthy"
             }
             Guarantee::NoDoubleCreate => "never two resources for one identity (no double-create)",
             Guarantee::ConvergedLeaksNothing => "a converged or deleted run leaves nothing at the backend",
@@ -235,6 +246,12 @@ pub struct Oracle {
     observed_generation: u64,
     // Guarantee 20.
     barren: (UnixMillis, u32),
+    // Guarantee 23: what the executor last reported of each attempt's health,
+    // and the attempts it reported lost.
+    /// By the report's sequence number: a re-sent older report is not the
+    /// last word.
+    health_said: BTreeMap<(LogicalNodeId, AttemptId), (u64, bool)>,
+    lost_said: BTreeSet<(LogicalNodeId, AttemptId)>,
     // No double-create.
     leases_made: BTreeMap<(LogicalNodeId, AttemptId), u32>,
     lease_of: BTreeMap<(LogicalNodeId, AttemptId), String>,
@@ -297,6 +314,8 @@ impl Oracle {
             generation: 0,
             observed_generation: 0,
             barren: (UnixMillis::ZERO, 0),
+            health_said: BTreeMap::new(),
+            lost_said: BTreeSet::new(),
             leases_made: BTreeMap::new(),
             lease_of: BTreeMap::new(),
             pid_of: BTreeMap::new(),
@@ -402,12 +421,22 @@ impl Oracle {
             }
             // A lost resource is gone: a create for its identity after the
             // loss makes the identity's only lease, not a second one.
-            Event::Emitted(ToDriver::Change(c)) => {
-                if let contract::Change::Lost { .. } = &c.change {
+            Event::Emitted(ToDriver::Change(c)) => match &c.change {
+                contract::Change::Lost { .. } => {
                     self.leases_made.remove(&(c.node.clone(), c.attempt));
                     self.lease_of.remove(&(c.node.clone(), c.attempt));
+                    self.lost_said.insert((c.node.clone(), c.attempt));
                 }
-            }
+                contract::Change::Health { healthy, .. } => {
+                    let said = self
+                        .health_said
+                        .entry((c.node.clone(), c.attempt))
+                        .or_insert((c.seq, *healthy));
+                    if c.seq >= said.0 {
+                        *said = (c.seq, *healthy);
+                    }
+                }
+            },
             Event::ConflictProbe { op, outputs } => self.g07_conflict(op, outputs),
             Event::Pass(p) => {
                 self.g15_converged_pass(p.converged_before, p.actions, p.operations, p.changed);
@@ -443,6 +472,7 @@ impl Oracle {
         self.g13_adopt_first(t);
         self.g14_backoff(t);
         self.g19_scale_down(t);
+        self.g22_budget(t);
         self.g20_one_action_per_node(t);
     }
 
@@ -465,6 +495,7 @@ impl Oracle {
             self.no_double_create_inventory(inv);
             self.converged_leaks_nothing(s, inv, rec.quiescent);
         }
+        self.g23_converged_is_observed(s, rec.quiescent);
         for sample in &rec.processes {
             self.no_double_create_processes(sample);
         }
@@ -1339,10 +1370,12 @@ impl Oracle {
                 msg: ToDriver::Observation(o),
                 verdict: Fold::Folded,
             } if o.stage.is_failure() => Some((o.node.clone(), true)),
+            // A lost resource fails its attempt; a health report is a fact,
+            // not a failure (remediation counts one when it begins).
             Cause::Fold {
                 msg: ToDriver::Change(c),
                 verdict: Fold::Folded,
-            } => Some((c.node.clone(), true)),
+            } if matches!(c.change, contract::Change::Lost { .. }) => Some((c.node.clone(), true)),
             Cause::Fold {
                 msg: ToDriver::Rejection(rej),
                 verdict: Fold::Folded,
@@ -1567,6 +1600,7 @@ impl Oracle {
         if !matches!(t.cause, Cause::Decisions(_)) {
             return;
         }
+        let t_at = t.at;
         for (id, b) in &t.before {
             let desired = self.desired_template(id).cloned();
             match t.after.get(id) {
@@ -1594,6 +1628,8 @@ impl Oracle {
                             !NodeTemplate::same(t, &b.spec)
                                 || b.stage == NodeStage::Failed
                                 || b.facts.bootstrap_failed()
+                                // Remediation: unhealthy past its stored deadline.
+                                || b.facts.health.as_ref().is_some_and(|h| h.due(t_at))
                         }
                     };
                     if !justified {
@@ -1815,6 +1851,82 @@ impl Oracle {
         self.converged_leaks_nothing(s, sample, quiescent);
         for v in &mut self.out[before..] {
             v.detail = format!("live node-agent processes: {}", v.detail);
+        }
+    }
+
+    /// Guarantee 22, on every transition: per group, the slots being replaced
+    /// for health are at most the group's `max_in_flight`, and a node begins
+    /// its replacement for health only while the group is within
+    /// `max_unhealthy` (counted over the state before the decision).
+    fn g22_budget(&mut self, t: &Transition) {
+        let Some(shape) = self.shape.clone() else { return };
+        for g in &shape.groups {
+            let r = g.policy.remediation;
+            let in_group = |n: &&ManagedNode| n.id.group() == &g.id;
+            let in_flight = t
+                .after
+                .values()
+                .filter(in_group)
+                .filter(|n| n.retry.remediating)
+                .count();
+            if in_flight > r.max_in_flight as usize {
+                let detail = format!(
+                    "{}: {in_flight} nodes replaced for health at once, max_in_flight is {}",
+                    g.id, r.max_in_flight
+                );
+                self.fail(Guarantee::G22RemediationWithinBudget, detail);
+            }
+            let impaired = t
+                .before
+                .values()
+                .filter(in_group)
+                .filter(|n| n.stage != NodeStage::Destroyed && n.facts.is_impaired())
+                .count();
+            let limit = r.max_unhealthy.resolve(g.count) as usize;
+            let started: Vec<String> = t
+                .after
+                .values()
+                .filter(in_group)
+                .filter(|a| a.retry.remediating && t.before.get(&a.id).is_some_and(|b| !b.retry.remediating))
+                .map(|a| a.id.to_string())
+                .collect();
+            if impaired > limit && !started.is_empty() {
+                let detail = format!(
+                    "{}: {impaired}/{} unhealthy or lost, over max_unhealthy {} ({limit}), yet {} began \
+                     its replacement",
+                    g.id,
+                    g.count,
+                    r.max_unhealthy,
+                    started.join(", ")
+                );
+                self.fail(Guarantee::G22RemediationWithinBudget, detail);
+            }
+        }
+    }
+
+    /// Guarantee 23: whenever the run says it is converged and nothing is on
+    /// its way, the executor's last word on every node's current attempt is
+    /// neither lost nor unhealthy.
+    fn g23_converged_is_observed(&mut self, s: &RunSnapshot, quiescent: bool) {
+        if !quiescent || !s.converged || s.gone {
+            return;
+        }
+        for n in s.nodes.values() {
+            let key = (n.id.clone(), n.attempt);
+            let said = if self.lost_said.contains(&key) {
+                Some("lost")
+            } else if self.health_said.get(&key).is_some_and(|(_, healthy)| !healthy) {
+                Some("unhealthy")
+            } else {
+                None
+            };
+            if let Some(said) = said {
+                let detail = format!(
+                    "converged, but the executor said {} attempt {} is {said}",
+                    n.id, n.attempt
+                );
+                self.fail(Guarantee::G23ConvergedMeansObserved, detail);
+            }
         }
     }
 

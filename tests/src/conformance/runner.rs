@@ -486,11 +486,18 @@ impl<S: SystemUnderTest> Runner<'_, S> {
                     .values()
                     .map(|n| {
                         format!(
-                            "{} {:?}/{:?} pending={:?}",
+                            "{} {:?}/{:?} pending={:?}{}",
                             n.id,
                             n.intent,
                             n.stage,
-                            n.pending.map(|p| p.id)
+                            n.pending.map(|p| p.id),
+                            if n.facts.lost {
+                                " lost"
+                            } else if n.facts.health.as_ref().is_some_and(|h| !h.healthy) {
+                                " unhealthy"
+                            } else {
+                                ""
+                            }
                         )
                     })
                     .collect();

@@ -33,6 +33,8 @@ fn simpler(input: &Input) -> Vec<Input> {
         Input::Resend(k) if *k > 0 => vec![Input::Resend(0)],
         Input::Conflict(k) if *k > 0 => vec![Input::Conflict(0)],
         Input::Lose(k) if *k > 0 => vec![Input::Lose(0)],
+        Input::Sicken(k) if *k > 0 => vec![Input::Sicken(0)],
+        Input::Heal(k) if *k > 0 => vec![Input::Heal(0)],
         Input::Apply(Change::ScaleUp(g, n)) if *n > 1 => vec![Input::Apply(Change::ScaleUp(*g, 1))],
         Input::Apply(Change::ScaleDown(g, n)) if *n > 1 => vec![Input::Apply(Change::ScaleDown(*g, 1))],
         _ => Vec::new(),

@@ -67,6 +67,23 @@ fn template(group: Group, image: &str) -> NodeTemplate {
     }
 }
 
+/// The policy of every group the battery makes: a node unhealthy for two
+/// seconds is replaced, one per group at a time. (`max_unhealthy` stays at
+/// 100%: a group held by it converges only once its nodes heal, which a
+/// trace need not do, and fair convergence would not hold.)
+fn group_policy() -> contract::GroupPolicy {
+    contract::GroupPolicy {
+        health: contract::HealthPolicy {
+            unhealthy_after_ms: 2_000,
+            ..Default::default()
+        },
+        remediation: contract::RemediationPolicy {
+            max_in_flight: 1,
+            max_unhealthy: contract::Budget::Percent(100),
+        },
+    }
+}
+
 fn group_id(g: Group) -> GroupId {
     // The names are valid labels by construction.
     GroupId::parse("id", g.name()).unwrap_or_else(|e| unreachable!("{e}"))
@@ -93,13 +110,13 @@ impl World {
                 id: group_id(Group::Ctrl),
                 count: 1 + rng.below(2) as u32,
                 template: Arc::new(template(Group::Ctrl, "img:1")),
-                policy: Default::default(),
+                policy: group_policy(),
             },
             NodeGroup {
                 id: group_id(Group::Work),
                 count: 1 + rng.below(4) as u32,
                 template: Arc::new(template(Group::Work, "img:1")),
-                policy: Default::default(),
+                policy: group_policy(),
             },
         ];
         if rng.chance(0.3) {
@@ -107,7 +124,7 @@ impl World {
                 id: group_id(Group::Gpu),
                 count: 1 + rng.below(2) as u32,
                 template: Arc::new(template(Group::Gpu, "img:1")),
-                policy: Default::default(),
+                policy: group_policy(),
             });
         }
         let initial = ClusterShape {
@@ -212,7 +229,7 @@ pub fn changed_shape(current: &ClusterShape, change: Change) -> ClusterShape {
                     id: group_id(g),
                     count: add.min(MAX_PER_GROUP),
                     template: Arc::new(template(g, "img:1")),
-                    policy: Default::default(),
+                    policy: group_policy(),
                 }),
             }
         }
@@ -253,7 +270,7 @@ fn other_content(current: &ClusterShape) -> ClusterShape {
             id: group_id(Group::Work),
             count: 1,
             template: Arc::new(template(Group::Work, "img:1")),
-            policy: Default::default(),
+            policy: group_policy(),
         }),
     }
     s
@@ -270,7 +287,7 @@ pub fn bad_shape(current: &ClusterShape, bad: Bad) -> ClusterShape {
             id: group_id(Group::Work),
             count: 1,
             template: Arc::new(template(Group::Work, "img:1")),
-            policy: Default::default(),
+            policy: group_policy(),
         });
     }
     let first = |s: &mut ClusterShape| (*s.groups[0].template).clone();
@@ -454,7 +471,9 @@ pub fn generate(seed: u64, alphabet: Alphabet, len: usize) -> Vec<Input> {
                     deleted = true;
                     Input::Delete
                 }
-                96 | 97 => Input::Lose(rng.below(8) as u8),
+                96 => Input::Lose(rng.below(8) as u8),
+                97 | 98 => Input::Sicken(rng.below(8) as u8),
+                99 => Input::Heal(rng.below(8) as u8),
                 _ => pick_steps(&mut rng),
             },
             Alphabet::Services => match r {
