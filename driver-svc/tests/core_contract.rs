@@ -869,3 +869,79 @@ fn a_lost_resource_fails_only_the_attempt_it_names() {
     assert!(p.transitions >= 1);
     assert_eq!(run.node(&id).unwrap().intent, contract::Intent::Deleting);
 }
+
+/// SPEC §8: health is a fact of the attempt it names. The first unhealthy
+/// report stores the remediation deadline (`since` plus the group's
+/// `unhealthy_after`) and counts in the group's day-2 counts; a report
+/// ordered before the one folded is stale; a healthy one clears both.
+#[test]
+fn a_health_report_is_a_fact_with_its_times_and_counts() {
+    let (mut run, _store) = run_with_nodes();
+    let at = |t: u64| T0.checked_add(std::time::Duration::from_millis(t)).unwrap();
+    let id = node("ctrl-0");
+    let attempt = run.node(&id).unwrap().attempt;
+    let report = |healthy: bool, seq: u64, t: u64| contract::ResourceChange {
+        run_uid: UID,
+        node: id.clone(),
+        attempt,
+        seq,
+        change: contract::Change::Health {
+            healthy,
+            detail: if healthy {
+                "probe answered"
+            } else {
+                "no answer within 200 ms"
+            }
+            .to_owned(),
+        },
+        at: at(t),
+        trace: TraceContext::default(),
+    };
+    let ctrl = contract::GroupId::parse("id", "ctrl").unwrap();
+    assert!(run.group_counts().is_empty());
+
+    assert_eq!(
+        run.fold_resource_change(&report(false, 2, 100), at(100)).unwrap(),
+        Fold::Folded
+    );
+    let h = run.node(&id).unwrap().facts.health.clone().unwrap();
+    assert!(!h.healthy);
+    assert_eq!(h.since, at(100));
+    let unhealthy_after = contract::HealthPolicy::default().unhealthy_after_ms;
+    assert_eq!(h.remediate_at, Some(at(100 + unhealthy_after)));
+    assert_eq!(
+        run.group_counts(),
+        [(
+            ctrl.clone(),
+            contract::GroupCounts {
+                unhealthy: 1,
+                remediating: 0
+            }
+        )]
+    );
+    // Still unhealthy later: `since` and the deadline stay.
+    assert_eq!(
+        run.fold_resource_change(&report(false, 3, 500), at(500)).unwrap(),
+        Fold::Folded
+    );
+    let h = run.node(&id).unwrap().facts.health.clone().unwrap();
+    assert_eq!((h.since, h.observed_at), (at(100), at(500)));
+    assert_eq!(h.remediate_at, Some(at(100 + unhealthy_after)));
+
+    // An older report, re-sent after a newer one was folded, is stale.
+    assert_eq!(
+        run.fold_resource_change(&report(true, 1, 50), at(600)).unwrap(),
+        Fold::Discarded(Discard::Duplicate)
+    );
+    assert!(!run.node(&id).unwrap().facts.health.as_ref().unwrap().healthy);
+
+    assert_eq!(
+        run.fold_resource_change(&report(true, 4, 700), at(700)).unwrap(),
+        Fold::Folded
+    );
+    let h = run.node(&id).unwrap().facts.health.clone().unwrap();
+    assert!(h.healthy);
+    assert_eq!((h.since, h.remediate_at), (at(700), None));
+    assert!(run.group_counts().is_empty(), "{:?}", run.group_counts());
+    assert!(run.indexes_consistent());
+}

@@ -865,6 +865,51 @@ groups:
     }
 
     #[test]
+    fn health_and_remediation_parse_beside_the_template() {
+        let text = GOOD.replace(
+            "  - id: gpu\n",
+            "    health: { probe: tcp, interval: 500ms, timeout: 200, unhealthy_after: 2m }\n    \
+             remediation: { max_in_flight: 0, max_unhealthy: 40% }\n  - id: gpu\n",
+        );
+        let w = load("s.yaml", &text, 1).unwrap();
+        let shape = contract::wire::shape_from_wire(w).unwrap();
+        let p = shape.groups[0].policy;
+        assert_eq!(p.health.probe, contract::Probe::Tcp);
+        assert_eq!(
+            (
+                p.health.interval_ms,
+                p.health.timeout_ms,
+                p.health.unhealthy_after_ms
+            ),
+            (500, 200, 120_000)
+        );
+        assert_eq!(p.remediation.max_in_flight, 0);
+        assert_eq!(p.remediation.max_unhealthy, contract::Budget::Percent(40));
+        // The group without either keeps the defaults.
+        assert_eq!(shape.groups[1].policy, contract::GroupPolicy::default());
+    }
+
+    #[test]
+    fn a_wrong_health_field_is_named() {
+        let with = |h: &str| GOOD.replace("  - id: gpu\n", &format!("    health: {h}\n  - id: gpu\n"));
+        let e = parse_err("s.yaml", &with("{ probe: http }"));
+        assert!(e.to_string().contains("groups[0].health.probe"), "{e}");
+        let e = parse_err("s.yaml", &with("{ interval: 10 parsecs }"));
+        assert!(e.to_string().contains("a duration"), "{e}");
+        let e = parse_err("s.yaml", &with("{ interval: 1s, timeout: 5s }"));
+        assert!(e.to_string().contains("groups[0].health.timeout"), "{e}");
+        let bad = GOOD.replace(
+            "  - id: gpu\n",
+            "    remediation: { max_unhealthy: 140% }\n  - id: gpu\n",
+        );
+        let e = parse_err("s.yaml", &bad);
+        assert!(
+            e.to_string().contains("groups[0].remediation.max_unhealthy"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn json_parses_and_its_generation_wins() {
         let json = r#"{"run_id":"demo","generation":4,"groups":[]}"#;
         assert_eq!(load("s.json", json, 1).unwrap().generation, 4);
