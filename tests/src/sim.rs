@@ -967,18 +967,23 @@ impl Sim {
         Ok(())
     }
 
-    /// The provider loses `node`'s resource (its machine went away) and the
-    /// executor reports it, as a watching backend does. Returns whether the
-    /// node held one.
-    pub fn lose(&mut self, node: &LogicalNodeId) -> bool {
-        let Some(n) = self.run.node(node) else {
-            return false;
-        };
-        let identity = contract::ResourceIdentity {
+    /// The identity of `node`'s current attempt, if the run holds the node.
+    fn identity_of(&self, node: &LogicalNodeId) -> Option<contract::ResourceIdentity> {
+        let n = self.run.node(node)?;
+        Some(contract::ResourceIdentity {
             run_uid: self.run.uid(),
             run_id: self.run.run_id().clone(),
             node: node.clone(),
             attempt: n.attempt,
+        })
+    }
+
+    /// The provider loses `node`'s resource (its machine went away) and the
+    /// executor reports it, as a watching backend does. Returns whether the
+    /// node held one.
+    pub fn lose(&mut self, node: &LogicalNodeId) -> bool {
+        let Some(identity) = self.identity_of(node) else {
+            return false;
         };
         if !self.fake.lose(&identity) {
             return false;
@@ -995,14 +1000,8 @@ impl Sim {
     /// prober does when the node's probes change. Returns whether the node
     /// holds a resource to report on.
     pub fn report_health(&mut self, node: &LogicalNodeId, healthy: bool) -> bool {
-        let Some(n) = self.run.node(node) else {
+        let Some(identity) = self.identity_of(node) else {
             return false;
-        };
-        let identity = contract::ResourceIdentity {
-            run_uid: self.run.uid(),
-            run_id: self.run.run_id().clone(),
-            node: node.clone(),
-            attempt: n.attempt,
         };
         if self.fake.probe(&identity).is_err() && healthy {
             return false;

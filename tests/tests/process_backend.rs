@@ -247,15 +247,7 @@ async fn an_agent_killed_mid_bootstrap_fails_its_attempt_and_is_replaced() {
 
     let s = converged(&cluster, 1).await;
     assert_eq!(s.ready_count, 3);
-    let node = c
-        .explain_node(pb::ExplainNodeRequest {
-            run_id: "agents".into(),
-            node_id: "workers-0".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let state = node.node.and_then(|n| n.state).unwrap();
+    let state = node_state(&mut c, "workers-0").await.unwrap();
     assert!(state.attempt > attempt, "the killed attempt was not replaced");
     assert!(
         state.retry.is_some_and(|r| r.consecutive_failures == 0),
@@ -291,7 +283,7 @@ fn with_boot(s: contract::ClusterShape, group: &str, params: &[(&str, &str)]) ->
 type Client = pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>;
 
 /// `node`'s state as the driver explains it, once the node exists.
-async fn node_state(c: &mut Client, node: &str) -> Option<pb::NodeState> {
+async fn explain_node(c: &mut Client, node: &str) -> Option<pb::NodeExplanation> {
     let explained = c
         .explain_node(pb::ExplainNodeRequest {
             run_id: "agents".into(),
@@ -299,7 +291,15 @@ async fn node_state(c: &mut Client, node: &str) -> Option<pb::NodeState> {
         })
         .await
         .ok()?;
-    explained.into_inner().node.and_then(|n| n.state)
+    Some(explained.into_inner())
+}
+
+async fn explain(c: &mut Client, node: &str) -> pb::NodeExplanation {
+    explain_node(c, node).await.unwrap()
+}
+
+async fn node_state(c: &mut Client, node: &str) -> Option<pb::NodeState> {
+    explain_node(c, node).await?.node.and_then(|n| n.state)
 }
 
 /// Polls `node`'s state until `done` holds; on giving up, prints the
@@ -822,15 +822,11 @@ async fn a_mass_failure_over_max_unhealthy_replaces_nothing_and_heals() {
         attempts,
         "a node was replaced over the budget"
     );
-    let explained = c
-        .explain_node(pb::ExplainNodeRequest {
-            run_id: "agents".into(),
-            node_id: "workers-0".into(),
-        })
+    let last = explain(&mut c, "workers-0")
         .await
-        .unwrap()
-        .into_inner();
-    let last = explained.node.and_then(|n| n.last_decision).unwrap();
+        .node
+        .and_then(|n| n.last_decision)
+        .unwrap();
     assert_eq!(last.rule, contract::Rule::RemediationBudget.number(), "{last:?}");
     assert!(last.reason.contains("max_unhealthy 40%"), "{last:?}");
 
