@@ -211,27 +211,7 @@ impl Exported {
 
 /// A rule's name in the `name` label: the action the ladder row takes.
 pub(crate) fn rule_name(rule: contract::Rule) -> &'static str {
-    use contract::Rule as R;
-    match rule {
-        R::Insert => "insert",
-        R::Reap => "reap",
-        R::Restart => "restart",
-        R::RestartBackoff => "restart-backoff",
-        R::BeginDelete => "begin-delete",
-        R::Pending => "pending",
-        R::ReissueCreate => "reissue-create",
-        R::CancelBootstrap => "cancel-bootstrap",
-        R::DestroyLease => "destroy-lease",
-        R::MarkDestroyed => "mark-destroyed",
-        R::RetryBackoff => "retry-backoff",
-        R::Ready => "ready",
-        R::CreateLease => "create-lease",
-        R::LookupEndpoint => "lookup-endpoint",
-        R::ObserveConvergence => "observe-convergence",
-        R::AwaitBootstrap => "await-bootstrap",
-        R::StartBootstrap => "start-bootstrap",
-        R::RemediationBudget => "remediation-budget",
-    }
+    rule.name()
 }
 
 impl Metrics {

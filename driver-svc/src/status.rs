@@ -198,6 +198,7 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
     let mut ready = 0usize;
     let (mut lost, mut failed, mut permanent, mut moving) = (Vec::new(), Vec::new(), Vec::new(), 0usize);
     let mut unhealthy = Vec::new();
+    let mut unhealthy_groups = std::collections::BTreeSet::new();
     let mut permanent_reason = None;
     for n in run.nodes() {
         let Some(template) = desired.template_for(&n.id) else {
@@ -208,6 +209,7 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             // Ready means observed ready: an unhealthy node is not.
             if n.facts.health.as_ref().is_some_and(|h| h.is_unhealthy()) {
                 unhealthy.push(n.id.to_string());
+                unhealthy_groups.insert(n.id.group().clone());
             } else {
                 ready += 1;
             }
@@ -223,6 +225,8 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             permanent.push(n.id.to_string());
             permanent_reason.get_or_insert_with(|| p.reason.clone());
         } else if n.facts.lost || why.is_some_and(|w| w.starts_with(LOST_PREFIX)) {
+            // The reason's prefix: a node stored lost before the driver kept
+            // the fact itself.
             lost.push(n.id.to_string());
         } else if n.stage == NodeStage::Failed || n.retry.consecutive_failures > 0 {
             failed.push(n.id.to_string());
@@ -252,7 +256,7 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
                     "{group}: {}/{} unhealthy or lost, more than max_unhealthy {} allows ({limit})",
                     counts.unhealthy, g.count, r.max_unhealthy
                 ));
-            } else if r.max_in_flight == 0 && unhealthy.iter().any(|n| n.starts_with(&format!("{group}-"))) {
+            } else if r.max_in_flight == 0 && unhealthy_groups.contains(&group) {
                 held.push(format!("{group}: max_in_flight is 0"));
             }
         }

@@ -84,6 +84,31 @@ impl Rule {
         self as u32
     }
 
+    /// The rule's short name, stable for scripts and metric labels: the
+    /// action its ladder row takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Rule::Insert => "insert",
+            Rule::Reap => "reap",
+            Rule::Restart => "restart",
+            Rule::RestartBackoff => "restart-backoff",
+            Rule::BeginDelete => "begin-delete",
+            Rule::Pending => "pending",
+            Rule::ReissueCreate => "reissue-create",
+            Rule::CancelBootstrap => "cancel-bootstrap",
+            Rule::DestroyLease => "destroy-lease",
+            Rule::MarkDestroyed => "mark-destroyed",
+            Rule::RetryBackoff => "retry-backoff",
+            Rule::Ready => "ready",
+            Rule::CreateLease => "create-lease",
+            Rule::LookupEndpoint => "lookup-endpoint",
+            Rule::ObserveConvergence => "observe-convergence",
+            Rule::AwaitBootstrap => "await-bootstrap",
+            Rule::StartBootstrap => "start-bootstrap",
+            Rule::RemediationBudget => "remediation-budget",
+        }
+    }
+
     pub fn from_number(n: u32) -> Option<Rule> {
         Rule::ALL.into_iter().find(|r| r.number() == n)
     }

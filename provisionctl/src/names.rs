@@ -101,26 +101,7 @@ pub fn bootstrap_stage(v: i32) -> &'static str {
 
 /// A rule's short name, stable for scripts (`rule_name` in JSON).
 pub fn rule(n: u32) -> &'static str {
-    Rule::from_number(n).map_or("unknown", |r| match r {
-        Rule::Insert => "insert",
-        Rule::Reap => "reap",
-        Rule::Restart => "restart",
-        Rule::RestartBackoff => "restart-backoff",
-        Rule::BeginDelete => "begin-delete",
-        Rule::Pending => "pending",
-        Rule::ReissueCreate => "reissue-create",
-        Rule::CancelBootstrap => "cancel-bootstrap",
-        Rule::DestroyLease => "destroy-lease",
-        Rule::MarkDestroyed => "mark-destroyed",
-        Rule::RetryBackoff => "retry-backoff",
-        Rule::Ready => "ready",
-        Rule::CreateLease => "create-lease",
-        Rule::LookupEndpoint => "lookup-endpoint",
-        Rule::ObserveConvergence => "observe-convergence",
-        Rule::AwaitBootstrap => "await-bootstrap",
-        Rule::StartBootstrap => "start-bootstrap",
-        Rule::RemediationBudget => "remediation-budget",
-    })
+    Rule::from_number(n).map_or("unknown", Rule::name)
 }
 
 /// What a rule means, in a few plain words (the row of SPEC.md's ladder).

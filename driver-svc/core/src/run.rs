@@ -828,7 +828,7 @@ impl RunState {
         if self.meta.deleting {
             return false;
         }
-        let desired = self.desired_view();
+        let desired = DesiredView::new(&self.meta.shape, self.meta.deleting);
         let mut count = 0u64;
         for e in self.nodes.values() {
             let n = &e.rec.node;
@@ -1218,11 +1218,17 @@ impl RunState {
                 // A replacement for health: the slot counts as remediating
                 // until it is ready again, and its restart backs off with the
                 // failure counted, as any failed attempt's does.
-                let desired = DesiredView::new(&self.meta.shape, self.meta.deleting);
                 let remediation = self.nodes.get(&d.node).and_then(|e| {
                     let n = &e.rec.node;
-                    decider::due_for_remediation(&desired, n, now)
-                        .then(|| (n.attempt, n.retry.consecutive_failures.saturating_add(1)))
+                    // The health check first: most deletions are not for health,
+                    // and they need no view of the shape.
+                    let due = n.facts.health.as_ref().is_some_and(|h| h.due(now))
+                        && decider::due_for_remediation(
+                            &DesiredView::new(&self.meta.shape, self.meta.deleting),
+                            n,
+                            now,
+                        );
+                    due.then(|| (n.attempt, n.retry.consecutive_failures.saturating_add(1)))
                 });
                 let restart_at = match remediation {
                     Some((attempt, failures)) => Some((failures, self.backoff_at(attempt, failures, now)?)),
