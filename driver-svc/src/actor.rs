@@ -22,8 +22,8 @@
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use contract::{
-    Action, ClusterShape, DecideOutput, Effect, LogicalNodeId, Monotonic, Operation, OperationId,
-    RejectionReason, ResourceChange, RunUid, TraceContext, UnixMillis, pb,
+    Action, ClusterShape, DecideOutput, Effect, Event, EventReason, LogicalNodeId, Monotonic, Operation,
+    OperationId, RejectionReason, ResourceChange, RunUid, Subject, TraceContext, UnixMillis, pb,
 };
 use decider_svc::client::DecideError;
 use platform::telemetry;
@@ -95,6 +95,13 @@ pub enum RunEvent {
         shape: ClusterShape,
         reply: oneshot::Sender<Result<pb::PlanResponse, ApplyError>>,
     },
+    /// The run's event log after `after` (at most `limit`, oldest first;
+    /// 0: all kept), and the latest event's number.
+    Events {
+        after: u64,
+        limit: usize,
+        reply: oneshot::Sender<(Vec<Event>, u64)>,
+    },
     /// An operator abandons a node: the run forgets it, commits, and answers
     /// with what the node left behind (`None`: no such node).
     Abandon {
@@ -157,6 +164,9 @@ pub struct RunHandle {
     pub uid: RunUid,
     pub tx: mpsc::UnboundedSender<RunEvent>,
     pub status: watch::Receiver<Arc<pb::RunStatus>>,
+    /// The latest committed event's number and count: it moves when the
+    /// run's event log gains an event or the latest repeats.
+    pub events: watch::Receiver<(u64, u32)>,
 }
 
 pub(crate) struct RunActor {
@@ -165,6 +175,11 @@ pub(crate) struct RunActor {
     rx: mpsc::UnboundedReceiver<RunEvent>,
     tx: mpsc::UnboundedSender<RunEvent>,
     status: watch::Sender<Arc<pb::RunStatus>>,
+    /// The latest committed event (see [`RunHandle::events`]).
+    event_mark: watch::Sender<(u64, u32)>,
+    /// The executor link went down after being up, and is not back yet: its
+    /// return is an event.
+    link_lost: bool,
     /// What goes on the executor link, and when (claims, resubmissions,
     /// replay cursors, acknowledgements): the same session logic the
     /// simulation runs.
@@ -239,6 +254,8 @@ impl RunActor {
         let (tx, rx) = mpsc::unbounded_channel();
         let now = shared.clock.now();
         let (status, status_rx) = watch::channel(Arc::new(run_status(&run, false, now)));
+        let (event_mark, events_rx) = watch::channel(run.event_mark());
+        let conditions = status::Conditions::from_marks(&run.meta().conditions);
         let uid = run.uid();
         let in_flight: HashMap<OperationId, InFlight> = run
             .inflight_operations()
@@ -270,11 +287,13 @@ impl RunActor {
             rx,
             tx: tx.clone(),
             status,
+            event_mark,
+            link_lost: false,
             session: LinkSession::new(),
             pass_in_flight: false,
             decider_failures: 0,
             decider_down: None,
-            conditions: status::Conditions::default(),
+            conditions,
             decider_retry_at: None,
             changed: true,
             last_publish: None,
@@ -300,6 +319,7 @@ impl RunActor {
             uid,
             tx,
             status: status_rx,
+            events: events_rx,
         }
     }
 
@@ -329,6 +349,11 @@ impl RunActor {
             self.maybe_pass();
             self.settle_deadline_folds();
             self.publish();
+            if self.run.uncommitted() {
+                // The conditions changed (and with them, maybe, the event
+                // log): stored now, not with whatever happens next.
+                let _ = self.commit().await;
+            }
             if self.run.is_gone() {
                 self.finish().await;
                 break;
@@ -459,6 +484,13 @@ impl RunActor {
                 let result = match result {
                     // The accepted shape is stored before the client hears so.
                     Ok(Applied::Changed) => {
+                        let generation = self.run.shape().generation;
+                        self.run.record_event(
+                            EventReason::Applied,
+                            Subject::Run,
+                            format!("generation {generation} applied"),
+                            now,
+                        );
                         self.request_changed(trace);
                         let committed = self.commit().await.map(|()| Applied::Changed);
                         // Health policies apply at once and replace nothing.
@@ -479,6 +511,12 @@ impl RunActor {
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None if self.run.delete() => {
+                        self.run.record_event(
+                            EventReason::Deleting,
+                            Subject::Run,
+                            "deletion requested: every node is cleaned up, then the run is gone".to_owned(),
+                            now,
+                        );
                         self.request_changed(trace);
                         let committed = self.commit().await;
                         if committed.is_ok() {
@@ -498,6 +536,16 @@ impl RunActor {
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None if self.run.set_paused(paused) => {
+                        let (reason, message) = if paused {
+                            (
+                                EventReason::Paused,
+                                "paused: nothing new is started until it is resumed",
+                            )
+                        } else {
+                            (EventReason::Resumed, "resumed")
+                        };
+                        self.run
+                            .record_event(reason, Subject::Run, message.to_owned(), now);
                         self.request_changed(trace);
                         self.commit().await
                     }
@@ -517,6 +565,17 @@ impl RunActor {
             }
             RunEvent::Plan { shape, reply } => {
                 let _ = reply.send(self.plan(shape, now));
+            }
+            RunEvent::Events { after, limit, reply } => {
+                let take = if limit == 0 { usize::MAX } else { limit };
+                let events = self
+                    .run
+                    .events()
+                    .filter(|e| e.seq > after)
+                    .take(take)
+                    .cloned()
+                    .collect();
+                let _ = reply.send((events, self.run.event_mark().0));
             }
             RunEvent::Abandon { node, reply } => {
                 let before = self.events.before(&self.run);
@@ -594,9 +653,26 @@ impl RunActor {
             RunEvent::FromExecutor(msg) => self.on_executor_message(msg, now),
             RunEvent::LinkUp(generation) => {
                 self.link_up(generation);
+                if std::mem::take(&mut self.link_lost) {
+                    self.run.record_event(
+                        EventReason::DependencyBack,
+                        Subject::Run,
+                        "the executor link is back; pending operations are resubmitted".to_owned(),
+                        now,
+                    );
+                }
                 self.changed = true;
             }
             RunEvent::LinkDown => {
+                if self.session.link().is_some() && !self.run.is_gone() {
+                    self.link_lost = true;
+                    self.run.record_event(
+                        EventReason::DependencyLost,
+                        Subject::Run,
+                        "the executor link is down; operations wait until it is back".to_owned(),
+                        now,
+                    );
+                }
                 self.session.handle_link_down();
                 self.changed = true;
             }
@@ -938,6 +1014,12 @@ impl RunActor {
                 self.decider_failures = 0;
                 if self.decider_down.take().is_some() {
                     self.changed = true;
+                    self.run.record_event(
+                        EventReason::DependencyBack,
+                        Subject::Run,
+                        "the decider is reachable again".to_owned(),
+                        now,
+                    );
                 }
                 if speculative
                     && out
@@ -975,6 +1057,7 @@ impl RunActor {
                 let _entered = span.enter();
                 match outcome {
                     Ok((outcome, released)) => {
+                        self.publish_event_mark();
                         self.events.pass_decided(cx, &self.run, now, &outcome);
                         self.shared.metrics.pass(&outcome);
                         let result = if outcome.follow_up {
@@ -1049,6 +1132,14 @@ impl RunActor {
                 self.events.pass_failed(|| format!("the decider failed: {err}"));
                 self.run.abort_pass(plan);
                 self.decider_failures = self.decider_failures.saturating_add(1);
+                if self.decider_down.is_none() {
+                    self.run.record_event(
+                        EventReason::DependencyLost,
+                        Subject::Run,
+                        format!("the decider cannot be reached ({err}); nothing is decided until it is back"),
+                        now,
+                    );
+                }
                 self.decider_down = Some(err.to_string());
                 self.changed = true;
                 let exp = self.decider_failures.min(6);
@@ -1180,6 +1271,7 @@ impl RunActor {
             }
         }
         self.events.committed(dirty);
+        self.publish_event_mark();
         self.session.flush_acks();
         self.session.ask_replays(&mut self.run);
         self.flush();
@@ -1293,8 +1385,35 @@ impl RunActor {
             executor_link_down: self.session.link().is_none() && !self.run.is_gone(),
         };
         let observed = status::observe(&self.run, &deps);
-        status.conditions = self.conditions.stamp(observed, status.generation, now);
+        let (conditions, transitions) = self.conditions.stamp(observed, status.generation, now);
+        status.conditions = conditions;
+        if !transitions.is_empty() && !self.run.is_gone() {
+            for t in transitions {
+                let reason = match (t.kind, t.status) {
+                    ("Ready", true) => EventReason::Converged,
+                    ("Stalled", true) => EventReason::Stalled,
+                    _ => continue,
+                };
+                let message = if t.kind == "Stalled" {
+                    format!("{}: {}", t.reason, t.message)
+                } else {
+                    t.message
+                };
+                self.run.record_event(reason, Subject::Run, message, now);
+            }
+            self.run.set_conditions(self.conditions.marks());
+        }
         status
+    }
+
+    /// Tells followers of the event log what is committed now.
+    fn publish_event_mark(&self) {
+        let mark = self.run.event_mark();
+        self.event_mark.send_if_modified(|m| {
+            let moved = *m != mark;
+            *m = mark;
+            moved
+        });
     }
 
     fn publish(&mut self) {

@@ -8,8 +8,9 @@
 use std::{pin::Pin, sync::Arc};
 
 use contract::{
-    ClusterShape, FieldError, LogicalNodeId, RunId, pb, pb::provisioning_server::Provisioning,
-    wire::shape_from_wire,
+    ClusterShape, FieldError, LogicalNodeId, RunId, pb,
+    pb::provisioning_server::Provisioning,
+    wire::{event_to_wire, shape_from_wire},
 };
 use futures::Stream;
 use tonic::{Request, Response, Status};
@@ -106,6 +107,7 @@ impl Api {
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::RunStatus, Status>> + Send>>;
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Provisioning for Api {
@@ -267,6 +269,102 @@ impl Provisioning for Api {
             .await
             .map_err(to_status)?;
         Ok(Response::new(pb::AbandonNodeResponse { orphan: Some(orphan) }))
+    }
+
+    async fn list_events(
+        &self,
+        req: Request<pb::ListEventsRequest>,
+    ) -> Result<Response<pb::ListEventsResponse>, Status> {
+        let who = principal(&req, Access::Read, "ListEvents")?;
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        who.require_run(id.as_str())?;
+        let limit = usize::try_from(r.limit).unwrap_or(usize::MAX);
+        let (events, last_seq) = self
+            .driver
+            .events(&id, r.after_seq, limit)
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::ListEventsResponse {
+            events: events.iter().map(|e| event_to_wire(&id, e)).collect(),
+            last_seq,
+            now_ms: self.driver.now().as_millis(),
+        }))
+    }
+
+    type WatchEventsStream = EventStream;
+
+    /// The events after the request's `after_seq`, then each one committed
+    /// (a repeat of the latest is sent again with its new count), until the
+    /// client goes or the run is deleted.
+    async fn watch_events(
+        &self,
+        req: Request<pb::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let who = principal(&req, Access::Read, "WatchEvents")?;
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        who.require_run(id.as_str())?;
+        let driver = self.driver.clone();
+        let mut rx = driver.watch_events(&id).await.map_err(to_status)?;
+        // The latest event sent (at first, the client's cursor) and its
+        // count when sent (unknown for the client's own until first read).
+        let mut cursor = r.after_seq;
+        let mut cursor_count: Option<u32> = None;
+        let stream = async_stream(move |tx| async move {
+            loop {
+                rx.borrow_and_update();
+                let events = match driver.events(&id, cursor.saturating_sub(1), 0).await {
+                    Ok((events, _)) => events,
+                    Err(crate::driver::DriverError::NotFound(_)) => break,
+                    Err(e) => {
+                        let _ = tx.send(Err(to_status(e))).await;
+                        break;
+                    }
+                };
+                for e in events {
+                    if e.seq < cursor {
+                        continue;
+                    }
+                    if e.seq == cursor {
+                        match cursor_count {
+                            None => {
+                                cursor_count = Some(e.count);
+                                continue;
+                            }
+                            Some(c) if e.count <= c => continue,
+                            Some(_) => {}
+                        }
+                    }
+                    cursor = e.seq;
+                    cursor_count = Some(e.count);
+                    if tx.send(Ok(event_to_wire(&id, &e))).await.is_err() {
+                        return;
+                    }
+                }
+                let changed = tokio::select! {
+                    changed = rx.changed() => changed,
+                    () = tx.closed() => break,
+                };
+                if changed.is_err() {
+                    // The actor finished: the run is gone, or it restarted
+                    // here after a reload (follow it), or moved elsewhere.
+                    match rewatch(&driver, &id).await {
+                        Ok(_) => match driver.watch_events(&id).await {
+                            Ok(next) => rx = next,
+                            Err(_) => break,
+                        },
+                        Err(status) => {
+                            if status.code() != tonic::Code::NotFound {
+                                let _ = tx.send(Err(status)).await;
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn list_orphans(

@@ -12,7 +12,7 @@ use contract::{
     Clock, ClusterShape, Epoch, LogicalNodeId, RunId, RunUid, pb, pb::decider_client::DeciderClient,
 };
 use platform::telemetry::grpc::TracedChannel;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::{
     actor::{RunActor, RunEvent, RunHandle},
@@ -131,6 +131,17 @@ impl Registry for Shared {
     }
 }
 
+/// Why a stored run is restored (the event it records says so).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Restore {
+    /// The driver is starting and restores the runs it stores.
+    Started,
+    /// A write failed: the run is reloaded from what the store holds.
+    Reloaded,
+    /// A replica takes over a run no live replica owns.
+    TakenOver,
+}
+
 /// What an apply did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ApplyOutcome {
@@ -233,7 +244,7 @@ impl Driver {
         tokio::spawn(reload_runs(Arc::downgrade(&shared), reload_rx));
         let driver = Self { shared };
         for s in stored {
-            driver.restore(s)?;
+            driver.restore(s, Restore::Started)?;
         }
         Ok(driver)
     }
@@ -251,19 +262,35 @@ impl Driver {
     /// before the run's actor can claim it at the executor (and so fence
     /// whatever an earlier owner still has in flight there); the actor then
     /// resubmits the run's pending operations.
-    fn restore(&self, s: crate::core::StoredRun) -> Result<RunUid, DriverError> {
-        let run = self.restored(s)?;
+    fn restore(&self, s: crate::core::StoredRun, why: Restore) -> Result<RunUid, DriverError> {
+        let run = self.restored(s, why)?;
         Ok(self.spawn_restored(run))
     }
 
-    /// A stored run under its new epoch, committed.
-    fn restored(&self, s: crate::core::StoredRun) -> Result<RunState, DriverError> {
-        let epoch = s
-            .meta
-            .epoch
+    /// A stored run under its new epoch, committed with the event that says
+    /// why it was restored.
+    fn restored(&self, s: crate::core::StoredRun, why: Restore) -> Result<RunState, DriverError> {
+        let from = s.meta.epoch;
+        let epoch = from
             .next()
             .ok_or_else(|| DriverError::Exhausted(format!("epoch of run {} exhausted", s.meta.run_id)))?;
         let mut run = RunState::restore(s, epoch, self.shared.run.policy.clone());
+        let (reason, message) = match why {
+            Restore::Started => (
+                contract::EventReason::Restored,
+                format!("restored from the store by a starting driver (epoch {from} → {epoch})"),
+            ),
+            Restore::Reloaded => (
+                contract::EventReason::Restored,
+                format!("reloaded from the store after a failed write (epoch {from} → {epoch})"),
+            ),
+            Restore::TakenOver => (
+                contract::EventReason::TakenOver,
+                format!("taken over by another driver replica (epoch {from} → {epoch})"),
+            ),
+        };
+        let now = self.shared.run.clock.now();
+        run.record_event(reason, contract::Subject::Run, message, now);
         self.persist_actorless(&mut run)?;
         tracing::info!(run = %run.run_id(), %epoch, nodes = run.node_count(), pending = run.pending_count(),
             reclaim = run.is_reclaim(), "run restored");
@@ -311,7 +338,7 @@ impl Driver {
             blocking(move || store.load_run(uid)).await?
         };
         let run = match stored {
-            Some(s) => Some(self.restored(s)?),
+            Some(s) => Some(self.restored(s, Restore::Reloaded)?),
             None => None,
         };
         let (done, stopped) = oneshot::channel();
@@ -384,7 +411,7 @@ impl Driver {
             return Ok(false);
         };
         let (run, from_epoch) = (stored.meta.run_id.clone(), stored.meta.epoch);
-        self.restore(stored)?;
+        self.restore(stored, Restore::TakenOver)?;
         self.shared.run.metrics.exported.takeovers.inc(&[]);
         tracing::warn!(%run, run_uid = %uid, %from_epoch, took_ms = self.shared.run.clock.monotonic().saturating_since(started).as_millis() as u64,
             "took over a run no live replica owned");
@@ -514,6 +541,13 @@ impl Driver {
         let now = self.shared.run.clock.now();
         let uid = fresh_uid();
         let mut run = RunState::create(shape, uid, Epoch::new(1), self.shared.run.policy.clone(), now)?;
+        let generation = run.shape().generation;
+        run.record_event(
+            contract::EventReason::Applied,
+            contract::Subject::Run,
+            format!("run created at generation {generation}"),
+            now,
+        );
         if let Err(e) = self.persist_actorless(&mut run) {
             // The fresh uid's ownership claim is of no use now.
             if let Some(r) = &self.shared.run.replicas
@@ -577,6 +611,29 @@ impl Driver {
         run_id: &RunId,
     ) -> Result<tokio::sync::watch::Receiver<Arc<pb::RunStatus>>, DriverError> {
         Ok(self.find(run_id).await?.status)
+    }
+
+    /// The driver's wall clock (the injected one).
+    pub fn now(&self) -> contract::UnixMillis {
+        self.shared.run.clock.now()
+    }
+
+    /// The run's event log after `after` (at most `limit`; 0: all kept),
+    /// oldest first, and the latest event's number.
+    pub async fn events(
+        &self,
+        run_id: &RunId,
+        after: u64,
+        limit: usize,
+    ) -> Result<(Vec<contract::Event>, u64), DriverError> {
+        self.ask(run_id, |reply| RunEvent::Events { after, limit, reply })
+            .await
+    }
+
+    /// The run's event-log channel: it moves when an event is committed (or
+    /// the latest repeats).
+    pub async fn watch_events(&self, run_id: &RunId) -> Result<watch::Receiver<(u64, u32)>, DriverError> {
+        Ok(self.find(run_id).await?.events)
     }
 
     pub async fn explain(

@@ -16,29 +16,37 @@
 //! - 2: a run record may be a *reclaim* run (`StoredMeta.reclaim`), held only
 //!   to destroy orphans. Migrating from 1 rewrites every record under the new
 //!   version (a version-1 record is never a reclaim run).
+//! - 3: each run's event log (`StoredEvent`, table `events`) and its
+//!   conditions (`StoredMeta.conditions`). Migrating from 2 creates the table;
+//!   records of version 2 are read as they are (they have no conditions).
 //!
 //! Tables: `meta` (run uid → `StoredMeta`), `nodes` ((run uid, node id) →
-//! `StoredNode`), `schema` ("version" → u32).
+//! `StoredNode`), `events` ((run uid, seq) → `StoredEvent`), `schema`
+//! ("version" → u32).
 
 use std::{collections::BTreeMap, path::Path};
 
 use contract::{
-    ClusterShape, Epoch, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
+    ClusterShape, Epoch, Event, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
     pb::{self, store::v1 as rec},
-    wire::{TemplateTable, node_from_wire, node_to_wire, shape_from_wire},
+    wire::{TemplateTable, event_from_wire, event_to_wire, node_from_wire, node_to_wire, shape_from_wire},
 };
 use platform::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use crate::core::{NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};
+use crate::core::{ConditionMark, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};
 
 /// The schema this code writes.
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = 3;
+/// The oldest record version this code reads as it is (a record's format
+/// from here on only gained fields).
+const OLDEST_RECORD: u32 = 2;
 
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const NODES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("nodes");
 const SCHEMA: TableDefinition<&str, u32> = TableDefinition::new("schema");
+const EVENTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("events");
 
 /// The store file inside the data directory.
 pub const FILE_NAME: &str = "driver.redb";
@@ -95,17 +103,20 @@ impl RedbStore {
                         "the store was written by schema version {v}; this driver reads up to {SCHEMA_VERSION}"
                     )));
                 }
-                Some(1) => {
+                Some(from @ (1 | 2)) => {
                     // Older schemas are migrated here, one version at a time,
                     // inside this transaction: a failed migration leaves the
-                    // file as it was.
+                    // file as it was. 2 → 3 only adds the events table,
+                    // opened below.
                     drop(schema);
-                    migrate_1_to_2(&txn)?;
+                    if from == 1 {
+                        migrate_1_to_2(&txn)?;
+                    }
                     txn.open_table(SCHEMA)
                         .map_err(unavailable)?
-                        .insert("version", 2u32)
+                        .insert("version", SCHEMA_VERSION)
                         .map_err(unavailable)?;
-                    tracing::info!("store migrated from schema version 1 to 2");
+                    tracing::info!(from, to = SCHEMA_VERSION, "store migrated");
                 }
                 Some(v) => {
                     return Err(corrupt(format!("no migration from schema version {v}")));
@@ -113,6 +124,7 @@ impl RedbStore {
             }
             txn.open_table(META).map_err(unavailable)?;
             txn.open_table(NODES).map_err(unavailable)?;
+            txn.open_table(EVENTS).map_err(unavailable)?;
         }
         txn.commit().map_err(unavailable)
     }
@@ -208,15 +220,34 @@ pub(crate) fn encode_meta(sealer: &Sealer, m: &RunMeta) -> Result<Vec<u8>, Store
         created_at_ms: m.created_at.as_millis(),
         converged_at_ms: UnixMillis::to_wire(m.converged_at),
         reclaim: m.reclaim,
+        conditions: m
+            .conditions
+            .iter()
+            .map(|c| pb::Condition {
+                r#type: c.kind.clone(),
+                status: c.status,
+                reason: c.reason.clone(),
+                message: String::new(),
+                since_ms: c.since.as_millis(),
+                observed_generation: 0,
+            })
+            .collect(),
     }
     .encode_to_vec())
 }
 
+/// A record's schema version is one this code reads.
+fn readable(what: &str, schema: u32) -> Result<(), StoreError> {
+    if (OLDEST_RECORD..=SCHEMA_VERSION).contains(&schema) {
+        Ok(())
+    } else {
+        Err(corrupt(format!("{what} of schema {schema}")))
+    }
+}
+
 pub(crate) fn decode_meta(sealer: &Sealer, bytes: &[u8]) -> Result<RunMeta, StoreError> {
     let m = rec::StoredMeta::decode(bytes).map_err(|e| corrupt(format!("run record: {e}")))?;
-    if m.schema != SCHEMA_VERSION {
-        return Err(corrupt(format!("run record of schema {}", m.schema)));
-    }
+    readable("run record", m.schema)?;
     let mut shape = m.shape.ok_or_else(|| corrupt("run record without a shape"))?;
     open_shape(sealer, &mut shape)?;
     let shape: ClusterShape = shape_from_wire(shape).map_err(|e| corrupt(format!("stored shape: {e}")))?;
@@ -232,7 +263,32 @@ pub(crate) fn decode_meta(sealer: &Sealer, bytes: &[u8]) -> Result<RunMeta, Stor
         created_at: UnixMillis::new(m.created_at_ms),
         converged_at: UnixMillis::from_wire(m.converged_at_ms),
         reclaim: m.reclaim,
+        conditions: m
+            .conditions
+            .into_iter()
+            .map(|c| ConditionMark {
+                kind: c.r#type,
+                status: c.status,
+                reason: c.reason,
+                since: UnixMillis::new(c.since_ms),
+            })
+            .collect(),
     })
+}
+
+pub(crate) fn encode_event(run_id: &RunId, e: &Event) -> Vec<u8> {
+    rec::StoredEvent {
+        schema: SCHEMA_VERSION,
+        event: Some(event_to_wire(run_id, e)),
+    }
+    .encode_to_vec()
+}
+
+pub(crate) fn decode_event(bytes: &[u8]) -> Result<Event, StoreError> {
+    let e = rec::StoredEvent::decode(bytes).map_err(|e| corrupt(format!("event record: {e}")))?;
+    readable("event record", e.schema)?;
+    let event = e.event.ok_or_else(|| corrupt("event record without an event"))?;
+    event_from_wire(event).map_err(|e| corrupt(format!("event: {e}")))
 }
 
 pub(crate) fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, StoreError> {
@@ -268,9 +324,7 @@ pub(crate) fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, St
 
 pub(crate) fn decode_node(sealer: &Sealer, bytes: &[u8]) -> Result<NodeRecord, StoreError> {
     let mut n = rec::StoredNode::decode(bytes).map_err(|e| corrupt(format!("node record: {e}")))?;
-    if n.schema != SCHEMA_VERSION {
-        return Err(corrupt(format!("node record of schema {}", n.schema)));
-    }
+    readable("node record", n.schema)?;
     for t in &mut n.templates {
         sealer.open_template(t).map_err(sealing)?;
     }
@@ -305,8 +359,12 @@ impl RunStore for RedbStore {
         {
             let mut meta = txn.open_table(META).map_err(unavailable)?;
             let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
+            let mut events = txn.open_table(EVENTS).map_err(unavailable)?;
             if delta.drop_run {
                 meta.remove(uid.as_str()).map_err(unavailable)?;
+                events
+                    .retain_in((uid.as_str(), 0)..=(uid.as_str(), u64::MAX), |_, _| false)
+                    .map_err(unavailable)?;
                 let mut keys: Vec<String> = Vec::new();
                 for item in nodes.range((uid.as_str(), "")..).map_err(unavailable)? {
                     let (k, _) = item.map_err(unavailable)?;
@@ -339,6 +397,28 @@ impl RunStore for RedbStore {
                     let id = id.to_string();
                     nodes.remove((uid.as_str(), id.as_str())).map_err(unavailable)?;
                 }
+                if !delta.events.is_empty() || delta.events_below.is_some() {
+                    let run_id = match &delta.meta {
+                        Some(m) => m.run_id.clone(),
+                        None => {
+                            let stored = meta
+                                .get(uid.as_str())
+                                .map_err(unavailable)?
+                                .ok_or(StoreError::UnknownRun(delta.uid))?;
+                            decode_meta(&self.sealer, stored.value())?.run_id
+                        }
+                    };
+                    for e in &delta.events {
+                        events
+                            .insert((uid.as_str(), e.seq), encode_event(&run_id, e).as_slice())
+                            .map_err(unavailable)?;
+                    }
+                    if let Some(below) = delta.events_below {
+                        events
+                            .retain_in((uid.as_str(), 0)..(uid.as_str(), below), |_, _| false)
+                            .map_err(unavailable)?;
+                    }
+                }
             }
         }
         txn.commit().map_err(unavailable)
@@ -360,6 +440,7 @@ impl RunStore for RedbStore {
                 StoredRun {
                     meta: m,
                     nodes: Vec::new(),
+                    events: Vec::new(),
                 },
             );
         }
@@ -374,6 +455,22 @@ impl RunStore for RedbStore {
                 .get_mut(uid)
                 .ok_or_else(|| corrupt(format!("node {id} of run {uid}, which has no run record")))?;
             run.nodes.push(rec);
+        }
+        let events = txn.open_table(EVENTS).map_err(unavailable)?;
+        for item in events.iter().map_err(unavailable)? {
+            let (k, v) = item.map_err(unavailable)?;
+            let (uid, seq) = k.value();
+            let e = decode_event(v.value())?;
+            if e.seq != seq {
+                return Err(corrupt(format!(
+                    "event {} of run {uid} under the wrong key {seq}",
+                    e.seq
+                )));
+            }
+            let run = runs
+                .get_mut(uid)
+                .ok_or_else(|| corrupt(format!("event {seq} of run {uid}, which has no run record")))?;
+            run.events.push(e);
         }
         Ok(runs.into_values().collect())
     }
@@ -573,5 +670,89 @@ mod tests {
         }
         let err = RedbStore::open(dir.path()).unwrap_err();
         assert!(err.to_string().contains("schema version"), "{err}");
+    }
+
+    /// Events and conditions are stored with the run, trimmed as the run
+    /// trims them, and dropped with it.
+    #[test]
+    fn events_and_conditions_are_stored_trimmed_and_dropped_with_the_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = UnixMillis::new(1_700_000_000_000);
+        let policy = Arc::new(Policy {
+            event_limit: 3,
+            ..Policy::default()
+        });
+        let store = RedbStore::open(dir.path()).unwrap();
+        let mem = MemStore::new();
+        let uid = RunUid::from_u128(11);
+        let mut run = RunState::create(shape(1), uid, Epoch::new(1), policy, now).unwrap();
+        for i in 0..5 {
+            run.record_event(
+                contract::EventReason::Applied,
+                contract::Subject::Run,
+                format!("event {i}"),
+                now,
+            );
+        }
+        run.set_conditions(vec![ConditionMark {
+            kind: "Ready".into(),
+            status: false,
+            reason: "NotConverged".into(),
+            since: now,
+        }]);
+        let delta = run.take_commit().delta().clone();
+        store.commit(&delta).unwrap();
+        mem.commit(&delta).unwrap();
+        drop(store);
+        let store = RedbStore::open(dir.path()).unwrap();
+        let loaded = store.load_all().unwrap();
+        assert_eq!(loaded, mem.load_all().unwrap());
+        assert_eq!(
+            loaded[0].events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            [3, 4, 5]
+        );
+        assert_eq!(loaded[0].meta.conditions.len(), 1);
+        assert_eq!(loaded[0].meta.conditions[0].reason, "NotConverged");
+        let mut delta = RunDelta::new(uid);
+        delta.drop_run = true;
+        store.commit(&delta).unwrap();
+        assert!(store.load_all().unwrap().is_empty());
+        let txn = store.db.begin_read().unwrap();
+        assert_eq!(txn.open_table(EVENTS).unwrap().iter().unwrap().count(), 0);
+    }
+
+    /// A store of schema 2 (no event table, records of version 2) opens:
+    /// the table is added and the records read as they are.
+    #[test]
+    fn a_schema_2_store_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = UnixMillis::new(1_700_000_000_000);
+        let uid = RunUid::from_u128(12);
+        {
+            let store = RedbStore::open(dir.path()).unwrap();
+            let mut run =
+                RunState::create(shape(1), uid, Epoch::new(1), Arc::new(Policy::default()), now).unwrap();
+            drive(&mut run, &store, now);
+            // Back to what a schema-2 driver wrote.
+            let txn = store.db.begin_write().unwrap();
+            {
+                let mut meta = txn.open_table(META).unwrap();
+                let key = uid.to_string();
+                let mut m =
+                    rec::StoredMeta::decode(meta.get(key.as_str()).unwrap().unwrap().value()).unwrap();
+                m.schema = 2;
+                m.conditions.clear();
+                meta.insert(key.as_str(), m.encode_to_vec().as_slice()).unwrap();
+                txn.open_table(SCHEMA).unwrap().insert("version", 2u32).unwrap();
+                txn.delete_table(EVENTS).unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        let store = RedbStore::open(dir.path()).unwrap();
+        assert_eq!(store.schema_version().unwrap(), SCHEMA_VERSION);
+        let loaded = store.load_all().unwrap();
+        assert_eq!(loaded.len(), 1);
+        assert_eq!(loaded[0].nodes.len(), 4);
+        assert!(loaded[0].events.is_empty() && loaded[0].meta.conditions.is_empty());
     }
 }

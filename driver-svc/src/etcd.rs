@@ -8,6 +8,8 @@
 //! - `runs/<uid>/gen`: the generation of the run's node records (decimal;
 //!   absent means 0);
 //! - `runs/<uid>/nodes/<gen>/<node id>`: node records (`StoredNode`);
+//! - `runs/<uid>/events/<seq>`: the run's event log (`StoredEvent`; the
+//!   sequence number zero-padded to 20 digits, so keys sort by it);
 //! - `runs/<uid>/writer`: the owner id of the replica that wrote the run
 //!   last (every write sets it, so etcd's history of this key says which
 //!   replica wrote each revision of the run);
@@ -72,7 +74,7 @@ use platform::secrets::Sealer;
 use tokio::time::Instant;
 
 use crate::core::{NodeRecord, RunDelta, RunStore, StoreError, StoredRun};
-use crate::durable::{decode_meta, decode_node, encode_meta, encode_node};
+use crate::durable::{decode_event, decode_meta, decode_node, encode_event, encode_meta, encode_node};
 use crate::replicas::{Claim, Owner, Placement, Replicas};
 
 /// Where the store's keys live unless configured otherwise.
@@ -667,6 +669,52 @@ impl EtcdStore {
         self.key(&format!("runs/{uid}/{rest}"))
     }
 
+    fn event_key(&self, uid: RunUid, seq: u64) -> String {
+        self.run_key(uid, &format!("events/{seq:020}"))
+    }
+
+    /// The writes of a delta's events: each recorded or repeated event, and
+    /// the deletion of those the run no longer keeps.
+    fn event_ops(&self, delta: &RunDelta) -> Result<Vec<TxnOp>, StoreError> {
+        let mut ops = Vec::new();
+        if delta.events.is_empty() && delta.events_below.is_none() {
+            return Ok(ops);
+        }
+        let run_id = match &delta.meta {
+            Some(m) => m.run_id.clone(),
+            None => {
+                let known = self.claimed().get(&delta.uid).and_then(|c| c.run_id.clone());
+                match known {
+                    Some(id) => contract::RunId::parse("run_id", &id).map_err(corrupt)?,
+                    None => {
+                        let key = self.run_key(delta.uid, "meta");
+                        let client = self.inner.client.clone();
+                        let got = self.block(async move {
+                            let mut c = client;
+                            c.get(key, None).await.map_err(etcd_err)
+                        })?;
+                        let kv = got.kvs().first().ok_or(StoreError::UnknownRun(delta.uid))?;
+                        decode_meta(&self.inner.sealer, kv.value())?.run_id
+                    }
+                }
+            }
+        };
+        for e in &delta.events {
+            ops.push(TxnOp::put(
+                self.event_key(delta.uid, e.seq),
+                encode_event(&run_id, e),
+                None,
+            ));
+        }
+        if let Some(below) = delta.events_below {
+            ops.push(TxnOp::delete(
+                self.event_key(delta.uid, 0),
+                Some(DeleteOptions::new().with_range(self.event_key(delta.uid, below))),
+            ));
+        }
+        Ok(ops)
+    }
+
     fn nodes_prefix(&self, uid: RunUid, generation: u64) -> String {
         self.run_key(uid, &format!("nodes/{generation}/"))
     }
@@ -949,14 +997,16 @@ impl EtcdStore {
             Vec::new()
         };
         let mut fixed = vec![self.writer_op(uid)];
+        fixed.extend(self.event_ops(delta)?);
         let name = creating.as_ref().map(|c| c.run_id.clone());
         if let Some(c) = creating {
             extra.extend(c.compares);
             fixed.extend(c.ops);
         }
         let ops = upserts.len() + removals.len() + fixed.len() + 2;
-        let bytes: usize =
-            upserts.iter().map(|(_, v)| v.len()).sum::<usize>() + meta.as_ref().map_or(0, Vec::len);
+        let bytes: usize = upserts.iter().map(|(_, v)| v.len()).sum::<usize>()
+            + meta.as_ref().map_or(0, Vec::len)
+            + delta.events.iter().map(|e| e.message.len() + 128).sum::<usize>();
         let r = if ops > self.inner.cfg.max_txn_ops || bytes > MAX_TXN_BYTES {
             self.rewrite(
                 uid,
@@ -1078,6 +1128,7 @@ impl EtcdStore {
         let mut metas: BTreeMap<String, &[u8]> = BTreeMap::new();
         let mut gens: BTreeMap<String, u64> = BTreeMap::new();
         let mut nodes: BTreeMap<(String, u64), NodeValues<'_>> = BTreeMap::new();
+        let mut events: BTreeMap<String, Vec<contract::Event>> = BTreeMap::new();
         for kv in kvs {
             let key = kv
                 .key()
@@ -1097,6 +1148,17 @@ impl EtcdStore {
                     }
                 }
                 "writer" => {}
+                _ if rest.starts_with("events/") => {
+                    let seq = rest
+                        .strip_prefix("events/")
+                        .and_then(|s| s.parse::<u64>().ok())
+                        .ok_or_else(|| corrupt(format!("unexpected key {key}")))?;
+                    let e = decode_event(kv.value())?;
+                    if e.seq != seq {
+                        return Err(corrupt(format!("event {} under the wrong key {key}", e.seq)));
+                    }
+                    events.entry(uid.to_owned()).or_default().push(e);
+                }
                 _ => {
                     let (g, id) = rest
                         .strip_prefix("nodes/")
@@ -1129,7 +1191,13 @@ impl EtcdStore {
                 records.push(rec);
             }
             records.sort_by_key(|r| r.node.id.clone());
-            out.push(StoredRun { meta, nodes: records });
+            let mut log = events.remove(uid).unwrap_or_default();
+            log.sort_by_key(|e| e.seq);
+            out.push(StoredRun {
+                meta,
+                nodes: records,
+                events: log,
+            });
         }
         for (uid, g) in nodes.keys() {
             if !metas.contains_key(uid) && gens.get(uid).copied().unwrap_or(0) == *g {

@@ -9,7 +9,7 @@
 //!    or, without authentication, a peer IP address. Each client has its own
 //!    `tower::limit::RateLimit`; a call over it is refused at once.
 //! 2. **Watch streams per client** (`--max-watches-per-client`) and in all
-//!    (`--max-watches`): a `WatchRun` takes a slot for as long as its
+//!    (`--max-watches`): a `WatchRun` or `WatchEvents` takes a slot for as long as its
 //!    response stream lives, and gives it back when the stream ends or the
 //!    client goes away.
 //! 3. **Concurrency limit with load shedding**: at most
@@ -57,7 +57,11 @@ use crate::auth::{Principal, refusals};
 /// The metadata key of gRPC's retry hint (milliseconds).
 pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 
-const WATCH_PATH: &str = "/provisioning.v1.Provisioning/WatchRun";
+/// The public API's streaming calls: each holds a watch slot.
+const WATCH_PATHS: [&str; 2] = [
+    "/provisioning.v1.Provisioning/WatchRun",
+    "/provisioning.v1.Provisioning/WatchEvents",
+];
 
 /// Clients whose rate is tracked before idle ones are forgotten, and the
 /// most tracked at all (beyond it, new clients are shed until some go idle).
@@ -473,7 +477,7 @@ where
         if let Err(r) = shared.admit(&key) {
             return futures::future::ready(Ok(shared.refuse(r))).boxed();
         }
-        let slot = if req.uri().path() == WATCH_PATH {
+        let slot = if WATCH_PATHS.contains(&req.uri().path()) {
             match shared.open_watch(&key) {
                 Ok(slot) => Some(slot),
                 Err(r) => return futures::future::ready(Ok(shared.refuse(r))).boxed(),

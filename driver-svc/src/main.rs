@@ -65,6 +65,11 @@ struct Cli {
     max_nodes_per_group: u32,
     #[arg(long, env = "DRIVER_MAX_NODES_TOTAL", default_value_t = 200_000)]
     max_nodes_total: u64,
+    /// How many events each run keeps in its durable event log (the oldest
+    /// go first).
+    #[arg(long, env = "DRIVER_EVENTS_PER_RUN", default_value_t = contract::events::DEFAULT_EVENT_LIMIT,
+        value_parser = parse_event_limit)]
+    events_per_run: usize,
     /// How often the inventory resync compares the executor's inventory
     /// with the runs (the first look follows the executor link coming up):
     /// resources no run wants are orphans, and leases a run holds that the
@@ -123,6 +128,16 @@ enum StoreKind {
 struct StoreChoice {
     kind: StoreKind,
     endpoints: Vec<String>,
+}
+
+fn parse_event_limit(value: &str) -> Result<usize, String> {
+    let n: usize = value.parse().map_err(|_| format!("{value:?} is not a count"))?;
+    let max = contract::events::MAX_EVENT_LIMIT;
+    if (1..=max).contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!("{n} is outside 1..={max}"))
+    }
 }
 
 fn parse_store(value: &str) -> Result<StoreChoice, String> {
@@ -187,6 +202,7 @@ impl Cli {
                 max_nodes_total: self.max_nodes_total,
                 ..ShapeLimits::default()
             },
+            event_limit: self.events_per_run,
         })
     }
 }

@@ -8,7 +8,7 @@ use contract::{
     wire::{TemplateTable, node_to_wire, shape_to_wire_redacted},
 };
 
-use crate::core::{LOST_PREFIX, RunState};
+use crate::core::{ConditionMark, LOST_PREFIX, RunState};
 
 /// A run's status. Secrets in the shape are redacted.
 pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::RunStatus {
@@ -390,23 +390,85 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
     [ready_c, progressing_c, degraded_c, stalled_c]
 }
 
-/// The conditions of one run across its statuses: each keeps the time its
-/// status last changed.
+/// The conditions of one run across its statuses: each keeps its status,
+/// its reason and the time its status last changed, stored with the run
+/// (`RunMeta::conditions`) so they outlive the driver's process.
 #[derive(Debug, Clone, Default)]
 pub struct Conditions {
-    since: BTreeMap<&'static str, (bool, UnixMillis)>,
+    marks: BTreeMap<&'static str, ConditionMark>,
+}
+
+/// A condition whose status or reason changed at a stamp.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transition {
+    pub kind: &'static str,
+    pub status: bool,
+    pub reason: &'static str,
+    pub message: String,
 }
 
 impl Conditions {
-    /// `observed` with the time each condition's status last changed.
-    pub fn stamp(&mut self, observed: [Observed; 4], generation: u64, now: UnixMillis) -> Vec<pb::Condition> {
-        observed
+    /// The conditions as stored with the run.
+    pub fn from_marks(stored: &[ConditionMark]) -> Self {
+        let marks = stored
+            .iter()
+            .filter_map(|m| {
+                let kind = CONDITION_TYPES.into_iter().find(|k| *k == m.kind)?;
+                Some((kind, m.clone()))
+            })
+            .collect();
+        Self { marks }
+    }
+
+    /// What to store with the run.
+    pub fn marks(&self) -> Vec<ConditionMark> {
+        CONDITION_TYPES
+            .iter()
+            .filter_map(|k| self.marks.get(k).cloned())
+            .collect()
+    }
+
+    /// `observed` with the time each condition's status last changed, and
+    /// the conditions whose status or reason changed since the last stamp.
+    pub fn stamp(
+        &mut self,
+        observed: [Observed; 4],
+        generation: u64,
+        now: UnixMillis,
+    ) -> (Vec<pb::Condition>, Vec<Transition>) {
+        let mut transitions = Vec::new();
+        let conditions = observed
             .into_iter()
             .map(|o| {
-                let since = match self.since.get(o.kind) {
-                    Some((status, since)) if *status == o.status => *since,
+                let since = match self.marks.get_mut(o.kind) {
+                    Some(m) if m.status == o.status => {
+                        if m.reason != o.reason {
+                            m.reason = o.reason.to_owned();
+                            transitions.push(Transition {
+                                kind: o.kind,
+                                status: o.status,
+                                reason: o.reason,
+                                message: o.message.clone(),
+                            });
+                        }
+                        m.since
+                    }
                     _ => {
-                        self.since.insert(o.kind, (o.status, now));
+                        self.marks.insert(
+                            o.kind,
+                            ConditionMark {
+                                kind: o.kind.to_owned(),
+                                status: o.status,
+                                reason: o.reason.to_owned(),
+                                since: now,
+                            },
+                        );
+                        transitions.push(Transition {
+                            kind: o.kind,
+                            status: o.status,
+                            reason: o.reason,
+                            message: o.message.clone(),
+                        });
                         now
                     }
                 };
@@ -419,6 +481,7 @@ impl Conditions {
                     observed_generation: generation,
                 }
             })
-            .collect()
+            .collect();
+        (conditions, transitions)
     }
 }

@@ -945,3 +945,169 @@ fn a_health_report_is_a_fact_with_its_times_and_counts() {
     assert!(run.group_counts().is_empty(), "{:?}", run.group_counts());
     assert!(run.indexes_consistent());
 }
+
+/// SPEC §8, events: a loss and a health change are logged in the same
+/// commit as the fold they describe; a repeat is only stored again, never
+/// logged twice; a run restored from its store keeps its log and numbering.
+#[test]
+fn events_are_written_with_the_change_they_describe_and_outlive_a_restart() {
+    use contract::{EventReason, Subject};
+    let (mut run, store) = run_with_nodes();
+    let _ = run.take_commit().persist_to(&store).unwrap();
+    let id = node("workers-1");
+    let attempt = run.node(&id).unwrap().attempt;
+    let change = |seq: u64, change: contract::Change| contract::ResourceChange {
+        run_uid: UID,
+        node: id.clone(),
+        attempt,
+        seq,
+        change,
+        at: T0,
+        trace: TraceContext::default(),
+    };
+    let sick = contract::Change::Health {
+        healthy: false,
+        detail: "no answer within 200 ms".into(),
+    };
+    assert_eq!(
+        run.fold_resource_change(&change(1, sick.clone()), T0).unwrap(),
+        Fold::Folded
+    );
+    // The same state reported again logs nothing new.
+    let later = T0.checked_add(Duration::from_millis(10)).unwrap();
+    let mut again = change(2, sick);
+    again.at = later;
+    assert_eq!(run.fold_resource_change(&again, later).unwrap(), Fold::Folded);
+    let lost = contract::Change::Lost {
+        reason: "pid 9 killed by signal 9".into(),
+    };
+    let mut gone = change(3, lost);
+    gone.at = later;
+    assert_eq!(run.fold_resource_change(&gone, later).unwrap(), Fold::Folded);
+
+    let reasons: Vec<EventReason> = run.events().map(|e| e.reason).collect();
+    assert_eq!(reasons, [EventReason::NodeUnhealthy, EventReason::NodeLost]);
+    let lost_event = run.events().last().unwrap().clone();
+    assert_eq!(
+        lost_event.subject,
+        Subject::Node {
+            node: id.clone(),
+            attempt
+        }
+    );
+    assert!(
+        lost_event.message.contains("pid 9 killed by signal 9"),
+        "{}",
+        lost_event.message
+    );
+
+    // Both go out in the commit that carries the folds, with their acks.
+    let commit = run.take_commit();
+    assert_eq!(commit.delta().events.len(), 2);
+    assert!(commit.delta().upserts.iter().any(|r| r.node.id == id));
+    assert_eq!(commit.acks().len(), 3);
+    let _ = commit.persist_to(&store).unwrap();
+    assert!(!run.uncommitted());
+
+    // A repeat of the latest event raises its count and is written again
+    // under its number.
+    run.record_event(
+        EventReason::NodeLost,
+        lost_event.subject.clone(),
+        lost_event.message.clone(),
+        later,
+    );
+    assert_eq!(run.event_mark(), (lost_event.seq, 2));
+    let commit = run.take_commit();
+    assert_eq!(commit.delta().events.len(), 1);
+    assert_eq!(commit.delta().events[0].seq, lost_event.seq);
+    let _ = commit.persist_to(&store).unwrap();
+
+    // Restored from the store (as after a restart): the same log, and the
+    // next event numbered after it.
+    let stored = store.load_all().unwrap().pop().unwrap();
+    let mut restored = RunState::restore(stored, Epoch::new(2), policy());
+    let log: Vec<(u64, EventReason, u32)> = restored.events().map(|e| (e.seq, e.reason, e.count)).collect();
+    assert_eq!(
+        log,
+        [
+            (lost_event.seq - 1, EventReason::NodeUnhealthy, 1),
+            (lost_event.seq, EventReason::NodeLost, 2)
+        ]
+    );
+    restored.record_event(EventReason::Restored, Subject::Run, "restored".into(), later);
+    assert_eq!(restored.event_mark(), (lost_event.seq + 1, 1));
+}
+
+/// The log is bounded: past the policy's limit the oldest events go, from
+/// memory and (through the commit) from the store.
+#[test]
+fn the_event_log_keeps_the_latest_events_up_to_its_limit() {
+    use contract::{EventReason, Subject};
+    let policy = Arc::new(Policy {
+        event_limit: 3,
+        ..(*policy()).clone()
+    });
+    let mut run = RunState::create(shape(1), UID, Epoch::new(1), policy.clone(), T0).unwrap();
+    let store = MemStore::new();
+    for i in 0..5u64 {
+        run.record_event(EventReason::Applied, Subject::Run, format!("event {i}"), T0);
+    }
+    let seqs: Vec<u64> = run.events().map(|e| e.seq).collect();
+    assert_eq!(seqs, [3, 4, 5]);
+    let commit = run.take_commit();
+    assert_eq!(commit.delta().events_below, Some(3));
+    let _ = commit.persist_to(&store).unwrap();
+    let stored = store.load_all().unwrap().pop().unwrap();
+    assert_eq!(stored.events.iter().map(|e| e.seq).collect::<Vec<_>>(), [3, 4, 5]);
+    // One more pushes out one more, in the store too.
+    run.record_event(EventReason::Applied, Subject::Run, "event 5".into(), T0);
+    let _ = run.take_commit().persist_to(&store).unwrap();
+    let stored = store.load_all().unwrap().pop().unwrap();
+    assert_eq!(stored.events.iter().map(|e| e.seq).collect::<Vec<_>>(), [4, 5, 6]);
+    // A log stored under a larger limit is cut to a smaller one at restore.
+    let smaller = Arc::new(Policy {
+        event_limit: 2,
+        ..(*policy).clone()
+    });
+    let mut restored = RunState::restore(stored, Epoch::new(2), smaller);
+    assert_eq!(restored.events().map(|e| e.seq).collect::<Vec<_>>(), [5, 6]);
+    assert_eq!(restored.take_commit().delta().events_below, Some(5));
+}
+
+/// A permanent failure and a remediation held by its budget are logged once,
+/// when they begin, not at every pass that finds them so.
+#[test]
+fn a_permanent_failure_is_logged_once() {
+    use contract::EventReason;
+    let (mut run, store) = run_with_nodes();
+    let id = node("ctrl-0");
+    let r = result(
+        &run,
+        "ctrl-0",
+        Outcome::Permanent {
+            reason: "no such image".into(),
+        },
+    );
+    assert_eq!(run.fold_result(&r, T0).unwrap(), Fold::Folded);
+    for _ in 0..3 {
+        let _ = pass(&mut run, &store, T0);
+    }
+    let permanent: Vec<_> = run
+        .events()
+        .filter(|e| e.reason == EventReason::NodeFailedPermanently)
+        .collect();
+    assert_eq!(permanent.len(), 1, "{permanent:?}");
+    assert!(
+        permanent[0].message.contains("no such image"),
+        "{}",
+        permanent[0].message
+    );
+    assert_eq!(
+        permanent[0].subject,
+        contract::Subject::Node {
+            node: id.clone(),
+            attempt: r.id.attempt()
+        }
+    );
+}

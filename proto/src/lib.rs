@@ -2,8 +2,9 @@
 //!
 //! Plain-Rust domain types live at the top: identities ([`ids`]), the desired
 //! shape and its validation ([`shape`]), the observed state ([`state`]), decisions
-//! ([`decision`]), what crosses the driver–executor link ([`ops`]), time as a value
-//! ([`time`]) and the one backoff function ([`backoff`]); they depend on nothing
+//! ([`decision`]), the run's event log ([`events`]), what crosses the
+//! driver–executor link ([`ops`]), time as a value ([`time`]) and the one
+//! backoff function ([`backoff`]); they depend on nothing
 //! but `thiserror`. With the `wire` feature (on by default) the crate also
 //! carries the `provisioning.v1` protos' generated code ([`pb`]) and the
 //! `TryFrom` conversions between wire and domain types ([`wire`]); the pure
@@ -18,6 +19,7 @@
 pub mod backoff;
 pub mod decision;
 pub mod error;
+pub mod events;
 pub mod health;
 pub mod ids;
 pub mod ops;
@@ -65,6 +67,7 @@ pub mod pb {
 pub use backoff::{BackoffPolicy, backoff_delay};
 pub use decision::{Action, DecideOutput, Decision, Rule};
 pub use error::{FieldError, Problem};
+pub use events::{Event, EventReason, Subject};
 pub use health::{Budget, GroupCounts, GroupPolicy, HealthPolicy, NodeHealth, Probe, RemediationPolicy};
 pub use ids::{
     AttemptId, Endpoint, Epoch, Generation, GroupId, LeaseId, LogicalNodeId, OperationId, RunId, RunUid,

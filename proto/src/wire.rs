@@ -46,6 +46,7 @@ use std::{
 use crate::{
     decision::{Action, Decision, Rule},
     error::{FieldError, Problem},
+    events::{Event, EventReason, Subject},
     health::{Budget, GroupPolicy, HealthPolicy, NodeHealth, Probe, RemediationPolicy},
     ids::{
         AttemptId, Endpoint, Epoch, Generation, GroupId, LeaseId, LogicalNodeId, OperationId, RunId, RunUid,
@@ -1499,6 +1500,66 @@ impl TryFrom<&pb::Resource> for ResourceIdentity {
             attempt: attempt_from_wire("attempt", r.attempt)?,
         })
     }
+}
+
+// ----- the event log -------------------------------------------------------
+
+/// An event as clients read it (and as the driver stores it).
+pub fn event_to_wire(run_id: &RunId, e: &Event) -> pb::Event {
+    let (group_id, node_id, attempt) = match &e.subject {
+        Subject::Run => (String::new(), String::new(), 0),
+        Subject::Group(g) => (g.to_string(), String::new(), 0),
+        Subject::Node { node, attempt } => (node.group().to_string(), node.to_string(), attempt.get()),
+    };
+    let kind = if e.reason.is_warning() {
+        pb::EventType::Warning
+    } else {
+        pb::EventType::Normal
+    };
+    pb::Event {
+        seq: e.seq,
+        r#type: kind as i32,
+        reason: e.reason.name().to_owned(),
+        message: e.message.clone(),
+        group_id,
+        node_id,
+        attempt,
+        generation: e.generation.get(),
+        first_at_ms: e.first_at.as_millis(),
+        last_at_ms: e.last_at.as_millis(),
+        count: e.count,
+        run_id: run_id.to_string(),
+    }
+}
+
+/// An event read back from the store.
+pub fn event_from_wire(e: pb::Event) -> Result<Event, FieldError> {
+    if e.seq == 0 {
+        return Err(FieldError::new(
+            "seq",
+            Problem::Malformed("events are numbered from 1"),
+        ));
+    }
+    let reason = EventReason::parse(&e.reason)
+        .ok_or_else(|| FieldError::new("reason", Problem::Malformed("not an event reason")))?;
+    let subject = match (e.node_id.is_empty(), e.group_id.is_empty()) {
+        (false, _) => Subject::Node {
+            node: LogicalNodeId::parse("node_id", &e.node_id)?,
+            attempt: attempt_from_wire("attempt", e.attempt)?,
+        },
+        (true, false) => Subject::Group(GroupId::parse("group_id", &e.group_id)?),
+        (true, true) => Subject::Run,
+    };
+    Ok(Event {
+        seq: e.seq,
+        reason,
+        subject,
+        message: e.message,
+        generation: Generation::new(e.generation),
+        first_at: UnixMillis::new(e.first_at_ms),
+        last_at: UnixMillis::new(e.last_at_ms),
+        count: e.count.max(1),
+    })
 }
 
 #[cfg(test)]

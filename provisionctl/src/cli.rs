@@ -114,6 +114,30 @@ pub enum Command {
         #[command(flatten)]
         follow: FollowArgs,
     },
+    /// Show a run's event log, oldest first: nodes lost, unhealthy or
+    /// replaced, remediation held, permanent failures, dependencies lost and
+    /// back, takeovers.
+    Events {
+        run: String,
+        /// Then print each new event as it is recorded (until the run is
+        /// deleted, or Ctrl-C); with `-o json`, one JSON object per line.
+        #[arg(long, short = 'w', visible_alias = "watch")]
+        follow: bool,
+        /// Only the latest N events.
+        #[arg(long, value_name = "N")]
+        tail: Option<usize>,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Describe a run: its phase, conditions and groups, then its recent events.
+    Describe {
+        run: String,
+        /// How many of the latest events to show.
+        #[arg(long, value_name = "N", default_value_t = 20)]
+        events: usize,
+        #[command(flatten)]
+        output: OutputArg,
+    },
     /// Explain one node: its facts, what it waits for, and the rule that applies now.
     Explain {
         run: String,
@@ -205,7 +229,7 @@ pub enum TokenCommand {
     New {
         /// The token holder's name (in the driver's logs and limits).
         name: String,
-        /// `read`: get, list, watch, explain, plan, orphans; `write`: those
+        /// `read`: get, list, watch, explain, plan, orphans, events, describe; `write`: those
         /// and apply, delete, pause, resume, abandon.
         #[arg(long, value_enum)]
         access: platform::token::Access,

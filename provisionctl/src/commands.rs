@@ -22,7 +22,7 @@ use tonic::{Code, service::interceptor::InterceptedService, transport::Channel};
 use super::{
     cli::{Cli, Command, FollowArgs},
     error::{CliError, Doing, Exit, from_status},
-    explain, plan,
+    events, explain, plan,
     render::{self, Output},
     text,
     token::BearerToken,
@@ -97,6 +97,13 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
                 .await
         }
         Command::Explain { run, node, output } => ctx.explain(&run, &node, output.output).await,
+        Command::Events {
+            run,
+            follow,
+            tail,
+            output,
+        } => ctx.events(&run, follow, tail, output.output).await,
+        Command::Describe { run, events, output } => ctx.describe(&run, events, output.output).await,
         Command::Delete {
             run,
             wait,
@@ -625,6 +632,134 @@ impl Ctx {
         match output {
             Output::Table => print_lines(&render::list_table(&runs))?,
             _ => print_doc(&render::list_json(&runs), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    /// The run's event log, the latest `tail` of it (all kept: `None`).
+    async fn event_log(
+        &self,
+        client: &mut Client,
+        run: &str,
+        tail: Option<usize>,
+    ) -> Result<pb::ListEventsResponse, CliError> {
+        let mut log = client
+            .list_events(pb::ListEventsRequest {
+                run_id: run.to_owned(),
+                after_seq: 0,
+                limit: 0,
+            })
+            .await
+            .map_err(|s| {
+                self.status_error(
+                    &s,
+                    Doing::Run {
+                        verb: "read the events of",
+                        run,
+                    },
+                )
+            })?
+            .into_inner();
+        if let Some(n) = tail {
+            let skip = log.events.len().saturating_sub(n);
+            log.events.drain(..skip);
+        }
+        Ok(log)
+    }
+
+    async fn events(
+        &self,
+        run: &str,
+        follow: bool,
+        tail: Option<usize>,
+        output: Output,
+    ) -> Result<Exit, CliError> {
+        let mut client = self.connect_run(run).await?;
+        let log = self.event_log(&mut client, run, tail).await?;
+        if !follow {
+            match output {
+                Output::Table => print_lines(&events::events_table(&log.events, log.now_ms))?,
+                _ => print_doc(&events::events_json(run, &log.events), output)?,
+            }
+            return Ok(Exit::Success);
+        }
+        // Followed: one line (or one JSON object) per event, the ones kept
+        // first, then each as it is recorded.
+        let line = |e: &pb::Event| match output {
+            Output::Table => events::event_line(e),
+            _ => events::event_json(e).to_string(),
+        };
+        print_lines(&log.events.iter().map(line).collect::<Vec<_>>())?;
+        let mut stream = client
+            .watch_events(pb::WatchEventsRequest {
+                run_id: run.to_owned(),
+                after_seq: log.last_seq,
+            })
+            .await
+            .map_err(|s| {
+                self.status_error(
+                    &s,
+                    Doing::Run {
+                        verb: "follow the events of",
+                        run,
+                    },
+                )
+            })?
+            .into_inner();
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        loop {
+            tokio::select! {
+                next = stream.message() => match next {
+                    Ok(Some(e)) => print_lines(&[line(&e)])?,
+                    // The run was deleted: its log ends with it.
+                    Ok(None) => return Ok(Exit::Success),
+                    Err(s) => return Err(self.status_error(&s, Doing::Run { verb: "follow the events of", run })),
+                },
+                _ = &mut ctrl_c => return Err(CliError::Interrupted),
+            }
+        }
+    }
+
+    async fn describe(&self, run: &str, tail: usize, output: Output) -> Result<Exit, CliError> {
+        let mut client = self.connect_run(run).await?;
+        let s = client
+            .get_run(pb::GetRunRequest {
+                run_id: run.to_owned(),
+                include_nodes: false,
+            })
+            .await
+            .map_err(|s| {
+                self.status_error(
+                    &s,
+                    Doing::Run {
+                        verb: "describe",
+                        run,
+                    },
+                )
+            })?
+            .into_inner();
+        let log = self.event_log(&mut client, run, Some(tail)).await?;
+        match output {
+            Output::Table => {
+                let mut lines = render::status_table(&s);
+                lines.push(String::new());
+                lines.push(format!(
+                    "Events (the latest {tail}; `provisionctl events {run}` shows all kept):"
+                ));
+                lines.extend(events::events_table(&log.events, log.now_ms));
+                print_lines(&lines)?;
+            }
+            _ => {
+                let mut doc = render::status_json(&s, false, false);
+                if let Some(map) = doc.as_object_mut() {
+                    map.insert(
+                        "events".to_owned(),
+                        serde_json::Value::Array(log.events.iter().map(events::event_json).collect()),
+                    );
+                }
+                print_doc(&doc, output)?;
+            }
         }
         Ok(Exit::Success)
     }

@@ -6,8 +6,9 @@
 //!
 //! [`cli`] is the command line; [`commands`] runs each command against the
 //! driver's public API. What they print comes from pure renderers: [`render`]
-//! (runs, nodes, shapes; table, JSON, YAML), [`plan`], [`explain`] and
-//! [`watch`] (the live view and its plain form), with [`names`] for the
+//! (runs, nodes, shapes; table, JSON, YAML), [`plan`], [`explain`],
+//! [`events`] (a run's event log) and [`watch`] (the live view and its plain
+//! form), with [`names`] for the
 //! words and [`text`] for layout. [`error`] turns every failure into a
 //! sentence about the user's problem and an exit code from one table.
 //! [`token`] is the bearer token sent on every call and the `token`
@@ -24,6 +25,7 @@
 pub mod cli;
 pub mod commands;
 pub mod error;
+pub mod events;
 pub mod explain;
 pub mod names;
 pub mod plan;

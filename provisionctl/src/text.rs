@@ -83,6 +83,30 @@ pub fn relative(at_ms: u64, now_ms: u64) -> String {
     }
 }
 
+/// A wall-clock time (ms since the Unix epoch) as UTC, to the second:
+/// `2026-12-02T17:45:03Z`.
+pub fn utc(at_ms: u64) -> String {
+    let secs = at_ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Days to a civil date (proleptic Gregorian), after Howard Hinnant's
+    // `civil_from_days`.
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
 /// `[########------------]` with `width` cells.
 pub fn bar(done: u32, total: u32, width: usize) -> String {
     let filled = if total == 0 {
@@ -181,6 +205,14 @@ pub fn clip(line: &str, width: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn utc_times_are_civil_dates() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(utc(1_796_233_503_999), "2026-12-02T17:45:03Z");
+        assert_eq!(utc(4_107_542_399_000), "2100-02-28T23:59:59Z");
+    }
 
     #[test]
     fn tables_align_and_do_not_trail() {

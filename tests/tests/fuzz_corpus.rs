@@ -607,6 +607,21 @@ fn seeds() -> anyhow::Result<Vec<(&'static str, String, Vec<u8>)>> {
             },
         ),
         fuzzing::run_request_input(8, &pb::ListOrphansRequest {}),
+        fuzzing::run_request_input(
+            9,
+            &pb::ListEventsRequest {
+                run_id: run(),
+                after_seq: 3,
+                limit: 20,
+            },
+        ),
+        fuzzing::run_request_input(
+            10,
+            &pb::WatchEventsRequest {
+                run_id: run(),
+                after_seq: 3,
+            },
+        ),
     ];
     for (method, input) in fuzzing::RUN_REQUESTS.iter().zip(run_requests) {
         out.push(("run_request", method.to_lowercase(), input));

@@ -21,4 +21,4 @@ pub use run::{
     OrphanResource, PassOutcome, PassPlan, RunState,
 };
 pub use session::{LinkSession, ToExecutor};
-pub use store::{MemStore, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};
+pub use store::{ConditionMark, MemStore, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};

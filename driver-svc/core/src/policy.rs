@@ -25,6 +25,8 @@ pub struct Policy {
     /// shape changes and due deadlines never wait.
     pub pass_batch: Duration,
     pub limits: ShapeLimits,
+    /// How many events a run keeps (the oldest go first); at least 1.
+    pub event_limit: usize,
 }
 
 impl Default for Policy {
@@ -38,6 +40,7 @@ impl Default for Policy {
             result_grace: Duration::from_secs(5),
             pass_batch: Duration::ZERO,
             limits: ShapeLimits::default(),
+            event_limit: contract::events::DEFAULT_EVENT_LIMIT,
         }
     }
 }

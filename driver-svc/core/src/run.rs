@@ -16,24 +16,24 @@
 //! folds changed, holding back their acknowledgements the same way.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
     sync::Arc,
     time::Duration,
 };
 
 use contract::{
     Action, AttemptId, BootstrapProgress, BootstrapStage, Change, ClockSaturated, ClusterShape, DecideOutput,
-    Decision, Effect, Epoch, Failure, FieldError, Generation, GroupCounts, Intent, LogicalNodeId,
-    ManagedNode, NodeHealth, NodeStage, NodeTemplate, Observation, Operation, OperationId, OperationInput,
-    OperationResult, Outcome, PendingOp, PermanentFailure, Rejection, ResourceChange, RetryState, Rule,
-    RunId, RunUid, TraceContext, UnixMillis, backoff_delay,
+    Decision, Effect, Epoch, Event, EventReason, Failure, FieldError, Generation, GroupCounts, Intent,
+    LogicalNodeId, ManagedNode, NodeHealth, NodeStage, NodeTemplate, Observation, Operation, OperationId,
+    OperationInput, OperationResult, Outcome, PendingOp, PermanentFailure, Rejection, ResourceChange,
+    RetryState, Rule, RunId, RunUid, Subject, TraceContext, UnixMillis, backoff_delay,
 };
 use decider::{DesiredView, SlotSet};
 
 use crate::{
     commit::{AckRef, Commit},
     policy::Policy,
-    store::{NodeRecord, RunDelta, RunMeta, StoredRun},
+    store::{ConditionMark, NodeRecord, RunDelta, RunMeta, StoredRun},
 };
 
 /// Why a shape update was refused. Nothing changes when one is returned.
@@ -323,6 +323,13 @@ pub struct RunState {
     budget_held: BTreeSet<LogicalNodeId>,
     /// Groups whose counts changed since the last pass.
     counts_changed: BTreeSet<contract::GroupId>,
+    /// The run's event log as kept (at most `Policy::event_limit`, oldest
+    /// first), the next sequence number, and what the next commit writes:
+    /// events recorded or repeated, and where the kept log now starts.
+    events: VecDeque<Event>,
+    next_event_seq: u64,
+    events_changed: BTreeSet<u64>,
+    events_below: Option<u64>,
 }
 
 /// How many `pass_batch` windows a burst of results may stretch one batch to
@@ -352,8 +359,9 @@ impl RunState {
             created_at: now,
             converged_at: None,
             reclaim: false,
+            conditions: Vec::new(),
         };
-        Ok(Self::from_parts(meta, Vec::new(), policy))
+        Ok(Self::from_parts(meta, Vec::new(), Vec::new(), policy))
     }
 
     /// A run rebuilt from the store, under a new epoch.
@@ -369,7 +377,7 @@ impl RunState {
                 op.epoch = epoch;
             }
         }
-        let mut run = Self::from_parts(meta, nodes, policy);
+        let mut run = Self::from_parts(meta, nodes, stored.events, policy);
         run.meta_dirty = true;
         // Every node is written back once, so the new epoch on the in-flight
         // operations is durable before any of them is resubmitted.
@@ -377,7 +385,10 @@ impl RunState {
         run
     }
 
-    fn from_parts(meta: RunMeta, nodes: Vec<NodeRecord>, policy: Arc<Policy>) -> Self {
+    fn from_parts(meta: RunMeta, nodes: Vec<NodeRecord>, events: Vec<Event>, policy: Arc<Policy>) -> Self {
+        // The latest event is always kept, so the log's last number is the
+        // last one handed out.
+        let next_event_seq = events.last().map_or(1, |e| e.seq.saturating_add(1));
         let nodes: BTreeMap<LogicalNodeId, Box<Entry>> = nodes
             .into_iter()
             .map(|r| (r.node.id.clone(), Box::new(Entry::new(r))))
@@ -409,11 +420,17 @@ impl RunState {
             replays: Vec::new(),
             counters: RunCounters::default(),
             pass_trace: TraceContext::default(),
+            events: events.into(),
+            next_event_seq,
+            events_changed: BTreeSet::new(),
+            events_below: None,
         };
         for id in ids {
             *run.held.entry(id.group().clone()).or_default() += 1;
             run.reindex(&id);
         }
+        // A log stored under a larger limit is cut to this one.
+        run.trim_events();
         run
     }
 
@@ -641,6 +658,81 @@ impl RunState {
         self.meta.paused
     }
 
+    // ----- the event log ---------------------------------------------------
+
+    /// Records an event of the run (SPEC.md section 8), written by the next
+    /// commit with the change it describes. A repeat of the latest event
+    /// (same reason, subject and message) raises its count instead; past the
+    /// policy's limit the oldest event goes.
+    pub fn record_event(&mut self, reason: EventReason, subject: Subject, message: String, now: UnixMillis) {
+        if let Some(last) = self.events.back_mut()
+            && last.repeats(reason, &subject, &message)
+        {
+            last.count = last.count.saturating_add(1);
+            last.last_at = last.last_at.max(now);
+            self.events_changed.insert(last.seq);
+            return;
+        }
+        let seq = self.next_event_seq;
+        self.next_event_seq = seq.saturating_add(1);
+        self.events.push_back(Event {
+            seq,
+            reason,
+            subject,
+            message,
+            generation: self.meta.shape.generation,
+            first_at: now,
+            last_at: now,
+            count: 1,
+        });
+        self.events_changed.insert(seq);
+        self.trim_events();
+    }
+
+    /// Drops the oldest events past the policy's limit; the next commit
+    /// deletes them.
+    fn trim_events(&mut self) {
+        let limit = self.policy.event_limit.max(1);
+        let mut trimmed = false;
+        while self.events.len() > limit {
+            if let Some(old) = self.events.pop_front() {
+                self.events_changed.remove(&old.seq);
+                trimmed = true;
+            }
+        }
+        if trimmed {
+            self.events_below = self.events.front().map(|e| e.seq);
+        }
+    }
+
+    /// The events kept, oldest first.
+    pub fn events(&self) -> impl Iterator<Item = &Event> {
+        self.events.iter()
+    }
+
+    /// The kept event numbered `seq`.
+    pub fn event(&self, seq: u64) -> Option<&Event> {
+        self.events
+            .binary_search_by_key(&seq, |e| e.seq)
+            .ok()
+            .and_then(|i| self.events.get(i))
+    }
+
+    /// The latest event's number and count (a repeat raises the count), or
+    /// zeros: what a follower of the log compares to see something new.
+    pub fn event_mark(&self) -> (u64, u32) {
+        self.events.back().map_or((0, 0), |e| (e.seq, e.count))
+    }
+
+    /// The conditions as the shell last observed them: stored with the run
+    /// when they differ from what is stored.
+    pub fn set_conditions(&mut self, marks: Vec<ConditionMark>) {
+        if self.meta.conditions != marks {
+            self.meta.conditions = marks;
+            self.meta_dirty = true;
+        }
+    }
+
     /// An operator abandons a node (its cleanup fails permanently): the node
     /// is removed from the run state and what it left behind is returned, to
     /// be listed as an orphan. Its pending operation, if any, is forgotten (a
@@ -692,8 +784,9 @@ impl RunState {
             created_at: now,
             converged_at: None,
             reclaim: true,
+            conditions: Vec::new(),
         };
-        let mut run = Self::from_parts(meta, Vec::new(), policy);
+        let mut run = Self::from_parts(meta, Vec::new(), Vec::new(), policy);
         run.meta_dirty = true;
         run
     }
@@ -1099,6 +1192,11 @@ impl RunState {
             }
         }
         let mut ops = Vec::new();
+        // Groups whose remediation the budget held before this pass, and
+        // why it holds them now (an event when a group starts being held).
+        let held_before: BTreeSet<contract::GroupId> =
+            self.budget_held.iter().map(|n| n.group().clone()).collect();
+        let mut held_now: BTreeMap<contract::GroupId, String> = BTreeMap::new();
         for d in output.decisions {
             let fresh = match d.action {
                 Action::Insert => !self.nodes.contains_key(&d.node),
@@ -1123,6 +1221,11 @@ impl RunState {
             if d.action.is_transition() {
                 out.transitions += 1;
             }
+            if d.rule == Rule::RemediationBudget && !held_before.contains(d.node.group()) {
+                held_now
+                    .entry(d.node.group().clone())
+                    .or_insert_with(|| d.reason.to_string());
+            }
             if self.meta.paused && !matches!(d.action, Action::Wait { .. }) {
                 // Paused: nothing new happens; the decision is kept for explain.
                 self.record_decision(&d, now, None);
@@ -1133,6 +1236,9 @@ impl RunState {
         if out.transitions > 0 && !self.meta.paused {
             out.follow_up = true;
             self.urgent = true;
+        }
+        for (group, reason) in held_now {
+            self.record_event(EventReason::RemediationHeld, Subject::Group(group), reason, now);
         }
         if self.meta.observed_generation != self.meta.shape.generation {
             self.meta.observed_generation = self.meta.shape.generation;
@@ -1236,6 +1342,21 @@ impl RunState {
                 };
                 if restart_at.is_some() {
                     self.counters.remediated += 1;
+                    if let Some((attempt, since)) = self.nodes.get(&d.node).map(|e| {
+                        let n = &e.rec.node;
+                        (n.attempt, n.facts.health.as_ref().map(|h| h.since))
+                    }) {
+                        let message = match since {
+                            Some(since) => format!(
+                                "unhealthy for {}: replaced on a fresh attempt",
+                                human(now.saturating_since(since))
+                            ),
+                            None => "unhealthy: replaced on a fresh attempt".to_owned(),
+                        };
+                        let node = d.node.clone();
+                        let subject = Subject::Node { node, attempt };
+                        self.record_event(EventReason::NodeRemediated, subject, message, now);
+                    }
                 }
                 self.change(&d.node, now, &d, |rec| {
                     if let Some((failures, at)) = restart_at {
@@ -1411,7 +1532,15 @@ impl RunState {
                 .filter_map(|id| self.nodes.get(id).map(|e| e.rec.clone()))
                 .collect();
             delta.removals = self.removed.iter().cloned().collect();
+            delta.events = self
+                .events_changed
+                .iter()
+                .filter_map(|seq| self.event(*seq).cloned())
+                .collect();
+            delta.events_below = self.events_below;
         }
+        self.events_changed.clear();
+        self.events_below = None;
         self.meta_dirty = false;
         self.changed.clear();
         self.removed.clear();
@@ -1498,6 +1627,7 @@ impl RunState {
         e.dirty = true;
         e.wake_at = None;
         e.rec.inflight = None;
+        let was_permanent = e.rec.node.retry.permanent.is_some();
         let n = &mut e.rec.node;
         if n.pending.take().is_some() {
             self.pending_ops = self.pending_ops.saturating_sub(1);
@@ -1649,8 +1779,22 @@ impl RunState {
                 retry_later(n, other.reason());
             }
         }
+        let permanent = (!was_permanent)
+            .then(|| n.retry.permanent.as_ref().map(|p| (p.reason.clone(), n.attempt)))
+            .flatten();
         self.changed.insert(id.clone());
         self.reindex(id);
+        if let Some((reason, attempt)) = permanent {
+            self.record_event(
+                EventReason::NodeFailedPermanently,
+                Subject::Node {
+                    node: id.clone(),
+                    attempt,
+                },
+                format!("{reason}; the slot waits for a change of its spec"),
+                now,
+            );
+        }
         Ok(())
     }
 
@@ -1768,6 +1912,15 @@ impl RunState {
         self.reindex(&c.node);
         self.note_fold(now);
         self.counters.lost += 1;
+        self.record_event(
+            EventReason::NodeLost,
+            Subject::Node {
+                node: c.node.clone(),
+                attempt: c.attempt,
+            },
+            format!("resource lost ({reason}); the slot is replaced on a fresh attempt"),
+            now,
+        );
         Ok(Fold::Folded)
     }
 
@@ -1801,6 +1954,8 @@ impl RunState {
             return Ok(Fold::Discarded(Discard::Duplicate));
         }
         let same = prev.is_some_and(|h| h.healthy == healthy);
+        let was_unhealthy = prev.is_some_and(|h| !h.healthy);
+        let unhealthy_since = prev.map(|h| h.since);
         let since = match prev {
             Some(h) if same => h.since,
             _ => c.at,
@@ -1828,6 +1983,26 @@ impl RunState {
         self.changed.insert(c.node.clone());
         self.reindex(&c.node);
         self.note_fold(now);
+        let subject = Subject::Node {
+            node: c.node.clone(),
+            attempt: c.attempt,
+        };
+        if !same && !healthy {
+            let message = format!(
+                "failed its health probe ({detail}); replaced if still unhealthy after {}",
+                human(std::time::Duration::from_millis(unhealthy_after))
+            );
+            self.record_event(EventReason::NodeUnhealthy, subject, message, now);
+        } else if !same && was_unhealthy {
+            let message = match unhealthy_since {
+                Some(since) => format!(
+                    "passes its health probe again after {} unhealthy",
+                    human(c.at.saturating_since(since))
+                ),
+                None => "passes its health probe again".to_owned(),
+            };
+            self.record_event(EventReason::NodeRecovered, subject, message, now);
+        }
         Ok(Fold::Folded)
     }
 
@@ -2033,10 +2208,14 @@ impl RunState {
         Ok(folded)
     }
 
-    /// Whether any node of the run is known to the store's last commit. Used by
-    /// tests to check that writes reach the store.
+    /// Whether the run holds writes its store has not had yet (the run's
+    /// fields, nodes or events).
     pub fn uncommitted(&self) -> bool {
-        self.meta_dirty || !self.changed.is_empty() || !self.removed.is_empty()
+        self.meta_dirty
+            || !self.changed.is_empty()
+            || !self.removed.is_empty()
+            || !self.events_changed.is_empty()
+            || self.events_below.is_some()
     }
 
     /// The rule that applies to a node now, evaluated with the decider library.

@@ -11,7 +11,7 @@ use std::{
 };
 
 use contract::{
-    ClusterShape, Epoch, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
+    ClusterShape, Epoch, Event, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
 };
 
 /// A run's own fields (everything but its nodes).
@@ -31,6 +31,19 @@ pub struct RunMeta {
     /// Held only to destroy orphans of a run the driver no longer has (see
     /// `orphans`): never listed as a run, deleting from the start.
     pub reclaim: bool,
+    /// Each condition as last recorded: what the status showed and when its
+    /// status last changed, so `since` and the events that conditions cause
+    /// outlive the driver's process.
+    pub conditions: Vec<ConditionMark>,
+}
+
+/// A condition's status, reason and the time its status last changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConditionMark {
+    pub kind: String,
+    pub status: bool,
+    pub reason: String,
+    pub since: UnixMillis,
 }
 
 /// One slot as stored: its node, the op-sequence allocator of its attempt, and
@@ -53,6 +66,11 @@ pub struct RunDelta {
     pub removals: Vec<LogicalNodeId>,
     /// The run is gone: drop everything stored for it.
     pub drop_run: bool,
+    /// Events recorded or repeated since the last commit (an event is
+    /// written again, under its sequence number, when it repeats).
+    pub events: Vec<Event>,
+    /// Events numbered below this are no longer kept: delete them.
+    pub events_below: Option<u64>,
 }
 
 impl RunDelta {
@@ -63,11 +81,18 @@ impl RunDelta {
             upserts: Vec::new(),
             removals: Vec::new(),
             drop_run: false,
+            events: Vec::new(),
+            events_below: None,
         }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.meta.is_none() && self.upserts.is_empty() && self.removals.is_empty() && !self.drop_run
+        self.meta.is_none()
+            && self.upserts.is_empty()
+            && self.removals.is_empty()
+            && !self.drop_run
+            && self.events.is_empty()
+            && self.events_below.is_none()
     }
 }
 
@@ -76,6 +101,8 @@ impl RunDelta {
 pub struct StoredRun {
     pub meta: RunMeta,
     pub nodes: Vec<NodeRecord>,
+    /// The event log as kept, oldest first.
+    pub events: Vec<Event>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -112,7 +139,14 @@ pub trait RunStore: Send + Sync + std::fmt::Debug {
     }
 }
 
-type MemRuns = BTreeMap<RunUid, (RunMeta, BTreeMap<LogicalNodeId, NodeRecord>)>;
+type MemRuns = BTreeMap<RunUid, MemRun>;
+
+#[derive(Debug, Clone)]
+struct MemRun {
+    meta: RunMeta,
+    nodes: BTreeMap<LogicalNodeId, NodeRecord>,
+    events: BTreeMap<u64, Event>,
+}
 
 /// Keeps state for the process lifetime only.
 #[derive(Debug, Default)]
@@ -163,21 +197,28 @@ impl RunStore for MemStore {
         }
         let entry = match (inner.runs.get_mut(&uid), &delta.meta) {
             (Some(e), Some(m)) => {
-                e.0 = m.clone();
+                e.meta = m.clone();
                 e
             }
             (Some(e), None) => e,
-            (None, Some(m)) => inner
-                .runs
-                .entry(uid)
-                .or_insert_with(|| (m.clone(), BTreeMap::new())),
+            (None, Some(m)) => inner.runs.entry(uid).or_insert_with(|| MemRun {
+                meta: m.clone(),
+                nodes: BTreeMap::new(),
+                events: BTreeMap::new(),
+            }),
             (None, None) => return Err(StoreError::UnknownRun(uid)),
         };
         for r in &delta.upserts {
-            entry.1.insert(r.node.id.clone(), r.clone());
+            entry.nodes.insert(r.node.id.clone(), r.clone());
         }
         for id in &delta.removals {
-            entry.1.remove(id);
+            entry.nodes.remove(id);
+        }
+        for e in &delta.events {
+            entry.events.insert(e.seq, e.clone());
+        }
+        if let Some(below) = delta.events_below {
+            entry.events = entry.events.split_off(&below);
         }
         inner.commits += 1;
         Ok(())
@@ -188,9 +229,10 @@ impl RunStore for MemStore {
             .lock()
             .runs
             .values()
-            .map(|(meta, nodes)| StoredRun {
-                meta: meta.clone(),
-                nodes: nodes.values().cloned().collect(),
+            .map(|r| StoredRun {
+                meta: r.meta.clone(),
+                nodes: r.nodes.values().cloned().collect(),
+                events: r.events.values().cloned().collect(),
             })
             .collect())
     }

@@ -212,7 +212,7 @@ where
 
 /// The `Provisioning` methods [`run_request`] covers, by selector value
 /// (`selector % RUN_REQUESTS.len()`).
-pub const RUN_REQUESTS: [&str; 9] = [
+pub const RUN_REQUESTS: [&str; 11] = [
     "GetRun",
     "ListRuns",
     "WatchRun",
@@ -222,6 +222,8 @@ pub const RUN_REQUESTS: [&str; 9] = [
     "ResumeRun",
     "AbandonNode",
     "ListOrphans",
+    "ListEvents",
+    "WatchEvents",
 ];
 
 /// An `ApplyRequest`, as the driver's `Apply` takes it.
@@ -389,8 +391,16 @@ pub fn run_request(data: &[u8]) -> Result<Verdict, Violation> {
             Some(r) => (r.run_id, Some(r.node_id)),
             None => return Ok(Verdict::Undecodable),
         },
-        _ => match request::<pb::ListOrphansRequest>(body)? {
+        8 => match request::<pb::ListOrphansRequest>(body)? {
             Some(_) => return Ok(Verdict::Accepted),
+            None => return Ok(Verdict::Undecodable),
+        },
+        9 => match request::<pb::ListEventsRequest>(body)? {
+            Some(r) => (r.run_id, None),
+            None => return Ok(Verdict::Undecodable),
+        },
+        _ => match request::<pb::WatchEventsRequest>(body)? {
+            Some(r) => (r.run_id, None),
             None => return Ok(Verdict::Undecodable),
         },
     };

@@ -167,6 +167,12 @@ impl World {
             // operations are in flight.
             pass_batch: if fast { ms(0) } else { ms(50) },
             limits: limits(),
+            // A short event log too, so its trimming runs under the battery.
+            event_limit: if fast {
+                8
+            } else {
+                contract::events::DEFAULT_EVENT_LIMIT
+            },
         };
         Self {
             seed,
