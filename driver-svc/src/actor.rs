@@ -310,6 +310,9 @@ impl RunActor {
             stopping: None,
             events,
         };
+        // The first status a watcher sees carries the conditions too.
+        let first = actor.status(false, now);
+        actor.status.send_replace(Arc::new(first));
         // A new or restored run wants its first pass at once.
         actor.want();
         let route = tx.clone();

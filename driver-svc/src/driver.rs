@@ -40,11 +40,14 @@ fn register_scrape(shared: &Arc<Shared>) {
             .unwrap_or_default();
         let mut stages: BTreeMap<&'static str, f64> = BTreeMap::new();
         let mut phases: BTreeMap<&'static str, f64> = BTreeMap::new();
+        let (mut unhealthy, mut held) = (0.0, 0.0);
         for h in &handles {
             let status = h.status.borrow().clone();
             let phase = pb::RunPhase::try_from(status.phase).unwrap_or(pb::RunPhase::Unspecified);
             *phases.entry(phase_name(phase)).or_default() += 1.0;
             for g in &status.groups {
+                unhealthy += f64::from(g.unhealthy);
+                held += f64::from(g.remediation_held);
                 for c in &g.stages {
                     let stage = pb::NodeStage::try_from(c.stage)
                         .ok()
@@ -57,6 +60,8 @@ fn register_scrape(shared: &Arc<Shared>) {
         let e = &shared.run.metrics.exported;
         e.nodes.replace_all(stages.into_iter().map(|(k, v)| (vec![k], v)));
         e.runs.replace_all(phases.into_iter().map(|(k, v)| (vec![k], v)));
+        e.unhealthy.set(&[], unhealthy);
+        e.remediation_held.set(&[], held);
         let link = shared.run.link.counters();
         e.link_up.set(
             &[],

@@ -63,6 +63,8 @@ pub(crate) struct Exported {
     pub(crate) lost: Counter,
     pub(crate) health: Counter,
     pub(crate) remediated: Counter,
+    pub(crate) unhealthy: Gauge,
+    pub(crate) remediation_held: Gauge,
     pub(crate) takeovers: Counter,
     pub(crate) reloads: Counter,
     pub(crate) nodes: Gauge,
@@ -175,6 +177,17 @@ impl Exported {
                 "provisioning_nodes_remediated_total",
                 "Node attempts replaced because they were unhealthy for their group's unhealthy_after, \
                  within its remediation budget.",
+                &[],
+            ),
+            unhealthy: r.gauge(
+                "provisioning_nodes_unhealthy",
+                "Nodes of every run that are unhealthy or lost now.",
+                &[],
+            ),
+            remediation_held: r.gauge(
+                "provisioning_nodes_remediation_held",
+                "Unhealthy nodes whose replacement their group's remediation budget holds \
+                 (max_in_flight, max_unhealthy).",
                 &[],
             ),
             takeovers: r.counter(

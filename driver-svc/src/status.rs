@@ -19,11 +19,19 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
         desired: u32,
         ready: u32,
         failing: u32,
+        unhealthy: u32,
+        held: u32,
         stages: BTreeMap<NodeStage, u32>,
     }
     let mut groups: BTreeMap<GroupId, G> = BTreeMap::new();
     for g in desired.groups() {
         groups.entry(g.id.clone()).or_default().desired = g.count;
+    }
+    for (group, counts) in run.group_counts() {
+        groups.entry(group).or_default().unhealthy = u32::try_from(counts.unhealthy).unwrap_or(u32::MAX);
+    }
+    for node in run.remediation_held() {
+        groups.entry(node.group().clone()).or_default().held += 1;
     }
     let mut ready_count = 0u32;
     let mut pending = 0u32;
@@ -81,6 +89,8 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
                 desired: g.desired,
                 ready: g.ready,
                 failing: g.failing,
+                unhealthy: g.unhealthy,
+                remediation_held: g.held,
                 stages: g
                     .stages
                     .into_iter()

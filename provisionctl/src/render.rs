@@ -191,7 +191,8 @@ pub fn status_json(s: &pb::RunStatus, with_shape: bool, with_nodes: bool) -> Val
                 .collect();
             json!({
                 "group_id": g.group_id, "desired": g.desired, "ready": g.ready,
-                "failing": g.failing, "stages": stages,
+                "failing": g.failing, "unhealthy": g.unhealthy,
+                "remediation_held": g.remediation_held, "stages": stages,
             })
         })
         .collect();
@@ -337,13 +338,19 @@ pub fn status_table(s: &pb::RunStatus) -> Vec<String> {
         out.extend(c.lines());
     }
     out.push(String::new());
-    let mut t = Table::new(&["GROUP", "READY", "DESIRED", "FAILING", "STAGES"]);
+    let mut t = Table::new(&["GROUP", "READY", "DESIRED", "FAILING", "UNHEALTHY", "STAGES"]);
     for g in &s.groups {
+        let unhealthy = if g.remediation_held > 0 {
+            format!("{} ({} held)", g.unhealthy, g.remediation_held)
+        } else {
+            g.unhealthy.to_string()
+        };
         t.row(vec![
             g.group_id.clone(),
             g.ready.to_string(),
             g.desired.to_string(),
             g.failing.to_string(),
+            unhealthy,
             stages_text(&g.stages),
         ]);
     }
@@ -485,6 +492,8 @@ pub(crate) mod tests {
                     desired: 4,
                     ready: 2,
                     failing: 1,
+                    unhealthy: 1,
+                    remediation_held: 1,
                     stages: vec![
                         pb::StageCount {
                             stage: pb::NodeStage::Dormant as i32,
@@ -501,6 +510,8 @@ pub(crate) mod tests {
                     desired: 2,
                     ready: 2,
                     failing: 0,
+                    unhealthy: 0,
+                    remediation_held: 0,
                     stages: vec![pb::StageCount {
                         stage: pb::NodeStage::Dormant as i32,
                         count: 2,
@@ -607,13 +618,19 @@ pub(crate) mod tests {
         assert!(lines.contains("4/6 ready"), "{lines}");
         assert!(lines.contains("progressing at generation 2"), "{lines}");
         assert!(
-            lines.contains("workers  2      4        1        new=2 ready=2"),
+            lines.contains("workers  2      4        1        1 (1 held)  new=2 ready=2"),
+            "{lines}"
+        );
+        assert!(
+            lines.contains("gpu      2      2        0        0           ready=2"),
             "{lines}"
         );
         assert!(lines.contains("workers-3  7"), "{lines}");
         assert!(lines.contains("backing off before the next try"), "{lines}");
         assert!(!lines.contains("leaked-if-printed"));
         let v = status_json(&s, false, true);
+        assert_eq!(v["groups"][0]["unhealthy"], 1);
+        assert_eq!(v["groups"][0]["remediation_held"], 1);
         assert_eq!(v["nodes"][0]["retry"]["consecutive_failures"], 3);
         assert_eq!(v["nodes"][0]["last_decision"]["rule_name"], "retry-backoff");
         assert!(v.get("shape").is_none());

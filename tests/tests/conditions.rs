@@ -31,6 +31,24 @@ async fn apply(cluster: &Cluster, s: &contract::ClusterShape) {
     cluster.apply(s).await.unwrap();
 }
 
+/// The run's event log: (reason, object, message) of each event kept.
+async fn events(cluster: &Cluster) -> Vec<pb::Event> {
+    let mut c = cluster.client().await.unwrap();
+    c.list_events(pb::ListEventsRequest {
+        run_id: "cond".into(),
+        after_seq: 0,
+        limit: 0,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .events
+}
+
+fn reasons(events: &[pb::Event]) -> Vec<&str> {
+    events.iter().map(|e| e.reason.as_str()).collect()
+}
+
 async fn until(cluster: &Cluster, what: &str, done: impl FnMut(&pb::RunStatus) -> bool) -> pb::RunStatus {
     let mut c = cluster.client().await.unwrap();
     match watch_until(&mut c, "cond", PATIENCE, done).await {
@@ -102,6 +120,45 @@ async fn a_dependency_down_degrades_the_run_until_it_is_back() {
     .await;
     assert!(is(&s, "Degraded", false, "AsExpected"), "{:?}", s.conditions);
     assert_eq!(condition(&s, "Ready").observed_generation, 2);
+
+    // The log tells the story, in order: created, converged, the executor
+    // link lost and back, the decider lost (while generation 2 waited) and
+    // back, converged again.
+    let log = events(&cluster).await;
+    let want = [
+        "Applied",
+        "Converged",
+        "DependencyLost",
+        "DependencyBack",
+        "Applied",
+        "DependencyLost",
+        "DependencyBack",
+        "Converged",
+    ];
+    let got = reasons(&log);
+    let mut rest = got.iter();
+    for w in want {
+        assert!(rest.any(|r| *r == w), "{w} missing or out of order in {got:?}");
+    }
+    assert!(log.windows(2).all(|w| w[0].seq < w[1].seq), "{log:?}");
+    let lost: Vec<&pb::Event> = log.iter().filter(|e| e.reason == "DependencyLost").collect();
+    assert!(lost[0].message.contains("executor link"), "{:?}", lost[0]);
+    assert!(lost[1].message.contains("decider"), "{:?}", lost[1]);
+    assert!(lost.iter().all(|e| e.r#type == pb::EventType::Warning as i32));
+
+    // A restarted driver keeps the log, the conditions' `since` and adds
+    // only that it restored the run (no second "converged").
+    let since = condition(&s, "Ready").since_ms;
+    cluster.driver.restart(cluster.dir.path()).await.unwrap();
+    let s = until(&cluster, "converged after the driver restarted", |s| s.converged).await;
+    assert_eq!(condition(&s, "Ready").since_ms, since, "{:?}", s.conditions);
+    let after = events(&cluster).await;
+    assert_eq!(
+        &after[..log.len()],
+        &log[..],
+        "the log changed across the restart"
+    );
+    assert_eq!(reasons(&after[log.len()..]), ["Restored"], "{after:?}");
 }
 
 /// A run whose every unready node failed permanently is stalled, not
@@ -132,6 +189,28 @@ async fn a_run_that_cannot_converge_is_stalled() {
     assert!(is(&s, "Progressing", false, "Stalled"), "{:?}", s.conditions);
     assert!(is(&s, "Degraded", true, "NodesFailed"), "{:?}", s.conditions);
     assert!(!s.converged);
+    // Each permanent failure is logged once, naming its node and attempt,
+    // and the stall once.
+    let log = events(&cluster).await;
+    for node in ["workers-0", "workers-1"] {
+        let failed: Vec<&pb::Event> = log
+            .iter()
+            .filter(|e| e.reason == "NodeFailedPermanently" && e.node_id == node)
+            .collect();
+        assert_eq!(failed.len(), 1, "{log:?}");
+        assert!(
+            failed[0].attempt > 0 && failed[0].group_id == "workers",
+            "{:?}",
+            failed[0]
+        );
+    }
+    let stalled: Vec<&pb::Event> = log.iter().filter(|e| e.reason == "Stalled").collect();
+    assert_eq!(stalled.len(), 1, "{log:?}");
+    assert!(
+        stalled[0].message.starts_with("PermanentFailure"),
+        "{:?}",
+        stalled[0]
+    );
 
     // Fixing the spec ends the stall.
     apply(

@@ -852,3 +852,101 @@ async fn completions_help_and_an_unreachable_server() {
         "{err}"
     );
 }
+
+/// `describe` shows the status, its conditions and the recent events;
+/// `events` lists the log (all of it, `--tail`, JSON) and `--follow` prints
+/// each event as it is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_and_describe_say_what_happened() {
+    use tokio::io::AsyncBufReadExt;
+    let (cluster, ctl) = start().await;
+    let broken = ctl.write("ev.yaml", &shape("ev", 2, "invalid:x"));
+    ctl.run(&["apply", "-f", &broken]).await.expect(0);
+    ctl.run(&["watch", "ev", "--timeout", "60"]).await.expect(5);
+
+    let out = ctl.run(&["describe", "ev"]).await.expect(0);
+    no_secret(&out);
+    for want in [
+        "CONDITION",
+        "PermanentFailure",
+        "LAST SEEN",
+        "NodeFailedPermanently",
+        "node/workers-0 (attempt",
+        "run created at generation 1",
+    ] {
+        assert!(out.stdout.contains(want), "no {want:?} in\n{}", out.stdout);
+    }
+    let v = ctl.run(&["describe", "ev", "-o", "json"]).await.expect(0).json();
+    assert!(v["conditions"].is_array() && v["events"].is_array(), "{v}");
+
+    let v = ctl.run(&["events", "ev", "-o", "json"]).await.expect(0).json();
+    let all = v["events"].as_array().unwrap().clone();
+    let reasons: Vec<&str> = all.iter().map(|e| e["reason"].as_str().unwrap()).collect();
+    assert_eq!(reasons.first(), Some(&"Applied"), "{reasons:?}");
+    assert_eq!(
+        reasons.iter().filter(|r| **r == "NodeFailedPermanently").count(),
+        2,
+        "{reasons:?}"
+    );
+    assert!(reasons.contains(&"Stalled"), "{reasons:?}");
+    let last = ctl
+        .run(&["events", "ev", "--tail", "1", "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    assert_eq!(
+        last["events"].as_array().unwrap().as_slice(),
+        &all[all.len() - 1..]
+    );
+    let table = ctl.run(&["events", "ev"]).await.expect(0);
+    assert!(
+        table.stdout.lines().next().unwrap().starts_with("LAST SEEN"),
+        "{}",
+        table.stdout
+    );
+    assert!(table.stdout.contains("Warning"), "{}", table.stdout);
+
+    // Followed: the kept events first, then the fix's as they happen.
+    let mut follow = tokio::process::Command::new(&ctl.bin)
+        .args(["events", "ev", "--follow", "-o", "json"])
+        .env("PROVISIONCTL_SERVER", &ctl.server)
+        .envs(ctl.env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(follow.stdout.take().unwrap()).lines();
+    let mut next = async || -> serde_json::Value {
+        let line = tokio::time::timeout(CALL_LIMIT, lines.next_line())
+            .await
+            .expect("no event line in time")
+            .unwrap()
+            .expect("the follow ended");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
+    };
+    for e in &all {
+        assert_eq!(next().await["seq"], e["seq"]);
+    }
+    let fixed = ctl.write("ev-fixed.yaml", &shape("ev", 2, "img:1"));
+    ctl.run(&["apply", "-f", &fixed]).await.expect(0);
+    let applied = next().await;
+    assert_eq!(applied["reason"], "Applied", "{applied}");
+    assert!(
+        applied["message"].as_str().unwrap().contains("generation 2"),
+        "{applied}"
+    );
+    loop {
+        let e = next().await;
+        if e["reason"] == "Converged" {
+            assert_eq!(e["generation"], 2, "{e}");
+            break;
+        }
+    }
+    follow.kill().await.unwrap();
+
+    // An unknown run is refused as for `get`.
+    let out = ctl.run(&["events", "nope"]).await.expect(1);
+    assert!(out.stderr.contains("nope"), "{}", out.stderr);
+    drop(cluster);
+}

@@ -611,6 +611,11 @@ impl RunState {
         }
     }
 
+    /// The nodes whose last decision was a wait for the remediation budget.
+    pub fn remediation_held(&self) -> impl Iterator<Item = &LogicalNodeId> {
+        self.budget_held.iter()
+    }
+
     /// Each group's day-2 counts over the whole run, for the Decide header
     /// (groups with none are left out).
     pub fn group_counts(&self) -> Vec<(contract::GroupId, GroupCounts)> {
