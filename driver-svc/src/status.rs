@@ -28,7 +28,7 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
         groups.entry(g.id.clone()).or_default().desired = g.count;
     }
     for (group, counts) in run.group_counts() {
-        groups.entry(group).or_default().unhealthy = u32::try_from(counts.unhealthy).unwrap_or(u32::MAX);
+        groups.entry(group).or_default().unhealthy = counts.unhealthy;
     }
     for node in run.remediation_held() {
         groups.entry(node.group().clone()).or_default().held += 1;
