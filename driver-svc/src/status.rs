@@ -251,11 +251,18 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
         .sum::<usize>()
         .saturating_sub(want);
     // Groups whose unhealthy nodes the remediation budget holds for good:
-    // more of the group impaired than max_unhealthy allows, or max_in_flight
-    // 0. Nothing changes there until a node heals or the budget changes.
+    // the decider held one of them (its last decision is rule 18) and the
+    // group is over max_unhealthy, or its max_in_flight is 0. Nothing
+    // changes there until a node heals or the budget changes. (Held only
+    // because others are being replaced is a wait, not a stall.)
+    let held_groups: std::collections::BTreeSet<&GroupId> =
+        run.remediation_held().map(LogicalNodeId::group).collect();
     let mut held = Vec::new();
     if !unhealthy.is_empty() {
         for (group, counts) in run.group_counts() {
+            if !held_groups.contains(&group) {
+                continue;
+            }
             let Some(g) = meta.shape.group(&group) else {
                 continue;
             };

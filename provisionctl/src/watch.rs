@@ -121,7 +121,7 @@ pub fn frame(s: &pb::RunStatus, failing: &Failing, elapsed: Duration) -> Vec<Str
     if s.paused {
         out.push("paused: nothing new is dispatched; operations in flight finish".to_owned());
     }
-    let mut t = text::Table::new(&["GROUP", "READY", "PROGRESS", "FAILING", "STAGES"]);
+    let mut t = text::Table::new(&["GROUP", "READY", "PROGRESS", "FAILING", "UNHEALTHY", "STAGES"]);
     for g in &s.groups {
         t.row(vec![
             g.group_id.clone(),
@@ -132,10 +132,14 @@ pub fn frame(s: &pb::RunStatus, failing: &Failing, elapsed: Duration) -> Vec<Str
                 text::percent(g.ready, g.desired)
             ),
             g.failing.to_string(),
+            unhealthy(g),
             stages(g),
         ]);
     }
     out.extend(t.lines());
+    if let Some(d) = degraded(s) {
+        out.push(d);
+    }
     let failing_total: u32 = s.groups.iter().map(|g| g.failing).sum();
     if failing_total > 0 {
         match failing {
@@ -189,10 +193,41 @@ pub fn plain_status(s: &pb::RunStatus) -> String {
             } else {
                 String::new()
             };
-            format!("{} {}/{} {}{failing}", g.group_id, g.ready, g.desired, stages(g))
+            let unhealthy = if g.unhealthy > 0 {
+                format!(" unhealthy={}", unhealthy(g))
+            } else {
+                String::new()
+            };
+            format!(
+                "{} {}/{} {}{failing}{unhealthy}",
+                g.group_id,
+                g.ready,
+                g.desired,
+                stages(g)
+            )
         })
         .collect();
-    format!("{} | {}", head(s), groups.join(" | "))
+    let mut line = format!("{} | {}", head(s), groups.join(" | "));
+    if let Some(d) = degraded(s) {
+        line.push_str(" | ");
+        line.push_str(&d);
+    }
+    line
+}
+
+/// A group's unhealthy (or lost) nodes, with how many the budget holds.
+fn unhealthy(g: &pb::GroupStatus) -> String {
+    if g.remediation_held > 0 {
+        format!("{}({} held)", g.unhealthy, g.remediation_held)
+    } else {
+        g.unhealthy.to_string()
+    }
+}
+
+/// `degraded: <why>` while the run's `Degraded` condition is true: lost or
+/// unhealthy nodes, or a service it depends on that is down.
+fn degraded(s: &pb::RunStatus) -> Option<String> {
+    crate::render::condition(s, "Degraded").map(|c| format!("degraded ({}): {}", c.reason, c.message))
 }
 
 /// A failing node's identity for the plain form: a node is printed again only
@@ -316,12 +351,32 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("workers  2/4    [##########----------]  50%  1"),
+            text.contains("workers  2/4    [##########----------]  50%  1        1(1 held)"),
             "{text}"
         );
         assert!(
-            text.contains("gpu      2/2    [####################] 100%  0"),
+            text.contains("gpu      2/2    [####################] 100%  0        0"),
             "{text}"
+        );
+        assert!(!text.contains("degraded"), "{text}");
+        let mut sick = s.clone();
+        sick.conditions.push(pb::Condition {
+            r#type: "Degraded".into(),
+            status: true,
+            reason: "NodesUnhealthy".into(),
+            message: "unhealthy: workers-1".into(),
+            ..Default::default()
+        });
+        let sick_text = frame(&sick, &Failing::Unknown, Duration::ZERO).join("\n");
+        assert!(
+            sick_text.contains("degraded (NodesUnhealthy): unhealthy: workers-1"),
+            "{sick_text}"
+        );
+        assert!(plain_status(&sick).ends_with("| degraded (NodesUnhealthy): unhealthy: workers-1"));
+        assert!(
+            plain_status(&sick).contains("unhealthy=1(1 held)"),
+            "{}",
+            plain_status(&sick)
         );
         assert!(text.contains("new=2 ready=2"), "{text}");
         assert!(
