@@ -32,7 +32,7 @@ use platform::{
 };
 use prost::Message as _;
 use tokio::{net::TcpListener, sync::mpsc};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
@@ -513,7 +513,7 @@ pub async fn serve(
                 .max_decoding_message_size(config.messages.recv_bytes())
                 .max_encoding_message_size(config.messages.send_bytes()),
         )
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(platform::runtime::incoming(listener), shutdown)
         .await?;
     Ok(())
 }

@@ -15,7 +15,6 @@ use platform::{
     tls::ClientAuth,
 };
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tracing::Instrument as _;
 
 use crate::{
@@ -209,7 +208,7 @@ pub async fn run(
         .add_service(health)
         .add_service(reflection)
         .add_service(api)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+        .serve_with_incoming_shutdown(platform::runtime::incoming(listener), async move {
             tokio::select! {
                 () = shutdown => {}
                 _ = lost_rx.wait_for(|l| *l) => {}

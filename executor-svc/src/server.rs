@@ -55,7 +55,7 @@ use tokio::{
     },
     task::AbortHandle,
 };
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
@@ -306,7 +306,7 @@ pub async fn run(
                 .max_decoding_message_size(config.messages.recv_bytes())
                 .max_encoding_message_size(config.messages.send_bytes()),
         )
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal);
+        .serve_with_incoming_shutdown(platform::runtime::incoming(listener), signal);
     let grace = config.shutdown_grace;
     let grace_elapsed = async move {
         match drain_started_rx.await {

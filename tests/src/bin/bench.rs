@@ -609,7 +609,7 @@ async fn bench_throughput(t: &mut Table, n: u64) -> anyhow::Result<()> {
     let echo = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(ExecutorServer::new(Echo))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            .serve_with_incoming(platform::runtime::incoming(listener)),
     );
     let bare = link_rate(format!("http://{addr}"), n, false).await?;
     echo.abort();
