@@ -579,3 +579,79 @@ fn a_replica_takes_over_the_runs_of_one_that_went() {
     assert!(!s2.owns(uid));
     assert_eq!(s3.claim(uid).unwrap(), Claim::Mine);
 }
+
+/// A run's event log is stored with it (`runs/<uid>/events/<seq>`): events
+/// recorded and repeated load back as the memory store keeps them, the
+/// oldest are deleted past the run's limit (in a small transaction and in a
+/// rewrite alike), and a dropped run leaves none.
+#[test]
+fn the_event_log_is_stored_trimmed_and_dropped_with_its_run() {
+    use contract::{EventReason, Subject};
+    let etcd = Etcd::start().unwrap();
+    let store = etcd.store("a");
+    let mem = MemStore::new();
+    let policy = Arc::new(Policy {
+        event_limit: 3,
+        ..Policy::default()
+    });
+    let mut a = RunState::create(
+        shape(200, "logged"),
+        RunUid::from_u128(21),
+        Epoch::new(3),
+        policy,
+        NOW,
+    )
+    .unwrap();
+    drive_both(&mut a, &store, &mem);
+    for i in 0..4 {
+        a.record_event(EventReason::Applied, Subject::Run, format!("event {i}"), NOW);
+    }
+    // A repeat of the latest raises its count in place.
+    a.record_event(EventReason::Applied, Subject::Run, "event 3".into(), NOW);
+    commit_both(&mut a, &store, &mem);
+    let loaded = store.load_all().unwrap();
+    assert_eq!(loaded, mem.load_all().unwrap());
+    let log: Vec<(u64, u32)> = loaded[0].events.iter().map(|e| (e.seq, e.count)).collect();
+    assert_eq!(log, [(2, 1), (3, 1), (4, 2)]);
+
+    // With a pass whose delta is too large for one transaction: the events
+    // ride with the switch to the rewritten nodes.
+    a.record_event(EventReason::Paused, Subject::Run, "paused".into(), NOW);
+    assert!(a.set_paused(true));
+    let mut delta = a.take_commit().delta().clone();
+    delta.upserts = loaded[0].nodes.clone();
+    assert!(delta.upserts.len() > EtcdConfig::new(Vec::new(), "x").max_txn_ops);
+    let gen_key = format!("/provisioning/v1/runs/{}/gen", RunUid::from_u128(21));
+    let before: u64 = raw_get(&etcd, &gen_key).unwrap_or_default().parse().unwrap_or(0);
+    store.commit(&delta).unwrap();
+    mem.commit(&delta).unwrap();
+    let after: u64 = raw_get(&etcd, &gen_key).unwrap().parse().unwrap();
+    assert_eq!(after, before + 1, "the delta was not a rewrite");
+    let loaded = store.load_all().unwrap();
+    assert_eq!(loaded, mem.load_all().unwrap());
+    assert_eq!(
+        loaded[0].events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [3, 4, 5]
+    );
+    let first = format!("/provisioning/v1/runs/{}/events/{:020}", RunUid::from_u128(21), 2);
+    assert_eq!(raw_get(&etcd, &first), None, "a trimmed event is still stored");
+
+    let mut drop_run = RunDelta::new(RunUid::from_u128(21));
+    drop_run.drop_run = true;
+    store.commit(&drop_run).unwrap();
+    assert!(store.load_all().unwrap().is_empty());
+    let third = format!("/provisioning/v1/runs/{}/events/{:020}", RunUid::from_u128(21), 3);
+    assert_eq!(raw_get(&etcd, &third), None);
+}
+
+fn drive_both(run: &mut RunState, store: &dyn RunStore, mem: &MemStore) {
+    let mut copy = run.clone();
+    drive(run, store);
+    drive(&mut copy, mem);
+}
+
+fn commit_both(run: &mut RunState, store: &dyn RunStore, mem: &MemStore) {
+    let delta = run.take_commit().delta().clone();
+    store.commit(&delta).unwrap();
+    mem.commit(&delta).unwrap();
+}
