@@ -568,6 +568,26 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
     r.apply(&taker, &workers(2, 6)).await.unwrap();
     r.until(&taker, |s| s.converged && s.generation == 2).await;
     assert_eq!(live_agent_pids(&r.agents.root).len(), 6);
+    // The run's event log, written by both owners, says it was taken over.
+    let log = r
+        .client_of(&taker)
+        .await
+        .list_events(pb::ListEventsRequest {
+            run_id: RUN.into(),
+            after_seq: 0,
+            limit: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    let reasons: Vec<&str> = log.iter().map(|e| e.reason.as_str()).collect();
+    assert_eq!(reasons.first(), Some(&"Applied"), "{reasons:?}");
+    assert_eq!(
+        reasons.iter().filter(|r| **r == "TakenOver").count(),
+        1,
+        "{reasons:?}"
+    );
     r.delete_and_clean(&taker).await;
     let samples = sampler.finish();
 
