@@ -66,10 +66,23 @@ tls_for executor_tls executor-svc
 tls_for driver_tls driver-svc
 tls_for ctl_tls provisionctl
 pids=()
+# Node agents outlive their executor by design, so the demo ends the ones its
+# run left (a run that converged was deleted, and left none) by the PID each
+# recorded in its agent.json, and only if that PID is still the same process:
+# its start time in /proc/PID/stat (field 22) is the one recorded.
+end_agents() {
+    local rec pid start now
+    while IFS= read -r -d '' rec; do
+        pid=$(sed -n 's/.*"pid":\([0-9][0-9]*\).*/\1/p' "$rec")
+        start=$(sed -n 's/.*"start_time":\([0-9][0-9]*\).*/\1/p' "$rec")
+        [ -n "$pid" ] && [ -r "/proc/$pid/stat" ] || continue
+        now=$(sed 's/^.*) //' "/proc/$pid/stat" | awk '{print $20}')
+        if [ "$now" = "$start" ]; then kill "$pid" 2>/dev/null || true; fi
+    done < <(find "$work/agents" -name agent.json -print0 2>/dev/null)
+}
 cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    # Node agents outlive their executor by design; the demo leaves none.
-    pkill -f -- "--state-dir $work/agents" 2>/dev/null || true
+    end_agents
     wait 2>/dev/null || true
     rm -rf "$work"
 }
