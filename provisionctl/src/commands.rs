@@ -21,7 +21,7 @@ use tonic::{Code, service::interceptor::InterceptedService, transport::Channel};
 
 use super::{
     cli::{Cli, Command, FollowArgs},
-    error::{CliError, Doing, Exit, from_status},
+    error::{CliError, Doing, Exit, from_change_status, from_status},
     events, explain, plan,
     render::{self, Output},
     text,
@@ -381,6 +381,12 @@ impl Ctx {
         from_status(s, doing, &self.server)
     }
 
+    /// As `status_error`, for a call that changes something (its outcome
+    /// may be unknown).
+    fn change_error(&self, s: &tonic::Status, doing: Doing<'_>) -> CliError {
+        from_change_status(s, doing, &self.server)
+    }
+
     /// The run's status, or `None` if the server has no such run.
     async fn current(&self, client: &mut Client, run: &str) -> Result<Option<pb::RunStatus>, CliError> {
         match client
@@ -502,7 +508,7 @@ impl Ctx {
             }
             Err(s) if s.code() == Code::InvalidArgument => return Err(loaded.server_rejection(&s)),
             Err(s) => {
-                return Err(self.status_error(
+                return Err(self.change_error(
                     &s,
                     Doing::Run {
                         verb: "apply",
@@ -805,7 +811,7 @@ impl Ctx {
                 run_id: run.to_owned(),
             })
             .await
-            .map_err(|s| self.status_error(&s, Doing::Run { verb: "delete", run }))?
+            .map_err(|s| self.change_error(&s, Doing::Run { verb: "delete", run }))?
             .into_inner();
         if output == Output::Table {
             print_lines(&[format!(
@@ -892,7 +898,7 @@ impl Ctx {
             client.resume_run(req).await
         };
         let s = r
-            .map_err(|s| self.status_error(&s, Doing::Run { verb, run }))?
+            .map_err(|s| self.change_error(&s, Doing::Run { verb, run }))?
             .into_inner();
         match output {
             Output::Table => print_lines(&[if paused {
@@ -921,7 +927,7 @@ impl Ctx {
             })
             .await
             .map_err(|s| {
-                self.status_error(
+                self.change_error(
                     &s,
                     Doing::Node {
                         verb: "abandon",

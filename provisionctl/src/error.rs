@@ -26,6 +26,10 @@ pub enum Exit {
     /// `watch`: the run is stalled (its `Stalled` condition is true):
     /// nothing more can happen without a change to its shape.
     Stalled = 5,
+    /// A change (apply, delete, pause, resume, abandon) was sent, and the
+    /// connection broke or the call timed out before the answer came: it
+    /// may or may not have taken effect.
+    OutcomeUnknown = 6,
     /// Interrupted with Ctrl-C (128 + SIGINT, as shells report it).
     Interrupted = 130,
 }
@@ -45,6 +49,8 @@ Exit codes:
   3    --timeout expired (watch: not converged; delete --wait: not gone)
   4    the server is unreachable or a service behind it is unavailable
   5    watch: the run is stalled (nothing more can happen without a change)
+  6    a change was sent but its answer was lost: it may or may not have
+       taken effect (check with `provisionctl get`)
   130  interrupted (Ctrl-C)";
 
 /// A failed command. `Display` is the whole message the user reads.
@@ -66,6 +72,9 @@ pub enum CliError {
     Timeout { message: String },
     #[error("{message}")]
     Stalled { message: String },
+    /// A change was sent and no answer came back: it may have landed.
+    #[error("{message}")]
+    OutcomeUnknown { message: String },
     #[error("interrupted")]
     Interrupted,
     /// The command line is wrong in a way the parser cannot see (flags that
@@ -95,6 +104,7 @@ impl CliError {
             CliError::Unavailable { .. } => Exit::Unavailable,
             CliError::Timeout { .. } => Exit::Timeout,
             CliError::Stalled { .. } => Exit::Stalled,
+            CliError::OutcomeUnknown { .. } => Exit::OutcomeUnknown,
             CliError::Interrupted => Exit::Interrupted,
             CliError::Usage(_) => Exit::Usage,
         }
@@ -139,6 +149,57 @@ impl fmt::Display for Doing<'_> {
 /// the user already knows what they sent, so the prefix is dropped.
 fn plain(message: &str) -> &str {
     message.strip_prefix("invalid shape: ").unwrap_or(message)
+}
+
+/// Whether a failed call that changes something may still have taken
+/// effect: the request may have reached the server, and what failed was the
+/// connection or the clock, not the server's answer. A status the server
+/// sent has no source error; one the transport made does. A connection that
+/// was never made sent nothing. A deadline that passed (ours, or the
+/// server's own request timeout) leaves the handler's work unknown.
+pub fn outcome_unknown(status: &tonic::Status) -> bool {
+    use tonic::Code;
+    match status.code() {
+        Code::DeadlineExceeded => true,
+        Code::Unknown | Code::Cancelled | Code::Unavailable | Code::Internal => {
+            let mut source = std::error::Error::source(status);
+            if source.is_none() {
+                return false;
+            }
+            while let Some(e) = source {
+                let text = e.to_string();
+                if text.contains("tcp connect error")
+                    || text.contains("error trying to connect")
+                    || text.contains("Connection refused")
+                {
+                    return false;
+                }
+                source = e.source();
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+/// As [`from_status`], for a call that changes something: when the outcome
+/// cannot be known, the user is told so (exit 6), never that nothing changed.
+pub fn from_change_status(status: &tonic::Status, doing: Doing<'_>, server: &str) -> CliError {
+    if outcome_unknown(status) {
+        return CliError::OutcomeUnknown {
+            message: format!(
+                "the outcome is unknown: the request to {doing} was sent, then the call failed ({}); it \
+                 may have taken effect. {}",
+                plain(status.message()),
+                match doing {
+                    Doing::Run { run, .. } | Doing::Node { run, .. } =>
+                        format!("Check with `provisionctl get {run}` before you try again"),
+                    Doing::Server(_) => "Check with `provisionctl list` before you try again".to_owned(),
+                }
+            ),
+        };
+    }
+    from_status(status, doing, server)
 }
 
 /// Translates a gRPC status into the user's words. Specific commands handle
@@ -259,6 +320,7 @@ mod tests {
             (Exit::Timeout, 3),
             (Exit::Unavailable, 4),
             (Exit::Stalled, 5),
+            (Exit::OutcomeUnknown, 6),
             (Exit::Interrupted, 130),
         ] {
             assert_eq!(exit.code(), code);

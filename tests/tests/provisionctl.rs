@@ -950,3 +950,54 @@ async fn events_and_describe_say_what_happened() {
     assert!(out.stderr.contains("nope"), "{}", out.stderr);
     drop(cluster);
 }
+
+/// A change whose answer is lost (the driver dies between committing it and
+/// answering) is reported as of unknown outcome (exit 6), never as refused:
+/// after the restart it turns out to have landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_whose_answer_is_lost_has_an_unknown_outcome() {
+    // Apply: the driver aborts right after the shape is stored.
+    let mut cluster = Cluster::start(ClusterOptions::default().driver("--crash-at", "apply-committed"))
+        .await
+        .unwrap();
+    let ctl = Ctl::new(&cluster);
+    let file = ctl.write("lost.yaml", &shape("lost", 2, "img:1"));
+    let out = ctl.run(&["apply", "-f", &file]).await.expect(6);
+    assert!(
+        out.stderr.contains("the outcome is unknown") && out.stderr.contains("provisionctl get lost"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("nothing changed"), "{}", out.stderr);
+    cluster.driver.restart(cluster.dir.path()).await.unwrap();
+    let ctl = Ctl::new(&cluster);
+    let v = ctl.run(&["get", "lost", "-o", "json"]).await.expect(0).json();
+    assert_eq!(v["generation"], 1, "the apply landed: {v}");
+    drop(cluster);
+
+    // Delete: the driver aborts right after the deletion is stored.
+    let mut cluster = Cluster::start(ClusterOptions::default().driver("--crash-at", "delete-committed"))
+        .await
+        .unwrap();
+    let ctl = Ctl::new(&cluster);
+    let file = ctl.write("lost.yaml", &shape("lost", 2, "img:1"));
+    ctl.run(&["apply", "-f", &file, "--wait", "--timeout", "60"])
+        .await
+        .expect(0);
+    let out = ctl.run(&["delete", "lost"]).await.expect(6);
+    assert!(out.stderr.contains("the outcome is unknown"), "{}", out.stderr);
+    cluster.driver.restart(cluster.dir.path()).await.unwrap();
+    let ctl = Ctl::new(&cluster);
+    let out = ctl.run(&["get", "lost", "-o", "json"]).await;
+    match out.code {
+        // Already gone, or on its way: either way the delete landed.
+        1 => assert!(out.stderr.contains("does not exist"), "{}", out.stderr),
+        0 => assert_eq!(out.json()["phase"], "deleting", "{}", out.stdout),
+        code => panic!("get exited {code}: {}", out.stderr),
+    }
+
+    // A server that is not there was never sent anything: unavailable (4).
+    cluster.driver.kill().await.unwrap();
+    let out = ctl.run(&["delete", "lost"]).await.expect(4);
+    assert!(!out.stderr.contains("outcome is unknown"), "{}", out.stderr);
+}
