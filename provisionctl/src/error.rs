@@ -312,6 +312,40 @@ mod tests {
     }
 
     #[test]
+    fn only_a_change_whose_answer_was_lost_has_an_unknown_outcome() {
+        let doing = Doing::Run {
+            verb: "apply",
+            run: "x",
+        };
+        // What the server said is known, whatever the code.
+        for code in [
+            tonic::Code::Unavailable,
+            tonic::Code::Unknown,
+            tonic::Code::Internal,
+        ] {
+            let sent = tonic::Status::new(code, "the store refused a write");
+            assert!(!outcome_unknown(&sent), "{code:?}");
+            assert_ne!(from_change_status(&sent, doing, "s").exit(), Exit::OutcomeUnknown);
+        }
+        // A deadline that passed leaves it unknown.
+        let late = tonic::Status::deadline_exceeded("request timed out");
+        let e = from_change_status(&late, doing, "s");
+        assert_eq!(e.exit(), Exit::OutcomeUnknown);
+        assert!(e.to_string().contains("provisionctl get x"), "{e}");
+        // A broken connection after sending: unknown; a connection never made: not.
+        let broken = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "error reading a body from connection",
+        )));
+        assert!(outcome_unknown(&broken), "{broken:?}");
+        let refused = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "tcp connect error: Connection refused (os error 111)",
+        )));
+        assert!(!outcome_unknown(&refused), "{refused:?}");
+    }
+
+    #[test]
     fn exit_codes_are_the_documented_ones() {
         for (exit, code) in [
             (Exit::Success, 0),
