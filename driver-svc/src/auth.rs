@@ -318,7 +318,7 @@ pub struct AuthArgs {
     pub tokens_file: Option<PathBuf>,
     /// Serve the public API without authentication: anyone who can reach
     /// the port may change any run. Required when there is no --tokens-file.
-    #[arg(long, env = "DRIVER_ALLOW_UNAUTHENTICATED", conflicts_with = "tokens_file")]
+    #[arg(long, env = "DRIVER_ALLOW_UNAUTHENTICATED", value_parser = clap::builder::BoolishValueParser::new(), conflicts_with = "tokens_file")]
     pub allow_unauthenticated: bool,
 }
 

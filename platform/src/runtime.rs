@@ -21,7 +21,7 @@ pub struct CommonArgs {
     #[arg(long, env = "PROVISIONING_READY_FILE")]
     pub ready_file: Option<PathBuf>,
     /// Log as JSON lines instead of text.
-    #[arg(long, env = "PROVISIONING_LOG_JSON", default_value_t = false)]
+    #[arg(long, env = "PROVISIONING_LOG_JSON", value_parser = clap::builder::BoolishValueParser::new(), default_value_t = false)]
     pub log_json: bool,
     /// How long in-flight work may take to drain after SIGTERM/SIGINT.
     #[arg(long, env = "PROVISIONING_SHUTDOWN_GRACE_MS", default_value_t = 5000)]

@@ -518,7 +518,7 @@ pub struct TlsArgs {
     /// Serve and call in plaintext, without TLS and without checking who the
     /// peer is. For development only; logs a warning at start. A service
     /// with neither this nor the three --tls-* files refuses to start.
-    #[arg(long, env = "PROVISIONING_INSECURE", default_value_t = false)]
+    #[arg(long, env = "PROVISIONING_INSECURE", value_parser = clap::builder::BoolishValueParser::new(), default_value_t = false)]
     pub insecure: bool,
 }
 

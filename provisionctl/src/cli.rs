@@ -155,6 +155,10 @@ pub enum Command {
         /// With --wait: give up after this long (exit 3).
         #[arg(long, value_name = "DURATION", value_parser = parse_duration, requires = "wait")]
         timeout: Option<Duration>,
+        /// A run that does not exist is not an error: there is nothing to
+        /// delete (exit 0).
+        #[arg(long)]
+        ignore_not_found: bool,
         #[command(flatten)]
         output: OutputArg,
     },
@@ -196,7 +200,8 @@ pub enum Command {
     /// driver-svc and provisionctl. Each certificate's identity is the URI
     /// `spiffe://provisioning/<name>`; the services' are valid for --host.
     Certs {
-        /// The directory to write into (created if missing; files in it are replaced).
+        /// The directory to write into (created if missing; files already
+        /// there are kept unless --force).
         #[arg(long, value_name = "DIR")]
         out: std::path::PathBuf,
         /// A host name or IP address the services' certificates are valid
@@ -211,6 +216,10 @@ pub enum Command {
         /// How long the certificates are valid, in days.
         #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=3650))]
         days: u32,
+        /// Replace certificates and keys already in DIR (a new CA: every
+        /// service and client holding the old ones must get the new ones).
+        #[arg(long)]
+        force: bool,
     },
     /// Print a shell completion script: `provisionctl completions bash > /etc/bash_completion.d/provisionctl`.
     Completions {

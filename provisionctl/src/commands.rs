@@ -42,9 +42,10 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
         hosts,
         also,
         days,
+        force,
     } = &cli.command
     {
-        return super::tls::write_certs(out, hosts, also, *days);
+        return super::tls::write_certs(out, hosts, also, *days, *force);
     }
     let server = cli.server.clone();
     if let Command::Token(cmd) = cli.command {
@@ -108,8 +109,12 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
             run,
             wait,
             timeout,
+            ignore_not_found,
             output,
-        } => ctx.delete(&run, wait, timeout, output.output).await,
+        } => {
+            ctx.delete(&run, wait, timeout, ignore_not_found, output.output)
+                .await
+        }
         Command::Pause { run, output } => ctx.set_paused(&run, true, output.output).await,
         Command::Resume { run, output } => ctx.set_paused(&run, false, output.output).await,
         Command::Abandon {
@@ -126,7 +131,8 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
             hosts,
             also,
             days,
-        } => super::tls::write_certs(&out, &hosts, &also, days),
+            force,
+        } => super::tls::write_certs(&out, &hosts, &also, days, force),
         Command::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             let mut buf = Vec::new();
@@ -802,15 +808,30 @@ impl Ctx {
         run: &str,
         wait: bool,
         timeout: Option<Duration>,
+        ignore_not_found: bool,
         output: Output,
     ) -> Result<Exit, CliError> {
         let started = Instant::now();
         let mut client = self.connect_run(run).await?;
-        let s = client
+        let answer = client
             .delete_run(pb::DeleteRunRequest {
                 run_id: run.to_owned(),
             })
-            .await
+            .await;
+        if ignore_not_found
+            && let Err(s) = &answer
+            && s.code() == Code::NotFound
+        {
+            match output {
+                Output::Table => print_lines(&[format!("run {run} does not exist: nothing to delete")])?,
+                _ => print_doc(
+                    &json!({ "run_id": run, "deleted": false, "found": false }),
+                    output,
+                )?,
+            }
+            return Ok(Exit::Success);
+        }
+        let s = answer
             .map_err(|s| self.change_error(&s, Doing::Run { verb: "delete", run }))?
             .into_inner();
         if output == Output::Table {

@@ -38,7 +38,7 @@ pub struct TlsClientArgs {
     )]
     pub tls_key: Option<PathBuf>,
     /// Talk to the driver in plaintext (a driver started with --insecure).
-    #[arg(long, global = true, env = "PROVISIONCTL_INSECURE", default_value_t = false)]
+    #[arg(long, global = true, env = "PROVISIONCTL_INSECURE", value_parser = clap::builder::BoolishValueParser::new(), default_value_t = false)]
     pub insecure: bool,
 }
 
@@ -82,7 +82,35 @@ pub fn tls_error(e: TlsError) -> CliError {
 
 /// `provisionctl certs`: writes the development CA and certificates into
 /// `out` and says how to use them.
-pub fn write_certs(out: &Path, hosts: &[String], also: &[String], days: u32) -> Result<Exit, CliError> {
+pub fn write_certs(
+    out: &Path,
+    hosts: &[String],
+    also: &[String],
+    days: u32,
+    force: bool,
+) -> Result<Exit, CliError> {
+    // A new CA invalidates every certificate issued by the old one: a
+    // running stack stops trusting its peers. Never silently.
+    let present: Vec<String> = dev::files_of(out, also)
+        .into_iter()
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    if !present.is_empty() && !force {
+        return Err(CliError::refused(
+            format!(
+                "{} already holds certificates or keys ({}); writing a new CA would leave every holder of the \
+                 old ones unable to reach the others",
+                out.display(),
+                present.join(", ")
+            ),
+            Some(format!(
+                "choose another --out, or give --force to replace them (then restart every service and \
+                 client that uses {})",
+                out.display()
+            )),
+        ));
+    }
     let written = dev::write_dev_pki_also(out, hosts, also, Validity::days_from_now(days))
         .map_err(|e| CliError::Other(format!("cannot write the certificates: {e}")))?;
     let dir = out.display();

@@ -61,3 +61,37 @@ fn a_usage_error_exits_2_and_help_exits_0() {
         assert!(text.contains(command), "--help names `{command}`: {text}");
     }
 }
+
+/// Boolean environment variables take the usual spellings: with
+/// `PROVISIONCTL_INSECURE` true in any of them the client goes on in
+/// plaintext (to an unreachable server: exit 4); false in any of them it
+/// asks for TLS settings; anything else is a usage error naming the value.
+#[test]
+fn boolean_environment_variables_take_the_usual_spellings() {
+    let run = |value: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_provisionctl"))
+            .args(["--server", "127.0.0.1:1", "get", "r"])
+            .env("PROVISIONCTL_INSECURE", value)
+            .env_remove("PROVISIONCTL_TOKEN")
+            .env_remove("PROVISIONCTL_TOKEN_FILE")
+            .env_remove("PROVISIONCTL_TLS_CA")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for value in ["1", "true", "yes", "on", "TRUE"] {
+        let (code, stderr) = run(value);
+        assert_eq!(code, Some(4), "{value}: {stderr}");
+    }
+    for value in ["0", "false", "no", "off"] {
+        let (code, stderr) = run(value);
+        assert_eq!(code, Some(2), "{value}: {stderr}");
+        assert!(stderr.contains("no TLS settings"), "{value}: {stderr}");
+    }
+    let (code, stderr) = run("maybe");
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("maybe"), "{stderr}");
+}

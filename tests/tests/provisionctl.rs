@@ -690,6 +690,20 @@ async fn reads_in_every_format_pause_resume_and_delete_wait() {
     let out = ctl.run(&["get", "reads"]).await.expect(1);
     assert!(out.stderr.contains("run reads does not exist"), "{}", out.stderr);
     assert!(cluster.inventory().await.unwrap().is_empty());
+    // Deleting it again: not found (1), unless that is fine (0).
+    let out = ctl.run(&["delete", "reads"]).await.expect(1);
+    assert!(out.stderr.contains("run reads does not exist"), "{}", out.stderr);
+    let out = ctl
+        .run(&["delete", "reads", "--ignore-not-found"])
+        .await
+        .expect(0);
+    assert!(out.stdout.contains("nothing to delete"), "{}", out.stdout);
+    let v = ctl
+        .run(&["delete", "reads", "--ignore-not-found", "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    assert_eq!(v["found"], false);
 }
 
 async fn nodes_of(ctl: &Ctl, run: &str) -> Document {

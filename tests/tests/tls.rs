@@ -356,6 +356,24 @@ async fn provisionctl_writes_certificates_the_services_run_with() {
     }
     assert!(certs.join("ca.pem").exists());
 
+    // Writing again over them is refused (a new CA would cut a running stack
+    // off), naming what is there, and changes nothing; --force replaces.
+    let ca_before = std::fs::read(certs.join("ca.pem")).unwrap();
+    let (code, _, err) = provisionctl(&["certs", "--out", &out_dir, "--days", "2"], &[]).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("already holds") && err.contains("ca.pem") && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(certs.join("ca.pem")).unwrap(), ca_before);
+    let (code, _, err) = provisionctl(&["certs", "--out", &out_dir, "--days", "2", "--force"], &[]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_ne!(
+        std::fs::read(certs.join("ca.pem")).unwrap(),
+        ca_before,
+        "--force wrote a new CA"
+    );
+
     // A decider started with them answers the driver's certificate from the
     // same set, and refuses provisionctl's.
     let tls_args = |name: &str| -> Vec<String> {

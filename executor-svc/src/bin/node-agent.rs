@@ -36,7 +36,7 @@ struct Cli {
     #[arg(long, env = "NODE_AGENT_STAGE_DELAY_MS", default_value_t = 20)]
     stage_delay_ms: u64,
     /// Log as JSON lines.
-    #[arg(long, env = "PROVISIONING_LOG_JSON", default_value_t = false)]
+    #[arg(long, env = "PROVISIONING_LOG_JSON", value_parser = clap::builder::BoolishValueParser::new(), default_value_t = false)]
     log_json: bool,
 }
 

@@ -215,6 +215,23 @@ fn write(path: &Path, text: &str, private: bool) -> Result<(), DevCertError> {
     Ok(())
 }
 
+/// The files [`write_dev_pki_also`] writes into `dir` for `also`: the CA,
+/// then each holder's certificate and key.
+pub fn files_of(dir: &Path, also: &[String]) -> Vec<PathBuf> {
+    let mut files = vec![dir.join(CA_FILE)];
+    for name in SERVICES
+        .iter()
+        .copied()
+        .chain([CLIENT])
+        .chain(also.iter().map(String::as_str))
+    {
+        let (cert, key) = cert_and_key(dir, name);
+        files.push(cert);
+        files.push(key);
+    }
+    files
+}
+
 /// Writes `issued` into `dir` as `<stem>.pem` and `<stem>.key` (the key
 /// readable by the owner only); returns the two paths.
 pub fn write_issued(dir: &Path, stem: &str, issued: &Issued) -> Result<(PathBuf, PathBuf), DevCertError> {
