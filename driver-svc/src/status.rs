@@ -165,7 +165,32 @@ pub fn plan(run: &RunState, shape: &ClusterShape, now: UnixMillis) -> pb::PlanRe
         decisions: out.decisions.iter().map(pb::Decision::from).collect(),
         scale_down: scale_down.iter().map(ToString::to_string).collect(),
         current_generation: run.shape().generation.get(),
+        changed_secrets: changed_secrets(run.shape(), shape),
     }
+}
+
+/// The secret parameters whose value `proposed` changes from `current`
+/// (`GROUP.template.boot.KEY`): a client sees both redacted, so only the
+/// server can say that one changed; it never says to what.
+fn changed_secrets(current: &ClusterShape, proposed: &ClusterShape) -> Vec<String> {
+    let mut out = Vec::new();
+    for g in &proposed.groups {
+        let Some(before) = current.group(&g.id) else {
+            continue;
+        };
+        for (section, old, new) in [
+            ("boot", &before.template.boot, &g.template.boot),
+            ("join", &before.template.join, &g.template.join),
+        ] {
+            for (key, p) in new {
+                let secret = p.secret || old.get(key).is_some_and(|o| o.secret);
+                if secret && old.get(key).is_some_and(|o| o.value != p.value) {
+                    out.push(format!("{}.template.{section}.{key}", g.id));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// What the run's actor knows of the services it depends on.

@@ -87,10 +87,15 @@ pub enum Command {
         #[command(flatten)]
         output: OutputArg,
     },
-    /// Show what applying a shape file would do, node by node, without doing it.
+    /// Show what applying a shape file would do, field by field and node by
+    /// node, without doing it.
     Plan {
         #[command(flatten)]
         file: FileArg,
+        /// Exit 0 when applying the file would change nothing, 2 when it
+        /// would change the run, 1 on an error (as terraform's).
+        #[arg(long)]
+        detailed_exitcode: bool,
         #[command(flatten)]
         output: OutputArg,
     },

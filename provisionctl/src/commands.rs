@@ -75,7 +75,11 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
             ctx.apply(&file.file, expect_generation, wait, &follow, output.output)
                 .await
         }
-        Command::Plan { file, output } => ctx.plan(&file.file, output.output).await,
+        Command::Plan {
+            file,
+            detailed_exitcode,
+            output,
+        } => ctx.plan(&file.file, detailed_exitcode, output.output).await,
         Command::Get { run, nodes, output } => ctx.get(&run, nodes, output.output).await,
         Command::List { output } => ctx.list(output.output).await,
         Command::Watch { run, follow } => {
@@ -563,22 +567,48 @@ impl Ctx {
         Ok(Exit::Success)
     }
 
-    async fn plan(&self, file: &str, output: Output) -> Result<Exit, CliError> {
+    async fn plan(&self, file: &str, detailed_exitcode: bool, output: Output) -> Result<Exit, CliError> {
         let loaded = Loaded::read(file)?;
         let run = loaded.file.run_id.clone();
         let mut client = self.connect_run(&run).await?;
         let current = self.current(&mut client, &run).await?;
         let read = current.as_ref().map(|c| c.generation);
-        let generation = loaded
-            .file
-            .generation
-            .unwrap_or_else(|| read.map_or(1, |g| g.saturating_add(1)));
-        let resp = match client
+        // As apply chooses: the file's generation, or the run's own when the
+        // file holds what the run does (an identical file changes nothing),
+        // else the next one. A change of a secret value alone cannot be seen
+        // here: the server refuses the same generation for it, and the plan
+        // is asked again at the next.
+        let (mut generation, fallback) = match (loaded.file.generation, &current) {
+            (Some(g), _) => (g, None),
+            (None, None) => (1, None),
+            (None, Some(cur)) => {
+                let same = cur
+                    .shape
+                    .as_ref()
+                    .is_some_and(|s| same_redacted(s, &loaded.file.to_wire(cur.generation)));
+                if same {
+                    (cur.generation, Some(cur.generation.saturating_add(1)))
+                } else {
+                    (cur.generation.saturating_add(1), None)
+                }
+            }
+        };
+        let mut result = client
             .plan(pb::PlanRequest {
                 shape: Some(loaded.wire(generation)?),
             })
-            .await
+            .await;
+        if let (Err(s), Some(next)) = (&result, fallback)
+            && s.code() == Code::FailedPrecondition
         {
+            generation = next;
+            result = client
+                .plan(pb::PlanRequest {
+                    shape: Some(loaded.wire(next)?),
+                })
+                .await;
+        }
+        let resp = match result {
             Ok(r) => r.into_inner(),
             Err(s) if s.code() == Code::FailedPrecondition => {
                 return Err(self
@@ -596,6 +626,8 @@ impl Ctx {
                 ));
             }
         };
+        let proposed = loaded.wire(generation)?;
+        let changed = read.is_none_or(|g| g != generation);
         let input = plan::PlanInput {
             source: &loaded.name,
             run_id: &run,
@@ -608,12 +640,18 @@ impl Ctx {
                 .map(|g| (g.id.clone(), g.count))
                 .collect(),
             response: &resp,
+            changes: plan::field_changes(current.as_ref().and_then(|c| c.shape.as_ref()), &proposed),
+            changed,
         };
         match output {
             Output::Table => print_lines(&plan::plan_table(&input))?,
             _ => print_doc(&plan::plan_json(&input), output)?,
         }
-        Ok(Exit::Success)
+        Ok(if detailed_exitcode && changed {
+            Exit::CHANGES
+        } else {
+            Exit::Success
+        })
     }
 
     async fn get(&self, run: &str, nodes: bool, output: Output) -> Result<Exit, CliError> {

@@ -16,7 +16,9 @@ pub enum Exit {
     /// The request failed: a bad shape file, a refusal by the server, an
     /// unknown run or node. Nothing was changed.
     Failed = 1,
-    /// The command line itself was wrong (clap's convention).
+    /// The command line itself was wrong (clap's convention); also `plan
+    /// --detailed-exitcode` when applying the file would change the run
+    /// (terraform's convention).
     Usage = 2,
     /// `--timeout` expired before the run converged (`watch`) or was gone
     /// (`delete --wait`).
@@ -35,6 +37,9 @@ pub enum Exit {
 }
 
 impl Exit {
+    /// `plan --detailed-exitcode`: applying the file would change the run.
+    pub const CHANGES: Exit = Exit::Usage;
+
     pub fn code(self) -> u8 {
         self as u8
     }
@@ -45,7 +50,7 @@ pub const EXIT_CODES_HELP: &str = "\
 Exit codes:
   0    success (watch: the run converged, or was deleted)
   1    the request failed: bad shape file, refused by the server, unknown run or node
-  2    bad command line
+  2    bad command line (plan --detailed-exitcode: the file would change the run)
   3    --timeout expired (watch: not converged; delete --wait: not gone)
   4    the server is unreachable or a service behind it is unavailable
   5    watch: the run is stalled (nothing more can happen without a change)

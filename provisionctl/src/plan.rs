@@ -12,9 +12,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use contract::pb;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
-use super::{names, render::decision_json, text};
+use super::{
+    names,
+    render::{decision_json, shape_json},
+    text,
+};
 
 /// The kind of change a decision amounts to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -81,6 +85,114 @@ pub struct PlanInput<'a> {
     /// Group ids and counts of the proposed shape, in file order.
     pub proposed: Vec<(String, i64)>,
     pub response: &'a pb::PlanResponse,
+    /// Per group, the fields the shape changes ([`field_changes`]).
+    pub changes: BTreeMap<String, Vec<FieldChange>>,
+    /// Whether applying the file would change the run (a new run, or a new
+    /// generation); an identical file would not.
+    pub changed: bool,
+}
+
+/// One field of a group that a shape changes: its path in the shape-file
+/// schema, and its value before and after (`None`: absent).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldChange {
+    pub path: String,
+    pub old: Option<String>,
+    pub new: Option<String>,
+}
+
+impl FieldChange {
+    fn text(&self) -> String {
+        match (&self.old, &self.new) {
+            (Some(o), Some(n)) => format!("{}: {o} → {n}", self.path),
+            (None, Some(n)) => format!("{}: added, {n}", self.path),
+            (Some(o), None) => format!("{}: removed (was {o})", self.path),
+            (None, None) => self.path.clone(),
+        }
+    }
+}
+
+/// A shape as the server holds it: decoded (unset policy fields become the
+/// defaults they mean) and encoded again, secrets redacted. A shape that does
+/// not decode is compared as it is.
+fn normalized(s: &pb::ClusterShape) -> pb::ClusterShape {
+    let r = contract::wire::redacted(s);
+    contract::wire::shape_from_wire(r.clone())
+        .map_or(r, |d| contract::wire::redacted(&pb::ClusterShape::from(&d)))
+}
+
+/// `v` as `path → value` leaves.
+fn flatten(path: &str, v: &Value, out: &mut BTreeMap<String, String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                flatten(&p, x, out);
+            }
+        }
+        Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                flatten(&format!("{path}[{i}]"), x, out);
+            }
+        }
+        Value::String(s) => {
+            out.insert(path.to_owned(), s.clone());
+        }
+        other => {
+            out.insert(path.to_owned(), other.to_string());
+        }
+    }
+}
+
+/// Each group's fields in the shape-file schema, by group id (its id and
+/// count left out: the plan's group header shows the count).
+fn group_fields(s: &pb::ClusterShape) -> BTreeMap<String, BTreeMap<String, String>> {
+    let doc = shape_json(&normalized(s));
+    let mut out = BTreeMap::new();
+    for g in doc["groups"].as_array().map(Vec::as_slice).unwrap_or_default() {
+        let id = g["id"].as_str().unwrap_or_default().to_owned();
+        let mut fields = BTreeMap::new();
+        flatten("", g, &mut fields);
+        fields.remove("id");
+        fields.remove("count");
+        out.insert(id, fields);
+    }
+    out
+}
+
+/// Per group id, the fields `proposed` changes against `current` (every
+/// field of a new group is new). Secret values are compared by the server
+/// (`PlanResponse.changed_secrets`), never here: both sides are redacted.
+pub fn field_changes(
+    current: Option<&pb::ClusterShape>,
+    proposed: &pb::ClusterShape,
+) -> BTreeMap<String, Vec<FieldChange>> {
+    let before = current.map(group_fields).unwrap_or_default();
+    let after = group_fields(proposed);
+    let mut out = BTreeMap::new();
+    for (id, new) in &after {
+        let Some(old) = before.get(id) else {
+            continue;
+        };
+        let keys: BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+        let changes: Vec<FieldChange> = keys
+            .into_iter()
+            .filter(|k| old.get(*k) != new.get(*k))
+            .map(|k| FieldChange {
+                path: k.clone(),
+                old: old.get(k).cloned(),
+                new: new.get(k).cloned(),
+            })
+            .collect();
+        if !changes.is_empty() {
+            out.insert(id.clone(), changes);
+        }
+    }
+    out
 }
 
 /// One line of a group: a change, with the rule and reason, and its nodes.
@@ -191,6 +303,13 @@ pub fn plan_table(p: &PlanInput<'_>) -> Vec<String> {
     let g = grouped(p);
     let mut out = Vec::new();
     out.push(match p.current {
+        Some(cur) if !p.changed => format!(
+            "plan for run {} from {}: no changes; the run is at generation {} already ({})",
+            p.run_id,
+            p.source,
+            cur.generation,
+            names::phase(cur.phase)
+        ),
         Some(cur) => format!(
             "plan for run {} from {}: generation {} → {} ({})",
             p.run_id,
@@ -207,6 +326,15 @@ pub fn plan_table(p: &PlanInput<'_>) -> Vec<String> {
     for (group, lines) in &g.groups {
         out.push(String::new());
         out.push(group_header(p, group));
+        for c in p.changes.get(group).map(Vec::as_slice).unwrap_or_default() {
+            out.push(format!("  ~ {}", c.text()));
+        }
+        let prefix = format!("{group}.");
+        for s in &p.response.changed_secrets {
+            if let Some(path) = s.strip_prefix(&prefix) {
+                out.push(format!("  ~ {path}: secret value changed (not shown)"));
+            }
+        }
         if lines.is_empty() {
             out.push("  no nodes".to_owned());
         }
@@ -234,10 +362,14 @@ pub fn plan_table(p: &PlanInput<'_>) -> Vec<String> {
                 .to_owned(),
         );
     }
-    out.push(format!(
-        "nothing was changed; to make it so: provisionctl apply -f {}",
-        p.source
-    ));
+    if p.changed {
+        out.push(format!(
+            "nothing was changed; to make it so: provisionctl apply -f {}",
+            p.source
+        ));
+    } else {
+        out.push("applying this file would change nothing".to_owned());
+    }
     out
 }
 
@@ -276,10 +408,24 @@ pub fn plan_json(p: &PlanInput<'_>) -> Value {
             v
         })
         .collect();
+    let changes: Map<String, Value> = p
+        .changes
+        .iter()
+        .map(|(g, cs)| {
+            let list = cs
+                .iter()
+                .map(|c| json!({ "path": c.path, "old": c.old, "new": c.new }))
+                .collect::<Vec<_>>();
+            (g.clone(), json!(list))
+        })
+        .collect();
     json!({
         "run_id": p.run_id,
         "current_generation": p.current.map(|c| c.generation),
         "generation": p.generation,
+        "changed": p.changed,
+        "field_changes": changes,
+        "changed_secrets": p.response.changed_secrets,
         "summary": {
             "insert": n(Change::Insert),
             "replace": n(Change::Replace),
@@ -339,6 +485,7 @@ mod tests {
             decisions,
             scale_down: vec!["workers-5".into(), "workers-4".into()],
             current_generation: 2,
+            changed_secrets: vec!["ctrl.template.join.token".into()],
         }
     }
 
@@ -374,9 +521,27 @@ mod tests {
             current: Some(&cur),
             proposed: vec![("ctrl".into(), 3), ("workers".into(), 4), ("gpu".into(), 2)],
             response: &resp,
+            changes: [(
+                "workers".to_owned(),
+                vec![FieldChange {
+                    path: "template.image".into(),
+                    old: Some("img:1".into()),
+                    new: Some("img:2".into()),
+                }],
+            )]
+            .into(),
+            changed: true,
         };
         let text = plan_table(&input).join("\n");
         assert!(text.contains("generation 2 → 3"), "{text}");
+        assert!(
+            text.contains("group workers: 6 → 4 nodes\n  ~ template.image: img:1 → img:2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("group ctrl: 3 nodes\n  ~ template.join.token: secret value changed (not shown)"),
+            "{text}"
+        );
         assert!(text.contains("group workers: 6 → 4 nodes"), "{text}");
         assert!(text.contains("group gpu: new, 2 nodes"), "{text}");
         assert!(text.contains("group ctrl: 3 nodes"), "{text}");
@@ -403,6 +568,9 @@ mod tests {
         );
 
         let v = plan_json(&input);
+        assert_eq!(v["changed"], true);
+        assert_eq!(v["field_changes"]["workers"][0]["new"], "img:2");
+        assert_eq!(v["changed_secrets"], json!(["ctrl.template.join.token"]));
         assert_eq!(v["summary"]["scale_down"], 2);
         assert_eq!(v["scale_down"], json!(["workers-5", "workers-4"]));
         assert_eq!(v["current_generation"], 2);
@@ -430,6 +598,7 @@ mod tests {
             decisions: vec![d("w-0", 0, pb::ActionKind::Insert, "desired slot has no node")],
             scale_down: vec![],
             current_generation: 0,
+            changed_secrets: vec![],
         };
         let input = PlanInput {
             source: "-",
@@ -438,10 +607,60 @@ mod tests {
             current: None,
             proposed: vec![("w".into(), 1)],
             response: &resp,
+            changes: BTreeMap::new(),
+            changed: true,
         };
         let text = plan_table(&input).join("\n");
         assert!(text.contains("a new run at generation 1"), "{text}");
         assert!(text.contains("1 to insert, 0 to replace"), "{text}");
         assert_eq!(plan_json(&input)["current_generation"], Value::Null);
+    }
+
+    fn shape_with(image: &str, probe: i32, count: i64) -> pb::ClusterShape {
+        let group = contract::NodeGroup {
+            id: contract::GroupId::parse("id", "workers").unwrap(),
+            count: 2,
+            template: std::sync::Arc::new(contract::shape::example_template("fake", image)),
+            policy: Default::default(),
+        };
+        let mut s = pb::ClusterShape::from(&contract::ClusterShape {
+            run_id: contract::RunId::parse("run_id", "demo").unwrap(),
+            generation: contract::Generation::new(1),
+            groups: vec![group],
+        });
+        s.groups[0].count = count;
+        // As a shape file leaves them: unset, meaning the defaults.
+        s.groups[0].health = Some(pb::HealthPolicy {
+            probe,
+            ..Default::default()
+        });
+        s.groups[0].remediation = None;
+        s
+    }
+
+    #[test]
+    fn field_changes_name_what_differs_and_defaults_equal_their_values() {
+        let current = {
+            // As the server holds it: every default written out.
+            let d = contract::wire::shape_from_wire(shape_with("img:1", 0, 2)).unwrap();
+            pb::ClusterShape::from(&d)
+        };
+        assert!(field_changes(Some(&current), &shape_with("img:1", 0, 2)).is_empty());
+        // A count is the header's business, not a field change.
+        assert!(field_changes(Some(&current), &shape_with("img:1", 0, 5)).is_empty());
+        let changes = field_changes(Some(&current), &shape_with("img:2", pb::Probe::Tcp as i32, 2));
+        let paths: Vec<(&str, Option<&str>, Option<&str>)> = changes["workers"]
+            .iter()
+            .map(|c| (c.path.as_str(), c.old.as_deref(), c.new.as_deref()))
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                ("health.probe", Some("none"), Some("tcp")),
+                ("template.image", Some("img:1"), Some("img:2"))
+            ]
+        );
+        // A new run has nothing to compare with.
+        assert!(field_changes(None, &shape_with("img:2", 0, 2)).is_empty());
     }
 }

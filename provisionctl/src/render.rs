@@ -172,10 +172,55 @@ pub fn shape_json(s: &pb::ClusterShape) -> Value {
                     "boot": params_json(&t.boot),
                     "join": params_json(&t.join),
                 },
+                "health": health_json(g.health.clone().unwrap_or_default()),
+                "remediation": remediation_json(g.remediation.clone().unwrap_or_default()),
             })
         })
         .collect();
     json!({ "run_id": s.run_id, "generation": s.generation, "groups": groups })
+}
+
+/// A duration in milliseconds as the shape file writes it (`10s`, `500ms`).
+fn ms_text(ms: u64) -> String {
+    if ms > 0 && ms.is_multiple_of(60_000) {
+        format!("{}m", ms / 60_000)
+    } else if ms.is_multiple_of(1000) {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+/// A group's health policy in the shape-file schema, its unset fields as
+/// the defaults they mean.
+fn health_json(h: pb::HealthPolicy) -> Value {
+    match contract::wire::health_from_wire(h) {
+        Ok(h) => json!({
+            "probe": match h.probe {
+                contract::Probe::None => "none",
+                contract::Probe::Tcp => "tcp",
+            },
+            "interval": ms_text(h.interval_ms),
+            "timeout": ms_text(h.timeout_ms),
+            "unhealthy_after": ms_text(h.unhealthy_after_ms),
+            "startup_grace": ms_text(h.startup_grace_ms),
+        }),
+        Err(e) => json!({ "invalid": e.to_string() }),
+    }
+}
+
+/// A group's remediation budget in the shape-file schema.
+fn remediation_json(r: pb::RemediationPolicy) -> Value {
+    match contract::wire::remediation_from_wire(r) {
+        Ok(r) => json!({
+            "max_in_flight": r.max_in_flight,
+            "max_unhealthy": match r.max_unhealthy {
+                contract::Budget::Count(n) => json!(n),
+                contract::Budget::Percent(p) => json!(format!("{p}%")),
+            },
+        }),
+        Err(e) => json!({ "invalid": e.to_string() }),
+    }
 }
 
 /// A run's status document. `with_shape` adds the (redacted) shape,

@@ -340,6 +340,32 @@ async fn plan_shows_inserts_scale_down_and_replacements_and_changes_nothing() {
         .await
         .expect(0);
 
+    // The file just applied changes nothing: said so, at the run's own
+    // generation, exit 0 with --detailed-exitcode (2 when there are changes).
+    let out = ctl
+        .run(&["plan", "-f", &file, "--detailed-exitcode"])
+        .await
+        .expect(0);
+    assert!(
+        out.stdout
+            .contains("no changes; the run is at generation 1 already"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("applying this file would change nothing"),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains("~ "), "{}", out.stdout);
+    let v = ctl
+        .run(&["plan", "-f", &file, "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    assert_eq!(v["changed"], false);
+    assert_eq!(v["generation"], 1);
+
     // Scale down: the highest slots go, with their rule.
     let smaller = ctl.write("p2.yaml", &shape("plan", 3, "img:1"));
     let out = ctl.run(&["plan", "-f", &smaller]).await.expect(0);
@@ -376,7 +402,36 @@ async fn plan_shows_inserts_scale_down_and_replacements_and_changes_nothing() {
         .map(|n| n.as_str().unwrap().to_owned())
         .collect();
 
-    // An image change replaces every node of the group (rule 4).
+    // An image change replaces every node of the group (rule 4), and the
+    // plan names the field; a changed secret is named, never shown.
+    let replaced = ctl.write(
+        "p3.yaml",
+        &shape("plan", 6, "img:2").replace(SECRET, "another-secret-value"),
+    );
+    let out = ctl
+        .run(&["plan", "-f", &replaced, "--detailed-exitcode"])
+        .await
+        .expect(2);
+    assert!(
+        out.stdout
+            .contains("group workers: 6 nodes\n  ~ template.image: img:1 → img:2"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains("group ctrl: 2 nodes\n  ~ template.join.token: secret value changed (not shown)"),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains("another-secret-value"), "{}", out.stdout);
+    let v = ctl
+        .run(&["plan", "-f", &replaced, "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    assert_eq!(v["changed"], true);
+    assert_eq!(v["field_changes"]["workers"][0]["path"], "template.image");
     let replaced = ctl.write("p3.yaml", &shape("plan", 6, "img:2"));
     let out = ctl.run(&["plan", "-f", &replaced]).await.expect(0);
     assert!(
