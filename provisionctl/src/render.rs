@@ -172,8 +172,8 @@ pub fn shape_json(s: &pb::ClusterShape) -> Value {
                     "boot": params_json(&t.boot),
                     "join": params_json(&t.join),
                 },
-                "health": health_json(g.health.clone().unwrap_or_default()),
-                "remediation": remediation_json(g.remediation.clone().unwrap_or_default()),
+                "health": health_json(g.health.unwrap_or_default()),
+                "remediation": remediation_json(g.remediation.unwrap_or_default()),
             })
         })
         .collect();
