@@ -8,7 +8,7 @@
 use std::{pin::Pin, sync::Arc};
 
 use contract::{
-    ClusterShape, FieldError, LogicalNodeId, RunId, pb,
+    ClusterShape, FieldError, LogicalNodeId, RunId, UnixMillis, pb,
     pb::provisioning_server::Provisioning,
     wire::{event_to_wire, shape_from_wire},
 };
@@ -19,6 +19,7 @@ use crate::{
     auth::{Access, principal},
     core::{Applied, ApplyError, StoreError},
     driver::{Driver, DriverError},
+    orphans::Orphan,
 };
 
 /// Maps a driver error to its gRPC status. A rejected request changes nothing.
@@ -268,7 +269,9 @@ impl Provisioning for Api {
             .abandon(&id, &node_id_arg(&r.node_id)?)
             .await
             .map_err(to_status)?;
-        Ok(Response::new(pb::AbandonNodeResponse { orphan: Some(orphan) }))
+        Ok(Response::new(pb::AbandonNodeResponse {
+            orphan: Some(orphan_to_wire(&orphan)),
+        }))
     }
 
     async fn list_events(
@@ -372,9 +375,22 @@ impl Provisioning for Api {
         req: Request<pb::ListOrphansRequest>,
     ) -> Result<Response<pb::ListOrphansResponse>, Status> {
         let who = principal(&req, Access::Read, "ListOrphans")?;
-        let mut orphans = self.driver.orphans();
-        orphans.retain(|o| who.may_see(o.resource.as_ref().map_or("", |r| r.run_id.as_str())));
+        let orphans = self
+            .driver
+            .orphans()
+            .iter()
+            .filter(|o| who.may_see(o.resource.identity.run_id.as_str()))
+            .map(orphan_to_wire)
+            .collect();
         Ok(Response::new(pb::ListOrphansResponse { orphans }))
+    }
+}
+
+fn orphan_to_wire(o: &Orphan) -> pb::Orphan {
+    pb::Orphan {
+        resource: Some(pb::Resource::from(&o.resource)),
+        reason: o.reason.clone(),
+        recorded_at_ms: UnixMillis::to_wire(o.recorded_at),
     }
 }
 

@@ -9,7 +9,8 @@ use std::{
 };
 
 use contract::{
-    Clock, ClusterShape, Epoch, LogicalNodeId, RunId, RunUid, pb, pb::decider_client::DeciderClient,
+    Clock, ClusterShape, Epoch, InventoryResource, LogicalNodeId, RunId, RunUid, pb,
+    pb::decider_client::DeciderClient,
 };
 use platform::telemetry::grpc::TracedChannel;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -19,7 +20,7 @@ use crate::{
     context::{Registry, RunContext},
     core::{Applied, ApplyError, OrphanResource, Policy, RunState, RunStore, StoreError},
     link::Link,
-    orphans::{Holdings, Orphans},
+    orphans::{Holdings, Inventory, Orphan, Orphans, ResourceKey},
     replicas::{Claim, Placement, Replicas},
     status,
 };
@@ -108,12 +109,7 @@ pub(crate) struct Shared {
     reclaims: RwLock<HashMap<RunUid, RunHandle>>,
     /// Held while a run is taken over, so one run is never restored twice.
     takeover: tokio::sync::Mutex<()>,
-    /// The leases the last resync found missing from the inventory.
-    missing: std::sync::Mutex<std::collections::HashSet<LeaseKey>>,
 }
-
-/// One lease a run holds: its run, node and attempt.
-pub type LeaseKey = (RunUid, LogicalNodeId, contract::AttemptId);
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -243,7 +239,6 @@ impl Driver {
             runs: RwLock::new(HashMap::new()),
             reclaims: RwLock::new(HashMap::new()),
             takeover: tokio::sync::Mutex::new(()),
-            missing: std::sync::Mutex::new(std::collections::HashSet::new()),
         });
         register_scrape(&shared);
         tokio::spawn(reload_runs(Arc::downgrade(&shared), reload_rx));
@@ -712,7 +707,7 @@ impl Driver {
     /// An operator abandons a node: the run forgets it (a desired slot is
     /// re-provisioned under a fresh attempt) and what it left behind joins
     /// the orphan report.
-    pub async fn abandon(&self, run_id: &RunId, node: &LogicalNodeId) -> Result<pb::Orphan, DriverError> {
+    pub async fn abandon(&self, run_id: &RunId, node: &LogicalNodeId) -> Result<Orphan, DriverError> {
         let id = node.clone();
         let left = self
             .ask(run_id, |reply| RunEvent::Abandon { node: id, reply })
@@ -725,7 +720,7 @@ impl Driver {
     }
 
     /// The orphan report: abandoned nodes, then what the sweep found.
-    pub fn orphans(&self) -> Vec<pb::Orphan> {
+    pub fn orphans(&self) -> Vec<Orphan> {
         self.shared.orphans.list()
     }
 
@@ -737,10 +732,11 @@ impl Driver {
             .unwrap_or_default()
     }
 
-    /// What every run holds: run uid → node → current attempt. A run whose
-    /// actor is gone is left out (it was deleted). Reclaim runs count: what
-    /// they hold is being destroyed already.
-    pub async fn holdings(&self) -> (Holdings, Vec<LeaseKey>) {
+    /// What every run holds: run uid → node → current attempt, and the
+    /// leases the runs believe live. A run whose actor is gone is left out
+    /// (it was deleted). Reclaim runs count: what they hold is being
+    /// destroyed already.
+    pub async fn holdings(&self) -> (Holdings, Vec<ResourceKey>) {
         let mut handles: Vec<RunHandle> = self
             .shared
             .runs
@@ -756,13 +752,7 @@ impl Driver {
                 continue;
             }
             if let Ok(run) = rx.await {
-                held.insert(
-                    h.uid.to_string(),
-                    run.nodes
-                        .into_iter()
-                        .map(|(n, a)| (n.to_string(), a.get()))
-                        .collect(),
-                );
+                held.insert(h.uid, run.nodes.into_iter().collect());
                 leases.extend(run.leases.into_iter().map(|(n, a)| (h.uid, n, a)));
             }
         }
@@ -770,15 +760,17 @@ impl Driver {
     }
 
     /// One orphan sweep over `inventory` (read from the executor just
-    /// before): compares it with what the runs hold now. Returns the orphans
-    /// this sweep reported for the first time. With `destroy`, every orphan
-    /// the report holds is handed to the deletion path (see
+    /// before): compares it once with what the runs hold now, for both
+    /// findings. Returns the orphans this sweep reported for the first time.
+    /// The leases missing at two consecutive looks (SPEC §8, inventory
+    /// resync) are lost, and their runs are told. With `destroy`, every
+    /// orphan the report holds is handed to the deletion path (see
     /// [`Driver::destroy_orphans`]).
     ///
     /// With replicas, a resource of a run the store knows and another replica
     /// holds (or is about to take over) is that replica's business: this
     /// sweep leaves it out.
-    pub async fn sweep_orphans(&self, inventory: &[pb::Resource], destroy: bool) -> Vec<pb::Orphan> {
+    pub async fn sweep_orphans(&self, mut inventory: Inventory, destroy: bool) -> Vec<Orphan> {
         let (held, leases) = self.holdings().await;
         let theirs = match self.shared.run.replicas.clone() {
             None => Default::default(),
@@ -791,49 +783,14 @@ impl Driver {
                 }
             },
         };
-        let mine: Vec<pb::Resource> = inventory
-            .iter()
-            .filter(|r| {
-                held.contains_key(&r.run_uid)
-                    || RunUid::parse("run_uid", &r.run_uid).map_or(true, |uid| !theirs.contains(&uid))
-            })
-            .cloned()
-            .collect();
-        let now = self.shared.run.clock.now().as_millis();
-        let new = self.shared.orphans.sweep(&mine, &held, now);
-        self.lost_from_inventory(inventory, leases).await;
-        if destroy {
-            self.destroy_orphans().await;
-        }
-        new
-    }
-
-    /// The other finding of the same comparison (SPEC §8, inventory
-    /// resync): a lease a run believes live that the inventory lacks at two
-    /// consecutive looks is lost, and its run is told.
-    async fn lost_from_inventory(&self, inventory: &[pb::Resource], leases: Vec<LeaseKey>) {
-        let listed: std::collections::HashSet<(&str, &str, u64)> = inventory
-            .iter()
-            .map(|r| (r.run_uid.as_str(), r.node_id.as_str(), r.attempt))
-            .collect();
-        let uids: HashMap<RunUid, String> = leases.iter().map(|(u, _, _)| (*u, u.to_string())).collect();
-        let missing: std::collections::HashSet<LeaseKey> = leases
-            .into_iter()
-            .filter(|(uid, node, attempt)| {
-                let uid = uids.get(uid).map_or("", String::as_str);
-                !listed.contains(&(uid, node.to_string().as_str(), attempt.get()))
-            })
-            .collect();
-        let confirmed: Vec<LeaseKey> = {
-            let Ok(mut last) = self.shared.missing.lock() else {
-                return;
-            };
-            let confirmed = missing.intersection(&last).cloned().collect();
-            *last = missing;
-            confirmed
-        };
+        inventory.resources.retain(|r| {
+            let uid = r.identity.run_uid;
+            held.contains_key(&uid) || !theirs.contains(&uid)
+        });
+        let now = self.shared.run.clock.now();
+        let found = self.shared.orphans.sweep(&inventory, &held, &leases, now);
         let mut by_run: BTreeMap<RunUid, Vec<(LogicalNodeId, contract::AttemptId)>> = BTreeMap::new();
-        for (uid, node, attempt) in confirmed {
+        for (uid, node, attempt) in found.lost {
             by_run.entry(uid).or_default().push((node, attempt));
         }
         for (uid, nodes) in by_run {
@@ -842,6 +799,10 @@ impl Driver {
                 let _ = h.tx.send(RunEvent::Missing { nodes });
             }
         }
+        if destroy {
+            self.destroy_orphans().await;
+        }
+        found.orphans
     }
 
     /// Hands the orphans the sweep confirmed to the normal deletion path: a
@@ -854,31 +815,15 @@ impl Driver {
     /// stays reported: a run holds one attempt per slot, so it is adopted
     /// once the slot is free.
     pub async fn destroy_orphans(&self) {
-        let mut by_run: BTreeMap<String, Vec<pb::Resource>> = BTreeMap::new();
+        let mut by_run: BTreeMap<RunUid, Vec<InventoryResource>> = BTreeMap::new();
         for r in self.shared.orphans.confirmed() {
-            by_run.entry(r.run_uid.clone()).or_default().push(r);
+            by_run.entry(r.identity.run_uid).or_default().push(r);
         }
         for (uid, resources) in by_run {
-            let Ok(uid) = RunUid::parse("run_uid", &uid) else {
-                tracing::warn!(run_uid = %uid, "an orphan with an unreadable run uid is only reported");
-                continue;
-            };
-            let mut wanted: Vec<(pb::Resource, OrphanResource)> = Vec::new();
-            for r in resources {
-                match orphan_resource(&r) {
-                    Ok(o) => wanted.push((r, o)),
-                    Err(e) => tracing::warn!(run_uid = %uid, node = %r.node_id, error = %e,
-                        "an orphan the driver cannot name is only reported"),
-                }
-            }
-            if wanted.is_empty() {
-                continue;
-            }
-            let handle = self.handle_by_uid(uid);
-            let adopted = match handle {
+            let adopted = match self.handle_by_uid(uid) {
                 Some(h) => {
                     let (tx, rx) = oneshot::channel();
-                    let orphans = wanted.iter().map(|(_, o)| o.clone()).collect();
+                    let orphans = resources.iter().map(OrphanResource::from).collect();
                     if h.tx.send(RunEvent::AdoptOrphans { orphans, reply: tx }).is_err() {
                         continue;
                     }
@@ -891,7 +836,7 @@ impl Driver {
                         Err(_) => continue,
                     }
                 }
-                None => match self.reclaim(uid, &wanted) {
+                None => match self.reclaim(uid, &resources) {
                     Ok(adopted) => adopted,
                     Err(e) => {
                         tracing::error!(run_uid = %uid, error = %e, "could not record a reclaim run");
@@ -899,7 +844,7 @@ impl Driver {
                     }
                 },
             };
-            for ((r, _), adopted) in wanted.iter().zip(adopted) {
+            for (r, adopted) in resources.iter().zip(adopted) {
                 if adopted {
                     self.shared.orphans.destroying(r);
                 }
@@ -925,23 +870,21 @@ impl Driver {
     }
 
     /// Creates, commits and starts a reclaim run holding `orphans`.
-    fn reclaim(
-        &self,
-        uid: RunUid,
-        orphans: &[(pb::Resource, OrphanResource)],
-    ) -> Result<Vec<bool>, DriverError> {
-        let Some((first, _)) = orphans.first() else {
+    fn reclaim(&self, uid: RunUid, orphans: &[InventoryResource]) -> Result<Vec<bool>, DriverError> {
+        let Some(first) = orphans.first() else {
             return Ok(Vec::new());
         };
-        let run_id =
-            RunId::parse("run_id", &first.run_id).map_err(|e| DriverError::Apply(ApplyError::Invalid(e)))?;
-        let highest = orphans.iter().map(|(r, _)| r.epoch).max().unwrap_or(0);
-        let epoch = Epoch::new(highest)
+        let run_id = first.identity.run_id.clone();
+        let highest = orphans.iter().map(|r| r.epoch).max().unwrap_or_default();
+        let epoch = highest
             .next()
             .ok_or_else(|| DriverError::Exhausted(format!("epoch of run uid {uid} exhausted")))?;
         let now = self.shared.run.clock.now();
         let mut run = RunState::reclaim(run_id, uid, epoch, self.shared.run.policy.clone(), now);
-        let adopted: Vec<bool> = orphans.iter().map(|(_, o)| run.adopt_orphan(o)).collect();
+        let adopted: Vec<bool> = orphans
+            .iter()
+            .map(|r| run.adopt_orphan(&OrphanResource::from(r)))
+            .collect();
         if !adopted.iter().any(|a| *a) {
             return Ok(adopted);
         }
@@ -997,20 +940,4 @@ fn fresh_uid() -> RunUid {
     let hi = contract::backoff::mix64(t ^ u64::from(std::process::id()));
     let lo = contract::backoff::mix64(n ^ hi);
     RunUid::from_u128(u128::from(hi) << 64 | u128::from(lo))
-}
-
-/// An inventory resource as the run state names it.
-fn orphan_resource(r: &pb::Resource) -> Result<OrphanResource, contract::FieldError> {
-    let some = |s: &str| (!s.is_empty()).then(|| s.to_owned());
-    Ok(OrphanResource {
-        node: LogicalNodeId::parse("node_id", &r.node_id)?,
-        attempt: contract::AttemptId::new(r.attempt),
-        lease: some(&r.lease_id)
-            .map(|l| contract::LeaseId::new("lease_id", &l))
-            .transpose()?,
-        endpoint: some(&r.endpoint)
-            .map(|e| contract::Endpoint::new("endpoint", &e))
-            .transpose()?,
-        session_live: r.session_live,
-    })
 }

@@ -24,6 +24,13 @@
 //! before it is dispatched, retried with backoff, and survives a restart. An
 //! adopted orphan stays in the report, marked as being destroyed, until it is
 //! gone from the inventory.
+//!
+//! The same reading of the inventory makes the inventory resync's finding
+//! too (SPEC section 8): a lease a run believes live that the inventory lacks
+//! at two consecutive looks is lost. The inventory arrives decoded
+//! ([`Inventory`], read and decoded by the sweep task in `server`); this
+//! module speaks no wire type, and the API turns an [`Orphan`] into its wire
+//! form.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -31,7 +38,7 @@ use std::{
     time::Duration,
 };
 
-use contract::pb;
+use contract::{AttemptId, Epoch, InventoryResource, LogicalNodeId, ResourceIdentity, RunUid, UnixMillis};
 use platform::metrics::{Counter, Gauge};
 
 use crate::core::AbandonedNode;
@@ -41,26 +48,62 @@ pub const ABANDONED: &str = "abandoned";
 pub const SWEEP: &str = "sweep";
 pub const DESTROYING: &str = "destroying";
 
-/// A resource's identity: (run uid, node, attempt).
-pub type ResourceKey = (String, String, u64);
+/// A resource's identity as the comparison keys it: (run uid, node, attempt).
+pub type ResourceKey = (RunUid, LogicalNodeId, AttemptId);
 
-pub fn key_of(r: &pb::Resource) -> ResourceKey {
-    (r.run_uid.clone(), r.node_id.clone(), r.attempt)
+pub fn key_of(r: &InventoryResource) -> ResourceKey {
+    (r.identity.run_uid, r.identity.node.clone(), r.identity.attempt)
 }
 
 /// What the driver holds: run uid → node → current attempt.
-pub type Holdings = HashMap<String, HashMap<String, u64>>;
+pub type Holdings = HashMap<RunUid, HashMap<LogicalNodeId, AttemptId>>;
+
+/// One reading of the executor's inventory, decoded where it was read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Inventory {
+    pub resources: Vec<InventoryResource>,
+    /// Entries that did not decode: logged where they were read and left out
+    /// of `resources`.
+    pub undecodable: usize,
+}
+
+/// An entry of the orphan report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Orphan {
+    pub resource: InventoryResource,
+    pub reason: String,
+    /// When the driver first recorded it (`None`: not known, for an orphan
+    /// handed to a deletion path without having been listed first).
+    pub recorded_at: Option<UnixMillis>,
+}
+
+/// What one sweep found.
+#[derive(Debug, Default)]
+#[must_use]
+pub struct Findings {
+    /// Orphans this sweep reported for the first time.
+    pub orphans: Vec<Orphan>,
+    /// Leases missing from the inventory at this look and the one before:
+    /// lost.
+    pub lost: Vec<ResourceKey>,
+}
 
 /// Resources of the inventory that no held node wants at their attempt.
-pub fn unwanted<'a>(inventory: &'a [pb::Resource], held: &Holdings) -> Vec<&'a pb::Resource> {
+pub fn unwanted<'a>(inventory: &'a [InventoryResource], held: &Holdings) -> Vec<&'a InventoryResource> {
     inventory
         .iter()
         .filter(|r| {
-            held.get(&r.run_uid)
-                .and_then(|nodes| nodes.get(&r.node_id))
-                .is_none_or(|attempt| *attempt != r.attempt)
+            held.get(&r.identity.run_uid)
+                .and_then(|nodes| nodes.get(&r.identity.node))
+                .is_none_or(|attempt| *attempt != r.identity.attempt)
         })
         .collect()
+}
+
+/// Leases a run believes live (`leases`) that the inventory does not list.
+pub fn missing(inventory: &[InventoryResource], leases: &[ResourceKey]) -> BTreeSet<ResourceKey> {
+    let listed: BTreeSet<ResourceKey> = inventory.iter().map(key_of).collect();
+    leases.iter().filter(|k| !listed.contains(*k)).cloned().collect()
 }
 
 /// The orphan report and the sweep's memory of the previous sweep.
@@ -73,13 +116,15 @@ pub struct Orphans {
 #[derive(Debug, Default)]
 struct Inner {
     /// Nodes abandoned by an operator, in order.
-    abandoned: Vec<pb::Orphan>,
+    abandoned: Vec<Orphan>,
     /// Orphans found by the sweep, by identity (the last sweep's findings).
-    swept: BTreeMap<ResourceKey, pb::Orphan>,
+    swept: BTreeMap<ResourceKey, Orphan>,
     /// What the previous sweep found unwanted.
     suspects: BTreeSet<ResourceKey>,
     /// Orphans handed to a deletion path, until they leave the inventory.
-    destroying: BTreeMap<ResourceKey, pb::Orphan>,
+    destroying: BTreeMap<ResourceKey, Orphan>,
+    /// The leases the previous sweep found missing from the inventory.
+    missing: BTreeSet<ResourceKey>,
 }
 
 #[derive(Debug, Clone)]
@@ -87,6 +132,7 @@ struct OrphanMetrics {
     orphans: Gauge,
     sweeps: Counter,
     destroyed: Counter,
+    undecodable: Counter,
 }
 
 impl OrphanMetrics {
@@ -108,6 +154,11 @@ impl OrphanMetrics {
             destroyed: r.counter(
                 "provisioning_orphans_destroyed_total",
                 "Orphans handed to a deletion path that have since left the executor's inventory.",
+                &[],
+            ),
+            undecodable: r.counter(
+                "provisioning_inventory_undecodable_total",
+                "Entries of the executor's inventory the orphan sweep could not decode and left out.",
                 &[],
             ),
         }
@@ -136,7 +187,7 @@ impl Orphans {
     }
 
     /// Records an abandoned node and returns its entry in the report.
-    pub fn abandoned(&self, left: &AbandonedNode) -> pb::Orphan {
+    pub fn abandoned(&self, left: &AbandonedNode) -> Orphan {
         let mut reason = String::from("abandoned by an operator");
         if let Some(s) = &left.session {
             reason.push_str(&format!(" (bootstrap session {s})"));
@@ -144,25 +195,21 @@ impl Orphans {
         if let Some(p) = &left.pending {
             reason.push_str(&format!(" (operation {p} was pending)"));
         }
-        let orphan = pb::Orphan {
-            resource: Some(pb::Resource {
-                run_uid: left.run_uid.to_string(),
-                run_id: left.run_id.to_string(),
-                node_id: left.node.to_string(),
-                attempt: left.attempt.get(),
-                lease_id: left
-                    .lease
-                    .as_ref()
-                    .map_or_else(String::new, |l| l.as_str().to_owned()),
-                endpoint: left
-                    .endpoint
-                    .as_ref()
-                    .map_or_else(String::new, |e| e.as_str().to_owned()),
+        let orphan = Orphan {
+            resource: InventoryResource {
+                identity: ResourceIdentity {
+                    run_uid: left.run_uid,
+                    run_id: left.run_id.clone(),
+                    node: left.node.clone(),
+                    attempt: left.attempt,
+                },
+                lease: left.lease.clone(),
+                endpoint: left.endpoint.clone(),
                 session_live: left.session.is_some(),
-                epoch: 0,
-            }),
+                epoch: Epoch::default(),
+            },
             reason,
-            recorded_at_ms: left.at.as_millis(),
+            recorded_at: Some(left.at),
         };
         tracing::warn!(
             run = %left.run_id, run_uid = %left.run_uid, node = %left.node, attempt = left.attempt.get(),
@@ -179,10 +226,23 @@ impl Orphans {
         orphan
     }
 
-    /// Folds one sweep: `inventory` read from the executor, then `held` read
-    /// from the runs. Returns the orphans newly reported by this sweep.
-    pub fn sweep(&self, inventory: &[pb::Resource], held: &Holdings, now_ms: u64) -> Vec<pb::Orphan> {
-        let unwanted = unwanted(inventory, held);
+    /// Folds one sweep: `inventory` read from the executor, then `held` (and
+    /// the `leases` the runs believe live) read from the runs. One comparison
+    /// makes both findings: the orphans newly reported, and the leases lost.
+    ///
+    /// A reading with entries that did not decode concludes no absence: it
+    /// finds no lease lost (and starts the two looks again) and no orphan
+    /// destroyed, since an entry it could not read may be that resource, and
+    /// a live node is not replaced on a guess.
+    pub fn sweep(
+        &self,
+        inventory: &Inventory,
+        held: &Holdings,
+        leases: &[ResourceKey],
+        now: UnixMillis,
+    ) -> Findings {
+        let resources = &inventory.resources;
+        let unwanted = unwanted(resources, held);
         let mut inner = self.lock();
         let mut swept = BTreeMap::new();
         let mut new = Vec::new();
@@ -191,91 +251,112 @@ impl Orphans {
             if !inner.suspects.contains(&key) {
                 continue;
             }
-            let reason = match held.get(&r.run_uid).map(|nodes| nodes.get(&r.node_id)) {
+            let id = &r.identity;
+            let reason = match held.get(&id.run_uid).map(|nodes| nodes.get(&id.node)) {
                 Some(Some(attempt)) => format!(
-                    "found by the orphan sweep: run {} holds node {} at attempt {attempt}; this older \
+                    "found by the orphan sweep: run {} holds node {} at attempt {}; this older \
                      attempt is destroyed once the slot is free",
-                    r.run_id, r.node_id
+                    id.run_id,
+                    id.node,
+                    attempt.get()
                 ),
                 Some(None) => format!(
                     "found by the orphan sweep: run {} holds no node {} at attempt {}",
-                    r.run_id, r.node_id, r.attempt
+                    id.run_id,
+                    id.node,
+                    id.attempt.get()
                 ),
                 None => format!(
                     "found by the orphan sweep: the driver holds no run with uid {}",
-                    r.run_uid
+                    id.run_uid
                 ),
             };
+            let orphan = Orphan {
+                resource: (*r).clone(),
+                reason,
+                recorded_at: Some(now),
+            };
             let orphan = match inner.swept.get(&key) {
-                Some(known) => pb::Orphan {
-                    resource: Some((*r).clone()),
-                    reason,
-                    recorded_at_ms: known.recorded_at_ms,
+                Some(known) => Orphan {
+                    recorded_at: known.recorded_at,
+                    ..orphan
                 },
                 None => {
                     tracing::warn!(
-                        run = %r.run_id, run_uid = %r.run_uid, node = %r.node_id, attempt = r.attempt,
-                        lease = %r.lease_id, endpoint = %r.endpoint, session_live = r.session_live,
+                        run = %id.run_id, run_uid = %id.run_uid, node = %id.node, attempt = id.attempt.get(),
+                        lease = ?r.lease.as_ref().map(|l| l.as_str()),
+                        endpoint = ?r.endpoint.as_ref().map(|e| e.as_str()),
+                        session_live = r.session_live,
                         "orphan found: a resource no run wants (seen by two consecutive sweeps)"
                     );
-                    let o = pb::Orphan {
-                        resource: Some((*r).clone()),
-                        reason,
-                        recorded_at_ms: now_ms,
-                    };
-                    new.push(o.clone());
-                    o
+                    new.push(orphan.clone());
+                    orphan
                 }
             };
             swept.insert(key, orphan);
         }
         inner.suspects = unwanted.iter().map(|r| key_of(r)).collect();
-        // Being destroyed: held by a run now, so not unwanted; listed until
-        // the inventory no longer has it.
-        let live: BTreeSet<ResourceKey> = inventory.iter().map(key_of).collect();
-        let before = inner.destroying.len();
-        inner.destroying.retain(|k, _| live.contains(k));
-        let gone = before - inner.destroying.len();
-        if gone > 0 {
-            tracing::info!(destroyed = gone, "orphans destroyed");
-            self.metrics.destroyed.add(&[], gone as u64);
+        // Absence is concluded only from a reading that decoded whole: an
+        // entry that did not decode may be the very resource.
+        let complete = inventory.undecodable == 0;
+        if complete {
+            // Being destroyed: held by a run now, so not unwanted; listed
+            // until the inventory no longer has it.
+            let live: BTreeSet<ResourceKey> = resources.iter().map(key_of).collect();
+            let before = inner.destroying.len();
+            inner.destroying.retain(|k, _| live.contains(k));
+            let gone = before - inner.destroying.len();
+            if gone > 0 {
+                tracing::info!(destroyed = gone, "orphans destroyed");
+                self.metrics.destroyed.add(&[], gone as u64);
+            }
+        } else {
+            self.metrics.undecodable.add(&[], inventory.undecodable as u64);
         }
         let destroying: BTreeSet<ResourceKey> = inner.destroying.keys().cloned().collect();
         swept.retain(|k, _| !destroying.contains(k));
         inner.swept = swept;
+        // The resync's finding, from the same reading: missing at this look
+        // and the one before. An incomplete reading starts the looks again.
+        let lost = if complete {
+            let missing = missing(resources, leases);
+            let lost = missing.intersection(&inner.missing).cloned().collect();
+            inner.missing = missing;
+            lost
+        } else {
+            inner.missing.clear();
+            Vec::new()
+        };
         self.metrics.orphans.set(&[SWEEP], inner.swept.len() as f64);
         self.metrics
             .orphans
             .set(&[DESTROYING], inner.destroying.len() as f64);
         self.metrics.sweeps.inc(&["ok"]);
-        new
+        Findings { orphans: new, lost }
     }
 
     /// The resources the last sweep confirmed as orphans (not yet handed to
     /// a deletion path).
-    pub fn confirmed(&self) -> Vec<pb::Resource> {
-        self.lock()
-            .swept
-            .values()
-            .filter_map(|o| o.resource.clone())
-            .collect()
+    pub fn confirmed(&self) -> Vec<InventoryResource> {
+        self.lock().swept.values().map(|o| o.resource.clone()).collect()
     }
 
     /// An orphan was adopted by a run (or a reclaim run) and is being
     /// destroyed through its deletion path.
-    pub fn destroying(&self, r: &pb::Resource) {
+    pub fn destroying(&self, r: &InventoryResource) {
         let key = key_of(r);
         let mut inner = self.lock();
-        let mut orphan = inner.swept.remove(&key).unwrap_or_else(|| pb::Orphan {
-            resource: Some(r.clone()),
+        let mut orphan = inner.swept.remove(&key).unwrap_or_else(|| Orphan {
+            resource: r.clone(),
             reason: "found by the orphan sweep".into(),
-            recorded_at_ms: 0,
+            recorded_at: None,
         });
         orphan
             .reason
             .push_str("; being destroyed through the deletion path");
-        tracing::warn!(run = %r.run_id, run_uid = %r.run_uid, node = %r.node_id, attempt = r.attempt,
-            lease = %r.lease_id, "orphan handed to the deletion path");
+        let id = &r.identity;
+        tracing::warn!(run = %id.run_id, run_uid = %id.run_uid, node = %id.node, attempt = id.attempt.get(),
+            lease = ?r.lease.as_ref().map(|l| l.as_str()), "orphan handed to the deletion path");
         inner.destroying.insert(key, orphan);
         self.metrics.orphans.set(&[SWEEP], inner.swept.len() as f64);
         self.metrics
@@ -288,33 +369,26 @@ impl Orphans {
     pub fn recovered(&self, run: &crate::core::RunState) {
         let mut inner = self.lock();
         for n in run.nodes() {
-            let resource = pb::Resource {
-                run_uid: run.uid().to_string(),
-                run_id: run.run_id().to_string(),
-                node_id: n.id.to_string(),
-                attempt: n.attempt.get(),
-                lease_id: n
-                    .facts
-                    .lease
-                    .as_ref()
-                    .map_or_else(String::new, |l| l.as_str().to_owned()),
-                endpoint: n
-                    .facts
-                    .endpoint
-                    .as_ref()
-                    .map_or_else(String::new, |e| e.as_str().to_owned()),
+            let resource = InventoryResource {
+                identity: ResourceIdentity {
+                    run_uid: run.uid(),
+                    run_id: run.run_id().clone(),
+                    node: n.id.clone(),
+                    attempt: n.attempt,
+                },
+                lease: n.facts.lease.clone(),
+                endpoint: n.facts.endpoint.clone(),
                 session_live: n.facts.session.is_some() || n.facts.ambiguous_bootstrap,
-                epoch: run.epoch().get(),
+                epoch: run.epoch(),
             };
-            let key = key_of(&resource);
             inner.destroying.insert(
-                key,
-                pb::Orphan {
-                    resource: Some(resource),
+                key_of(&resource),
+                Orphan {
+                    resource,
                     reason: "found by an orphan sweep before a restart; being destroyed through the \
                              deletion path"
                         .into(),
-                    recorded_at_ms: run.meta().created_at.as_millis(),
+                    recorded_at: Some(run.meta().created_at),
                 },
             );
         }
@@ -329,7 +403,7 @@ impl Orphans {
 
     /// The report: abandoned nodes first (in order), then the sweep's
     /// findings, then the orphans being destroyed (each by identity).
-    pub fn list(&self) -> Vec<pb::Orphan> {
+    pub fn list(&self) -> Vec<Orphan> {
         let inner = self.lock();
         inner
             .abandoned
@@ -366,88 +440,173 @@ impl SweepConfig {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+    use contract::{LeaseId, RunId};
+
     use super::*;
 
-    fn res(uid: &str, node: &str, attempt: u64) -> pb::Resource {
-        pb::Resource {
-            run_uid: uid.into(),
-            run_id: "r".into(),
-            node_id: node.into(),
-            attempt,
-            lease_id: format!("lease-{node}-{attempt}"),
-            ..pb::Resource::default()
+    fn uid(n: u128) -> RunUid {
+        RunUid::from_u128(n)
+    }
+
+    fn node(name: &str) -> LogicalNodeId {
+        LogicalNodeId::parse("node", name).unwrap()
+    }
+
+    fn key(u: u128, n: &str, attempt: u64) -> ResourceKey {
+        (uid(u), node(n), AttemptId::new(attempt))
+    }
+
+    fn res(u: u128, n: &str, attempt: u64) -> InventoryResource {
+        InventoryResource {
+            identity: ResourceIdentity {
+                run_uid: uid(u),
+                run_id: RunId::parse("run", "r").unwrap(),
+                node: node(n),
+                attempt: AttemptId::new(attempt),
+            },
+            lease: Some(LeaseId::new("lease", &format!("lease-{n}-{attempt}")).unwrap()),
+            endpoint: None,
+            session_live: false,
+            epoch: Epoch::default(),
         }
     }
 
-    fn held(entries: &[(&str, &str, u64)]) -> Holdings {
+    fn inventory(resources: Vec<InventoryResource>) -> Inventory {
+        Inventory {
+            resources,
+            undecodable: 0,
+        }
+    }
+
+    fn held(entries: &[(u128, &str, u64)]) -> Holdings {
         let mut h = Holdings::new();
-        for (uid, node, attempt) in entries {
-            h.entry((*uid).into())
+        for (u, n, attempt) in entries {
+            h.entry(uid(*u))
                 .or_default()
-                .insert((*node).into(), *attempt);
+                .insert(node(n), AttemptId::new(*attempt));
         }
         h
     }
 
+    fn at(ms: u64) -> UnixMillis {
+        UnixMillis::new(ms)
+    }
+
     #[test]
     fn current_attempts_are_never_orphans() {
-        let inv = vec![res("u1", "a-0", 1), res("u1", "a-1", 2)];
-        let h = held(&[("u1", "a-0", 1), ("u1", "a-1", 2)]);
+        let inv = vec![res(1, "a-0", 1), res(1, "a-1", 2)];
+        let h = held(&[(1, "a-0", 1), (1, "a-1", 2)]);
         assert!(unwanted(&inv, &h).is_empty());
     }
 
     #[test]
     fn unknown_run_node_or_attempt_is_unwanted() {
         let inv = vec![
-            res("u1", "a-0", 1), // old attempt
-            res("u1", "a-9", 1), // no such node
-            res("u2", "a-0", 1), // no such run
-            res("u1", "a-1", 3), // current
+            res(1, "a-0", 1), // old attempt
+            res(1, "a-9", 1), // no such node
+            res(2, "a-0", 1), // no such run
+            res(1, "a-1", 3), // current
         ];
-        let h = held(&[("u1", "a-0", 4), ("u1", "a-1", 3)]);
+        let h = held(&[(1, "a-0", 4), (1, "a-1", 3)]);
         let keys: Vec<ResourceKey> = unwanted(&inv, &h).into_iter().map(key_of).collect();
-        assert_eq!(
-            keys,
-            vec![
-                ("u1".into(), "a-0".into(), 1),
-                ("u1".into(), "a-9".into(), 1),
-                ("u2".into(), "a-0".into(), 1)
-            ]
-        );
+        assert_eq!(keys, vec![key(1, "a-0", 1), key(1, "a-9", 1), key(2, "a-0", 1)]);
     }
 
     #[test]
     fn an_orphan_is_reported_only_after_two_consecutive_sweeps() {
         let o = Orphans::new();
-        let h = held(&[("u1", "a-0", 2)]);
-        let inv = vec![res("u1", "a-0", 1), res("u1", "a-0", 2)];
+        let h = held(&[(1, "a-0", 2)]);
+        let inv = inventory(vec![res(1, "a-0", 1), res(1, "a-0", 2)]);
         assert!(
-            o.sweep(&inv, &h, 1).is_empty(),
+            o.sweep(&inv, &h, &[], at(1)).orphans.is_empty(),
             "first sighting is only a suspect"
         );
         assert!(o.list().is_empty());
-        let new = o.sweep(&inv, &h, 2);
+        let new = o.sweep(&inv, &h, &[], at(2)).orphans;
         assert_eq!(new.len(), 1);
-        assert_eq!(new[0].resource.as_ref().unwrap().attempt, 1);
-        assert_eq!(new[0].recorded_at_ms, 2);
+        assert_eq!(new[0].resource, res(1, "a-0", 1));
+        assert_eq!(new[0].recorded_at, Some(at(2)));
+        assert!(
+            new[0].reason.contains("holds node a-0 at attempt 2"),
+            "{}",
+            new[0].reason
+        );
         // Seen again: listed, not reported anew, first time kept.
-        assert!(o.sweep(&inv, &h, 3).is_empty());
+        assert!(o.sweep(&inv, &h, &[], at(3)).orphans.is_empty());
         assert_eq!(o.list().len(), 1);
-        assert_eq!(o.list()[0].recorded_at_ms, 2);
+        assert_eq!(o.list()[0].recorded_at, Some(at(2)));
         // Gone from the inventory: gone from the report.
-        assert!(o.sweep(&[res("u1", "a-0", 2)], &h, 4).is_empty());
+        let after = inventory(vec![res(1, "a-0", 2)]);
+        assert!(o.sweep(&after, &h, &[], at(4)).orphans.is_empty());
         assert!(o.list().is_empty());
     }
 
     #[test]
     fn a_resource_wanted_in_between_is_not_reported() {
         let o = Orphans::new();
-        let inv = vec![res("u1", "a-0", 1)];
+        let inv = inventory(vec![res(1, "a-0", 1)]);
         // Unwanted, then wanted (its node appeared), then unwanted again:
         // never two consecutive sightings.
-        assert!(o.sweep(&inv, &held(&[]), 1).is_empty());
-        assert!(o.sweep(&inv, &held(&[("u1", "a-0", 1)]), 2).is_empty());
-        assert!(o.sweep(&inv, &held(&[]), 3).is_empty());
+        assert!(o.sweep(&inv, &held(&[]), &[], at(1)).orphans.is_empty());
+        assert!(
+            o.sweep(&inv, &held(&[(1, "a-0", 1)]), &[], at(2))
+                .orphans
+                .is_empty()
+        );
+        assert!(o.sweep(&inv, &held(&[]), &[], at(3)).orphans.is_empty());
+        assert!(o.list().is_empty());
+    }
+
+    #[test]
+    fn a_lease_missing_at_two_consecutive_looks_is_lost() {
+        let o = Orphans::new();
+        let h = held(&[(1, "a-0", 1), (1, "a-1", 1)]);
+        let leases = [key(1, "a-0", 1), key(1, "a-1", 1)];
+        let inv = inventory(vec![res(1, "a-0", 1)]);
+        assert_eq!(
+            missing(&inv.resources, &leases),
+            BTreeSet::from([key(1, "a-1", 1)])
+        );
+        assert!(
+            o.sweep(&inv, &h, &leases, at(1)).lost.is_empty(),
+            "one look is not enough"
+        );
+        assert_eq!(o.sweep(&inv, &h, &leases, at(2)).lost, vec![key(1, "a-1", 1)]);
+        // Listed in between: the two looks start over.
+        let whole = inventory(vec![res(1, "a-0", 1), res(1, "a-1", 1)]);
+        assert!(o.sweep(&whole, &h, &leases, at(3)).lost.is_empty());
+        assert!(o.sweep(&inv, &h, &leases, at(4)).lost.is_empty());
+        assert_eq!(o.sweep(&inv, &h, &leases, at(5)).lost, vec![key(1, "a-1", 1)]);
+    }
+
+    #[test]
+    fn a_reading_with_undecodable_entries_concludes_no_absence() {
+        let o = Orphans::new();
+        let h = held(&[(1, "a-0", 1), (1, "a-1", 1)]);
+        let leases = [key(1, "a-0", 1), key(1, "a-1", 1)];
+        let partial = Inventory {
+            resources: vec![res(1, "a-0", 1)],
+            undecodable: 1,
+        };
+        let complete = inventory(vec![res(1, "a-0", 1)]);
+        // Missing at a complete look, then at one with an entry that did not
+        // decode (it may be the lease): not lost, and the looks start over.
+        assert!(o.sweep(&complete, &h, &leases, at(1)).lost.is_empty());
+        assert!(o.sweep(&partial, &h, &leases, at(2)).lost.is_empty());
+        assert!(o.sweep(&complete, &h, &leases, at(3)).lost.is_empty());
+        assert_eq!(
+            o.sweep(&complete, &h, &leases, at(4)).lost,
+            vec![key(1, "a-1", 1)]
+        );
+
+        // An orphan being destroyed leaves the report only at a complete
+        // reading that lacks it.
+        let orphan = res(2, "b-0", 1);
+        o.destroying(&orphan);
+        assert_eq!(o.list().len(), 1);
+        let _ = o.sweep(&partial, &h, &[], at(5));
+        assert_eq!(o.list().len(), 1, "an undecodable entry may be the orphan");
+        let _ = o.sweep(&complete, &h, &[], at(6));
         assert!(o.list().is_empty());
     }
 }

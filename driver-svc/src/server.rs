@@ -22,7 +22,7 @@ use crate::{
     core::{Policy, RunStore},
     driver::{Driver, DriverConfig, DriverError},
     link::Link,
-    orphans::SweepConfig,
+    orphans::{Inventory, SweepConfig},
     replicas::Replicas,
 };
 
@@ -338,13 +338,10 @@ async fn sweep_orphans(
             .await;
         match inventory {
             Ok(r) => {
-                let resources = r.into_inner().resources;
-                let new = driver.sweep_orphans(&resources, config.destroy).await;
-                tracing::debug!(
-                    resources = resources.len(),
-                    new_orphans = new.len(),
-                    "orphan sweep"
-                );
+                let inventory = decode_inventory(&r.into_inner().resources);
+                let resources = inventory.resources.len();
+                let new = driver.sweep_orphans(inventory, config.destroy).await;
+                tracing::debug!(resources, new_orphans = new.len(), "orphan sweep");
             }
             Err(status) => {
                 driver.sweep_failed();
@@ -352,4 +349,22 @@ async fn sweep_orphans(
             }
         }
     }
+}
+
+/// The executor's inventory in domain types. An entry that does not decode
+/// is logged and left out, and counted, so that the sweep concludes nothing
+/// from an absence it cannot vouch for (see [`crate::orphans::Orphans::sweep`]).
+fn decode_inventory(resources: &[contract::pb::Resource]) -> Inventory {
+    let mut inventory = Inventory::default();
+    for r in resources {
+        match contract::InventoryResource::try_from(r) {
+            Ok(resource) => inventory.resources.push(resource),
+            Err(error) => {
+                tracing::warn!(%error, run_uid = %r.run_uid, node = %r.node_id, attempt = r.attempt,
+                    "orphan sweep: an inventory entry does not decode; left out");
+                inventory.undecodable += 1;
+            }
+        }
+    }
+    inventory
 }

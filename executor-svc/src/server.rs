@@ -33,8 +33,9 @@ use std::{
 
 use crate::budget::{Budget, BudgetConfig};
 use contract::{
-    Claim, Clock, Epoch, FieldError, Monotonic, Observation, Operation, OperationId, OperationResult,
-    Outcome, Rejection, RejectionReason, ResourceChange, RunUid, SessionId, TraceContext, WatchHealth,
+    Claim, Clock, Epoch, FieldError, InventoryResource, Monotonic, Observation, Operation, OperationId,
+    OperationResult, Outcome, Rejection, RejectionReason, ResourceChange, RunUid, SessionId, TraceContext,
+    WatchHealth,
     pb::{
         self,
         executor_server::{Executor, ExecutorServer},
@@ -367,26 +368,16 @@ impl ExecutorService {
         } else {
             Some(RunUid::parse("run_uid", &req.run_uid)?)
         };
-        let items = self.backend.inventory().await?;
-        let resources = items
-            .into_iter()
-            .filter(|item| only.is_none_or(|uid| item.identity.run_uid == uid))
-            .map(|item| pb::Resource {
-                lease_id: item
-                    .lease
-                    .as_ref()
-                    .map_or_else(String::new, |l| l.as_str().to_owned()),
-                endpoint: item
-                    .endpoint
-                    .as_ref()
-                    .map_or_else(String::new, |e| e.as_str().to_owned()),
-                session_live: item.session_live,
-                ..pb::Resource::from(&item.identity)
-            })
-            .collect::<Vec<_>>();
+        let mut items = self.backend.inventory().await?;
+        items.retain(|item| only.is_none_or(|uid| item.identity.run_uid == uid));
         // Each resource carries its run's highest epoch, so a driver that
         // reclaims it claims the run above that.
-        let runs: Vec<RunUid> = items_runs(&resources);
+        let mut seen = std::collections::HashSet::new();
+        let runs: Vec<RunUid> = items
+            .iter()
+            .map(|item| item.identity.run_uid)
+            .filter(|uid| seen.insert(*uid))
+            .collect();
         let (reply, epochs) = oneshot::channel();
         self.events
             .send(Event::Epochs {
@@ -396,16 +387,22 @@ impl ExecutorService {
             .await
             .map_err(|_| RequestError::ShuttingDown)?;
         let epochs = epochs.await.map_err(|_| RequestError::ShuttingDown)?;
-        let by_run: HashMap<String, u64> = runs
-            .iter()
-            .zip(epochs)
-            .map(|(uid, e)| (uid.to_string(), e.map_or(0, |e| e.get())))
-            .collect();
-        let resources = resources
+        let by_run: HashMap<RunUid, Epoch> = runs
             .into_iter()
-            .map(|mut r| {
-                r.epoch = by_run.get(&r.run_uid).copied().unwrap_or(0);
-                r
+            .zip(epochs)
+            .map(|(uid, e)| (uid, e.unwrap_or_default()))
+            .collect();
+        let resources = items
+            .into_iter()
+            .map(|item| {
+                let epoch = by_run.get(&item.identity.run_uid).copied().unwrap_or_default();
+                pb::Resource::from(&InventoryResource {
+                    identity: item.identity,
+                    lease: item.lease,
+                    endpoint: item.endpoint,
+                    session_live: item.session_live,
+                    epoch,
+                })
             })
             .collect();
         Ok(pb::InventoryResponse { resources })
@@ -1386,16 +1383,6 @@ fn rejection_message(rejection: &Rejection, trace: &TraceContext) -> pb::Executo
         pb::executor_message::Kind::Rejection(pb::Rejection::from(rejection)),
         trace,
     )
-}
-
-/// The distinct runs of an inventory, in order of first appearance.
-fn items_runs(resources: &[pb::Resource]) -> Vec<RunUid> {
-    let mut seen = std::collections::HashSet::new();
-    resources
-        .iter()
-        .filter_map(|r| RunUid::parse("run_uid", &r.run_uid).ok())
-        .filter(|uid| seen.insert(*uid))
-        .collect()
 }
 
 /// Tells the driver an operation waits for a budget (`Some(reason)`) or has

@@ -74,8 +74,8 @@ pub use ids::{
     SessionId,
 };
 pub use ops::{
-    Change, Claim, Observation, Operation, OperationInput, OperationResult, Outcome, Rejection,
-    RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext, WatchHealth,
+    Change, Claim, InventoryResource, Observation, Operation, OperationInput, OperationResult, Outcome,
+    Rejection, RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext, WatchHealth,
 };
 pub use shape::{
     Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape, ShapeLimits,

@@ -31,6 +31,22 @@ pub struct ResourceIdentity {
     pub attempt: AttemptId,
 }
 
+/// One resource the executor holds, as its inventory lists it: the identity,
+/// the live facts the backend knows of it, and the highest epoch the executor
+/// has seen for its run (zero: none), so that a driver reclaiming it claims
+/// the run above that.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InventoryResource {
+    pub identity: ResourceIdentity,
+    pub lease: Option<LeaseId>,
+    /// Known once the resource's endpoint is bound.
+    pub endpoint: Option<Endpoint>,
+    /// A bootstrap session exists on the resource (neither cancelled nor
+    /// destroyed).
+    pub session_live: bool,
+    pub epoch: Epoch,
+}
+
 /// An effect with its input.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OperationInput {

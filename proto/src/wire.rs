@@ -53,8 +53,8 @@ use crate::{
         SessionId,
     },
     ops::{
-        Change, Claim, Observation, Operation, OperationInput, OperationResult, Outcome, Rejection,
-        RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext, WatchHealth,
+        Change, Claim, InventoryResource, Observation, Operation, OperationInput, OperationResult, Outcome,
+        Rejection, RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext, WatchHealth,
     },
     pb,
     shape::{Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape},
@@ -1562,6 +1562,32 @@ pub fn event_from_wire(e: pb::Event) -> Result<Event, FieldError> {
     })
 }
 
+impl From<&InventoryResource> for pb::Resource {
+    fn from(r: &InventoryResource) -> Self {
+        Self {
+            lease_id: optional_to_wire(r.lease.as_ref().map(LeaseId::as_str)),
+            endpoint: optional_to_wire(r.endpoint.as_ref().map(Endpoint::as_str)),
+            session_live: r.session_live,
+            epoch: r.epoch.get(),
+            ..Self::from(&r.identity)
+        }
+    }
+}
+
+impl TryFrom<&pb::Resource> for InventoryResource {
+    type Error = FieldError;
+
+    fn try_from(r: &pb::Resource) -> Result<Self, FieldError> {
+        Ok(InventoryResource {
+            identity: ResourceIdentity::try_from(r)?,
+            lease: optional("lease_id", &r.lease_id, LeaseId::new)?,
+            endpoint: optional("endpoint", &r.endpoint, Endpoint::new)?,
+            session_live: r.session_live,
+            epoch: Epoch::new(r.epoch),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -2342,6 +2368,30 @@ mod tests {
             ..pb::Resource::from(&identity)
         };
         assert_eq!(ResourceIdentity::try_from(&resource)?, identity);
+
+        let held = InventoryResource {
+            identity: identity.clone(),
+            lease: Some(LeaseId::new("lease", "lease-17")?),
+            endpoint: Some(Endpoint::new("endpoint", "127.0.0.1:4242")?),
+            session_live: true,
+            epoch: Epoch::new(3),
+        };
+        let bare = InventoryResource {
+            lease: None,
+            endpoint: None,
+            session_live: false,
+            epoch: Epoch::default(),
+            ..held.clone()
+        };
+        for r in [held, bare] {
+            let wire = reencode(&pb::Resource::from(&r))?;
+            assert_eq!(InventoryResource::try_from(&wire)?, r);
+        }
+        let unnamed = pb::Resource {
+            node_id: String::new(),
+            ..pb::Resource::from(&identity)
+        };
+        assert_eq!(err_of(InventoryResource::try_from(&unnamed)).field, "node_id");
         Ok(())
     }
 

@@ -17,7 +17,8 @@ use executor_svc::process::{
 };
 use provisioning_tests::{
     procs::{
-        AgentsDir, Cluster, ClusterOptions, ProcEntry, live_agent_pids, watch_until, zombie_descendants,
+        AgentsDir, Cluster, ClusterOptions, ProcEntry, eventually, live_agent_pids, watch_until,
+        zombie_descendants,
     },
     shapes::shape,
 };
@@ -72,18 +73,16 @@ async fn converged(cluster: &Cluster, generation: u64) -> pb::RunStatus {
 /// the executor that spawned it, nor by this process when it inherited
 /// it). A zombie that outlives the wait is a leak, not a moment's lag.
 async fn assert_all_gone(agents: &AgentsDir) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let live = live_agents(&agents.root);
-        let zombies = zombie_agents();
-        if live.is_empty() && zombies.is_empty() {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "agents left: {live:?}; zombie agents: {zombies:?}"
+    let gone = eventually(Duration::from_secs(15), "every agent gone", || async {
+        (live_agents(&agents.root).is_empty() && zombie_agents().is_empty()).then_some(())
+    })
+    .await;
+    if let Err(e) = gone {
+        panic!(
+            "{e}: agents left: {:?}; zombie agents: {:?}",
+            live_agents(&agents.root),
+            zombie_agents()
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -167,10 +166,16 @@ async fn an_executor_killed_during_creates_never_doubles_an_agent() {
         &shape("agents", 1, "process", &[("workers", 8, "img:1")]),
     )
     .await;
-    // Creates are in flight: kill the executor hard, then bring it back over
-    // the same agent directory.
-    tokio::time::sleep(Duration::from_millis(60)).await;
+    // Creates are in flight once the first agent lives: kill the executor
+    // hard, then bring it back over the same agent directory.
+    eventually(CONVERGE, "the first agent lives", || async {
+        (!live_agents(&agents).is_empty()).then_some(())
+    })
+    .await
+    .unwrap();
     cluster.executor.kill().await.unwrap();
+    // The outage's length, not a wait for anything: the driver's link is
+    // down a moment and retries.
     tokio::time::sleep(Duration::from_millis(200)).await;
     cluster.executor.restart(cluster.dir.path()).await.unwrap();
 
@@ -218,26 +223,7 @@ async fn an_agent_killed_mid_bootstrap_fails_its_attempt_and_is_replaced() {
     apply(&cluster, &slow).await;
     let mut c = cluster.client().await.unwrap();
     // Wait for workers-0's bootstrap to be running, then SIGKILL its agent.
-    let (attempt, pid) = loop {
-        let explained = c
-            .explain_node(pb::ExplainNodeRequest {
-                run_id: "agents".into(),
-                node_id: "workers-0".into(),
-            })
-            .await;
-        // Before the first pass inserts the node, it is not found yet.
-        let Ok(s) = explained else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            continue;
-        };
-        let state = s.into_inner().node.and_then(|n| n.state).unwrap();
-        if state.stage == pb::NodeStage::BootstrapRunning as i32
-            && let Some(pid) = agent_of(&agents, "workers-0", state.attempt)
-        {
-            break (state.attempt, pid);
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let (attempt, pid) = running_agent(&c, &agents, "workers-0").await;
     let killed = std::process::Command::new("kill")
         .arg("-KILL")
         .arg(pid.to_string())
@@ -302,8 +288,8 @@ async fn node_state(c: &mut Client, node: &str) -> Option<pb::NodeState> {
     explain_node(c, node).await?.node.and_then(|n| n.state)
 }
 
-/// Polls `node`'s state until `done` holds; on giving up, prints the
-/// services' logs and fails.
+/// Waits until `node`'s state satisfies `done` and returns it; on giving
+/// up, prints the services' logs and fails with the last state.
 async fn wait_for_state(
     cluster: &Cluster,
     c: &mut Client,
@@ -311,30 +297,60 @@ async fn wait_for_state(
     what: &str,
     done: impl Fn(&pb::NodeState) -> bool,
 ) -> pb::NodeState {
-    let deadline = tokio::time::Instant::now() + CONVERGE;
-    let mut last = None;
-    loop {
-        if let Some(state) = node_state(c, node).await {
-            if done(&state) {
-                return state;
-            }
-            last = Some(state);
-        }
-        if tokio::time::Instant::now() >= deadline {
+    let reached = eventually(CONVERGE, &format!("{node} reaches {what}"), || {
+        let mut c = c.clone();
+        let done = &done;
+        async move { node_state(&mut c, node).await.filter(|s| done(s)) }
+    })
+    .await;
+    match reached {
+        Ok(state) => state,
+        Err(e) => {
             cluster.dump_logs();
-            panic!("{node} never reached {what}; last state: {last:?}");
+            panic!("{e}; last state: {:?}", node_state(c, node).await);
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-/// Polls until `check` holds, or fails naming `what`.
-async fn eventually(what: &str, check: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + CONVERGE;
-    while !check() {
-        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+/// Waits until `node` (once a pass has inserted it) is at a stage `at`
+/// accepts with a live agent, and returns its attempt and the agent's pid.
+async fn agent_at(c: &Client, agents: &Path, node: &str, at: impl Fn(&pb::NodeState) -> bool) -> (u64, u32) {
+    eventually(CONVERGE, &format!("{node} has a live agent"), || {
+        let mut c = c.clone();
+        let at = &at;
+        async move {
+            let state = node_state(&mut c, node).await.filter(|s| at(s))?;
+            Some((state.attempt, agent_of(agents, node, state.attempt)?))
+        }
+    })
+    .await
+    .unwrap()
+}
+
+/// [`agent_at`] with the node's bootstrap running.
+async fn running_agent(c: &Client, agents: &Path, node: &str) -> (u64, u32) {
+    agent_at(c, agents, node, |s| {
+        s.stage == pb::NodeStage::BootstrapRunning as i32
+    })
+    .await
+}
+
+/// Waits until `pid`'s scheduler state is stopped (`T`).
+async fn stopped(pid: u32) {
+    eventually(CONVERGE, "the agent is stopped", || async {
+        (proc_state(pid) == Some('T')).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+/// Waits until `node`'s agent at `attempt` is no longer alive.
+async fn dead(agents: &Path, node: &str, attempt: u64) {
+    eventually(CONVERGE, "the agent is dead", || async {
+        agent_of(agents, node, attempt).is_none().then_some(())
+    })
+    .await
+    .unwrap();
 }
 
 /// The state directory agent `pid` was started with, from its command line.
@@ -443,21 +459,15 @@ async fn an_agent_stopped_before_answering_its_start_is_cleaned_up_and_replaced(
     apply(&cluster, &s).await;
     let mut c = cluster.client().await.unwrap();
 
-    let (attempt, pid) = loop {
-        if let Some(state) = node_state(&mut c, "workers-0").await
-            && let Some(pid) = agent_of(&agents, "workers-0", state.attempt)
-        {
-            break (state.attempt, pid);
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let (attempt, pid) = agent_at(&c, &agents, "workers-0", |_| true).await;
     let dir = state_dir_of(pid).unwrap();
-    eventually("the agent binds its endpoint", || {
-        dir.join(ENDPOINT_FILE).exists()
+    eventually(CONVERGE, "the agent binds its endpoint", || async {
+        dir.join(ENDPOINT_FILE).exists().then_some(())
     })
-    .await;
+    .await
+    .unwrap();
     signal(pid, "STOP");
-    eventually("the agent is stopped", || proc_state(pid) == Some('T')).await;
+    stopped(pid).await;
 
     // The start got no answer: the attempt failed with its bootstrap
     // ambiguous, and cleanup begins with a cancel.
@@ -508,17 +518,9 @@ async fn an_agent_stopped_mid_bootstrap_times_out_and_cleanup_still_destroys_it(
     apply(&cluster, &s).await;
     let mut c = cluster.client().await.unwrap();
 
-    let (attempt, pid) = loop {
-        if let Some(state) = node_state(&mut c, "workers-0").await
-            && state.stage == pb::NodeStage::BootstrapRunning as i32
-            && let Some(pid) = agent_of(&agents, "workers-0", state.attempt)
-        {
-            break (state.attempt, pid);
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let (attempt, pid) = running_agent(&c, &agents, "workers-0").await;
     signal(pid, "STOP");
-    eventually("the agent is stopped", || proc_state(pid) == Some('T')).await;
+    stopped(pid).await;
     let dir = state_dir_of(pid).unwrap();
     let session: SessionRecord = read_json(&dir, SESSION_RECORD).unwrap().unwrap();
     assert_eq!(
@@ -646,10 +648,7 @@ async fn an_agent_that_died_while_the_executor_was_down_is_found_at_its_restart(
 
     cluster.executor.kill().await.unwrap();
     signal(pid, "KILL");
-    eventually("the agent is dead", || {
-        agent_of(&agents, "workers-1", before.attempt).is_none()
-    })
-    .await;
+    dead(&agents, "workers-1", before.attempt).await;
     cluster.executor.restart(cluster.dir.path()).await.unwrap();
     // The run still says converged until the restarted executor reports the
     // loss; then the slot gets a fresh attempt.
@@ -691,10 +690,7 @@ async fn a_lease_missing_from_the_inventory_at_two_looks_is_lost_and_replaced() 
 
     cluster.executor.kill().await.unwrap();
     signal(pid, "KILL");
-    eventually("the agent is dead", || {
-        agent_of(&agents, "workers-2", before.attempt).is_none()
-    })
-    .await;
+    dead(&agents, "workers-2", before.attempt).await;
     std::fs::remove_dir_all(&dir).unwrap();
     cluster.executor.restart(cluster.dir.path()).await.unwrap();
     replaced_after_restart(&cluster, &mut c, &keep, "workers-2", before.attempt).await;
@@ -814,21 +810,35 @@ async fn a_mass_failure_over_max_unhealthy_replaces_nothing_and_heals() {
     })
     .await;
     assert!(!s.converged);
-    // Well past `unhealthy_after`: still nothing replaced, and each stopped
-    // node's decision names the budget.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Every stopped node is past `unhealthy_after` once the budget has held
+    // it (row 11 waits until then): each one's decision names the budget,
+    // and nothing was replaced.
+    let held = eventually(CONVERGE, "the budget holds every stopped node", || {
+        let mut c = c.clone();
+        async move {
+            let mut held = Vec::new();
+            for i in 0..6 {
+                let last = explain(&mut c, &format!("workers-{i}"))
+                    .await
+                    .node
+                    .and_then(|n| n.last_decision)
+                    .filter(|d| d.rule == contract::Rule::RemediationBudget.number())?;
+                held.push(last);
+            }
+            Some(held)
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        held.iter().all(|d| d.reason.contains("max_unhealthy 40%")),
+        "{held:?}"
+    );
     assert_eq!(
         attempts_of(&mut c, 10).await,
         attempts,
         "a node was replaced over the budget"
     );
-    let last = explain(&mut c, "workers-0")
-        .await
-        .node
-        .and_then(|n| n.last_decision)
-        .unwrap();
-    assert_eq!(last.rule, contract::Rule::RemediationBudget.number(), "{last:?}");
-    assert!(last.reason.contains("max_unhealthy 40%"), "{last:?}");
 
     for pid in &stopped {
         signal(*pid, "CONT");

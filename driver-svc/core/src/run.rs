@@ -243,6 +243,18 @@ pub struct OrphanResource {
     pub session_live: bool,
 }
 
+impl From<&contract::InventoryResource> for OrphanResource {
+    fn from(r: &contract::InventoryResource) -> Self {
+        Self {
+            node: r.identity.node.clone(),
+            attempt: r.identity.attempt,
+            lease: r.lease.clone(),
+            endpoint: r.endpoint.clone(),
+            session_live: r.session_live,
+        }
+    }
+}
+
 /// The attempt of `n` fails: its cleanup starts at once (row 4), its restart
 /// backs off until `restart_at`, and its failure count is `failures`.
 fn attempt_failed(n: &mut ManagedNode, failures: u32, restart_at: UnixMillis, failure: Failure) {
