@@ -1070,3 +1070,48 @@ async fn a_change_whose_answer_is_lost_has_an_unknown_outcome() {
     let out = ctl.run(&["delete", "lost"]).await.expect(4);
     assert!(!out.stderr.contains("outcome is unknown"), "{}", out.stderr);
 }
+
+/// The example files agree with each other and with what their headers
+/// say: planning `shape-v2.yaml` on a run of `shape.yaml` scales the workers
+/// down to 8 (the highest slots go), replaces every gpu node for its new
+/// image and leaves everything else alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_change_plans_what_its_header_says() {
+    let (cluster, ctl) = start().await;
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    let v1 = examples.join("shape.yaml").display().to_string();
+    let v2 = examples.join("shape-v2.yaml").display().to_string();
+    ctl.run(&["apply", "-f", &v1, "--wait", "--timeout", "60"])
+        .await
+        .expect(0);
+    let v = ctl.run(&["plan", "-f", &v2, "-o", "json"]).await.expect(0).json();
+    assert_eq!(v["changed"], true);
+    let summary = &v["summary"];
+    assert_eq!(
+        (
+            &summary["insert"],
+            &summary["replace"],
+            &summary["scale_down"],
+            &summary["unchanged"]
+        ),
+        (&json(0), &json(6), &json(7), &json(11)),
+        "{v}"
+    );
+    let gone: Vec<&str> = v["scale_down"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    let want: Vec<String> = (8..15).rev().map(|i| format!("workers-{i}")).collect();
+    assert_eq!(gone, want);
+    let changes = v["field_changes"].as_object().unwrap();
+    assert_eq!(changes.keys().collect::<Vec<_>>(), ["gpu"], "{v}");
+    assert_eq!(v["field_changes"]["gpu"][0]["path"], "template.image");
+    assert_eq!(v["field_changes"]["gpu"][0]["new"], "registry.local/node-gpu:1.1");
+    drop(cluster);
+}
+
+fn json(n: u64) -> serde_json::Value {
+    serde_json::Value::from(n)
+}
