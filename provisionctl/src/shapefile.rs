@@ -253,7 +253,11 @@ pub struct AcceleratorFile {
     pub count: i64,
 }
 
-/// A parameter: a plain string, or `{ value, secret }`.
+/// A parameter: a plain string, or `{ value, secret }`, where the value may
+/// instead come from an environment variable (`from_env: NAME`) or a file
+/// (`from_file: PATH`, its content with one trailing newline dropped), read
+/// when the file is parsed, so a secret need not be written in the shape
+/// file.
 ///
 /// `Debug` never shows a secret value, so a parsed file can be logged.
 #[derive(Clone, PartialEq, Eq)]
@@ -299,7 +303,9 @@ impl<'de> Visitor<'de> for ParamVisitor {
     type Value = ParamFile;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a string, or a map { value: STRING, secret: true|false }")
+        f.write_str(
+            "a string, or a map { value: STRING | from_env: NAME | from_file: PATH, secret: true|false }",
+        )
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<ParamFile, E> {
@@ -331,17 +337,41 @@ impl<'de> Visitor<'de> for ParamVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ParamFile, A::Error> {
+        const FIELDS: &[&str] = &["value", "from_env", "from_file", "secret"];
         let mut value: Option<String> = None;
         let mut secret: Option<bool> = None;
         while let Some(key) = map.next_key::<String>()? {
             match key.as_str() {
-                "value" if value.is_none() => value = Some(map.next_value()?),
+                "value" | "from_env" | "from_file" if value.is_some() => {
+                    return Err(de::Error::custom(
+                        "give the value once: one of value, from_env or from_file",
+                    ));
+                }
+                "value" => value = Some(map.next_value()?),
+                "from_env" => {
+                    let name: String = map.next_value()?;
+                    value = Some(std::env::var(&name).map_err(|_| {
+                        de::Error::custom(format!(
+                            "from_env: the environment variable {name} is not set (or not UTF-8)"
+                        ))
+                    })?);
+                }
+                "from_file" => {
+                    let path: String = map.next_value()?;
+                    let text = std::fs::read_to_string(&path)
+                        .map_err(|e| de::Error::custom(format!("from_file: cannot read {path}: {e}")))?;
+                    let text = text
+                        .strip_suffix('\n')
+                        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+                        .unwrap_or(&text);
+                    value = Some(text.to_owned());
+                }
                 "secret" if secret.is_none() => secret = Some(map.next_value()?),
-                "value" | "secret" => return Err(de::Error::duplicate_field("value or secret")),
-                _ => return Err(de::Error::unknown_field(&key, &["value", "secret"])),
+                "secret" => return Err(de::Error::duplicate_field("secret")),
+                _ => return Err(de::Error::unknown_field(&key, FIELDS)),
             }
         }
-        let value = value.ok_or_else(|| de::Error::missing_field("value"))?;
+        let value = value.ok_or_else(|| de::Error::missing_field("value (or from_env, or from_file)"))?;
         Ok(ParamFile::Full {
             value,
             secret: secret.unwrap_or(false),
@@ -543,6 +573,29 @@ impl ShapeFile {
     /// The wire shape at `generation`, after the driver's own decoding and
     /// validation with the default limits. `text` is the file the shape came
     /// from, to point at the offending field.
+    /// A secret whose value is the redaction marker is a shape read back
+    /// from the server (`get -o yaml`), not a value: applied, it would make
+    /// every node's secret the marker itself.
+    fn no_redacted_secrets(&self) -> Result<(), contract::FieldError> {
+        for (i, g) in self.groups.iter().enumerate() {
+            for (section, params) in [("boot", &g.template.boot), ("join", &g.template.join)] {
+                for (key, p) in params {
+                    if p.is_secret() && p.value() == contract::wire::REDACTED {
+                        return Err(contract::FieldError::new(
+                            &format!("groups[{i}].template.{section}[\"{key}\"]"),
+                            contract::Problem::Malformed(
+                                "is the redaction marker of a shape read back from the server, not a value: \
+                                 give the value inline, or as { from_env: VARIABLE, secret: true } or \
+                                 { from_file: PATH, secret: true }",
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub fn check(
         &self,
         source_name: &str,
@@ -550,7 +603,10 @@ impl ShapeFile {
         generation: u64,
     ) -> Result<pb::ClusterShape, ShapeFileError> {
         let wire = self.to_wire(generation);
-        let checked = shape_from_wire(wire.clone()).and_then(|s| s.validate(&ShapeLimits::default()));
+        let checked = self
+            .no_redacted_secrets()
+            .and_then(|()| shape_from_wire(wire.clone()))
+            .and_then(|s| s.validate(&ShapeLimits::default()));
         match checked {
             Ok(()) => Ok(wire),
             Err(e) => Err(ShapeFileError::Invalid {
@@ -1015,6 +1071,66 @@ groups:
         let bad = GOOD.replace("value: s3cret, secret: true", "value: s3cret, secret: maybe");
         let e = parse_err("s.yaml", &bad).to_string();
         assert!(!e.contains("s3cret"), "{e}");
+    }
+
+    #[test]
+    fn a_secret_can_come_from_the_environment_or_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "from-a-file\n").unwrap();
+        let text = GOOD.replace(
+            "t: { value: s3cret, secret: true }",
+            &format!(
+                "t: {{ from_file: \"{}\", secret: true }}, p: {{ from_env: PATH }}",
+                file.display()
+            ),
+        );
+        let w = load("s.yaml", &text, 1).unwrap();
+        let boot = &w.groups[0].template.as_ref().unwrap().boot;
+        assert_eq!(boot["t"].value, "from-a-file");
+        assert!(boot["t"].secret);
+        assert_eq!(boot["p"].value, std::env::var("PATH").unwrap());
+
+        let unset = GOOD.replace(
+            "t: { value: s3cret, secret: true }",
+            "t: { from_env: PROVISIONCTL_TEST_NEVER_SET_ANYWHERE, secret: true }",
+        );
+        let e = parse_err("s.yaml", &unset).to_string();
+        assert!(
+            e.contains("PROVISIONCTL_TEST_NEVER_SET_ANYWHERE is not set"),
+            "{e}"
+        );
+        let missing = GOOD.replace(
+            "t: { value: s3cret, secret: true }",
+            "t: { from_file: /no/such/file, secret: true }",
+        );
+        let e = parse_err("s.yaml", &missing).to_string();
+        assert!(e.contains("cannot read /no/such/file"), "{e}");
+        let both = GOOD.replace(
+            "t: { value: s3cret, secret: true }",
+            "t: { value: x, from_env: PATH, secret: true }",
+        );
+        assert!(
+            parse_err("s.yaml", &both)
+                .to_string()
+                .contains("give the value once")
+        );
+    }
+
+    /// A shape read back with `get -o yaml` carries `<redacted>` for every
+    /// secret: applying it would set the secrets to that marker.
+    #[test]
+    fn a_secret_that_is_the_redaction_marker_is_refused_with_its_field() {
+        let text = GOOD.replace("value: s3cret", "value: \"<redacted>\"");
+        let e = parse_err("s.yaml", &text);
+        let line = text.lines().position(|l| l.contains("<redacted>")).unwrap() + 1;
+        assert_eq!(e.location().map(|l| l.line), Some(line), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("groups[0].template.boot[\"t\"]"), "{msg}");
+        assert!(msg.contains("from_env") && msg.contains("from_file"), "{msg}");
+        // Not secret: a value like any other.
+        let plain = GOOD.replace("a: b", "a: \"<redacted>\"");
+        assert!(load("s.yaml", &plain, 1).is_ok());
     }
 
     #[test]
