@@ -582,7 +582,7 @@ impl ShapeFile {
                 for (key, p) in params {
                     if p.is_secret() && p.value() == contract::wire::REDACTED {
                         return Err(contract::FieldError::new(
-                            &format!("groups[{i}].template.{section}[\"{key}\"]"),
+                            format!("groups[{i}].template.{section}[\"{key}\"]"),
                             contract::Problem::Malformed(
                                 "is the redaction marker of a shape read back from the server, not a value: \
                                  give the value inline, or as { from_env: VARIABLE, secret: true } or \
