@@ -63,6 +63,10 @@ pub struct FollowArgs {
     /// The in-place view even when output is not a terminal.
     #[arg(long)]
     pub live: bool,
+    /// One JSON document per line, each status as it arrives (as `get -o
+    /// json` prints it), instead of the view.
+    #[arg(long, conflicts_with_all = ["live", "plain"])]
+    pub json: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -113,7 +117,9 @@ pub enum Command {
         #[command(flatten)]
         output: OutputArg,
     },
-    /// Follow a run live until it converges (exit 0) or is deleted (exit 0).
+    /// Follow a run live until it converges (exit 0) or is deleted (exit 0);
+    /// a lost connection to the driver (a restart, a failover) is
+    /// reconnected, with backoff, until --timeout.
     Watch {
         run: String,
         #[command(flatten)]

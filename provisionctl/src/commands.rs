@@ -1057,6 +1057,44 @@ impl Ctx {
         Ok(Exit::Success)
     }
 
+    /// Opens the watch of `run` again after its stream broke: a fresh
+    /// connection (following a redirect to the replica that serves the run
+    /// now), retried with backoff from 200 ms to 5 s until `deadline` (or
+    /// for a minute without one). `None` when it could not be opened.
+    async fn rewatch(
+        &self,
+        client: &mut Client,
+        run: &str,
+        reconnects: &mut u32,
+        deadline: Option<Instant>,
+    ) -> Option<tonic::Streaming<pb::RunStatus>> {
+        let give_up = deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(60));
+        let mut delay = Duration::from_millis(200);
+        if *reconnects == 0 {
+            eprintln!("provisionctl: lost the watch of run {run}; reconnecting");
+        }
+        while Instant::now() + delay < give_up {
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(5));
+            let Ok(mut fresh) = self.connect_run(run).await else {
+                continue;
+            };
+            let opened = fresh
+                .watch_run(pb::WatchRunRequest {
+                    run_id: run.to_owned(),
+                    include_nodes: false,
+                })
+                .await;
+            if let Ok(stream) = opened {
+                *reconnects += 1;
+                *client = fresh;
+                eprintln!("provisionctl: watching run {run} again");
+                return Some(stream.into_inner());
+            }
+        }
+        None
+    }
+
     /// Follows a run until it converges at `generation` or later, or is
     /// deleted (exit 0), the timeout passes (exit 3) or Ctrl-C (exit 130).
     async fn follow(
@@ -1085,6 +1123,9 @@ impl Ctx {
             .await
             .map_err(|s| self.status_error(&s, Doing::Run { verb: "watch", run }))?
             .into_inner();
+        // A lost stream (the driver restarted, or the run moved to another
+        // replica) is opened again, with backoff, until the deadline.
+        let mut reconnects = 0u32;
         let mut latest: Option<pb::RunStatus> = None;
         let mut failing = Failing::Unknown;
         let mut last_fetch: Option<Instant> = None;
@@ -1112,6 +1153,9 @@ impl Ctx {
                             .then(|| render::condition(&s, "Stalled"))
                             .flatten()
                             .map(|c| c.message.clone());
+                        if args.json {
+                            print_lines(&[render::status_json(&s, false, false).to_string()])?;
+                        }
                         latest = Some(s);
                         if done {
                             break Ok(());
@@ -1121,9 +1165,21 @@ impl Ctx {
                         }
                     }
                     Ok(None) => {
-                        break Err(CliError::Unavailable {
-                            message: format!("the server ended the watch of run {run} before it converged"),
-                        });
+                        match self.rewatch(client, run, &mut reconnects, deadline).await {
+                            Some(next) => stream = next,
+                            None => break Err(CliError::Unavailable {
+                                message: format!(
+                                    "the server ended the watch of run {run} before it converged, and it \
+                                     could not be opened again"
+                                ),
+                            }),
+                        }
+                    }
+                    Err(s) if reconnectable(&s) => {
+                        match self.rewatch(client, run, &mut reconnects, deadline).await {
+                            Some(next) => stream = next,
+                            None => break Err(self.status_error(&s, Doing::Run { verb: "watch", run })),
+                        }
                     }
                     Err(s) => break Err(self.status_error(&s, Doing::Run { verb: "watch", run })),
                 },
@@ -1132,6 +1188,9 @@ impl Ctx {
                     break Err(CliError::Timeout { message: String::new() });
                 }
                 _ = &mut ctrl_c => break Err(CliError::Interrupted),
+            }
+            if args.json {
+                continue;
             }
             if let Some(s) = &latest {
                 let wants_detail = s.groups.iter().any(|g| g.failing > 0);
@@ -1151,7 +1210,9 @@ impl Ctx {
                 }
             }
         };
-        if let Some(s) = &latest {
+        if let Some(s) = &latest
+            && !args.json
+        {
             draw(&mut painter, s, &failing, started.elapsed());
         }
         let elapsed = text::duration(started.elapsed());
@@ -1167,7 +1228,11 @@ impl Ctx {
                     ),
                     None => format!("run {run} converged"),
                 };
-                let _ = painter.say(&line);
+                if args.json {
+                    eprintln!("provisionctl: {line}");
+                } else {
+                    let _ = painter.say(&line);
+                }
                 Ok(Exit::Success)
             }
             Err(CliError::Timeout { .. }) => Err(CliError::Timeout {
@@ -1181,6 +1246,13 @@ impl Ctx {
             Err(e) => Err(e),
         }
     }
+}
+
+/// Whether a broken watch is worth opening again: the connection went (a
+/// restart, a failover), not the server saying no.
+fn reconnectable(s: &tonic::Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled)
+        && (std::error::Error::source(s).is_some() || s.code() == Code::Unavailable)
 }
 
 /// A frame; a terminal that went away must not turn into an error of the run.

@@ -1115,3 +1115,55 @@ async fn the_example_change_plans_what_its_header_says() {
 fn json(n: u64) -> serde_json::Value {
     serde_json::Value::from(n)
 }
+
+/// `watch` outlives a driver restart: the stream breaks, the client opens
+/// it again and follows the run to convergence (exit 0); `--json` prints one
+/// status document per line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_follows_a_run_across_a_driver_restart() {
+    use tokio::io::AsyncBufReadExt;
+    let mut cluster = Cluster::start(ClusterOptions::default().executor("--fake-stage-interval-ms", "700"))
+        .await
+        .unwrap();
+    let ctl = Ctl::new(&cluster);
+    let file = ctl.write("w.yaml", &shape("across", 3, "img:1"));
+    ctl.run(&["apply", "-f", &file]).await.expect(0);
+    let mut watch = tokio::process::Command::new(&ctl.bin)
+        .args(["watch", "across", "--timeout", "80", "--json"])
+        .env("PROVISIONCTL_SERVER", &ctl.server)
+        .envs(ctl.env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(watch.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(CALL_LIMIT, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let first: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(first["run_id"], "across");
+    assert_eq!(
+        first["converged"], false,
+        "the run converged before the restart: {first}"
+    );
+    cluster.driver.restart(cluster.dir.path()).await.unwrap();
+    let mut last = first;
+    while let Some(line) = tokio::time::timeout(CALL_LIMIT, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+    {
+        last = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    }
+    let out = tokio::time::timeout(CALL_LIMIT, watch.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("watching run across again"), "{stderr}");
+    assert_eq!(last["converged"], true, "{last}");
+}
