@@ -496,7 +496,8 @@ pub async fn serve(
     config: Config,
     policy: &PeerPolicy,
 ) -> Result<(), ServerError> {
-    let (reporter, health, reflection) = health_and_reflection::<DeciderServer<DeciderService>>().await?;
+    let (reporter, health, reflection, reflection_alpha) =
+        health_and_reflection::<DeciderServer<DeciderService>>().await?;
     let shutdown = async move {
         shutdown.await;
         // Health checkers see the decider leave before its port closes.
@@ -508,6 +509,7 @@ pub async fn serve(
         .layer(policy.layer())
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_alpha)
         .add_service(
             DeciderServer::new(DeciderService::new(config))
                 .max_decoding_message_size(config.messages.recv_bytes())

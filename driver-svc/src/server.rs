@@ -185,7 +185,7 @@ pub async fn run(
         })
     });
 
-    let (_reporter, health, reflection) =
+    let (_reporter, health, reflection, reflection_alpha) =
         platform::runtime::health_and_reflection::<ProvisioningServer<Api>>().await?;
     // Authentication, then the limits, around the public API only: health
     // checks and reflection stay open.
@@ -207,6 +207,7 @@ pub async fn run(
         .layer(ServerLayer::new())
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_alpha)
         .add_service(api)
         .serve_with_incoming_shutdown(platform::runtime::incoming(listener), async move {
             tokio::select! {

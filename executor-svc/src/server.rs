@@ -251,7 +251,8 @@ pub async fn run(
     // TLS is set up first: a certificate it cannot use stops the executor
     // before anything else starts.
     let server = config.peers.server()?;
-    let (reporter, health, reflection) = health_and_reflection::<ExecutorServer<ExecutorService>>().await?;
+    let (reporter, health, reflection, reflection_alpha) =
+        health_and_reflection::<ExecutorServer<ExecutorService>>().await?;
 
     let (events_tx, events_rx) = mpsc::channel(config.event_buffer.max(1));
     let (observations_tx, observations_rx) = mpsc::unbounded_channel();
@@ -302,6 +303,7 @@ pub async fn run(
         .layer(config.peers.layer())
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_alpha)
         .add_service(
             ExecutorServer::new(service)
                 .max_decoding_message_size(config.messages.recv_bytes())

@@ -189,8 +189,11 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// The standard gRPC health service (with `service` marked serving) and the
-/// reflection service over the whole `provisioning.v1` descriptor set.
+/// The standard gRPC health service (with `S` marked serving) and the
+/// reflection service, in both versions clients speak (`v1`, and `v1alpha`
+/// for older grpcurl and Python's grpcio-reflection), listing only what this
+/// port serves: `S`, health and reflection (a driver's public port does not
+/// advertise the internal Decider and Executor services).
 pub async fn health_and_reflection<S: tonic::server::NamedService>() -> Result<
     (
         tonic_health::server::HealthReporter,
@@ -198,17 +201,32 @@ pub async fn health_and_reflection<S: tonic::server::NamedService>() -> Result<
         tonic_reflection::server::v1::ServerReflectionServer<
             impl tonic_reflection::server::v1::ServerReflection,
         >,
+        tonic_reflection::server::v1alpha::ServerReflectionServer<
+            impl tonic_reflection::server::v1alpha::ServerReflection,
+        >,
     ),
     tonic_reflection::server::Error,
 > {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<S>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(contract::pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    Ok((reporter, health, reflection))
+    let builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(contract::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name(S::NAME)
+            .with_service_name(HEALTH_SERVICE)
+            .with_service_name(REFLECTION_V1)
+            .with_service_name(REFLECTION_V1ALPHA)
+    };
+    let reflection = builder().build_v1()?;
+    let reflection_alpha = builder().build_v1alpha()?;
+    Ok((reporter, health, reflection, reflection_alpha))
 }
+
+/// The services every port serves besides its own.
+pub const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
+pub const REFLECTION_V1: &str = "grpc.reflection.v1.ServerReflection";
+pub const REFLECTION_V1ALPHA: &str = "grpc.reflection.v1alpha.ServerReflection";
 
 /// The largest gRPC message a server accepts and sends, on every service
 /// (a peer cannot make it buffer more than this per message). A request over
