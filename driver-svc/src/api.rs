@@ -25,7 +25,8 @@ use crate::{
 /// Maps a driver error to its gRPC status. A rejected request changes nothing.
 pub fn to_status(e: DriverError) -> Status {
     match e {
-        DriverError::Apply(ApplyError::Invalid(f)) => invalid(&f),
+        // Field paths name the request's field, as the wire checks do.
+        DriverError::Apply(ApplyError::Invalid(f)) => invalid(&f.within("shape")),
         DriverError::Apply(e @ ApplyError::RunIdChanged { .. })
         | DriverError::Apply(e @ ApplyError::GenerationRegressed { .. })
         | DriverError::Apply(e @ ApplyError::SameGenerationOtherContent(_))

@@ -237,7 +237,7 @@ fn the_revision_contract() {
     bad.groups[0].count = 51;
     let err = RunState::create(bad, UID, Epoch::new(1), policy(), T0).unwrap_err();
     assert!(
-        matches!(err, ApplyError::Invalid(FieldError { ref field, problem: Problem::OverLimit { .. } }) if field == "groups[0].count")
+        matches!(err, ApplyError::Invalid(FieldError { ref field, problem: Problem::OverConfiguredLimit { limit: Some(50), .. } }) if field == "groups[0].count")
     );
 }
 

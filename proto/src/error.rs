@@ -30,6 +30,16 @@ pub enum Problem {
         bytes: usize,
         limit: usize,
     },
+    /// Over a limit the driver's operator sets with `flag`: `said`, the
+    /// value and `noun` read as the field's predicate (`hold 300000 nodes in
+    /// all`). `limit` is `None` for a value past any limit the flag can set.
+    OverConfiguredLimit {
+        said: &'static str,
+        value: u64,
+        noun: &'static str,
+        limit: Option<u64>,
+        flag: &'static str,
+    },
 }
 
 impl fmt::Display for Problem {
@@ -43,6 +53,26 @@ impl fmt::Display for Problem {
             Problem::NotFinite => f.write_str("must be a finite number"),
             Problem::Negative => f.write_str("must not be negative"),
             Problem::OverLimit { value, limit } => write!(f, "is {value}; the limit is {limit}"),
+            Problem::OverConfiguredLimit {
+                said,
+                value,
+                noun,
+                limit: Some(limit),
+                flag,
+            } => write!(
+                f,
+                "{said} {value}{noun}; the limit is {limit} (driver-svc --{flag})"
+            ),
+            Problem::OverConfiguredLimit {
+                said,
+                value,
+                noun,
+                limit: None,
+                flag,
+            } => write!(
+                f,
+                "{said} {value}{noun}, more than any limit allows (driver-svc --{flag} sets it)"
+            ),
             Problem::ForeignRun { expected } => write!(f, "names another run (expected {expected:?})"),
             Problem::UnknownValue(v) => write!(f, "has an unset or unknown value {v}"),
             Problem::TooLarge { bytes, limit } => write!(f, "is {bytes} bytes; the limit is {limit}"),

@@ -154,9 +154,12 @@ impl ClusterShape {
         if self.groups.len() > limits.max_groups {
             return Err(FieldError::new(
                 "groups",
-                Problem::OverLimit {
+                Problem::OverConfiguredLimit {
+                    said: "are",
                     value: self.groups.len() as u64,
-                    limit: limits.max_groups as u64,
+                    noun: " groups",
+                    limit: Some(limits.max_groups as u64),
+                    flag: "max-groups",
                 },
             ));
         }
@@ -168,9 +171,12 @@ impl ClusterShape {
             if g.count > limits.max_nodes_per_group {
                 return Err(FieldError::new(
                     format!("{path}.count"),
-                    Problem::OverLimit {
+                    Problem::OverConfiguredLimit {
+                        said: "is",
                         value: u64::from(g.count),
-                        limit: u64::from(limits.max_nodes_per_group),
+                        noun: "",
+                        limit: Some(u64::from(limits.max_nodes_per_group)),
+                        flag: "max-nodes-per-group",
                     },
                 ));
             }
@@ -181,9 +187,12 @@ impl ClusterShape {
         if total > limits.max_nodes_total {
             return Err(FieldError::new(
                 "groups",
-                Problem::OverLimit {
+                Problem::OverConfiguredLimit {
+                    said: "hold",
                     value: total,
-                    limit: limits.max_nodes_total,
+                    noun: " nodes in all",
+                    limit: Some(limits.max_nodes_total),
+                    flag: "max-nodes-total",
                 },
             ));
         }
@@ -334,7 +343,28 @@ mod tests {
 
         let mut s = shape();
         s.groups[0].count = limits.max_nodes_per_group + 1;
-        assert_eq!(s.validate(&limits).unwrap_err().field, "groups[0].count");
+        let e = s.validate(&limits).unwrap_err();
+        assert_eq!(e.field, "groups[0].count");
+        assert_eq!(
+            e.to_string(),
+            "groups[0].count is 100001; the limit is 100000 (driver-svc --max-nodes-per-group)"
+        );
+
+        // The total is about every group, and names its own flag.
+        let mut s = shape();
+        s.groups[0].count = 3;
+        s.groups.push(NodeGroup {
+            id: GroupId::parse("id", "more").unwrap(),
+            ..s.groups[0].clone()
+        });
+        let small = ShapeLimits {
+            max_nodes_total: 5,
+            ..limits
+        };
+        assert_eq!(
+            s.validate(&small).unwrap_err().to_string(),
+            "groups hold 6 nodes in all; the limit is 5 (driver-svc --max-nodes-total)"
+        );
 
         let mut s = shape();
         s.generation = Generation::new(0);

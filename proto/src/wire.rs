@@ -107,9 +107,12 @@ fn count_from_wire(field: &str, v: i64) -> Result<u32, FieldError> {
     u32::try_from(v).map_err(|_| {
         FieldError::new(
             field,
-            Problem::OverLimit {
+            Problem::OverConfiguredLimit {
+                said: "is",
                 value: v.unsigned_abs(),
-                limit: u64::from(u32::MAX),
+                noun: "",
+                limit: None,
+                flag: "max-nodes-per-group",
             },
         )
     })
@@ -1774,9 +1777,12 @@ mod tests {
                 "count over u32",
                 |s| s.groups[0].count = i64::from(u32::MAX) + 1,
                 "groups[0].count",
-                Problem::OverLimit {
+                Problem::OverConfiguredLimit {
+                    said: "is",
                     value: u64::from(u32::MAX) + 1,
-                    limit: u64::from(u32::MAX),
+                    noun: "",
+                    limit: None,
+                    flag: "max-nodes-per-group",
                 },
             ),
             (

@@ -351,7 +351,15 @@ async fn bad_input_gets_its_status_and_changes_nothing() {
         "count over the limit",
         s,
         Code::InvalidArgument,
-        "groups[0].count",
+        "shape.groups[0].count is 1000000; the limit is 100000 (driver-svc --max-nodes-per-group)",
+    ));
+    let mut s = good.clone();
+    s.groups[0].count = 4_294_967_297;
+    cases.push((
+        "count past any limit",
+        s,
+        Code::InvalidArgument,
+        "shape.groups[0].count is 4294967297, more than any limit allows (driver-svc --max-nodes-per-group",
     ));
     let mut s = good.clone();
     s.groups[0].run_id = "other".into();

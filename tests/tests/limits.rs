@@ -399,11 +399,11 @@ async fn shapes_over_the_node_and_group_limits_are_refused() {
     let cases = [
         (
             shape("big", 1, "fake", &[("workers", 4, "img:1")]),
-            "groups[0].count is 4; the limit is 3",
+            "shape.groups[0].count is 4; the limit is 3 (driver-svc --max-nodes-per-group)",
         ),
         (
             shape("big", 1, "fake", &[("a", 3, "img:1"), ("b", 2, "img:1")]),
-            "groups is 5; the limit is 4",
+            "shape.groups hold 5 nodes in all; the limit is 4 (driver-svc --max-nodes-total)",
         ),
         (
             shape(
@@ -412,7 +412,7 @@ async fn shapes_over_the_node_and_group_limits_are_refused() {
                 "fake",
                 &[("a", 1, "img:1"), ("b", 1, "img:1"), ("c", 1, "img:1")],
             ),
-            "groups is 3; the limit is 2",
+            "shape.groups are 3 groups; the limit is 2 (driver-svc --max-groups)",
         ),
     ];
     for (s, says) in cases {
