@@ -580,6 +580,7 @@ async fn a_ready_nodes_agent_killed_is_found_lost_and_replaced() {
     }
     let before = node_state(&mut c, "workers-3").await.unwrap();
     let pid = agent_of(&agents, "workers-3", before.attempt).unwrap();
+    let killed_at = unix_ms();
     signal(pid, "KILL");
 
     // Nothing polls the node: the run leaves convergence because the
@@ -624,8 +625,39 @@ async fn a_ready_nodes_agent_killed_is_found_lost_and_replaced() {
             assert_eq!(state.attempt, *attempt, "{node} was replaced too: {state:?}");
         }
     }
+    // The event log has the loss once, of that attempt, as the executor's
+    // watch saw it (the agent's exit), not as a later look at the inventory.
+    let log = c
+        .list_events(pb::ListEventsRequest {
+            run_id: "agents".into(),
+            after_seq: 0,
+            limit: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    let lost: Vec<&pb::Event> = log.iter().filter(|e| e.reason == "NodeLost").collect();
+    assert_eq!(lost.len(), 1, "{log:?}");
+    assert_eq!(
+        (lost[0].node_id.as_str(), lost[0].attempt),
+        ("workers-3", before.attempt)
+    );
+    assert!(!lost[0].message.contains("inventory"), "{:?}", lost[0]);
+    println!(
+        "the loss was folded {} ms after the SIGKILL",
+        lost[0].first_at_ms.saturating_sub(killed_at)
+    );
     delete_run(&mut c).await;
     assert_all_gone(&keep).await;
+}
+
+/// Wall-clock milliseconds, to set beside the driver's event times.
+fn unix_ms() -> u64 {
+    #[allow(clippy::disallowed_methods)]
+    let now = std::time::SystemTime::now();
+    now.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// An agent that dies while the executor is down is found when the executor
