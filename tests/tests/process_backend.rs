@@ -781,10 +781,10 @@ async fn condition(
 async fn a_stopped_ready_agent_is_unhealthy_then_remediated() {
     let (keep, agents) = agents_dir();
     let cluster = Cluster::start(process_cluster(&agents)).await.unwrap();
-    apply(&cluster, &probed(3, contract::Budget::Percent(100))).await;
+    apply(&cluster, &probed(10, contract::Budget::Percent(100))).await;
     converged(&cluster, 1).await;
     let mut c = cluster.client().await.unwrap();
-    let attempts = attempts_of(&mut c, 3).await;
+    let attempts = attempts_of(&mut c, 10).await;
     let pid = agent_of(&agents, "workers-1", attempts["workers-1"]).unwrap();
     signal(pid, "STOP");
 
@@ -796,18 +796,40 @@ async fn a_stopped_ready_agent_is_unhealthy_then_remediated() {
         !s.converged,
         "a run with an unhealthy node is not converged: {s:?}"
     );
+    let all: Vec<String> = (0..10).map(|i| format!("workers-{i}")).collect();
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
     assert_replaced(
         &cluster,
         &mut c,
         &agents,
-        &["workers-0", "workers-1", "workers-2"],
+        &all,
         "workers-1",
         attempts["workers-1"],
     )
     .await;
-    let after = attempts_of(&mut c, 3).await;
-    assert_eq!(after["workers-0"], attempts["workers-0"]);
-    assert_eq!(after["workers-2"], attempts["workers-2"]);
+    let after = attempts_of(&mut c, 10).await;
+    for (node, attempt) in &attempts {
+        if node != "workers-1" {
+            assert_eq!(after[node], *attempt, "{node} was replaced too");
+        }
+    }
+    // The log says what happened to it, in order: unhealthy, then replaced.
+    let log = c
+        .list_events(pb::ListEventsRequest {
+            run_id: "agents".into(),
+            after_seq: 0,
+            limit: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    let of_node: Vec<&str> = log
+        .iter()
+        .filter(|e| e.node_id == "workers-1" && e.attempt == attempts["workers-1"])
+        .map(|e| e.reason.as_str())
+        .collect();
+    assert_eq!(of_node, ["NodeUnhealthy", "NodeRemediated"], "{log:?}");
     delete_run(&mut c).await;
     assert_all_gone(&keep).await;
 }
