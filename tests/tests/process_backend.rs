@@ -836,8 +836,9 @@ async fn a_stopped_ready_agent_is_unhealthy_then_remediated() {
 
 /// Six of ten agents stopped with `max_unhealthy: 40%`: more of the group is
 /// unhealthy than the budget allows, so nothing is replaced and the run says
-/// why (Stalled, RemediationHeld, with the counts). Resuming the agents heals
-/// their probes and the run converges with every original attempt.
+/// why (Stalled, RemediationHeld, with the counts). Resuming the agents (the
+/// run paused meanwhile) heals their probes and the run converges with every
+/// original attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mass_failure_over_max_unhealthy_replaces_nothing_and_heals() {
     let (keep, agents) = agents_dir();
@@ -894,11 +895,53 @@ async fn a_mass_failure_over_max_unhealthy_replaces_nothing_and_heals() {
         "a node was replaced over the budget"
     );
 
+    // The agents come back one probe at a time, and a group back within its
+    // budget replaces the nodes still unhealthy past `unhealthy_after` (as
+    // it should); the operator pauses the run while they come back, so the
+    // probes heal with nothing replaced, then resumes it.
+    c.pause_run(pb::RunRef {
+        run_id: "agents".into(),
+    })
+    .await
+    .unwrap();
     for pid in &stopped {
         signal(*pid, "CONT");
     }
+    condition(&cluster, &mut c, "healthy again", |c| {
+        c.r#type == "Degraded" && !c.status
+    })
+    .await;
+    c.resume_run(pb::RunRef {
+        run_id: "agents".into(),
+    })
+    .await
+    .unwrap();
     converged(&cluster, 1).await;
     assert_eq!(attempts_of(&mut c, 10).await, attempts, "healing replaced a node");
+    // The log: six nodes unhealthy, the group held once (with the budget and
+    // the counts), the stall, six recoveries, converged; nothing replaced.
+    let log = c
+        .list_events(pb::ListEventsRequest {
+            run_id: "agents".into(),
+            after_seq: 0,
+            limit: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    let count = |reason: &str| log.iter().filter(|e| e.reason == reason).count();
+    assert_eq!(count("NodeUnhealthy"), 6, "{log:?}");
+    assert_eq!(count("NodeRecovered"), 6, "{log:?}");
+    assert_eq!(count("NodeRemediated"), 0, "{log:?}");
+    let held: Vec<&pb::Event> = log.iter().filter(|e| e.reason == "RemediationHeld").collect();
+    assert_eq!(held.len(), 1, "{log:?}");
+    assert_eq!(held[0].group_id, "workers");
+    assert!(held[0].message.contains("max_unhealthy 40%"), "{:?}", held[0]);
+    assert_eq!(count("Stalled"), 1, "{log:?}");
+    let last_recovered = log.iter().rposition(|e| e.reason == "NodeRecovered");
+    let last_converged = log.iter().rposition(|e| e.reason == "Converged");
+    assert!(last_converged > last_recovered, "{log:?}");
     delete_run(&mut c).await;
     assert_all_gone(&keep).await;
 }
