@@ -19,24 +19,30 @@ use super::{error::EXIT_CODES_HELP, render::Output};
 )]
 pub struct Cli {
     /// The driver's address: `host:port` (https, or http with --insecure),
-    /// or a URL with the matching scheme.
-    #[arg(
-        long,
-        global = true,
-        env = "PROVISIONCTL_SERVER",
-        default_value = "127.0.0.1:7000",
-        value_name = "URL"
-    )]
-    pub server: String,
+    /// or a URL with the matching scheme [default: the context's, else
+    /// 127.0.0.1:7000].
+    #[arg(long, global = true, env = "PROVISIONCTL_SERVER", value_name = "URL")]
+    pub server: Option<String>,
     #[command(flatten)]
     pub tls: super::tls::TlsClientArgs,
     /// A file holding the bearer token to call the server with (the token
     /// may instead be in PROVISIONCTL_TOKEN; `token new` makes one).
     #[arg(long, global = true, env = "PROVISIONCTL_TOKEN_FILE", value_name = "PATH")]
     pub token_file: Option<std::path::PathBuf>,
+    /// The context of the configuration file to use instead of its current
+    /// one (flags and environment variables still win over it).
+    #[arg(long, global = true, env = "PROVISIONCTL_CONTEXT", value_name = "NAME")]
+    pub context: Option<String>,
+    /// The configuration file [default: $XDG_CONFIG_HOME/provisionctl/config.yaml,
+    /// else ~/.config/provisionctl/config.yaml].
+    #[arg(long, global = true, env = "PROVISIONCTL_CONFIG", value_name = "PATH")]
+    pub config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
+
+/// The driver's address when neither a flag nor a context gives one.
+pub const DEFAULT_SERVER: &str = "127.0.0.1:7000";
 
 #[derive(Debug, Clone, Args)]
 pub struct OutputArg {
@@ -203,6 +209,10 @@ pub enum Command {
     /// Make bearer tokens for the driver's tokens file (no server involved).
     #[command(subcommand)]
     Token(TokenCommand),
+    /// The configuration file's contexts: named ways to reach a driver (no
+    /// server involved).
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Write a development CA and certificates for the three services and for
     /// provisionctl (no server involved).
     ///
@@ -237,6 +247,25 @@ pub enum Command {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum ConfigCommand {
+    /// List the contexts; `*` marks the current one.
+    GetContexts,
+    /// Print the current context's name.
+    CurrentContext,
+    /// Make NAME the current context.
+    UseContext { name: String },
+    /// Create the context NAME, or update it, from the connection flags
+    /// given with it (--server, --tls-ca, --tls-cert, --tls-key,
+    /// --token-file, --insecure, and their environment variables); the first
+    /// context made becomes the current one.
+    ///
+    /// `provisionctl config set-context prod --server driver:7000 --tls-ca ca.pem --token-file prod.token`
+    SetContext { name: String },
+    /// Print the configuration file.
+    View,
 }
 
 #[derive(Debug, Clone, Subcommand)]

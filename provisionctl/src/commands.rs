@@ -28,7 +28,69 @@ use super::{
     token::BearerToken,
     watch::{Failing, NODE_DETAIL_LIMIT, Painter, is_failing},
 };
-use crate::shapefile::{self, Format, ShapeFile, ShapeFileError};
+use crate::{
+    config::{self, Config, Context},
+    shapefile::{self, Format, ShapeFile, ShapeFileError},
+};
+
+/// `provisionctl config ...`: reads and writes the configuration file only.
+fn config_command(
+    cmd: &super::cli::ConfigCommand,
+    cli: &Cli,
+    mut config: Config,
+    path: Option<&std::path::Path>,
+) -> Result<Exit, CliError> {
+    use super::cli::ConfigCommand as C;
+    let path = || {
+        path.ok_or_else(|| {
+            CliError::Usage(
+                "no configuration file: give --config PATH (or set XDG_CONFIG_HOME or HOME)".to_owned(),
+            )
+        })
+    };
+    match cmd {
+        C::GetContexts => print_lines(&config.contexts_table())?,
+        C::CurrentContext => match &config.current_context {
+            Some(name) => print_lines(std::slice::from_ref(name))?,
+            None => {
+                return Err(CliError::refused(
+                    "no current context is set",
+                    Some("`provisionctl config use-context NAME` sets one".to_owned()),
+                ));
+            }
+        },
+        C::UseContext { name } => {
+            config.use_context(name)?;
+            config.save(path()?)?;
+            print_lines(&[format!("switched to context {name}")])?;
+        }
+        C::SetContext { name } => {
+            let made = config.context(name).is_none();
+            config.set_context(Context {
+                name: name.clone(),
+                server: cli.server.clone(),
+                tls_ca: cli.tls.tls_ca.clone(),
+                tls_cert: cli.tls.tls_cert.clone(),
+                tls_key: cli.tls.tls_key.clone(),
+                token_file: cli.token_file.clone(),
+                insecure: cli.tls.insecure,
+            });
+            let file = path()?;
+            config.save(file)?;
+            print_lines(&[format!(
+                "context {name} {} in {}",
+                if made { "made" } else { "updated" },
+                file.display()
+            )])?;
+        }
+        C::View => {
+            let text = serde_yaml::to_string(&config)
+                .map_err(|e| CliError::Other(format!("cannot print the configuration: {e}")))?;
+            write_bytes(text.as_bytes())?;
+        }
+    }
+    Ok(Exit::Success)
+}
 
 type Client = ProvisioningClient<InterceptedService<Channel, BearerToken>>;
 
@@ -47,16 +109,38 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
     {
         return super::tls::write_certs(out, hosts, also, *days, *force);
     }
-    let server = cli.server.clone();
     if let Command::Token(cmd) = cli.command {
         return super::token::run(cmd);
     }
-    let token = BearerToken::from_args(cli.token_file.as_deref())?;
-    let ctx = Ctx {
-        server,
-        token,
-        tls: cli.tls.clone(),
+    let config_path = cli.config.clone().or_else(config::default_path);
+    let config = match &config_path {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
     };
+    if let Command::Config(cmd) = &cli.command {
+        return config_command(cmd, &cli, config, config_path.as_deref());
+    }
+    // Each setting from its flag or environment variable, else from the
+    // context, else the default.
+    let context = config
+        .active(cli.context.as_deref())?
+        .cloned()
+        .unwrap_or_default();
+    let server = cli
+        .server
+        .clone()
+        .or(context.server)
+        .unwrap_or_else(|| super::cli::DEFAULT_SERVER.to_owned());
+    let mut tls = cli.tls.clone();
+    tls.tls_ca = tls.tls_ca.or(context.tls_ca);
+    if tls.tls_cert.is_none() && tls.tls_key.is_none() {
+        tls.tls_cert = context.tls_cert;
+        tls.tls_key = context.tls_key;
+    }
+    tls.insecure = tls.insecure.or(context.insecure);
+    let token_file = cli.token_file.clone().or(context.token_file);
+    let token = BearerToken::from_args(token_file.as_deref())?;
+    let ctx = Ctx { server, token, tls };
     match cli.command {
         Command::Apply {
             file,
@@ -130,6 +214,7 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
         Command::Orphans { output } => ctx.orphans(output.output).await,
         // Answered above, without a server.
         Command::Token(cmd) => super::token::run(cmd),
+        Command::Config(_) => Ok(Exit::Success),
         Command::Certs {
             out,
             hosts,

@@ -24,6 +24,7 @@
 
 pub mod cli;
 pub mod commands;
+pub mod config;
 pub mod error;
 pub mod events;
 pub mod explain;

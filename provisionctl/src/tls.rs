@@ -37,9 +37,19 @@ pub struct TlsClientArgs {
         requires = "tls_cert"
     )]
     pub tls_key: Option<PathBuf>,
-    /// Talk to the driver in plaintext (a driver started with --insecure).
-    #[arg(long, global = true, env = "PROVISIONCTL_INSECURE", value_parser = clap::builder::BoolishValueParser::new(), default_value_t = false)]
-    pub insecure: bool,
+    /// Talk to the driver in plaintext (a driver started with --insecure);
+    /// `--insecure=false` overrides a context that says so.
+    #[arg(
+        long,
+        global = true,
+        env = "PROVISIONCTL_INSECURE",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        value_name = "BOOL"
+    )]
+    pub insecure: Option<bool>,
 }
 
 impl TlsClientArgs {
@@ -47,7 +57,7 @@ impl TlsClientArgs {
     /// `--insecure`, or both, is a usage error (exit 2); a file that cannot
     /// be read or holds no PEM fails the command (exit 1).
     pub fn transport(&self) -> Result<Transport, CliError> {
-        match (&self.tls_ca, self.insecure) {
+        match (&self.tls_ca, self.insecure.unwrap_or(false)) {
             (None, false) => Err(CliError::Usage(
                 "no TLS settings: give --tls-ca (or PROVISIONCTL_TLS_CA) to reach the driver over TLS, \
                  or --insecure for a driver that serves plaintext"

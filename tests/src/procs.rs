@@ -652,10 +652,20 @@ impl Cluster {
     /// The environment `provisionctl` needs to reach this cluster's driver:
     /// the PKI with its client certificate, or `--insecure`.
     pub fn provisionctl_env(&self) -> Vec<(String, String)> {
-        match &self.tls {
+        let mut env = match &self.tls {
             Some(pki) => pki.provisionctl_env(),
             None => vec![("PROVISIONCTL_INSECURE".into(), "true".into())],
-        }
+        };
+        // The test's own (absent) configuration file, never the user's.
+        env.push((
+            "PROVISIONCTL_CONFIG".into(),
+            self.dir
+                .path()
+                .join("provisionctl-config.yaml")
+                .display()
+                .to_string(),
+        ));
+        env
     }
 
     /// Every live resource the executor reports.

@@ -1167,3 +1167,63 @@ async fn watch_follows_a_run_across_a_driver_restart() {
     assert!(stderr.contains("watching run across again"), "{stderr}");
     assert_eq!(last["converged"], true, "{last}");
 }
+
+/// A context made from the connection flags reaches the driver with no
+/// flag or variable at all; a flag still wins over it; an unknown context is
+/// refused naming the ones there are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_context_reaches_the_driver_without_flags() {
+    let (cluster, ctl) = start().await;
+    let config = cluster.dir.path().join("contexts.yaml").display().to_string();
+    let run = |args: Vec<String>, with_env: bool| {
+        let mut cmd = std::process::Command::new(&ctl.bin);
+        cmd.args(&args);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("PROVISIONCTL_") {
+                cmd.env_remove(k);
+            }
+        }
+        if with_env {
+            cmd.env("PROVISIONCTL_SERVER", &ctl.server)
+                .envs(ctl.env.iter().map(|(k, v)| (k, v)));
+        }
+        cmd.env("PROVISIONCTL_CONFIG", &config);
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let (code, out, err) = run(args(&["config", "set-context", "test"]), true);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("context test made"), "{out}");
+    let (_, out, _) = run(args(&["config", "get-contexts"]), false);
+    assert!(
+        out.contains("*") && out.contains("test") && out.contains(&ctl.server),
+        "{out}"
+    );
+
+    // No flag, no variable: the context says where and how.
+    let file = ctl.write("ctx.yaml", &shape("ctx", 1, "img:1"));
+    let (code, _, err) = run(args(&["apply", "-f", &file]), false);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = run(args(&["get", "ctx", "-o", "json"]), false);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("\"run_id\": \"ctx\""), "{out}");
+    // A flag wins over the context.
+    let (code, _, err) = run(args(&["get", "ctx", "--server", "127.0.0.1:1"]), false);
+    assert_eq!(code, Some(4), "{err}");
+    // An unknown context names the known ones.
+    let (code, _, err) = run(args(&["get", "ctx", "--context", "prod"]), false);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("no context named prod") && err.contains("test"),
+        "{err}"
+    );
+    let (code, _, err) = run(args(&["config", "use-context", "prod"]), false);
+    assert_eq!(code, Some(1), "{err}");
+    let (code, out, _) = run(args(&["config", "current-context"]), false);
+    assert_eq!((code, out.trim()), (Some(0), "test"));
+}
