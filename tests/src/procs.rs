@@ -692,6 +692,22 @@ impl Cluster {
 }
 
 /// Follows a run's watch stream until `done` says so, or `timeout` passes.
+/// The run's whole event log, oldest first.
+pub async fn run_events(
+    client: &mut ProvisioningClient<Channel>,
+    run_id: &str,
+) -> anyhow::Result<Vec<pb::Event>> {
+    Ok(client
+        .list_events(pb::ListEventsRequest {
+            run_id: run_id.to_owned(),
+            after_seq: 0,
+            limit: 0,
+        })
+        .await?
+        .into_inner()
+        .events)
+}
+
 pub async fn watch_until(
     client: &mut ProvisioningClient<Channel>,
     run_id: &str,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use contract::pb;
 use provisioning_tests::{
-    procs::{Cluster, ClusterOptions, watch_until},
+    procs::{Cluster, ClusterOptions, run_events, watch_until},
     shapes::shape,
 };
 
@@ -31,18 +31,10 @@ async fn apply(cluster: &Cluster, s: &contract::ClusterShape) {
     cluster.apply(s).await.unwrap();
 }
 
-/// The run's event log: (reason, object, message) of each event kept.
+/// The run's event log.
 async fn events(cluster: &Cluster) -> Vec<pb::Event> {
     let mut c = cluster.client().await.unwrap();
-    c.list_events(pb::ListEventsRequest {
-        run_id: "cond".into(),
-        after_seq: 0,
-        limit: 0,
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .events
+    run_events(&mut c, "cond").await.unwrap()
 }
 
 fn reasons(events: &[pb::Event]) -> Vec<&str> {

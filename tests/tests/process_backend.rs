@@ -17,7 +17,7 @@ use executor_svc::process::{
 };
 use provisioning_tests::{
     procs::{
-        AgentsDir, Cluster, ClusterOptions, ProcEntry, eventually, live_agent_pids, watch_until,
+        AgentsDir, Cluster, ClusterOptions, ProcEntry, eventually, live_agent_pids, run_events, watch_until,
         zombie_descendants,
     },
     shapes::shape,
@@ -627,16 +627,7 @@ async fn a_ready_nodes_agent_killed_is_found_lost_and_replaced() {
     }
     // The event log has the loss once, of that attempt, as the executor's
     // watch saw it (the agent's exit), not as a later look at the inventory.
-    let log = c
-        .list_events(pb::ListEventsRequest {
-            run_id: "agents".into(),
-            after_seq: 0,
-            limit: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .events;
+    let log = run_events(&mut c, "agents").await.unwrap();
     let lost: Vec<&pb::Event> = log.iter().filter(|e| e.reason == "NodeLost").collect();
     assert_eq!(lost.len(), 1, "{log:?}");
     assert_eq!(
@@ -814,16 +805,7 @@ async fn a_stopped_ready_agent_is_unhealthy_then_remediated() {
         }
     }
     // The log says what happened to it, in order: unhealthy, then replaced.
-    let log = c
-        .list_events(pb::ListEventsRequest {
-            run_id: "agents".into(),
-            after_seq: 0,
-            limit: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .events;
+    let log = run_events(&mut c, "agents").await.unwrap();
     let of_node: Vec<&str> = log
         .iter()
         .filter(|e| e.node_id == "workers-1" && e.attempt == attempts["workers-1"])
@@ -920,16 +902,7 @@ async fn a_mass_failure_over_max_unhealthy_replaces_nothing_and_heals() {
     assert_eq!(attempts_of(&mut c, 10).await, attempts, "healing replaced a node");
     // The log: six nodes unhealthy, the group held once (with the budget and
     // the counts), the stall, six recoveries, converged; nothing replaced.
-    let log = c
-        .list_events(pb::ListEventsRequest {
-            run_id: "agents".into(),
-            after_seq: 0,
-            limit: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .events;
+    let log = run_events(&mut c, "agents").await.unwrap();
     let count = |reason: &str| log.iter().filter(|e| e.reason == reason).count();
     assert_eq!(count("NodeUnhealthy"), 6, "{log:?}");
     assert_eq!(count("NodeRecovered"), 6, "{log:?}");

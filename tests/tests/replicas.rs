@@ -44,7 +44,8 @@ use platform::event_trace::{TraceEvent, TraceLine, parse_line};
 use provisioning_tests::{
     etcd::{self, Etcd, EtcdMembers, PREFIX},
     procs::{
-        self, AgentsDir, Cluster, ClusterOptions, Sampler, Service, bin_path, live_agent_pids, watch_until,
+        self, AgentsDir, Cluster, ClusterOptions, Sampler, Service, bin_path, live_agent_pids, run_events,
+        watch_until,
     },
     shapes::{shape, with_template},
 };
@@ -569,18 +570,7 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
     r.until(&taker, |s| s.converged && s.generation == 2).await;
     assert_eq!(live_agent_pids(&r.agents.root).len(), 6);
     // The run's event log, written by both owners, says it was taken over.
-    let log = r
-        .client_of(&taker)
-        .await
-        .list_events(pb::ListEventsRequest {
-            run_id: RUN.into(),
-            after_seq: 0,
-            limit: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .events;
+    let log = run_events(&mut r.client_of(&taker).await, RUN).await.unwrap();
     let reasons: Vec<&str> = log.iter().map(|e| e.reason.as_str()).collect();
     assert_eq!(reasons.first(), Some(&"Applied"), "{reasons:?}");
     assert_eq!(
