@@ -6,13 +6,15 @@
 //! field names, and the table shows the same facts. Shapes come from the
 //! server already redacted; nothing here ever reads a local secret.
 
+use std::time::Duration;
+
+use contract::pb;
 use serde_json::{Map, Value, json};
 
 use super::{
     names,
     text::{self, Table},
 };
-use contract::pb;
 
 /// How a read command prints its answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -483,7 +485,9 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
         "READY",
         "PENDING",
         "FAILING",
+        "UNHEALTHY",
         "GROUPS",
+        "AGE",
     ];
     if replicas {
         columns.push("SERVED BY");
@@ -491,6 +495,13 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
     let mut t = Table::new(&columns);
     for s in runs {
         let failing: u32 = s.groups.iter().map(|g| g.failing).sum();
+        let unhealthy: u32 = s.groups.iter().map(|g| g.unhealthy).sum();
+        // Measured against the server's clock, as every time shown is.
+        let age = if s.created_at_ms > 0 && s.updated_at_ms >= s.created_at_ms {
+            text::age(Duration::from_millis(s.updated_at_ms - s.created_at_ms))
+        } else {
+            "-".to_owned()
+        };
         let mut row = vec![
             s.run_id.clone(),
             phase_text(s),
@@ -498,7 +509,9 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
             format!("{}/{}", s.ready_count, desired(s)),
             s.pending_operations.to_string(),
             failing.to_string(),
+            unhealthy.to_string(),
             s.groups.len().to_string(),
+            age,
         ];
         if replicas {
             row.push(match (s.from_store, s.served_by.as_str(), s.served_at.as_str()) {

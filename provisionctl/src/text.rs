@@ -67,6 +67,18 @@ pub fn duration(d: Duration) -> String {
     }
 }
 
+/// An age as kubectl shows one: the largest unit or two (`45s`, `3m12s`,
+/// `5h20m`, `4d7h`).
+pub fn age(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{}s", s / 60, s % 60),
+        3600..86_400 => format!("{}h{}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d{}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
 /// A wall-clock time (ms) relative to `now_ms`: `in 1.2s`, `3.0s ago`, or
 /// `now`. Both times come from the server, so a skewed client clock does not
 /// matter.
@@ -205,6 +217,15 @@ pub fn clip(line: &str, width: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ages_read_as_kubectl_shows_them() {
+        let s = Duration::from_secs;
+        assert_eq!(age(s(45)), "45s");
+        assert_eq!(age(s(192)), "3m12s");
+        assert_eq!(age(s(5 * 3600 + 20 * 60 + 7)), "5h20m");
+        assert_eq!(age(s(4 * 86_400 + 7 * 3600)), "4d7h");
+    }
 
     #[test]
     fn utc_times_are_civil_dates() {
