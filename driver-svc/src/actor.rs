@@ -477,6 +477,7 @@ impl RunActor {
                     return;
                 }
                 let before = self.events.before(&self.run);
+                let undo = self.run.request_undo();
                 let result = self.run.apply_shape(shape).map_err(DriverError::from);
                 self.events
                     .request(before, &self.run, now, "shape", || match &result {
@@ -496,6 +497,10 @@ impl RunActor {
                         );
                         self.request_changed(trace);
                         let committed = self.commit().await.map(|()| Applied::Changed);
+                        if committed.is_err() {
+                            // Not stored, so not made: no read shows it.
+                            self.run.undo_request(undo);
+                        }
                         // Health policies apply at once and replace nothing.
                         self.session.handle_shape_changed(&self.run);
                         self.flush();
@@ -511,6 +516,7 @@ impl RunActor {
             }
             RunEvent::Delete { trace, reply } => {
                 let before = self.events.before(&self.run);
+                let undo = self.run.request_undo();
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None if self.run.delete() => {
@@ -524,6 +530,8 @@ impl RunActor {
                         let committed = self.commit().await;
                         if committed.is_ok() {
                             crash::hit(crash::Point::DeleteCommitted);
+                        } else {
+                            self.run.undo_request(undo);
                         }
                         committed
                     }
@@ -536,6 +544,7 @@ impl RunActor {
             }
             RunEvent::SetPaused { paused, trace, reply } => {
                 let before = self.events.before(&self.run);
+                let undo = self.run.request_undo();
                 let result = match &self.halted {
                     Some(why) => Err(DriverError::Halted(why.clone())),
                     None if self.run.set_paused(paused) => {
@@ -550,7 +559,11 @@ impl RunActor {
                         self.run
                             .record_event(reason, Subject::Run, message.to_owned(), now);
                         self.request_changed(trace);
-                        self.commit().await
+                        let committed = self.commit().await;
+                        if committed.is_err() {
+                            self.run.undo_request(undo);
+                        }
+                        committed
                     }
                     None => Ok(()),
                 };
@@ -1386,6 +1399,7 @@ impl RunActor {
         let deps = status::Dependencies {
             decider_down: self.decider_down.clone(),
             executor_link_down: self.session.link().is_none() && !self.run.is_gone(),
+            halted: self.halted.clone(),
         };
         let observed = status::observe(&self.run, &deps);
         let (conditions, transitions) = self.conditions.stamp(observed, status.generation, now);

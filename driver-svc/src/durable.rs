@@ -24,7 +24,11 @@
 //! `StoredNode`), `events` ((run uid, seq) → `StoredEvent`), `schema`
 //! ("version" → u32).
 
-use std::{collections::BTreeMap, path::Path};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::{PoisonError, RwLock},
+};
 
 use contract::{
     ClusterShape, Epoch, Event, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
@@ -60,9 +64,16 @@ fn corrupt(what: impl std::fmt::Display) -> StoreError {
 }
 
 /// A `RunStore` over a redb file.
+///
+/// After an I/O error (a full disk, say) redb refuses every further
+/// transaction until the database is opened again; the store then reopens
+/// the file itself, so a run halted by the failed write is reloaded once
+/// the disk takes writes again, without a restart of the driver.
 #[derive(Debug)]
 pub struct RedbStore {
-    db: Database,
+    /// `None` only while the file is being opened again.
+    db: RwLock<Option<Database>>,
+    path: PathBuf,
     /// Seals secret parameter values before they are written.
     sealer: Sealer,
 }
@@ -83,59 +94,108 @@ impl RedbStore {
             OpenError::Unavailable(e) => unavailable(e),
             OpenError::Corrupt(e) => corrupt(e),
         })?;
-        let store = Self { db, sealer };
-        store.check_schema()?;
-        Ok(store)
+        check_schema(&db)?;
+        Ok(Self {
+            db: RwLock::new(Some(db)),
+            path: dir.join(FILE_NAME),
+            sealer,
+        })
     }
 
-    fn check_schema(&self) -> Result<(), StoreError> {
-        let txn = self.db.begin_write().map_err(unavailable)?;
-        {
-            let mut schema = txn.open_table(SCHEMA).map_err(unavailable)?;
-            let found = schema.get("version").map_err(unavailable)?.map(|v| v.value());
-            match found {
-                None => {
-                    schema.insert("version", SCHEMA_VERSION).map_err(unavailable)?;
-                }
-                Some(v) if v == SCHEMA_VERSION => {}
-                Some(v) if v > SCHEMA_VERSION => {
-                    return Err(corrupt(format!(
-                        "the store was written by schema version {v}; this driver reads up to {SCHEMA_VERSION}"
-                    )));
-                }
-                Some(from @ (1 | 2)) => {
-                    // Older schemas are migrated here, one version at a time,
-                    // inside this transaction: a failed migration leaves the
-                    // file as it was. 2 → 3 only adds the events table,
-                    // opened below.
-                    drop(schema);
-                    if from == 1 {
-                        migrate_1_to_2(&txn)?;
-                    }
-                    txn.open_table(SCHEMA)
-                        .map_err(unavailable)?
-                        .insert("version", SCHEMA_VERSION)
-                        .map_err(unavailable)?;
-                    tracing::info!(from, to = SCHEMA_VERSION, "store migrated");
-                }
-                Some(v) => {
-                    return Err(corrupt(format!("no migration from schema version {v}")));
-                }
+    /// Runs `f` on the database. An error that redb answers after an I/O
+    /// error (every transaction refused until the file is opened again)
+    /// makes the store open it again, so the caller's retry can succeed.
+    fn with_db<T>(&self, f: impl FnOnce(&Database) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        let result = {
+            let guard = self.db.read().unwrap_or_else(PoisonError::into_inner);
+            match guard.as_ref() {
+                Some(db) => f(db),
+                None => Err(unavailable("the store file is being opened again")),
             }
-            txn.open_table(META).map_err(unavailable)?;
-            txn.open_table(NODES).map_err(unavailable)?;
-            txn.open_table(EVENTS).map_err(unavailable)?;
+        };
+        let poisoned = matches!(&result, Err(StoreError::Unavailable(m)) if m.contains(&redb::Error::PreviousIo.to_string()))
+            || matches!(&result, Err(StoreError::Unavailable(m)) if m.contains("being opened again"));
+        if poisoned {
+            self.reopen();
         }
-        txn.commit().map_err(unavailable)
+        result
+    }
+
+    /// Opens the file again (after an I/O error): the old handle is dropped
+    /// first, so its lock on the file goes with it.
+    fn reopen(&self) {
+        let mut guard = self.db.write().unwrap_or_else(PoisonError::into_inner);
+        *guard = None;
+        match Database::create(&self.path) {
+            Ok(db) => {
+                tracing::warn!(path = %self.path.display(), "store file opened again after an I/O error");
+                *guard = Some(db);
+            }
+            Err(e) => {
+                tracing::error!(path = %self.path.display(), error = %e,
+                    "the store file cannot be opened again yet; the next write tries again");
+            }
+        }
+    }
+
+    /// The open database, for tests that write what an older driver would.
+    #[cfg(test)]
+    fn raw(&self) -> std::sync::RwLockReadGuard<'_, Option<Database>> {
+        self.db.read().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The schema version the file is at.
     pub fn schema_version(&self) -> Result<u32, StoreError> {
-        let txn = self.db.begin_read().map_err(unavailable)?;
-        let schema = txn.open_table(SCHEMA).map_err(unavailable)?;
-        let v = schema.get("version").map_err(unavailable)?.map(|v| v.value());
-        v.ok_or_else(|| corrupt("the store has no schema version"))
+        self.with_db(|db| {
+            let txn = db.begin_read().map_err(unavailable)?;
+            let schema = txn.open_table(SCHEMA).map_err(unavailable)?;
+            let v = schema.get("version").map_err(unavailable)?.map(|v| v.value());
+            v.ok_or_else(|| corrupt("the store has no schema version"))
+        })
     }
+}
+
+/// Checks the file's schema version, migrating an older one in the same
+/// transaction.
+fn check_schema(db: &Database) -> Result<(), StoreError> {
+    let txn = db.begin_write().map_err(unavailable)?;
+    {
+        let mut schema = txn.open_table(SCHEMA).map_err(unavailable)?;
+        let found = schema.get("version").map_err(unavailable)?.map(|v| v.value());
+        match found {
+            None => {
+                schema.insert("version", SCHEMA_VERSION).map_err(unavailable)?;
+            }
+            Some(v) if v == SCHEMA_VERSION => {}
+            Some(v) if v > SCHEMA_VERSION => {
+                return Err(corrupt(format!(
+                    "the store was written by schema version {v}; this driver reads up to {SCHEMA_VERSION}"
+                )));
+            }
+            Some(from @ (1 | 2)) => {
+                // Older schemas are migrated here, one version at a time,
+                // inside this transaction: a failed migration leaves the
+                // file as it was. 2 → 3 only adds the events table,
+                // opened below.
+                drop(schema);
+                if from == 1 {
+                    migrate_1_to_2(&txn)?;
+                }
+                txn.open_table(SCHEMA)
+                    .map_err(unavailable)?
+                    .insert("version", SCHEMA_VERSION)
+                    .map_err(unavailable)?;
+                tracing::info!(from, to = SCHEMA_VERSION, "store migrated");
+            }
+            Some(v) => {
+                return Err(corrupt(format!("no migration from schema version {v}")));
+            }
+        }
+        txn.open_table(META).map_err(unavailable)?;
+        txn.open_table(NODES).map_err(unavailable)?;
+        txn.open_table(EVENTS).map_err(unavailable)?;
+    }
+    txn.commit().map_err(unavailable)
 }
 
 /// Schema 1 → 2: every record is rewritten under version 2; their fields are
@@ -354,126 +414,133 @@ pub(crate) fn decode_node(sealer: &Sealer, bytes: &[u8]) -> Result<NodeRecord, S
 
 impl RunStore for RedbStore {
     fn commit(&self, delta: &RunDelta) -> Result<(), StoreError> {
-        let uid = delta.uid.to_string();
-        let txn = self.db.begin_write().map_err(unavailable)?;
-        {
-            let mut meta = txn.open_table(META).map_err(unavailable)?;
-            let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
-            let mut events = txn.open_table(EVENTS).map_err(unavailable)?;
-            if delta.drop_run {
-                meta.remove(uid.as_str()).map_err(unavailable)?;
-                events
-                    .retain_in((uid.as_str(), 0)..=(uid.as_str(), u64::MAX), |_, _| false)
-                    .map_err(unavailable)?;
-                let mut keys: Vec<String> = Vec::new();
-                for item in nodes.range((uid.as_str(), "")..).map_err(unavailable)? {
-                    let (k, _) = item.map_err(unavailable)?;
-                    let (u, n) = k.value();
-                    if u != uid.as_str() {
-                        break;
-                    }
-                    keys.push(n.to_owned());
-                }
-                for k in keys {
-                    nodes.remove((uid.as_str(), k.as_str())).map_err(unavailable)?;
-                }
-            } else {
-                if let Some(m) = &delta.meta {
-                    meta.insert(uid.as_str(), encode_meta(&self.sealer, m)?.as_slice())
-                        .map_err(unavailable)?;
-                } else if meta.get(uid.as_str()).map_err(unavailable)?.is_none() {
-                    return Err(StoreError::UnknownRun(delta.uid));
-                }
-                for r in &delta.upserts {
-                    let id = r.node.id.to_string();
-                    nodes
-                        .insert(
-                            (uid.as_str(), id.as_str()),
-                            encode_node(&self.sealer, r)?.as_slice(),
-                        )
-                        .map_err(unavailable)?;
-                }
-                for id in &delta.removals {
-                    let id = id.to_string();
-                    nodes.remove((uid.as_str(), id.as_str())).map_err(unavailable)?;
-                }
-                if !delta.events.is_empty() || delta.events_below.is_some() {
-                    let run_id = match &delta.meta {
-                        Some(m) => m.run_id.clone(),
-                        None => {
-                            let stored = meta
-                                .get(uid.as_str())
-                                .map_err(unavailable)?
-                                .ok_or(StoreError::UnknownRun(delta.uid))?;
-                            decode_meta(&self.sealer, stored.value())?.run_id
-                        }
-                    };
-                    for e in &delta.events {
-                        events
-                            .insert((uid.as_str(), e.seq), encode_event(&run_id, e).as_slice())
-                            .map_err(unavailable)?;
-                    }
-                    if let Some(below) = delta.events_below {
-                        events
-                            .retain_in((uid.as_str(), 0)..(uid.as_str(), below), |_, _| false)
-                            .map_err(unavailable)?;
-                    }
-                }
-            }
-        }
-        txn.commit().map_err(unavailable)
+        self.with_db(|db| commit_to(db, &self.sealer, delta))
     }
 
     fn load_all(&self) -> Result<Vec<StoredRun>, StoreError> {
-        let txn = self.db.begin_read().map_err(unavailable)?;
-        let meta = txn.open_table(META).map_err(unavailable)?;
-        let nodes = txn.open_table(NODES).map_err(unavailable)?;
-        let mut runs: BTreeMap<String, StoredRun> = BTreeMap::new();
-        for item in meta.iter().map_err(unavailable)? {
-            let (k, v) = item.map_err(unavailable)?;
-            let m = decode_meta(&self.sealer, v.value())?;
-            if m.uid.to_string() != k.value() {
-                return Err(corrupt(format!("run record under the wrong key {}", k.value())));
-            }
-            runs.insert(
-                k.value().to_owned(),
-                StoredRun {
-                    meta: m,
-                    nodes: Vec::new(),
-                    events: Vec::new(),
-                },
-            );
-        }
-        for item in nodes.iter().map_err(unavailable)? {
-            let (k, v) = item.map_err(unavailable)?;
-            let (uid, id) = k.value();
-            let rec = decode_node(&self.sealer, v.value())?;
-            if rec.node.id != LogicalNodeId::parse("node_id", id).map_err(corrupt)? {
-                return Err(corrupt(format!("node record under the wrong key {id}")));
-            }
-            let run = runs
-                .get_mut(uid)
-                .ok_or_else(|| corrupt(format!("node {id} of run {uid}, which has no run record")))?;
-            run.nodes.push(rec);
-        }
-        let events = txn.open_table(EVENTS).map_err(unavailable)?;
-        for item in events.iter().map_err(unavailable)? {
-            let (k, v) = item.map_err(unavailable)?;
-            let (uid, seq) = k.value();
-            let e = decode_event(v.value())?;
-            if e.seq != seq {
-                return Err(corrupt(format!(
-                    "event {} of run {uid} under the wrong key {seq}",
-                    e.seq
-                )));
-            }
-            let run = runs
-                .get_mut(uid)
-                .ok_or_else(|| corrupt(format!("event {seq} of run {uid}, which has no run record")))?;
-            run.events.push(e);
-        }
-        Ok(runs.into_values().collect())
+        self.with_db(|db| load_from(db, &self.sealer))
     }
+}
+
+/// One delta in one write transaction.
+fn commit_to(db: &Database, sealer: &Sealer, delta: &RunDelta) -> Result<(), StoreError> {
+    let uid = delta.uid.to_string();
+    let txn = db.begin_write().map_err(unavailable)?;
+    {
+        let mut meta = txn.open_table(META).map_err(unavailable)?;
+        let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
+        let mut events = txn.open_table(EVENTS).map_err(unavailable)?;
+        if delta.drop_run {
+            meta.remove(uid.as_str()).map_err(unavailable)?;
+            events
+                .retain_in((uid.as_str(), 0)..=(uid.as_str(), u64::MAX), |_, _| false)
+                .map_err(unavailable)?;
+            let mut keys: Vec<String> = Vec::new();
+            for item in nodes.range((uid.as_str(), "")..).map_err(unavailable)? {
+                let (k, _) = item.map_err(unavailable)?;
+                let (u, n) = k.value();
+                if u != uid.as_str() {
+                    break;
+                }
+                keys.push(n.to_owned());
+            }
+            for k in keys {
+                nodes.remove((uid.as_str(), k.as_str())).map_err(unavailable)?;
+            }
+        } else {
+            if let Some(m) = &delta.meta {
+                meta.insert(uid.as_str(), encode_meta(sealer, m)?.as_slice())
+                    .map_err(unavailable)?;
+            } else if meta.get(uid.as_str()).map_err(unavailable)?.is_none() {
+                return Err(StoreError::UnknownRun(delta.uid));
+            }
+            for r in &delta.upserts {
+                let id = r.node.id.to_string();
+                nodes
+                    .insert((uid.as_str(), id.as_str()), encode_node(sealer, r)?.as_slice())
+                    .map_err(unavailable)?;
+            }
+            for id in &delta.removals {
+                let id = id.to_string();
+                nodes.remove((uid.as_str(), id.as_str())).map_err(unavailable)?;
+            }
+            if !delta.events.is_empty() || delta.events_below.is_some() {
+                let run_id = match &delta.meta {
+                    Some(m) => m.run_id.clone(),
+                    None => {
+                        let stored = meta
+                            .get(uid.as_str())
+                            .map_err(unavailable)?
+                            .ok_or(StoreError::UnknownRun(delta.uid))?;
+                        decode_meta(sealer, stored.value())?.run_id
+                    }
+                };
+                for e in &delta.events {
+                    events
+                        .insert((uid.as_str(), e.seq), encode_event(&run_id, e).as_slice())
+                        .map_err(unavailable)?;
+                }
+                if let Some(below) = delta.events_below {
+                    events
+                        .retain_in((uid.as_str(), 0)..(uid.as_str(), below), |_, _| false)
+                        .map_err(unavailable)?;
+                }
+            }
+        }
+    }
+    txn.commit().map_err(unavailable)
+}
+
+/// Every run, in one read transaction.
+fn load_from(db: &Database, sealer: &Sealer) -> Result<Vec<StoredRun>, StoreError> {
+    let txn = db.begin_read().map_err(unavailable)?;
+    let meta = txn.open_table(META).map_err(unavailable)?;
+    let nodes = txn.open_table(NODES).map_err(unavailable)?;
+    let mut runs: BTreeMap<String, StoredRun> = BTreeMap::new();
+    for item in meta.iter().map_err(unavailable)? {
+        let (k, v) = item.map_err(unavailable)?;
+        let m = decode_meta(sealer, v.value())?;
+        if m.uid.to_string() != k.value() {
+            return Err(corrupt(format!("run record under the wrong key {}", k.value())));
+        }
+        runs.insert(
+            k.value().to_owned(),
+            StoredRun {
+                meta: m,
+                nodes: Vec::new(),
+                events: Vec::new(),
+            },
+        );
+    }
+    for item in nodes.iter().map_err(unavailable)? {
+        let (k, v) = item.map_err(unavailable)?;
+        let (uid, id) = k.value();
+        let rec = decode_node(sealer, v.value())?;
+        if rec.node.id != LogicalNodeId::parse("node_id", id).map_err(corrupt)? {
+            return Err(corrupt(format!("node record under the wrong key {id}")));
+        }
+        let run = runs
+            .get_mut(uid)
+            .ok_or_else(|| corrupt(format!("node {id} of run {uid}, which has no run record")))?;
+        run.nodes.push(rec);
+    }
+    let events = txn.open_table(EVENTS).map_err(unavailable)?;
+    for item in events.iter().map_err(unavailable)? {
+        let (k, v) = item.map_err(unavailable)?;
+        let (uid, seq) = k.value();
+        let e = decode_event(v.value())?;
+        if e.seq != seq {
+            return Err(corrupt(format!(
+                "event {} of run {uid} under the wrong key {seq}",
+                e.seq
+            )));
+        }
+        let run = runs
+            .get_mut(uid)
+            .ok_or_else(|| corrupt(format!("event {seq} of run {uid}, which has no run record")))?;
+        run.events.push(e);
+    }
+    Ok(runs.into_values().collect())
 }
 
 #[cfg(test)]
@@ -562,7 +629,7 @@ mod tests {
         delta.drop_run = true;
         store.commit(&delta).unwrap();
         assert!(store.load_all().unwrap().is_empty());
-        let txn = store.db.begin_read().unwrap();
+        let txn = store.raw().as_ref().unwrap().begin_read().unwrap();
         assert_eq!(txn.open_table(NODES).unwrap().iter().unwrap().count(), 0);
     }
 
@@ -661,7 +728,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let store = RedbStore::open(dir.path()).unwrap();
-            let txn = store.db.begin_write().unwrap();
+            let txn = store.raw().as_ref().unwrap().begin_write().unwrap();
             txn.open_table(SCHEMA)
                 .unwrap()
                 .insert("version", SCHEMA_VERSION + 1)
@@ -717,7 +784,7 @@ mod tests {
         delta.drop_run = true;
         store.commit(&delta).unwrap();
         assert!(store.load_all().unwrap().is_empty());
-        let txn = store.db.begin_read().unwrap();
+        let txn = store.raw().as_ref().unwrap().begin_read().unwrap();
         assert_eq!(txn.open_table(EVENTS).unwrap().iter().unwrap().count(), 0);
     }
 
@@ -734,7 +801,7 @@ mod tests {
                 RunState::create(shape(1), uid, Epoch::new(1), Arc::new(Policy::default()), now).unwrap();
             drive(&mut run, &store, now);
             // Back to what a schema-2 driver wrote.
-            let txn = store.db.begin_write().unwrap();
+            let txn = store.raw().as_ref().unwrap().begin_write().unwrap();
             {
                 let mut meta = txn.open_table(META).unwrap();
                 let key = uid.to_string();

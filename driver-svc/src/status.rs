@@ -200,6 +200,8 @@ pub struct Dependencies {
     pub decider_down: Option<String>,
     /// The executor link is down (no stream, or it is reconnecting).
     pub executor_link_down: bool,
+    /// Why the run is halted (a write its store refused), while it is.
+    pub halted: Option<String>,
 }
 
 /// The condition types, in the order a status lists them.
@@ -384,7 +386,17 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             message: format!("{ready} of {} nodes ready", want + missing),
         }
     };
-    let degraded_c = if let Some(why) = &deps.decider_down {
+    let degraded_c = if let Some(why) = &deps.halted {
+        Observed {
+            kind: "Degraded",
+            status: true,
+            reason: "Halted",
+            message: format!(
+                "{why}; nothing is done for the run until it is reloaded from its store, which is retried \
+                 with backoff"
+            ),
+        }
+    } else if let Some(why) = &deps.decider_down {
         Observed {
             kind: "Degraded",
             status: true,

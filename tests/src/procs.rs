@@ -597,15 +597,17 @@ impl Cluster {
             }
             None => executor.url(),
         };
-        let data_dir = dir.path().join("driver-data").display().to_string();
         let mut args = vec![
             "--decider".into(),
             decider.url(),
             "--executor".into(),
             executor_url,
-            "--data-dir".into(),
-            data_dir,
         ];
+        // The store in the test's directory, unless the test puts it elsewhere.
+        if !opts.driver_args.iter().any(|a| a == "--data-dir") {
+            args.push("--data-dir".into());
+            args.push(dir.path().join("driver-data").display().to_string());
+        }
         args.extend(opts.driver_args.iter().cloned());
         let driver =
             Service::start_with_env("driver-svc", dir.path(), "127.0.0.1:0", &args, &env("driver-svc"))

@@ -18,7 +18,7 @@ pub use commit::{AckRef, Commit, Held, Released};
 pub use policy::Policy;
 pub use run::{
     AbandonedNode, Applied, ApplyError, CoreError, Discard, Fold, LOST_PREFIX, LastDecision, ORPHAN_SEQ_BASE,
-    OrphanResource, PassOutcome, PassPlan, RunState,
+    OrphanResource, PassOutcome, PassPlan, RequestUndo, RunState,
 };
 pub use session::{LinkSession, ToExecutor};
 pub use store::{ConditionMark, MemStore, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};

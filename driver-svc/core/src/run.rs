@@ -344,6 +344,18 @@ pub struct RunState {
     events_below: Option<u64>,
 }
 
+/// See [`RunState::request_undo`].
+#[derive(Debug, Clone)]
+pub struct RequestUndo {
+    meta: RunMeta,
+    meta_dirty: bool,
+    full: bool,
+    events: VecDeque<Event>,
+    next_event_seq: u64,
+    events_changed: BTreeSet<u64>,
+    events_below: Option<u64>,
+}
+
 /// How many `pass_batch` windows a burst of results may stretch one batch to
 /// (see `RunState::batch_end`).
 const BATCH_STRETCH: u32 = 20;
@@ -1019,6 +1031,33 @@ impl RunState {
         self.meta_dirty = true;
         self.full = true;
         Ok(Applied::Changed)
+    }
+
+    /// What a client's request (a shape, a deletion, a pause) may change, to
+    /// put back if the commit that would make it durable fails: the client
+    /// is told the request failed, and no read may show it as made.
+    pub fn request_undo(&self) -> RequestUndo {
+        RequestUndo {
+            meta: self.meta.clone(),
+            meta_dirty: self.meta_dirty,
+            full: self.full,
+            events: self.events.clone(),
+            next_event_seq: self.next_event_seq,
+            events_changed: self.events_changed.clone(),
+            events_below: self.events_below,
+        }
+    }
+
+    /// Puts back what [`RunState::request_undo`] saved (the shape, the
+    /// run's flags, the event log).
+    pub fn undo_request(&mut self, u: RequestUndo) {
+        self.meta = u.meta;
+        self.meta_dirty = u.meta_dirty;
+        self.full = u.full;
+        self.events = u.events;
+        self.next_event_seq = u.next_event_seq;
+        self.events_changed = u.events_changed;
+        self.events_below = u.events_below;
     }
 
     /// Marks the run deleting: its desired shape becomes empty.
