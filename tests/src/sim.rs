@@ -37,7 +37,7 @@ use driver_svc::core::{
 };
 use executor_svc::{
     core::{ExecutorCore, Output},
-    fake::{FakeCall, FakeConfig, FakeProvider},
+    fake::{FakeCall, FakeChangeKind, FakeConfig, FakeProvider},
 };
 
 /// How results and observations travel back to the driver.
@@ -441,8 +441,9 @@ impl Sim {
                     }
                 }
                 ToExecutor::Submit { op, .. } => self.submit_checked(op, store),
-                // The simulated provider has no probes; its tests sicken a
-                // node by handing the driver a health change directly.
+                // The simulation has no prober: a sickness the fake rolls,
+                // and the `sicken` and `heal` inputs, reach the executor as
+                // the prober's reports would.
                 ToExecutor::Watch(_) => {}
                 ToExecutor::ObserveFrom(after) => {
                     for (session, after) in after {
@@ -871,6 +872,7 @@ impl Sim {
                 self.handle_outputs(outputs);
             }
         }
+        self.fake_changes();
         for fo in self.fake.due_observations(self.now) {
             let out = self.exec.record_observation(
                 &fo.identity,
@@ -884,6 +886,31 @@ impl Sim {
         }
         let outputs = self.exec.handle_timeout(self.now);
         self.handle_outputs(outputs);
+    }
+
+    /// The provider's day-2 faults of the fault ticks up to now, reported as
+    /// the executor's watch (a loss) and prober (a change of health) report
+    /// them. Fault ticks are not events of their own: they are rolled
+    /// whenever the clock has moved, so an idle simulation does not step
+    /// through them one by one.
+    fn fake_changes(&mut self) {
+        for c in self.fake.due_changes(self.now) {
+            let change = match c.kind {
+                FakeChangeKind::Lost => contract::Change::Lost {
+                    reason: "injected: the provider lost the resource".to_owned(),
+                },
+                FakeChangeKind::Sickened => contract::Change::Health {
+                    healthy: false,
+                    detail: "the probe went unanswered".to_owned(),
+                },
+                FakeChangeKind::Healed => contract::Change::Health {
+                    healthy: true,
+                    detail: "probe answered".to_owned(),
+                },
+            };
+            let out = self.exec.record_resource_change(&c.identity, change, c.at);
+            self.handle_outputs(out);
+        }
     }
 
     /// The next time anything is due, if anything is.

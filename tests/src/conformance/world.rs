@@ -67,13 +67,19 @@ fn template(group: Group, image: &str) -> NodeTemplate {
     }
 }
 
-/// The policy of every group the battery makes: a node unhealthy for two
-/// seconds is replaced, one per group at a time. (`max_unhealthy` stays at
-/// 100%: a group held by it converges only once its nodes heal, which a
-/// trace need not do, and fair convergence would not hold.)
-fn group_policy() -> contract::GroupPolicy {
+/// The policy of every group the battery makes: nodes are probed (a TCP
+/// probe: for the fake, its own say; for the process backend, a ping) every
+/// 200 ms, and a node unhealthy for two seconds is replaced, one per group at
+/// a time. (`max_unhealthy` stays at 100%: a group held by it converges only
+/// once its nodes heal, which a trace need not do, and fair convergence would
+/// not hold.) In memory there is no prober: the simulation reports health as
+/// one would.
+pub fn group_policy() -> contract::GroupPolicy {
     contract::GroupPolicy {
         health: contract::HealthPolicy {
+            probe: contract::Probe::Tcp,
+            interval_ms: 200,
+            timeout_ms: 200,
             unhealthy_after_ms: 2_000,
             ..Default::default()
         },
