@@ -95,6 +95,10 @@ pub struct Config {
     pub budget: crate::budget::BudgetConfig,
     /// The largest message the executor accepts and sends.
     pub messages: platform::runtime::MessageLimits,
+    /// Serve the fake backend's control service over this backend (a test
+    /// double: `--fake-control`); `None`, as in production, serves nothing
+    /// of it.
+    pub fake_control: Option<crate::fake_backend::FakeBackend>,
 }
 
 impl Default for Config {
@@ -110,6 +114,7 @@ impl Default for Config {
             secrets: platform::secrets::Sealer::default(),
             budget: crate::budget::BudgetConfig::default(),
             messages: platform::runtime::MessageLimits::default(),
+            fake_control: None,
         }
     }
 }
@@ -306,6 +311,7 @@ pub async fn run(
                 .max_decoding_message_size(config.messages.recv_bytes())
                 .max_encoding_message_size(config.messages.send_bytes()),
         )
+        .add_optional_service(config.fake_control.clone().map(crate::fake_control::server))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal);
     let grace = config.shutdown_grace;
     let grace_elapsed = async move {
