@@ -250,12 +250,15 @@ fn caught(mutant: Mutant) {
                 masked.push(seed);
                 continue;
             }
-            // Fair convergence is a liveness property: a mutant that changes
-            // timing can expose a real livelock of the product (see the
-            // regression tests) on a seed the unmutated system passes by luck.
-            // Every other guarantee is a safety property and must not be the
-            // first to break.
-            if f.guarantees() == [Guarantee::G18FairConvergence] {
+            // Fair convergence (and its day-2 case, a lost slot's recovery)
+            // is a liveness property: a mutant that changes timing can expose
+            // a real livelock of the product (see the regression tests) on a
+            // seed the unmutated system passes by luck. Every other guarantee
+            // is a safety property and must not be the first to break.
+            if f.guarantees()
+                .iter()
+                .all(|g| matches!(g, Guarantee::G18FairConvergence | Guarantee::G21LostSlotRecovers))
+            {
                 masked.push(seed);
                 continue;
             }
@@ -312,6 +315,7 @@ mutant_tests! {
     mutant_recreate_instead_of_adopt => RecreateInsteadOfAdopt,
     mutant_destroy_lies => DestroyLies,
     mutant_ignore_loss => IgnoreLoss,
+    mutant_never_restart_after_loss => NeverRestartAfterLoss,
 }
 
 /// A failure shrinks to a short trace that still fails the same way, and its

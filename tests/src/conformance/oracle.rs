@@ -1,5 +1,7 @@
-//! The oracle: the twenty guarantees of SPEC.md section 6, plus no double-create
-//! and converged-leaks-nothing, each as its own named check.
+//! The oracle: the twenty guarantees of SPEC.md section 6, the day-2 ones of
+//! section 8 (21: a lost slot recovers; 22: remediation within its budget;
+//! 23: converged means observed), plus no double-create and
+//! converged-leaks-nothing, each as its own named check.
 //!
 //! [`Oracle::check`] reads one [`StepRecord`] at a time and keeps what the
 //! checks need from earlier rounds. Checks over state snapshots run at every
@@ -8,7 +10,9 @@
 //! and over the real services from their event traces
 //! ([`super::traces`]). Guarantee 16 (determinism) and the bound of guarantee 18 are whole-run
 //! checks that the runner makes; their functions here are the comparison and the
-//! bound it uses.
+//! bound it uses. Guarantee 21 is judged when the fair tail ends without
+//! converging ([`Oracle::g21_unrecovered`], which the runner asks then); the
+//! oracle keeps, round by round, which lost slots are still to recover.
 //!
 //! Each check's doc comment says exactly what it checks and where it has to
 //! approximate.
@@ -50,6 +54,7 @@ pub enum Guarantee {
     G18FairConvergence,
     G19ScaleDownHighestNoTwoLive,
     G20NoPanicNoSpin,
+    G21LostSlotRecovers,
     G22RemediationWithinBudget,
     G23ConvergedMeansObserved,
     NoDoubleCreate,
@@ -57,7 +62,7 @@ pub enum Guarantee {
 }
 
 impl Guarantee {
-    pub const ALL: [Guarantee; 24] = [
+    pub const ALL: [Guarantee; 25] = [
         Guarantee::G01AttemptIdsUniqueIncreasing,
         Guarantee::G02FoldOnlyIntoNamedAttempt,
         Guarantee::G03RetiredFactsNeverCarried,
@@ -78,6 +83,7 @@ impl Guarantee {
         Guarantee::G18FairConvergence,
         Guarantee::G19ScaleDownHighestNoTwoLive,
         Guarantee::G20NoPanicNoSpin,
+        Guarantee::G21LostSlotRecovers,
         Guarantee::G22RemediationWithinBudget,
         Guarantee::G23ConvergedMeansObserved,
         Guarantee::NoDoubleCreate,
@@ -140,6 +146,10 @@ impl Guarantee {
             }
             Guarantee::G20NoPanicNoSpin => {
                 "no panics, no spins; exhaustion and saturation are errors; at most one action per node"
+            }
+            Guarantee::G21LostSlotRecovers => {
+                "once faults stop, a slot whose resource was lost is ready again on a later attempt within \
+                 the fair tail's bound"
             }
             Guarantee::G22RemediationWithinBudget => {
                 "remediation never has more than max_in_flight nodes of a group in flight, and never acts \
@@ -252,6 +262,12 @@ pub struct Oracle {
     /// last word.
     health_said: BTreeMap<(LogicalNodeId, AttemptId), (u64, bool)>,
     lost_said: BTreeSet<(LogicalNodeId, AttemptId)>,
+    // Guarantee 21: each slot whose resource was lost and that is not yet
+    // ready again on a later attempt, with the highest attempt lost and the
+    // run's pass count when the loss was first seen.
+    lost_slots: BTreeMap<LogicalNodeId, (AttemptId, u64)>,
+    /// The run's pass count in the latest state.
+    passes: u64,
     // No double-create.
     leases_made: BTreeMap<(LogicalNodeId, AttemptId), u32>,
     lease_of: BTreeMap<(LogicalNodeId, AttemptId), String>,
@@ -316,6 +332,8 @@ impl Oracle {
             barren: (UnixMillis::ZERO, 0),
             health_said: BTreeMap::new(),
             lost_said: BTreeSet::new(),
+            lost_slots: BTreeMap::new(),
+            passes: 0,
             leases_made: BTreeMap::new(),
             lease_of: BTreeMap::new(),
             pid_of: BTreeMap::new(),
@@ -426,6 +444,7 @@ impl Oracle {
                     self.leases_made.remove(&(c.node.clone(), c.attempt));
                     self.lease_of.remove(&(c.node.clone(), c.attempt));
                     self.lost_said.insert((c.node.clone(), c.attempt));
+                    self.g21_lost(&c.node, c.attempt);
                 }
                 contract::Change::Health { healthy, .. } => {
                     let said = self
@@ -455,6 +474,16 @@ impl Oracle {
     }
 
     fn transition(&mut self, t: &Transition) {
+        // A loss the driver found itself (the inventory resync) is folded
+        // without the executor having said it.
+        if let Cause::Fold {
+            msg: ToDriver::Change(c),
+            verdict: Fold::Folded,
+        } = &t.cause
+            && matches!(c.change, contract::Change::Lost { .. })
+        {
+            self.g21_lost(&c.node, c.attempt);
+        }
         if t.before != t.after {
             // Something changed, so the next pass has something to look at.
             self.barren = (t.at, 0);
@@ -496,6 +525,8 @@ impl Oracle {
             self.converged_leaks_nothing(s, inv, rec.quiescent);
         }
         self.g23_converged_is_observed(s, rec.quiescent);
+        self.passes = s.passes;
+        self.g21_recovered(s);
         for sample in &rec.processes {
             self.no_double_create_processes(sample);
         }
@@ -1902,6 +1933,65 @@ impl Oracle {
                 self.fail(Guarantee::G22RemediationWithinBudget, detail);
             }
         }
+    }
+
+    /// Guarantee 21: `node`'s resource of `attempt` is lost; the slot is to
+    /// recover on a later attempt.
+    fn g21_lost(&mut self, node: &LogicalNodeId, attempt: AttemptId) {
+        let passes = self.passes;
+        let e = self.lost_slots.entry(node.clone()).or_insert((attempt, passes));
+        if attempt > e.0 {
+            *e = (attempt, passes);
+        }
+    }
+
+    /// Guarantee 21, per round: a lost slot has recovered once the state
+    /// shows it ready on an attempt after the lost one; one no longer desired
+    /// (scaled down, removed, the run deleted) has nothing to recover.
+    fn g21_recovered(&mut self, s: &RunSnapshot) {
+        let done: Vec<LogicalNodeId> = self
+            .lost_slots
+            .iter()
+            .filter(|(id, (lost, _))| {
+                s.gone
+                    || self.desired_template(id).is_none()
+                    || s.nodes
+                        .get(*id)
+                        .is_some_and(|n| n.is_ready() && n.attempt > *lost)
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in done {
+            self.lost_slots.remove(&id);
+        }
+    }
+
+    /// Guarantee 21, when the fair tail ends without converging within its
+    /// pass bound (or stalls, so that it never will): every desired slot that
+    /// lost its resource and is not ready again on a later attempt breaks it.
+    /// The liveness of guarantee 18, for the slots that day 2 broke: a
+    /// driver that never replaces a lost resource, or waits on it forever,
+    /// is named here rather than only as a run that does not converge. A run
+    /// that does converge cannot break it: converged means every desired slot
+    /// is ready, and one still on its lost attempt is guarantee 23's.
+    pub fn g21_unrecovered(&self, at: StepRef, s: &RunSnapshot) -> Vec<Violation> {
+        self.lost_slots
+            .iter()
+            .map(|(id, (lost, seen))| {
+                let now = s.nodes.get(id).map_or("no node".to_owned(), |n| {
+                    format!("attempt {} {:?}/{:?}", n.attempt, n.intent, n.stage)
+                });
+                Violation {
+                    guarantee: Guarantee::G21LostSlotRecovers,
+                    at,
+                    detail: format!(
+                        "{id} lost attempt {lost} (seen at pass {seen}) and is not ready on a later attempt \
+                         when the fair tail ends at pass {}: {now}",
+                        s.passes
+                    ),
+                }
+            })
+            .collect()
     }
 
     /// Guarantee 23: whenever the run says it is converged and nothing is on

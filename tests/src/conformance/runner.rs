@@ -430,12 +430,20 @@ impl<S: SystemUnderTest> Runner<'_, S> {
             .unwrap_or_else(|| unreachable!("no round recorded yet"))
     }
 
-    fn g18(&self, detail: String) -> Violations {
-        vec![Violation {
+    /// The fair tail did not converge within its bound: guarantee 18, and
+    /// guarantee 21 for every lost slot not back (in the tail; not in the
+    /// teardown, where nothing is to come back).
+    fn g18(&self, phase: Phase, detail: String) -> Violations {
+        let at = self.at.get();
+        let mut out = vec![Violation {
             guarantee: Guarantee::G18FairConvergence,
-            at: self.at.get(),
+            at,
             detail,
-        }]
+        }];
+        if phase == Phase::Tail {
+            out.extend(self.oracle.g21_unrecovered(at, &self.last().state));
+        }
+        out
     }
 
     fn slots(&self) -> u64 {
@@ -472,7 +480,7 @@ impl<S: SystemUnderTest> Runner<'_, S> {
             }
             let used = last.state.passes.saturating_sub(start);
             if used > bound {
-                return Err(self.g18(format!(
+                return Err(self.g18(phase, format!(
                     "{what}: {used} passes without converging; the bound is {bound} = {} + {nodes} nodes × (2 + {repairs} repairs) × {} (ladder with {probes} probes)",
                     TailBound::SLACK,
                     TailBound { nodes, probes, repairs }.ladder()
@@ -502,7 +510,7 @@ impl<S: SystemUnderTest> Runner<'_, S> {
                         )
                     })
                     .collect();
-                return Err(self.g18(format!(
+                return Err(self.g18(phase, format!(
                     "{what}: stalled after {used} passes and {rounds} rounds (converged {}, gone {}, quiescent {}): {}",
                     s.converged,
                     s.gone,
