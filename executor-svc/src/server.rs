@@ -904,6 +904,7 @@ impl Actor {
                 .first()
                 .map(|r| r.run_uid.clone())
                 .or_else(|| ack.observations.first().map(|o| o.run_uid.clone()))
+                .or_else(|| ack.changes.first().map(|c| c.run_uid.clone()))
                 .unwrap_or_default(),
             results: ack
                 .results
@@ -920,6 +921,7 @@ impl Actor {
                     seq: o.seq,
                 })
                 .collect(),
+            changes: ack.changes.iter().map(|c| c.seq).collect(),
         });
         for r in ack.results {
             let raw_uid = r.run_uid.clone();

@@ -102,6 +102,10 @@ pub enum Cause {
 #[derive(Debug, Clone)]
 pub struct Transition {
     pub at: UnixMillis,
+    /// When the driver made the change: for a pass's decisions over the
+    /// services, when it applied the answer (`at` is when it asked the
+    /// decider, the time the decisions were made for); otherwise `at`.
+    pub applied_at: UnixMillis,
     pub cause: Cause,
     pub before: Nodes,
     pub after: Nodes,
@@ -204,6 +208,10 @@ pub enum Event {
         op: Operation,
         outputs: Vec<Output>,
     },
+    /// The executor received the driver's acknowledgement of the run's
+    /// resource changes with these sequence numbers (level 2, from its
+    /// trace; in memory a message's fold is its acknowledgement).
+    ChangesAcknowledged(Vec<u64>),
     /// The driver took this shape, or began deleting the run (level 2, from
     /// its trace; in memory the round's state says so).
     Shape {
@@ -489,6 +497,7 @@ impl Sim {
         let after = self.nodes();
         self.events.push(Event::Transition(Box::new(Transition {
             at: self.now,
+            applied_at: self.now,
             cause,
             before,
             after,

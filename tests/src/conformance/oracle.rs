@@ -258,10 +258,22 @@ pub struct Oracle {
     barren: (UnixMillis, u32),
     // Guarantee 23: what the executor last reported of each attempt's health,
     // and the attempts it reported lost.
-    /// By the report's sequence number: a re-sent older report is not the
-    /// last word.
-    health_said: BTreeMap<(LogicalNodeId, AttemptId), (u64, bool)>,
+    /// By the report's time and sequence number, as the driver orders them:
+    /// a re-sent older report is not the last word (nor, after an executor
+    /// restart numbers its reports from 1 again, an older one with a higher
+    /// number).
+    health_said: BTreeMap<(LogicalNodeId, AttemptId), ((UnixMillis, u64), bool)>,
     lost_said: BTreeSet<(LogicalNodeId, AttemptId)>,
+    /// Where the events are read after the state (levels 2 and 3), a report
+    /// is the executor's word for guarantee 23 only from the round after the
+    /// one whose events show the driver's acknowledgement of it: the driver
+    /// acknowledges after its commit, so the state read in that next round
+    /// is later than the fold. Reports sent and not yet acknowledged, by
+    /// sequence number, and those acknowledged in this round's events.
+    said_unacked: BTreeMap<u64, contract::ResourceChange>,
+    said_acked: Vec<contract::ResourceChange>,
+    /// The round's events were read after its state.
+    events_after_state: bool,
     // Guarantee 21: each slot whose resource was lost and that is not yet
     // ready again on a later attempt, with the highest attempt lost and the
     // run's pass count when the loss was first seen.
@@ -275,6 +287,24 @@ pub struct Oracle {
     pid_of: BTreeMap<(LogicalNodeId, AttemptId), String>,
     /// The context of the submission being read (recorded just before it).
     context: Option<(OperationId, Option<ManagedNode>)>,
+    /// Converged leaks nothing, across processes: the mismatch between a
+    /// converged run and the backend (the inventory, the process table) read
+    /// at the last round, to be read again before it counts.
+    mismatch: [Option<Mismatch>; 2],
+}
+
+/// A converged run's nodes, the backend's resources and how many it holds.
+type Mismatch = (
+    BTreeSet<(LogicalNodeId, AttemptId)>,
+    BTreeSet<(LogicalNodeId, AttemptId)>,
+    usize,
+);
+
+/// Where converged-leaks-nothing reads the backend.
+#[derive(Debug, Clone, Copy)]
+enum Backend {
+    Inventory = 0,
+    Processes = 1,
 }
 
 fn rule_is_cleanup(rule: Rule) -> bool {
@@ -332,12 +362,16 @@ impl Oracle {
             barren: (UnixMillis::ZERO, 0),
             health_said: BTreeMap::new(),
             lost_said: BTreeSet::new(),
+            said_unacked: BTreeMap::new(),
+            said_acked: Vec::new(),
+            events_after_state: false,
             lost_slots: BTreeMap::new(),
             passes: 0,
             leases_made: BTreeMap::new(),
             lease_of: BTreeMap::new(),
             pid_of: BTreeMap::new(),
             context: None,
+            mismatch: [None, None],
         }
     }
 
@@ -353,6 +387,12 @@ impl Oracle {
     pub fn check(&mut self, rec: &StepRecord) -> Vec<Violation> {
         self.at = rec.at;
         self.now = rec.now;
+        self.events_after_state = rec.events_after_state;
+        // Reports acknowledged in the previous round's events are behind this
+        // round's state.
+        for c in std::mem::take(&mut self.said_acked) {
+            self.g23_said(&c);
+        }
         if !rec.state.gone {
             self.uid = rec.state.uid;
         }
@@ -439,23 +479,25 @@ impl Oracle {
             }
             // A lost resource is gone: a create for its identity after the
             // loss makes the identity's only lease, not a second one.
-            Event::Emitted(ToDriver::Change(c)) => match &c.change {
-                contract::Change::Lost { .. } => {
+            Event::Emitted(ToDriver::Change(c)) => {
+                if let contract::Change::Lost { .. } = &c.change {
                     self.leases_made.remove(&(c.node.clone(), c.attempt));
                     self.lease_of.remove(&(c.node.clone(), c.attempt));
-                    self.lost_said.insert((c.node.clone(), c.attempt));
                     self.g21_lost(&c.node, c.attempt);
                 }
-                contract::Change::Health { healthy, .. } => {
-                    let said = self
-                        .health_said
-                        .entry((c.node.clone(), c.attempt))
-                        .or_insert((c.seq, *healthy));
-                    if c.seq >= said.0 {
-                        *said = (c.seq, *healthy);
+                if self.events_after_state {
+                    self.said_unacked.insert(c.seq, c.clone());
+                } else {
+                    self.g23_said(c);
+                }
+            }
+            Event::ChangesAcknowledged(seqs) => {
+                for seq in seqs {
+                    if let Some(c) = self.said_unacked.remove(seq) {
+                        self.said_acked.push(c);
                     }
                 }
-            },
+            }
             Event::ConflictProbe { op, outputs } => self.g07_conflict(op, outputs),
             Event::Pass(p) => {
                 self.g15_converged_pass(p.converged_before, p.actions, p.operations, p.changed);
@@ -522,7 +564,7 @@ impl Oracle {
             self.g03_inventory_matches_facts(s, inv);
             self.g19_inventory(inv);
             self.no_double_create_inventory(inv);
-            self.converged_leaks_nothing(s, inv, rec.quiescent);
+            self.converged_leaks_nothing(s, inv, rec.quiescent, Backend::Inventory);
         }
         self.g23_converged_is_observed(s, rec.quiescent);
         self.passes = s.passes;
@@ -1458,13 +1500,16 @@ impl Oracle {
                 }
             }
             if fa > fb && (fa == fb.saturating_add(1) || matches!(t.cause, Cause::Timer)) {
-                let expected =
-                    t.at.checked_add(backoff_delay(&self.policy.backoff, self.uid, a.attempt, fa))
-                        .ok();
+                // The driver computes a backoff when it makes the change (a
+                // pass's: when it applies the answer).
+                let expected = t
+                    .applied_at
+                    .checked_add(backoff_delay(&self.policy.backoff, self.uid, a.attempt, fa))
+                    .ok();
                 if a.retry.next_effect_at != expected && a.retry.restart_at != expected {
                     let detail = format!(
                         "{id} failure {fa} at {:?}: next effect {:?}, restart {:?}, the policy says {expected:?}",
-                        t.at, a.retry.next_effect_at, a.retry.restart_at
+                        t.applied_at, a.retry.next_effect_at, a.retry.restart_at
                     );
                     self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
                 }
@@ -1879,7 +1924,7 @@ impl Oracle {
         quiescent: bool,
     ) {
         let before = self.out.len();
-        self.converged_leaks_nothing(s, sample, quiescent);
+        self.converged_leaks_nothing(s, sample, quiescent, Backend::Processes);
         for v in &mut self.out[before..] {
             v.detail = format!("live node-agent processes: {}", v.detail);
         }
@@ -1994,9 +2039,30 @@ impl Oracle {
             .collect()
     }
 
+    /// Guarantee 23: the executor's report `c` is its latest word on the
+    /// attempt, unless a later one came first.
+    fn g23_said(&mut self, c: &contract::ResourceChange) {
+        let key = (c.node.clone(), c.attempt);
+        match &c.change {
+            contract::Change::Lost { .. } => {
+                self.lost_said.insert(key);
+            }
+            contract::Change::Health { healthy, .. } => {
+                let order = (c.at, c.seq);
+                let said = self.health_said.entry(key).or_insert((order, *healthy));
+                if order >= said.0 {
+                    *said = (order, *healthy);
+                }
+            }
+        }
+    }
+
     /// Guarantee 23: whenever the run says it is converged and nothing is on
     /// its way, the executor's last word on every node's current attempt is
-    /// neither lost nor unhealthy.
+    /// neither lost nor unhealthy. Across processes a report is the
+    /// executor's word from the round after its acknowledgement (see
+    /// `said_unacked`): a report still on its way when the status was read
+    /// does not count against that status.
     fn g23_converged_is_observed(&mut self, s: &RunSnapshot, quiescent: bool) {
         if !quiescent || !s.converged || s.gone {
             return;
@@ -2024,12 +2090,22 @@ impl Oracle {
     /// its way, the backend holds exactly one resource per node, of the node's
     /// current attempt; whenever the run is gone and nothing is on its way, the
     /// backend holds nothing of the run.
+    ///
+    /// Across processes the backend is read after the status, and a resource
+    /// can be lost in between (its loss then still on its way to the driver),
+    /// so there a converged run that does not match the backend breaks it
+    /// only when the same mismatch is read again at the next round, the run
+    /// still converged: by then a loss has been folded (the run is no longer
+    /// converged) or the driver missed it. A gone run is checked at once:
+    /// nothing of it may appear after it.
     fn converged_leaks_nothing(
         &mut self,
         s: &RunSnapshot,
         inventory: &[super::record::Resource],
         quiescent: bool,
+        backend: Backend,
     ) {
+        let previous = self.mismatch[backend as usize].take();
         if !quiescent {
             return;
         }
@@ -2054,6 +2130,14 @@ impl Oracle {
         let have: BTreeSet<(LogicalNodeId, AttemptId)> =
             inventory.iter().map(|r| (r.node.clone(), r.attempt)).collect();
         if want != have || inventory.len() != want.len() {
+            if self.events_after_state {
+                let mismatch = (want.clone(), have.clone(), inventory.len());
+                let again = previous.as_ref() == Some(&mismatch);
+                self.mismatch[backend as usize] = Some(mismatch);
+                if !again {
+                    return;
+                }
+            }
             let extra: Vec<String> = have.difference(&want).map(|(n, a)| format!("{n} {a}")).collect();
             let missing: Vec<String> = want.difference(&have).map(|(n, a)| format!("{n} {a}")).collect();
             let detail = format!(

@@ -576,6 +576,7 @@ impl ServiceSut {
             processes,
             quiescent,
             probes: Vec::new(),
+            events_after_state: true,
         })
     }
 
