@@ -106,6 +106,18 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
                     {
                         bump(format!("bootstrap:{}", o.stage.name()));
                     }
+                    if let (ToDriver::Change(c), driver_svc::core::Fold::Folded) = (msg, verdict) {
+                        bump(format!("change-folded:{}", c.change.name()));
+                        let was_unhealthy = t
+                            .before
+                            .get(&c.node)
+                            .and_then(|n| n.facts.health.as_ref())
+                            .is_some_and(contract::NodeHealth::is_unhealthy);
+                        if was_unhealthy && matches!(c.change, contract::Change::Health { healthy: true, .. })
+                        {
+                            bump("health-restored".to_owned());
+                        }
+                    }
                 }
                 Cause::Decisions(ds) => {
                     for d in ds
@@ -113,6 +125,11 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
                         .filter(|d| !matches!(d.action, contract::Action::Wait { .. }))
                     {
                         bump(format!("action:{}", d.action.name()));
+                    }
+                    for (id, a) in &t.after {
+                        if a.retry.remediating && t.before.get(id).is_some_and(|b| !b.retry.remediating) {
+                            bump("remediation-began".to_owned());
+                        }
                     }
                 }
                 Cause::Timer => bump("deadline-fold".to_owned()),
@@ -155,6 +172,19 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
         }
         if n.is_ready() {
             bump("state:ready-node".to_owned());
+        }
+        if n.facts.lost {
+            bump("state:lost-node".to_owned());
+        }
+        if n.facts
+            .health
+            .as_ref()
+            .is_some_and(contract::NodeHealth::is_unhealthy)
+        {
+            bump("state:unhealthy-node".to_owned());
+        }
+        if n.retry.remediating {
+            bump("state:remediating-node".to_owned());
         }
     }
     if rec.state.converged && rec.quiescent {

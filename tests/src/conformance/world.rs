@@ -361,7 +361,9 @@ pub enum Alphabet {
     /// Every input: the in-memory system.
     Full,
     /// What the real services can be driven with from outside: shape updates,
-    /// link cuts, executor fault switches (by restarting it) and waiting.
+    /// link cuts, executor fault switches (by restarting it), a resource lost,
+    /// sickened or healed (through the fake's control service, or signals to
+    /// a node agent) and waiting.
     Services,
 }
 
@@ -483,7 +485,10 @@ pub fn generate(seed: u64, alphabet: Alphabet, len: usize) -> Vec<Input> {
                 _ => pick_steps(&mut rng),
             },
             Alphabet::Services => match r {
-                0..=49 => pick_steps(&mut rng),
+                0..=39 => pick_steps(&mut rng),
+                40..=43 => Input::Lose(rng.below(8) as u8),
+                44..=47 => Input::Sicken(rng.below(8) as u8),
+                48 | 49 => Input::Heal(rng.below(8) as u8),
                 50..=69 => Input::Apply(pick_change(&mut rng, alphabet)),
                 70..=79 => Input::Reject(pick(&mut rng, &Bad::ALL)),
                 80..=84 => Input::Reapply,
