@@ -151,6 +151,11 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
             }
             Event::Emitted(ToDriver::Rejection(r)) => bump(format!("rejection:{}", r.reason.name())),
             Event::Emitted(ToDriver::Change(c)) => bump(format!("change:{}", c.change.name())),
+            Event::ChangesAcknowledged(seqs) => {
+                for _ in seqs {
+                    bump("change-acknowledged".to_owned());
+                }
+            }
             Event::BackendCall { forced: Some(f), .. } => bump(format!("forced:{}", f.name())),
             Event::ConflictProbe { .. } => bump("conflict-probe".to_owned()),
             Event::Aborted { .. } => bump("abandoned".to_owned()),
