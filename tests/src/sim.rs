@@ -345,6 +345,8 @@ pub struct Sim {
     seen: BTreeMap<OperationId, Operation>,
     /// Recently delivered messages, newest last.
     history: VecDeque<ToDriver>,
+    /// The groups the driver last asked the executor to probe.
+    probed: BTreeSet<contract::GroupId>,
 }
 
 pub const START: UnixMillis = UnixMillis::new(1_700_000_000_000);
@@ -394,6 +396,7 @@ impl Sim {
             late_after_abort: BTreeSet::new(),
             seen: BTreeMap::new(),
             history: VecDeque::new(),
+            probed: BTreeSet::new(),
         };
         // The run's actor starts, and the link comes up.
         sim.connect()?;
@@ -449,10 +452,13 @@ impl Sim {
                     }
                 }
                 ToExecutor::Submit { op, .. } => self.submit_checked(op, store),
-                // The simulation has no prober: a sickness the fake rolls,
-                // and the `sicken` and `heal` inputs, reach the executor as
-                // the prober's reports would.
-                ToExecutor::Watch(_) => {}
+                // The simulation has no prober: a sickness the fake rolls
+                // reaches the executor as the prober's report would, for the
+                // groups the driver asked to probe (the `sicken` and `heal`
+                // inputs report whatever the group).
+                ToExecutor::Watch(w) => {
+                    self.probed = w.groups.into_iter().map(|(g, _)| g).collect();
+                }
                 ToExecutor::ObserveFrom(after) => {
                     for (session, after) in after {
                         for o in self.exec.observations_after(uid, &session, after) {
@@ -898,12 +904,15 @@ impl Sim {
     }
 
     /// The provider's day-2 faults of the fault ticks up to now, reported as
-    /// the executor's watch (a loss) and prober (a change of health) report
-    /// them. Fault ticks are not events of their own: they are rolled
-    /// whenever the clock has moved, so an idle simulation does not step
-    /// through them one by one.
+    /// the executor's watch (a loss) and prober (a change of health, in a
+    /// probed group) report them. Fault ticks are not events of their own:
+    /// they are rolled whenever the clock has moved, so an idle simulation
+    /// does not step through them one by one.
     fn fake_changes(&mut self) {
         for c in self.fake.due_changes(self.now) {
+            if c.kind != FakeChangeKind::Lost && !self.probed.contains(c.identity.node.group()) {
+                continue;
+            }
             let change = match c.kind {
                 FakeChangeKind::Lost => contract::Change::Lost {
                     reason: "injected: the provider lost the resource".to_owned(),
