@@ -594,7 +594,7 @@ fn day2_on_purpose(process: bool) {
         "faults:none ".to_owned()
     };
     trace.push_str(
-        "step*30 step*30 sicken:0 lose:1 sicken:2 step*20 heal:2 \
+        "step*30 step*30 sicken:0 lose:1 sicken:2 step*30 step*20 heal:2 \
          step*30 step*30 step*30 step*30 step*30 step*30 step*30",
     );
     let trace = parse_trace(&trace).unwrap();
