@@ -812,6 +812,89 @@ fn level3_process_checks_can_fail() {
     assert!(check(vec![agents[1..].to_vec()]).contains(&Guarantee::ConvergedLeaksNothing));
 }
 
+/// Across processes the state is read before the events, so the day-2 checks
+/// wait for what the state can show: a health report counts against a
+/// converged status only from the round after the executor got the driver's
+/// acknowledgement of it (an unacknowledged one is on its way), and a
+/// converged run that does not match the backend breaks converged-leaks-
+/// nothing only when the same mismatch is read again. Both still fail when
+/// the state keeps saying the same.
+#[test]
+fn cross_process_day2_checks_wait_for_what_the_state_can_show() {
+    use provisioning_tests::{
+        conformance::{
+            mem::MemSut,
+            oracle::Oracle,
+            record::{Phase, StepRecord},
+            runner::SystemUnderTest,
+        },
+        sim::{Event, ToDriver},
+    };
+    let world = World::new(3, Delivery::InOrder);
+    let mut sut = MemSut::new(&world, false, None).unwrap();
+    let mut rec = sut.initial().unwrap();
+    for _ in 0..2_000 {
+        if rec.state.converged && rec.quiescent {
+            break;
+        }
+        rec = sut.round(Phase::Tail).unwrap();
+    }
+    assert!(rec.state.converged && rec.quiescent);
+    let base = StepRecord {
+        events: Vec::new(),
+        events_after_state: true,
+        ..rec
+    };
+    let node = base.state.nodes.values().next().unwrap().clone();
+    let report = |seq: u64| {
+        Event::Emitted(ToDriver::Change(contract::ResourceChange {
+            run_uid: base.state.uid,
+            node: node.id.clone(),
+            attempt: node.attempt,
+            seq,
+            change: contract::Change::Health {
+                healthy: false,
+                detail: "the probe went unanswered".to_owned(),
+            },
+            at: base.now,
+            trace: contract::TraceContext::default(),
+        }))
+    };
+    let broken = |oracle: &mut Oracle, r: &StepRecord| -> Vec<Guarantee> {
+        oracle.check(r).into_iter().map(|v| v.guarantee).collect()
+    };
+
+    let mut oracle = Oracle::new(world.policy.clone());
+    assert_eq!(broken(&mut oracle, &base), []);
+    // A report not acknowledged is on its way, however long.
+    let sent = StepRecord {
+        events: vec![report(1)],
+        ..base.clone()
+    };
+    assert_eq!(broken(&mut oracle, &sent), []);
+    assert_eq!(broken(&mut oracle, &base), []);
+    // Acknowledged: the state read with the acknowledgement may predate the
+    // fold; the next one may not.
+    let acked = StepRecord {
+        events: vec![Event::ChangesAcknowledged(vec![1])],
+        ..base.clone()
+    };
+    assert_eq!(broken(&mut oracle, &acked), []);
+    assert_eq!(broken(&mut oracle, &base), [Guarantee::G23ConvergedMeansObserved]);
+
+    // A node's resource missing from the backend: once may be a loss on its
+    // way, twice is a leak of the converged claim.
+    let mut oracle = Oracle::new(world.policy.clone());
+    let missing = StepRecord {
+        inventory: base.inventory.as_ref().map(|inv| inv[1..].to_vec()),
+        ..base.clone()
+    };
+    assert_eq!(broken(&mut oracle, &missing), []);
+    assert_eq!(broken(&mut oracle, &base), []);
+    assert_eq!(broken(&mut oracle, &missing), []);
+    assert_eq!(broken(&mut oracle, &missing), [Guarantee::ConvergedLeaksNothing]);
+}
+
 /// Prints the generated trace of `CONFORMANCE_PRINT_TRACE=<seed>` (a tool for
 /// replaying a seed's trace with `CONFORMANCE_DEBUG`).
 #[test]
