@@ -1,5 +1,7 @@
 //! Compiles `provisioning/v1/*.proto` with the pure-Rust `protox` compiler, so no
-//! system `protoc` is needed, and writes the descriptor set used by reflection.
+//! system `protoc` is needed, and writes the descriptor set used by reflection;
+//! compiles the fake backend's control service
+//! (`provisioning/fake/v1/fake_control.proto`, a test double) on its own.
 
 use std::{env, fs, path::PathBuf};
 
@@ -24,5 +26,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .build_server(true)
         .compile_fds(fds)?;
+    // The fake backend's control service is a test double: compiled on its
+    // own, so that it stays out of the descriptor set reflection publishes.
+    let fake = protox::compile(["provisioning/fake/v1/fake_control.proto"], [&root])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(fake)?;
     Ok(())
 }

@@ -15,6 +15,26 @@
 //! identity before making one, and cancel and destroy treat "already absent" as
 //! success. Ambiguous faults are real ambiguity: the effect happens with
 //! probability one half, and the caller cannot tell which.
+//!
+//! # Day-2 faults: losses and sickness
+//!
+//! Besides the faults of calls, the provider's resources fail on their own
+//! (SPEC.md section 8). Virtual time is cut into fault ticks, one every
+//! [`FAULT_TICK`] of the clock (at its whole multiples, so the ticks do not
+//! depend on when the provider was told the time). At each tick every live
+//! resource, in identity order, is lost with probability
+//! [`FaultRates::lose`]; one that stays and is sick heals with probability
+//! [`FaultRates::heal`]; one that stays, is healthy and has its endpoint bound
+//! sickens with probability [`FaultRates::sicken`]. [`FakeProvider::due_changes`]
+//! rolls every tick up to the `now` it is given and returns what happened, for
+//! the caller to report as a watching backend does: a loss through the
+//! executor's change sink, a sickness through the probes that now fail
+//! ([`FakeProvider::probe`]). The rolls draw from a SplitMix64 stream of their
+//! own, seeded from the same seed, so switching them on does not shift the
+//! outcomes of calls. Ticks that pass while the three rates are zero roll
+//! nothing (they are not rolled later either), and a jump of the clock longer
+//! than [`MAX_FAULT_TICKS`] ticks rolls only its last ones, so one call costs
+//! at most that many rolls per resource.
 
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
@@ -22,8 +42,8 @@ use std::{
 };
 
 use contract::{
-    BootstrapStage, Endpoint, FieldError, LeaseId, NodeTemplate, Operation, OperationInput, Outcome,
-    ResourceIdentity, ResultFacts, RunUid, SessionId, UnixMillis, backoff::mix64,
+    AttemptId, BootstrapStage, Endpoint, FieldError, LeaseId, LogicalNodeId, NodeTemplate, Operation,
+    OperationInput, Outcome, ResourceIdentity, ResultFacts, RunUid, SessionId, UnixMillis, backoff::mix64,
 };
 
 /// Probabilities, each in `[0, 1]`, of the faults the fake injects. Rates of the
@@ -45,6 +65,14 @@ pub struct FaultRates {
     pub cancel_fail: f64,
     pub destroy_fail: f64,
     pub destroy_ambiguous: f64,
+    /// Per live resource and fault tick: the resource is lost (its machine went
+    /// away behind the executor's back).
+    pub lose: f64,
+    /// Per live, healthy resource with its endpoint bound, and fault tick: it
+    /// stops answering its health probes.
+    pub sicken: f64,
+    /// Per sick resource and fault tick: it answers its probes again.
+    pub heal: f64,
 }
 
 impl FaultRates {
@@ -62,10 +90,21 @@ impl FaultRates {
             cancel_fail: 0.0,
             destroy_fail: 0.0,
             destroy_ambiguous: 0.0,
+            lose: 0.0,
+            sicken: 0.0,
+            heal: 0.0,
         }
     }
 
-    /// Frequent faults of every recoverable kind.
+    /// Whether any day-2 fault (loss, sickness, healing) can happen.
+    pub fn has_day2(&self) -> bool {
+        [self.lose, self.sicken, self.heal].iter().any(|r| *r > 0.0)
+    }
+
+    /// Frequent faults of every recoverable kind, and at modest rates the
+    /// day-2 ones: a resource is lost about once in 200 seconds, sickens about
+    /// once in 100 and, once sick, heals after 10 on average (so a group
+    /// whose nodes go unhealthy for 2 seconds replaces most of them first).
     ///
     /// `create_permanent` stays 0: a permanent failure holds a node until its
     /// shape changes, so a simulation that stops faults and expects convergence
@@ -84,6 +123,9 @@ impl FaultRates {
             cancel_fail: 0.1,
             destroy_fail: 0.1,
             destroy_ambiguous: 0.1,
+            lose: 0.005,
+            sicken: 0.01,
+            heal: 0.1,
         }
     }
 }
@@ -116,6 +158,33 @@ impl Default for FakeConfig {
             stage_interval_ms: 10,
         }
     }
+}
+
+/// The length of a day-2 fault tick (see the module documentation).
+pub const FAULT_TICK: Duration = Duration::from_secs(1);
+const FAULT_TICK_MS: u64 = 1_000;
+
+/// The most fault ticks one [`FakeProvider::due_changes`] call rolls: an hour's.
+pub const MAX_FAULT_TICKS: u64 = 3_600;
+
+/// What happened to a resource on its own at a fault tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FakeChangeKind {
+    /// The resource is gone: it left the inventory and its session stopped.
+    Lost,
+    /// It stopped answering its probes.
+    Sickened,
+    /// It answers its probes again.
+    Healed,
+}
+
+/// A day-2 change of one resource, from [`FakeProvider::due_changes`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct FakeChange {
+    pub identity: ResourceIdentity,
+    pub kind: FakeChangeKind,
+    /// The fault tick it happened at.
+    pub at: UnixMillis,
 }
 
 /// What a call did: its outcome is due `latency` after the call.
@@ -161,6 +230,9 @@ pub struct FakeSnapshotResource {
     /// The session's whole stage plan (streamed again from the start after a
     /// restore, so its sequence numbers match the first streaming).
     pub stages: Vec<BootstrapStage>,
+    /// The resource fails its probes (a sick machine stays sick across a
+    /// restart of whoever watches it).
+    pub sick: bool,
 }
 
 /// The provider's resources and id counters, as plain values, so that a caller
@@ -270,6 +342,11 @@ struct FakeNode {
 pub struct FakeProvider {
     config: FakeConfig,
     rng: SplitMix64,
+    /// The stream of the day-2 rolls, apart from the calls' stream.
+    day2_rng: SplitMix64,
+    /// The last fault tick rolled (or passed over); `None` until the provider
+    /// is first asked for its changes.
+    last_tick: Option<u64>,
     nodes: BTreeMap<ResourceIdentity, FakeNode>,
     /// The time of each session's next stage, so the next observation is found
     /// without scanning every node. One entry per session with stages left.
@@ -287,6 +364,9 @@ pub struct FakeProvider {
 }
 
 const NO_SUCH_LEASE: &str = "no such lease";
+
+/// Tells the day-2 stream's seed from the calls' stream's.
+const DAY2_STREAM: u64 = 0xd2d2_5eed_f00d_fa17;
 
 /// Turns a failure to build an id (which a well-formed counter never causes) into
 /// a definite failure: nothing was created.
@@ -315,6 +395,8 @@ impl FakeProvider {
     pub fn new(config: FakeConfig) -> Self {
         Self {
             rng: SplitMix64::new(config.seed),
+            day2_rng: SplitMix64::new(mix64(config.seed ^ DAY2_STREAM)),
+            last_tick: None,
             config,
             nodes: BTreeMap::new(),
             agenda: BTreeSet::new(),
@@ -591,6 +673,7 @@ impl FakeProvider {
     fn remove_node(&mut self, identity: &ResourceIdentity) {
         self.remove_session(identity);
         self.nodes.remove(identity);
+        self.sick.remove(identity);
     }
 
     /// Loses the resource of `identity` behind the executor's back (its
@@ -599,7 +682,6 @@ impl FakeProvider {
     pub fn lose(&mut self, identity: &ResourceIdentity) -> bool {
         let held = self.nodes.contains_key(identity);
         self.remove_node(identity);
-        self.sick.remove(identity);
         held
     }
 
@@ -613,8 +695,108 @@ impl FakeProvider {
         held
     }
 
+    /// The resource of `identity` answers its probes again. Returns whether
+    /// it was sick.
     pub fn heal(&mut self, identity: &ResourceIdentity) -> bool {
         self.sick.remove(identity)
+    }
+
+    /// Whether the provider holds a resource for `identity`.
+    pub fn holds(&self, identity: &ResourceIdentity) -> bool {
+        self.nodes.contains_key(identity)
+    }
+
+    /// Whether the resource of `identity` fails its probes.
+    pub fn is_sick(&self, identity: &ResourceIdentity) -> bool {
+        self.sick.contains(identity)
+    }
+
+    /// The identity of the resource held for `(run_uid, node, attempt)`, if
+    /// there is one (an identity also names its run id, which a caller that
+    /// knows the run by uid need not know).
+    pub fn find(
+        &self,
+        run_uid: RunUid,
+        node: &LogicalNodeId,
+        attempt: AttemptId,
+    ) -> Option<ResourceIdentity> {
+        self.nodes
+            .keys()
+            .find(|id| id.run_uid == run_uid && id.node == *node && id.attempt == attempt)
+            .cloned()
+    }
+
+    /// Rolls the day-2 faults of every fault tick up to `now` (see the module
+    /// documentation) and returns what happened, in tick order. A lost
+    /// resource is already gone from the provider when this returns.
+    pub fn due_changes(&mut self, now: UnixMillis) -> Vec<FakeChange> {
+        self.latest = self.latest.max(now);
+        let tick = now.as_millis() / FAULT_TICK_MS;
+        let Some(last) = self.last_tick else {
+            self.last_tick = Some(tick);
+            return Vec::new();
+        };
+        if tick <= last {
+            return Vec::new();
+        }
+        self.last_tick = Some(tick);
+        let f = self.config.faults;
+        if !f.has_day2() {
+            return Vec::new();
+        }
+        let first = (last + 1).max(tick.saturating_sub(MAX_FAULT_TICKS - 1));
+        let mut out = Vec::new();
+        for k in first..=tick {
+            let at = UnixMillis::new(k.saturating_mul(FAULT_TICK_MS));
+            let live: Vec<(ResourceIdentity, bool)> = self
+                .nodes
+                .iter()
+                .map(|(id, n)| (id.clone(), n.lease.ready_at <= at))
+                .collect();
+            for (identity, bound) in live {
+                let kind = if self.day2_rng.pick(&[f.lose]).is_some() {
+                    self.lose(&identity);
+                    Some(FakeChangeKind::Lost)
+                } else if self.sick.contains(&identity) {
+                    let heals = self.day2_rng.pick(&[f.heal]).is_some();
+                    heals.then(|| {
+                        self.sick.remove(&identity);
+                        FakeChangeKind::Healed
+                    })
+                } else if bound && self.day2_rng.pick(&[f.sicken]).is_some() {
+                    self.sick.insert(identity.clone());
+                    Some(FakeChangeKind::Sickened)
+                } else {
+                    None
+                };
+                if let Some(kind) = kind {
+                    out.push(FakeChange { identity, kind, at });
+                }
+            }
+        }
+        out
+    }
+
+    /// Starts counting fault ticks from `now`, if they are not counted yet:
+    /// the first tick rolled is the next one after `now`.
+    pub fn start_ticks(&mut self, now: UnixMillis) {
+        self.latest = self.latest.max(now);
+        if self.last_tick.is_none() {
+            self.last_tick = Some(now.as_millis() / FAULT_TICK_MS);
+        }
+    }
+
+    /// When the next fault tick may change something: `None` while the
+    /// day-2 rates are zero or the provider holds nothing.
+    pub fn next_change_at(&self) -> Option<UnixMillis> {
+        if !self.config.faults.has_day2() || self.nodes.is_empty() {
+            return None;
+        }
+        let next = match self.last_tick {
+            Some(t) => t.saturating_add(1),
+            None => self.latest.as_millis() / FAULT_TICK_MS + 1,
+        };
+        Some(UnixMillis::new(next.saturating_mul(FAULT_TICK_MS)))
     }
 
     /// A health probe of the resource: it must exist and not be sick.
@@ -705,6 +887,7 @@ impl FakeProvider {
                     ready_at: node.lease.ready_at,
                     session: node.session.as_ref().map(|s| s.id.clone()),
                     stages: node.session.as_ref().map(|s| s.plan.clone()).unwrap_or_default(),
+                    sick: self.sick.contains(identity),
                 })
                 .collect(),
             lease_counter: self.lease_counter,
@@ -727,6 +910,9 @@ impl FakeProvider {
             let pending = provider.schedule(&r.stages, snapshot.latest);
             if let (Some(_), Some(&(first, _))) = (&r.session, pending.front()) {
                 provider.agenda.insert((first, r.identity.clone()));
+            }
+            if r.sick {
+                provider.sick.insert(r.identity.clone());
             }
             provider.nodes.insert(
                 r.identity,
@@ -775,9 +961,7 @@ impl FakeProvider {
 mod tests {
     use std::sync::Arc;
 
-    use contract::{
-        AttemptId, Epoch, LogicalNodeId, OperationId, Params, RunId, TraceContext, shape::example_template,
-    };
+    use contract::{Epoch, OperationId, Params, RunId, TraceContext, shape::example_template};
 
     use super::*;
 
@@ -1216,5 +1400,166 @@ mod tests {
                 Outcome::Succeeded(_)
             ));
         }
+    }
+
+    /// A provider holding `n` resources (attempts 1..=n) with bound
+    /// endpoints, created at `t(0)`, with `faults`.
+    fn holding(n: u64, seed: u64, faults: FaultRates) -> FakeProvider {
+        let mut p = provider(FakeConfig {
+            seed,
+            ..FakeConfig::default()
+        });
+        for attempt in 1..=n {
+            let _ = p.execute(&create(attempt), t(0));
+        }
+        p.set_faults(faults);
+        p
+    }
+
+    /// Rolls every second from `t(0)` to `t(secs * 1000)`, one call a second.
+    fn roll(p: &mut FakeProvider, secs: u64) -> Vec<FakeChange> {
+        (0..=secs).flat_map(|s| p.due_changes(t(s * 1_000))).collect()
+    }
+
+    #[test]
+    fn day2_faults_repeat_with_the_seed() {
+        let day2 = FaultRates {
+            lose: 0.01,
+            sicken: 0.05,
+            heal: 0.2,
+            ..FaultRates::none()
+        };
+        let mut a = holding(10, 7, day2);
+        let mut b = holding(10, 7, day2);
+        let changes = roll(&mut a, 300);
+        assert_eq!(changes, roll(&mut b, 300));
+        assert_eq!(a.snapshot(), b.snapshot());
+        let kinds: BTreeSet<String> = changes.iter().map(|c| format!("{:?}", c.kind)).collect();
+        assert_eq!(
+            kinds.len(),
+            3,
+            "losses, sickness and healing all happen: {changes:?}"
+        );
+        // Another seed rolls otherwise.
+        let mut other = holding(10, 8, day2);
+        assert_ne!(changes, roll(&mut other, 300));
+        // Each change is at a whole tick, in tick order, and what it says is
+        // what the provider now holds.
+        assert!(changes.windows(2).all(|w| w[0].at <= w[1].at));
+        assert!(changes.iter().all(|c| c.at.as_millis() % 1_000 == 0));
+        let mut sick = BTreeSet::new();
+        for c in &changes {
+            match c.kind {
+                FakeChangeKind::Lost => assert!(!a.holds(&c.identity)),
+                FakeChangeKind::Sickened => {
+                    sick.insert(c.identity.clone());
+                }
+                FakeChangeKind::Healed => {
+                    assert!(sick.remove(&c.identity), "healed what was not sick: {c:?}");
+                }
+            }
+        }
+        for r in a.inventory() {
+            assert_eq!(a.probe(&r.identity).is_err(), sick.contains(&r.identity));
+        }
+    }
+
+    #[test]
+    fn a_lost_resource_leaves_the_inventory_and_is_reported() {
+        let mut p = holding(
+            3,
+            1,
+            FaultRates {
+                lose: 1.0,
+                ..FaultRates::none()
+            },
+        );
+        // The first call only sets the ticks going; the next tick loses all.
+        assert!(p.due_changes(t(500)).is_empty());
+        assert_eq!(p.next_change_at(), Some(t(1_000)));
+        let lost = p.due_changes(t(1_999));
+        assert_eq!(lost.len(), 3, "{lost:?}");
+        assert!(
+            lost.iter()
+                .all(|c| c.kind == FakeChangeKind::Lost && c.at == t(1_000))
+        );
+        assert!(p.inventory().is_empty());
+        assert_eq!(p.live_resources(RUN), 0);
+        assert!(p.probe(&create(1).identity()).is_err());
+        // Nothing is held, so nothing is due and nothing more is reported.
+        assert_eq!(p.next_change_at(), None);
+        assert!(p.due_changes(t(10_000)).is_empty());
+        // A create for a lost identity makes a new lease: the old one is gone.
+        let creates = p.creates();
+        let _ = p.execute(&create(1), t(10_000));
+        assert_eq!(p.creates(), creates + 1);
+    }
+
+    #[test]
+    fn without_day2_rates_nothing_changes_on_its_own() {
+        assert!(FaultRates::chaos().has_day2());
+        assert!(!FaultRates::none().has_day2());
+        let mut p = holding(5, 3, FaultRates::none());
+        assert_eq!(p.next_change_at(), None);
+        assert!(roll(&mut p, 600).is_empty());
+        assert_eq!(p.live_resources(RUN), 5);
+        // Faults switched on later roll only the ticks after the switch, and
+        // stop when they are switched off.
+        p.set_faults(FaultRates {
+            lose: 1.0,
+            ..FaultRates::none()
+        });
+        assert_eq!(p.next_change_at(), Some(t(601_000)));
+        p.set_faults(FaultRates::none());
+        assert!(p.due_changes(t(700_000)).is_empty());
+        assert_eq!(p.live_resources(RUN), 5);
+    }
+
+    #[test]
+    fn only_a_bound_endpoint_sickens_and_sickness_outlives_a_restore() {
+        let mut p = provider(FakeConfig {
+            endpoint_delay_ms: 5_000,
+            ..FakeConfig::default()
+        });
+        let _ = p.execute(&create(1), t(0));
+        p.set_faults(FaultRates {
+            sicken: 1.0,
+            ..FaultRates::none()
+        });
+        let early = roll(&mut p, 4);
+        assert!(early.is_empty(), "{early:?}");
+        let later = p.due_changes(t(5_000));
+        assert_eq!(later.len(), 1);
+        assert_eq!(later[0].kind, FakeChangeKind::Sickened);
+        assert!(p.is_sick(&create(1).identity()));
+        let q = FakeProvider::restore(*p.config(), p.snapshot());
+        assert!(q.probe(&create(1).identity()).is_err());
+        assert_eq!(q.snapshot(), p.snapshot());
+    }
+
+    #[test]
+    fn a_long_jump_rolls_at_most_its_last_ticks() {
+        let mut p = holding(
+            2,
+            1,
+            FaultRates {
+                sicken: 1.0,
+                heal: 1.0,
+                ..FaultRates::none()
+            },
+        );
+        assert!(p.due_changes(t(0)).is_empty());
+        // Sick at one tick, healed at the next: one change per resource and tick.
+        let changes = p.due_changes(t(100 * 3_600 * 1_000));
+        assert_eq!(changes.len() as u64, 2 * MAX_FAULT_TICKS);
+    }
+
+    #[test]
+    fn found_by_run_node_and_attempt() {
+        let p = holding(2, 1, FaultRates::none());
+        let id = create(2).identity();
+        assert_eq!(p.find(RUN, &id.node, id.attempt), Some(id.clone()));
+        assert_eq!(p.find(RUN, &id.node, AttemptId::new(9)), None);
+        assert_eq!(p.find(RunUid::from_u128(1), &id.node, id.attempt), None);
     }
 }

@@ -1,6 +1,14 @@
 //! The fake provider as an async [`Backend`]: [`FakeProvider`] behind a mutex,
 //! real (tokio) latency, a background task that delivers bootstrap stages when
-//! they are due, and an optional state file so that leases outlive the process.
+//! they are due and rolls the provider's day-2 faults at each fault tick, and
+//! an optional state file so that leases outlive the process.
+//!
+//! The fake watches what it holds as a real backend does: a resource lost at
+//! a fault tick, or on request ([`FakeBackend::apply_fault`], which the
+//! executor's `FakeControl` test service calls), is reported to the change
+//! sink the executor hands over in [`Backend::watch`]; a sick resource fails
+//! [`Backend::probe`], so the executor's prober finds it. Fault ticks wait
+//! until the executor watches: a loss nobody would hear of is not rolled.
 //!
 //! The mutex is a `std` one and is never held across an await: every use is a
 //! short synchronous step (apply an effect, hand out due stages, list).
@@ -23,7 +31,7 @@ use std::{
 };
 
 use contract::{
-    AttemptId, BootstrapStage, Clock, Endpoint, FieldError, LeaseId, LogicalNodeId, Operation,
+    AttemptId, BootstrapStage, Change, Clock, Endpoint, FieldError, LeaseId, LogicalNodeId, Operation,
     OperationInput, Outcome, ResourceIdentity, RunId, RunUid, SessionId, UnixMillis,
 };
 use futures::future::BoxFuture;
@@ -31,8 +39,10 @@ use serde::{Deserialize, Serialize};
 use tokio::{sync::Notify, task::AbortHandle};
 
 use crate::{
-    backend::{Backend, BackendError, InventoryItem, ObservationSink, RawObservation},
-    fake::{FakeCall, FakeConfig, FakeProvider, FakeSnapshot, FakeSnapshotResource, FaultRates},
+    backend::{Backend, BackendError, ChangeSink, InventoryItem, ObservationSink, RawChange, RawObservation},
+    fake::{
+        FakeCall, FakeChangeKind, FakeConfig, FakeProvider, FakeSnapshot, FakeSnapshotResource, FaultRates,
+    },
 };
 
 /// The longest the stage emitter sleeps before it looks at the clock again, so
@@ -97,6 +107,29 @@ struct State {
     /// Where sessions restored from the state file stream, once the executor
     /// hands it over (see [`Backend::resume`]).
     resumed: Option<ObservationSink>,
+    /// Where lost resources are reported, once the executor watches (see
+    /// [`Backend::watch`]).
+    changes: Option<ChangeSink>,
+}
+
+/// A fault a test inflicts on one resource of the fake provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResourceFault {
+    /// The resource is lost: it leaves the inventory and the executor is told.
+    Lose,
+    /// It fails its probes until healed.
+    Sicken,
+    /// It answers its probes again.
+    Heal,
+}
+
+/// The fake provider holds no resource for the identity a fault names.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the fake provider holds no resource of run {run_uid}, node {node}, attempt {attempt}")]
+pub struct NotHeld {
+    pub run_uid: RunUid,
+    pub node: LogicalNodeId,
+    pub attempt: AttemptId,
 }
 
 impl FakeBackend {
@@ -123,6 +156,7 @@ impl FakeBackend {
                 provider,
                 sinks: BTreeMap::new(),
                 resumed: None,
+                changes: None,
             }),
             wake: Notify::new(),
             clock,
@@ -135,14 +169,71 @@ impl FakeBackend {
         })
     }
 
-    /// Changes the fault rates from the next call on.
+    /// Changes the fault rates from the next call (and fault tick) on.
     pub fn set_faults(&self, faults: FaultRates) {
         self.shared.lock().provider.set_faults(faults);
+        self.shared.wake.notify_one();
     }
 
     /// Reads the provider (counters, live resources) for checks and metrics.
     pub fn with_provider<R>(&self, f: impl FnOnce(&FakeProvider) -> R) -> R {
         f(&self.shared.lock().provider)
+    }
+
+    /// Inflicts `fault` on the resource of `(run_uid, node, attempt)`, for
+    /// tests that drive a running executor: a lost resource is reported to
+    /// the executor as one lost at a fault tick is; a sick one fails its
+    /// probes until it is healed.
+    pub fn apply_fault(
+        &self,
+        run_uid: RunUid,
+        node: &LogicalNodeId,
+        attempt: AttemptId,
+        fault: ResourceFault,
+    ) -> Result<(), NotHeld> {
+        let mut state = self.shared.lock();
+        let Some(identity) = state.provider.find(run_uid, node, attempt) else {
+            return Err(NotHeld {
+                run_uid,
+                node: node.clone(),
+                attempt,
+            });
+        };
+        match fault {
+            ResourceFault::Lose => {
+                state.provider.lose(&identity);
+                state.sinks.remove(&identity);
+                let at = self.shared.clock.now();
+                report_lost(
+                    &state,
+                    identity,
+                    "lost on request (the fake's control service)",
+                    at,
+                );
+            }
+            ResourceFault::Sicken => {
+                state.provider.sicken(&identity);
+            }
+            ResourceFault::Heal => {
+                state.provider.heal(&identity);
+            }
+        }
+        self.shared.persist(&state.provider);
+        Ok(())
+    }
+}
+
+/// Tells the executor a resource is gone. Without a sink (the executor does
+/// not watch yet) nobody can be told; a closed one means it is shutting down.
+fn report_lost(state: &State, identity: ResourceIdentity, reason: &str, at: UnixMillis) {
+    if let Some(sink) = &state.changes {
+        let _ = sink.send(RawChange {
+            identity,
+            change: Change::Lost {
+                reason: reason.to_owned(),
+            },
+            at,
+        });
     }
 }
 
@@ -166,6 +257,10 @@ impl Shared {
         } else {
             state.sinks.remove(&identity);
         }
+        if matches!(op.input, OperationInput::CreateLease { .. }) {
+            // The first resource held starts the fault ticks.
+            self.wake.notify_one();
+        }
         if !matches!(op.input, OperationInput::LookupEndpoint { .. }) {
             self.persist(&state.provider);
         }
@@ -183,16 +278,37 @@ impl Shared {
         }
     }
 
-    /// Sends every stage due now to its session's sink and returns when the next
-    /// one is due.
+    /// Rolls the fault ticks due now (once the executor watches), sends every
+    /// stage due now to its session's sink, and returns when the next stage
+    /// or fault tick is due.
     fn emit_due(&self) -> Option<UnixMillis> {
         let mut state = self.lock();
+        let now = self.clock.now();
+        let next_change = if state.changes.is_some() {
+            let changes = state.provider.due_changes(now);
+            for c in &changes {
+                if c.kind == FakeChangeKind::Lost {
+                    state.sinks.remove(&c.identity);
+                    report_lost(
+                        &state,
+                        c.identity.clone(),
+                        "injected: the provider lost the resource",
+                        c.at,
+                    );
+                }
+            }
+            if !changes.is_empty() {
+                self.persist(&state.provider);
+            }
+            state.provider.next_change_at()
+        } else {
+            None
+        };
         if state.resumed.is_none() && state.sinks.is_empty() {
             // Nothing can receive a stage yet (the executor has not handed over
             // its sink for restored sessions): leave them scheduled.
-            return None;
+            return next_change;
         }
-        let now = self.clock.now();
         let due = state.provider.due_observations(now);
         for o in due {
             if let Some(sink) = state.sinks.get(&o.identity).or(state.resumed.as_ref()) {
@@ -205,12 +321,15 @@ impl Shared {
                 state.sinks.remove(&o.identity);
             }
         }
-        state.provider.next_observation_at()
+        [state.provider.next_observation_at(), next_change]
+            .into_iter()
+            .flatten()
+            .min()
     }
 }
 
-/// The stage emitter: one task for the whole backend, sleeping until the next
-/// stage is due or a new session is scheduled.
+/// The emitter: one task for the whole backend, sleeping until the next stage
+/// or fault tick is due, or until something new is scheduled.
 async fn emit_stages(shared: Arc<Shared>) {
     loop {
         match shared.emit_due() {
@@ -229,6 +348,15 @@ async fn emit_stages(shared: Arc<Shared>) {
 impl Backend for FakeBackend {
     fn resume(&self, observations: ObservationSink) {
         self.shared.lock().resumed = Some(observations);
+        self.shared.wake.notify_one();
+    }
+
+    fn watch(&self, changes: ChangeSink) {
+        let mut state = self.shared.lock();
+        state.changes = Some(changes);
+        // Fault ticks count from the start of the watch.
+        state.provider.start_ticks(self.shared.clock.now());
+        drop(state);
         self.shared.wake.notify_one();
     }
 
@@ -299,6 +427,9 @@ struct ResourceDto {
     /// The session's stage plan, by stage name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     stages: Vec<String>,
+    /// The resource fails its probes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    sick: bool,
 }
 
 impl From<&FakeSnapshot> for StateFileDto {
@@ -321,6 +452,7 @@ impl From<&FakeSnapshot> for StateFileDto {
                     ready_at_ms: r.ready_at.as_millis(),
                     session_id: r.session.as_ref().map(|s| s.as_str().to_owned()),
                     stages: r.stages.iter().map(|st| st.name().to_owned()).collect(),
+                    sick: r.sick,
                 })
                 .collect(),
         }
@@ -358,6 +490,7 @@ impl TryFrom<ResourceDto> for FakeSnapshotResource {
                     })
                 })
                 .collect::<Result<_, _>>()?,
+            sick: r.sick,
         })
     }
 }
@@ -577,5 +710,91 @@ mod tests {
         std::fs::write(&path, bad_uid).unwrap();
         let err = FakeBackend::start(quick(), Some(path), Arc::new(SystemClock)).unwrap_err();
         assert!(err.to_string().contains("resources[0].run_uid"), "{err}");
+    }
+
+    fn watched(backend: &FakeBackend) -> mpsc::UnboundedReceiver<RawChange> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        backend.watch(ChangeSink::new(tx));
+        rx
+    }
+
+    async fn next_change(rx: &mut mpsc::UnboundedReceiver<RawChange>) -> RawChange {
+        tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .unwrap()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_resource_lost_at_a_fault_tick_is_reported_and_leaves_the_inventory() {
+        let path = temp_path("lost.json");
+        let clock = Arc::new(contract::ManualClock::new(UnixMillis::new(1_000_000)));
+        let backend = FakeBackend::start(quick(), Some(path.clone()), clock.clone()).unwrap();
+        let mut changes = watched(&backend);
+        let made = facts(backend.execute(create(), sink().0).await);
+        assert_eq!(backend.inventory().await.unwrap().len(), 1);
+        backend.set_faults(FaultRates {
+            lose: 1.0,
+            ..FaultRates::none()
+        });
+        // The ticks count from the start of the watch; the next one loses
+        // the resource. `set_faults` wakes the emitter at once.
+        clock.advance(2_000);
+        backend.set_faults(FaultRates {
+            lose: 1.0,
+            ..FaultRates::none()
+        });
+        let lost = next_change(&mut changes).await;
+        assert_eq!(lost.identity, create().identity());
+        assert!(
+            matches!(&lost.change, Change::Lost { reason } if reason.contains("injected")),
+            "{lost:?}"
+        );
+        assert!(
+            lost.at.as_millis() % 1_000 == 0 && lost.at <= clock.now(),
+            "{lost:?}"
+        );
+        assert!(backend.inventory().await.unwrap().is_empty());
+        // The state file agrees, and a create of the identity makes a new lease.
+        assert!(load_state(&path).unwrap().unwrap().resources.is_empty());
+        backend.set_faults(FaultRates::none());
+        let again = facts(backend.execute(create(), sink().0).await);
+        assert_ne!(again.lease, made.lease);
+        assert!(changes.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn faults_on_request_are_reported_or_fail_probes() {
+        let backend = FakeBackend::start(quick(), None, Arc::new(SystemClock)).unwrap();
+        let mut changes = watched(&backend);
+        let made = facts(backend.execute(create(), sink().0).await);
+        let id = create().identity();
+        let endpoint = made.endpoint.unwrap();
+        assert_eq!(backend.probe(&id, &endpoint).await, Ok(()));
+
+        backend
+            .apply_fault(id.run_uid, &id.node, id.attempt, ResourceFault::Sicken)
+            .unwrap();
+        assert!(backend.probe(&id, &endpoint).await.is_err());
+        backend
+            .apply_fault(id.run_uid, &id.node, id.attempt, ResourceFault::Heal)
+            .unwrap();
+        assert_eq!(backend.probe(&id, &endpoint).await, Ok(()));
+        // Sickness and healing are found by probing, not reported.
+        assert!(changes.try_recv().is_err());
+
+        backend
+            .apply_fault(id.run_uid, &id.node, id.attempt, ResourceFault::Lose)
+            .unwrap();
+        let lost = next_change(&mut changes).await;
+        assert_eq!(lost.identity, id);
+        assert!(matches!(lost.change, Change::Lost { .. }));
+        assert!(backend.inventory().await.unwrap().is_empty());
+        // Nothing is held any more: every fault names nothing.
+        let err = backend
+            .apply_fault(id.run_uid, &id.node, id.attempt, ResourceFault::Heal)
+            .unwrap_err();
+        assert_eq!(err.attempt, id.attempt);
+        assert!(err.to_string().contains("no resource"), "{err}");
     }
 }

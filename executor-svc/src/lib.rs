@@ -11,7 +11,9 @@
 //! The async shell wraps them: [`backend`] is the trait a provider backend
 //! implements (run one operation, stream bootstrap stages, list resources),
 //! [`fake_backend`] puts the fake provider behind it (with real latency and an
-//! optional state file), [`process`] is the real backend in which each lease is
+//! optional state file), [`fake_control`] is its control service for tests
+//! that drive the binaries (a test double, served only on request),
+//! [`process`] is the real backend in which each lease is
 //! a node-agent child process with a TCP endpoint (the `node-agent` binary is
 //! its agent), and [`server`] is the gRPC service, in which one actor
 //! task owns the core and folds events from driver links, backend calls and
@@ -27,6 +29,7 @@ pub mod core;
 pub mod durable;
 pub mod fake;
 pub mod fake_backend;
+pub mod fake_control;
 pub mod health;
 pub mod process;
 pub mod server;

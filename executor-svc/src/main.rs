@@ -55,6 +55,11 @@ struct Cli {
     /// Faults the fake backend injects.
     #[arg(long, env = "EXECUTOR_FAKE_FAULTS", value_enum, default_value_t = Faults::None)]
     fake_faults: Faults,
+    /// Serve the fake backend's control service (FakeControl: lose, sicken or
+    /// heal one fake resource on request), for tests that drive the binaries.
+    /// A test double: only with `--backend fake`.
+    #[arg(long, env = "EXECUTOR_FAKE_CONTROL")]
+    fake_control: bool,
     /// The process backend keeps one directory per node agent under this root;
     /// an executor started over the same root adopts the agents it finds.
     /// Defaults to a directory under the system's temporary directory.
@@ -141,6 +146,10 @@ async fn main() -> anyhow::Result<()> {
     let telemetry = init_telemetry("executor-svc", &cli.common)?;
     let peers = PeerPolicy::new(cli.common.transport("executor-svc")?, cli.peers.identities());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    if cli.fake_control && cli.backend != BackendKind::Fake {
+        anyhow::bail!("--fake-control controls the fake backend: it needs --backend fake");
+    }
+    let mut fake_control = None;
     let backend: Arc<dyn Backend> = match cli.backend {
         BackendKind::Fake => {
             let config = FakeConfig {
@@ -153,10 +162,13 @@ async fn main() -> anyhow::Result<()> {
                 endpoint_delay_ms: cli.fake_endpoint_delay_ms,
                 stage_interval_ms: cli.fake_stage_interval_ms,
             };
-            Arc::new(
-                FakeBackend::start(config, cli.fake_state_file.clone(), Arc::clone(&clock))
-                    .context("starting the fake backend")?,
-            )
+            let fake = FakeBackend::start(config, cli.fake_state_file.clone(), Arc::clone(&clock))
+                .context("starting the fake backend")?;
+            if cli.fake_control {
+                tracing::warn!("serving the fake backend's control service (a test double)");
+                fake_control = Some(fake.clone());
+            }
+            Arc::new(fake)
         }
         BackendKind::Process => {
             let agent_path = match cli.node_agent_path.clone() {
@@ -216,6 +228,7 @@ async fn main() -> anyhow::Result<()> {
                 .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
             run_rate: cli.run_budget_rate,
         },
+        fake_control,
         ..Config::default()
     };
     let result = server::run(listener, shutdown_signal(), config, backend, clock).await;
@@ -249,7 +262,12 @@ mod tests {
             "--fake-faults",
             "chaos",
         ]);
-        assert!(matches!(cli, Ok(c) if c.fake_latency_ms == (2, 9) && c.fake_faults == Faults::Chaos));
+        assert!(
+            matches!(cli, Ok(c) if c.fake_latency_ms == (2, 9) && c.fake_faults == Faults::Chaos
+            && !c.fake_control)
+        );
+        let cli = Cli::try_parse_from(["executor-svc", "--fake-control"]);
+        assert!(matches!(cli, Ok(c) if c.fake_control && c.backend == BackendKind::Fake));
         let cli = Cli::try_parse_from([
             "executor-svc",
             "--backend",

@@ -96,6 +96,10 @@ pub struct Config {
     pub budget: crate::budget::BudgetConfig,
     /// The largest message the executor accepts and sends.
     pub messages: platform::runtime::MessageLimits,
+    /// Serve the fake backend's control service over this backend (a test
+    /// double: `--fake-control`); `None`, as in production, serves nothing
+    /// of it.
+    pub fake_control: Option<crate::fake_backend::FakeBackend>,
 }
 
 impl Default for Config {
@@ -111,6 +115,7 @@ impl Default for Config {
             secrets: platform::secrets::Sealer::default(),
             budget: crate::budget::BudgetConfig::default(),
             messages: platform::runtime::MessageLimits::default(),
+            fake_control: None,
         }
     }
 }
@@ -309,6 +314,7 @@ pub async fn run(
                 .max_decoding_message_size(config.messages.recv_bytes())
                 .max_encoding_message_size(config.messages.send_bytes()),
         )
+        .add_optional_service(config.fake_control.clone().map(crate::fake_control::server))
         .serve_with_incoming_shutdown(platform::runtime::incoming(listener), signal);
     let grace = config.shutdown_grace;
     let grace_elapsed = async move {
@@ -897,6 +903,7 @@ impl Actor {
                 .first()
                 .map(|r| r.run_uid.clone())
                 .or_else(|| ack.observations.first().map(|o| o.run_uid.clone()))
+                .or_else(|| ack.changes.first().map(|c| c.run_uid.clone()))
                 .unwrap_or_default(),
             results: ack
                 .results
@@ -913,6 +920,7 @@ impl Actor {
                     seq: o.seq,
                 })
                 .collect(),
+            changes: ack.changes.iter().map(|c| c.seq).collect(),
         });
         for r in ack.results {
             let raw_uid = r.run_uid.clone();

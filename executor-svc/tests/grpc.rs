@@ -74,6 +74,16 @@ impl Harness {
         state_file: Option<PathBuf>,
         state_dir: Option<PathBuf>,
     ) -> anyhow::Result<Self> {
+        Self::start_full(config, state_file, state_dir, false).await
+    }
+
+    /// With `control`, the executor serves the fake's control service.
+    async fn start_full(
+        config: FakeConfig,
+        state_file: Option<PathBuf>,
+        state_dir: Option<PathBuf>,
+        control: bool,
+    ) -> anyhow::Result<Self> {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let backend = FakeBackend::start(config, state_file, Arc::clone(&clock))?;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -85,6 +95,7 @@ impl Harness {
         let config = Config {
             shutdown_grace: Duration::from_secs(3),
             state_dir,
+            fake_control: control.then(|| backend.clone()),
             ..Config::default()
         };
         let server = tokio::spawn(server::run(
@@ -600,10 +611,6 @@ async fn health_and_reflection_are_served() -> TestResult {
     use tonic_health::pb::{
         HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
     };
-    use tonic_reflection::pb::v1::{
-        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
-        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
-    };
 
     let h = Harness::start(fake(1), None).await?;
     let channel = h.channel().await?;
@@ -615,6 +622,17 @@ async fn health_and_reflection_are_served() -> TestResult {
         .into_inner();
     ensure!(health.status == ServingStatus::Serving as i32, "{health:?}");
 
+    let names = reflected_services(channel).await?;
+    ensure!(names.iter().any(|n| n == "provisioning.v1.Executor"), "{names:?}");
+    h.shutdown().await
+}
+
+/// The services server reflection lists.
+async fn reflected_services(channel: Channel) -> anyhow::Result<Vec<String>> {
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
     let request = ServerReflectionRequest {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
@@ -627,9 +645,7 @@ async fn health_and_reflection_are_served() -> TestResult {
     let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
         bail!("expected a service list, got {response:?}");
     };
-    let names: Vec<&str> = list.service.iter().map(|s| s.name.as_str()).collect();
-    ensure!(names.contains(&"provisioning.v1.Executor"), "{names:?}");
-    h.shutdown().await
+    Ok(list.service.into_iter().map(|s| s.name).collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -675,4 +691,81 @@ async fn a_result_completed_before_a_restart_is_replayed_not_run_again() -> Test
     ensure!(reason(&old) == pb::RejectionReason::Fenced, "{old:?}");
     ensure!(second.backend.with_provider(|p| p.calls()) == 0);
     second.shutdown().await
+}
+
+/// The fake's control service is served only on request; through it a
+/// resource is lost behind the executor's back, which the executor reports on
+/// the link as it reports any loss, and a second loss of it names nothing.
+/// Reflection never lists the test double.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fake_control_service_loses_a_resource_only_when_served() -> TestResult {
+    use contract::pb::fake::v1::{Fault, InflictRequest, fake_control_client::FakeControlClient};
+
+    let inflict = |attempt: u64| InflictRequest {
+        run_uid: RUN.to_string(),
+        node_id: "workers-0".to_owned(),
+        attempt,
+        fault: Fault::Lose as i32,
+    };
+    let plain = Harness::start(fake(1), None).await?;
+    let refused = FakeControlClient::new(plain.channel().await?)
+        .inflict(inflict(1))
+        .await
+        .err()
+        .context("an executor started without the control service served it")?;
+    ensure!(refused.code() == tonic::Code::Unimplemented, "{refused:?}");
+    plain.shutdown().await?;
+
+    let h = Harness::start_full(fake(1), None, None, true).await?;
+    let names = reflected_services(h.channel().await?).await?;
+    ensure!(
+        names.iter().all(|n| !n.contains("FakeControl")),
+        "reflection lists the test double: {names:?}"
+    );
+    let mut link = h.link().await?;
+    link.claim(1).await?;
+    link.claimed(1).await?;
+    link.submit(create(1, deadline_in(30_000))).await?;
+    let made = link.result().await?;
+    ensure!(outcome(&made) == pb::OutcomeClass::Succeeded, "{made:?}");
+    link.ack_result(op_id(1, 0)).await?;
+
+    let mut control = FakeControlClient::new(h.channel().await?);
+    control.inflict(inflict(1)).await?;
+    let change = loop {
+        match link.next().await? {
+            Kind::Change(c) => break c,
+            Kind::Observation(_) => {}
+            other => bail!("expected the loss, got {other:?}"),
+        }
+    };
+    ensure!(
+        change.attempt == 1
+            && change.node_id == "workers-0"
+            && matches!(change.change, Some(pb::resource_change::Change::Lost(_))),
+        "{change:?}"
+    );
+    let listed = h
+        .client()
+        .await?
+        .inventory(pb::InventoryRequest::default())
+        .await?
+        .into_inner()
+        .resources;
+    ensure!(listed.is_empty(), "the lost resource is still listed: {listed:?}");
+    let again = control.inflict(inflict(1)).await.err().context("a second loss")?;
+    ensure!(again.code() == tonic::Code::NotFound, "{again:?}");
+    let bad = control
+        .inflict(InflictRequest {
+            node_id: "Workers".to_owned(),
+            ..inflict(1)
+        })
+        .await
+        .err()
+        .context("a malformed node id")?;
+    ensure!(
+        bad.code() == tonic::Code::InvalidArgument && bad.message().starts_with("node_id"),
+        "{bad:?}"
+    );
+    h.shutdown().await
 }

@@ -186,11 +186,14 @@ pub enum TraceEvent {
     RejectionOut { rejection: RejRec },
     /// A resource change for the driver; `resend`: sent again on a claim.
     ChangeOut { change: ChangeRec, resend: bool },
-    /// Acknowledgements from a driver.
+    /// Acknowledgements from a driver; `changes` are the sequence numbers of
+    /// the resource changes it acknowledged.
     AckReceived {
         run: String,
         results: Vec<String>,
         observations: Vec<SeqRef>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        changes: Vec<u64>,
     },
     /// A driver said a run is gone.
     ForgetReceived { run: String, epoch: u64 },

@@ -6,7 +6,8 @@
 //! driver–executor link ([`ops`]), time as a value ([`time`]) and the one
 //! backoff function ([`backoff`]); they depend on nothing
 //! but `thiserror`. With the `wire` feature (on by default) the crate also
-//! carries the `provisioning.v1` protos' generated code ([`pb`]) and the
+//! carries the `provisioning.v1` protos' generated code ([`pb`]; the fake
+//! backend's control service, a test double, in `pb::fake`) and the
 //! `TryFrom` conversions between wire and domain types ([`wire`]); the pure
 //! decider and the driver core use the crate without it, so they link neither
 //! tonic nor prost. What the service binaries share around it (startup,
@@ -62,6 +63,15 @@ pub mod pb {
 
     /// The encoded descriptor set, for gRPC server reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptor.bin"));
+
+    /// The fake backend's control service (`provisioning.fake.v1`): a test
+    /// double an executor serves only with `--backend fake --fake-control`;
+    /// not in [`FILE_DESCRIPTOR_SET`].
+    pub mod fake {
+        pub mod v1 {
+            tonic::include_proto!("provisioning.fake.v1");
+        }
+    }
 }
 
 pub use backoff::{BackoffPolicy, backoff_delay};

@@ -670,6 +670,17 @@ impl Cluster {
         env
     }
 
+    /// A client of the fake backend's control service (a test double the
+    /// executor serves with `--backend fake --fake-control`), presenting the
+    /// driver's certificate as every caller of the executor must.
+    pub async fn fake_control(
+        &self,
+    ) -> anyhow::Result<pb::fake::v1::fake_control_client::FakeControlClient<Channel>> {
+        Ok(pb::fake::v1::fake_control_client::FakeControlClient::new(
+            self.executor.channel(Some(platform::tls::DRIVER)).await?,
+        ))
+    }
+
     /// Every live resource the executor reports.
     pub async fn inventory(&self) -> anyhow::Result<Vec<pb::Resource>> {
         let mut c = self.executor_client().await?;

@@ -37,7 +37,7 @@ use driver_svc::core::{
 };
 use executor_svc::{
     core::{ExecutorCore, Output},
-    fake::{FakeCall, FakeConfig, FakeProvider},
+    fake::{FakeCall, FakeChangeKind, FakeConfig, FakeProvider},
 };
 
 /// How results and observations travel back to the driver.
@@ -102,6 +102,10 @@ pub enum Cause {
 #[derive(Debug, Clone)]
 pub struct Transition {
     pub at: UnixMillis,
+    /// When the driver made the change: for a pass's decisions over the
+    /// services, when it applied the answer (`at` is when it asked the
+    /// decider, the time the decisions were made for); otherwise `at`.
+    pub applied_at: UnixMillis,
     pub cause: Cause,
     pub before: Nodes,
     pub after: Nodes,
@@ -204,6 +208,10 @@ pub enum Event {
         op: Operation,
         outputs: Vec<Output>,
     },
+    /// The executor received the driver's acknowledgement of the run's
+    /// resource changes with these sequence numbers (level 2, from its
+    /// trace; in memory a message's fold is its acknowledgement).
+    ChangesAcknowledged(Vec<u64>),
     /// The driver took this shape, or began deleting the run (level 2, from
     /// its trace; in memory the round's state says so).
     Shape {
@@ -337,6 +345,8 @@ pub struct Sim {
     seen: BTreeMap<OperationId, Operation>,
     /// Recently delivered messages, newest last.
     history: VecDeque<ToDriver>,
+    /// The groups the driver last asked the executor to probe.
+    probed: BTreeSet<contract::GroupId>,
 }
 
 pub const START: UnixMillis = UnixMillis::new(1_700_000_000_000);
@@ -386,6 +396,7 @@ impl Sim {
             late_after_abort: BTreeSet::new(),
             seen: BTreeMap::new(),
             history: VecDeque::new(),
+            probed: BTreeSet::new(),
         };
         // The run's actor starts, and the link comes up.
         sim.connect()?;
@@ -441,9 +452,13 @@ impl Sim {
                     }
                 }
                 ToExecutor::Submit { op, .. } => self.submit_checked(op, store),
-                // The simulated provider has no probes; its tests sicken a
-                // node by handing the driver a health change directly.
-                ToExecutor::Watch(_) => {}
+                // The simulation has no prober: a sickness the fake rolls
+                // reaches the executor as the prober's report would, for the
+                // groups the driver asked to probe (the `sicken` and `heal`
+                // inputs report whatever the group).
+                ToExecutor::Watch(w) => {
+                    self.probed = w.groups.into_iter().map(|(g, _)| g).collect();
+                }
                 ToExecutor::ObserveFrom(after) => {
                     for (session, after) in after {
                         for o in self.exec.observations_after(uid, &session, after) {
@@ -488,6 +503,7 @@ impl Sim {
         let after = self.nodes();
         self.events.push(Event::Transition(Box::new(Transition {
             at: self.now,
+            applied_at: self.now,
             cause,
             before,
             after,
@@ -871,6 +887,7 @@ impl Sim {
                 self.handle_outputs(outputs);
             }
         }
+        self.fake_changes();
         for fo in self.fake.due_observations(self.now) {
             let out = self.exec.record_observation(
                 &fo.identity,
@@ -884,6 +901,34 @@ impl Sim {
         }
         let outputs = self.exec.handle_timeout(self.now);
         self.handle_outputs(outputs);
+    }
+
+    /// The provider's day-2 faults of the fault ticks up to now, reported as
+    /// the executor's watch (a loss) and prober (a change of health, in a
+    /// probed group) report them. Fault ticks are not events of their own:
+    /// they are rolled whenever the clock has moved, so an idle simulation
+    /// does not step through them one by one.
+    fn fake_changes(&mut self) {
+        for c in self.fake.due_changes(self.now) {
+            if c.kind != FakeChangeKind::Lost && !self.probed.contains(c.identity.node.group()) {
+                continue;
+            }
+            let change = match c.kind {
+                FakeChangeKind::Lost => contract::Change::Lost {
+                    reason: "injected: the provider lost the resource".to_owned(),
+                },
+                FakeChangeKind::Sickened => contract::Change::Health {
+                    healthy: false,
+                    detail: "the probe went unanswered".to_owned(),
+                },
+                FakeChangeKind::Healed => contract::Change::Health {
+                    healthy: true,
+                    detail: "probe answered".to_owned(),
+                },
+            };
+            let out = self.exec.record_resource_change(&c.identity, change, c.at);
+            self.handle_outputs(out);
+        }
     }
 
     /// The next time anything is due, if anything is.

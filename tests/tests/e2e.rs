@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, time::Duration};
 
 use contract::pb::{self, provisioning_client::ProvisioningClient};
 use provisioning_tests::{
-    procs::{Cluster, ClusterOptions, Proxy, watch_until},
+    procs::{Cluster, ClusterOptions, Proxy, eventually, watch_until},
     shapes::{shape, with_template},
 };
 use tonic::{Code, transport::Channel};
@@ -643,4 +643,144 @@ async fn sigterm_stops_the_driver_while_a_client_still_watches() {
     })
     .await;
     assert!(end.is_ok(), "the watch stream outlived the driver");
+}
+
+/// Reads the run's nodes until `done` holds of them and of whether the run
+/// is converged.
+async fn nodes_until(
+    c: &ProvisioningClient<Channel>,
+    what: &str,
+    done: impl Fn(&BTreeMap<String, pb::NodeState>, bool) -> bool,
+) -> anyhow::Result<BTreeMap<String, pb::NodeState>> {
+    let done = &done;
+    eventually(CONVERGE, what, || {
+        let mut c = c.clone();
+        async move {
+            let s = c
+                .get_run(pb::GetRunRequest {
+                    run_id: "e2e".into(),
+                    include_nodes: true,
+                })
+                .await
+                .ok()?
+                .into_inner();
+            let now: BTreeMap<String, pb::NodeState> = s
+                .nodes
+                .into_iter()
+                .filter_map(|n| n.state)
+                .map(|n| (n.node_id.clone(), n))
+                .collect();
+            done(&now, s.converged).then_some(now)
+        }
+    })
+    .await
+}
+
+/// A resource lost or made sick through the fake's control service (a test
+/// double the executor serves with `--fake-control`) is seen by the running
+/// services as a real provider's would be: the lost slot is replaced on a
+/// later attempt; a sick node is found by the executor's probes and replaced
+/// once it has been unhealthy for its group's `unhealthy_after`, or, healed
+/// before that, is healthy again on its own attempt; and the run converges
+/// with one resource per slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fake_resources_lost_sick_or_healed_on_request() {
+    use contract::pb::fake::v1::{Fault, InflictRequest};
+
+    let opts = ClusterOptions {
+        executor_args: [
+            ClusterOptions::default().executor_args,
+            vec!["--fake-control".into()],
+        ]
+        .concat(),
+        ..ClusterOptions::default()
+    };
+    let cluster = Cluster::start(opts).await.unwrap();
+    let mut c = cluster.client().await.unwrap();
+    let mut s = shape(
+        "e2e",
+        1,
+        "fake",
+        &[("workers", 3, "img:1"), ("steady", 1, "img:1")],
+    );
+    for (g, unhealthy_after_ms) in s.groups.iter_mut().zip([500, 60_000]) {
+        g.policy.health = contract::HealthPolicy {
+            probe: contract::Probe::Tcp,
+            interval_ms: 100,
+            timeout_ms: 100,
+            unhealthy_after_ms,
+            startup_grace_ms: 0,
+        };
+    }
+    let uid = apply(&mut c, &s).await.run_uid;
+    converged(&cluster, &mut c, 1).await;
+    let before = nodes(&mut c).await;
+    let mut control = cluster.fake_control().await.unwrap();
+    let inflict = |node: &str, fault: Fault| InflictRequest {
+        run_uid: uid.clone(),
+        node_id: node.to_owned(),
+        attempt: before[node].attempt,
+        fault: fault as i32,
+    };
+    let healthy = |n: &pb::NodeState| {
+        n.facts
+            .as_ref()
+            .and_then(|f| f.health.as_ref())
+            .map(|h| h.healthy)
+    };
+
+    control.inflict(inflict("steady-0", Fault::Sicken)).await.unwrap();
+    let sick = nodes_until(&c, "steady-0 reported unhealthy", |n, converged| {
+        !converged && healthy(&n["steady-0"]) == Some(false)
+    })
+    .await
+    .unwrap_or_else(|e| {
+        cluster.dump_logs();
+        panic!("{e}")
+    });
+    assert_eq!(sick["steady-0"].attempt, before["steady-0"].attempt);
+    control.inflict(inflict("steady-0", Fault::Heal)).await.unwrap();
+    control.inflict(inflict("workers-0", Fault::Lose)).await.unwrap();
+    control
+        .inflict(inflict("workers-1", Fault::Sicken))
+        .await
+        .unwrap();
+    let later = |n: &BTreeMap<String, pb::NodeState>, id: &str| n[id].attempt > before[id].attempt;
+    let after = nodes_until(
+        &c,
+        "the lost and sick workers replaced, the run converged",
+        |n, converged| {
+            converged
+                && healthy(&n["steady-0"]) == Some(true)
+                && later(n, "workers-0")
+                && later(n, "workers-1")
+        },
+    )
+    .await
+    .unwrap_or_else(|e| {
+        cluster.dump_logs();
+        panic!("{e}")
+    });
+    for (id, n) in &after {
+        let replaced = n.attempt != before[id].attempt;
+        assert_eq!(
+            replaced,
+            id == "workers-0" || id == "workers-1",
+            "{id}: attempt {} -> {}",
+            before[id].attempt,
+            n.attempt
+        );
+        assert!(n.attempt >= before[id].attempt, "{id}");
+        // A replacement need not have answered its first probe yet.
+        assert_ne!(healthy(n), Some(false), "{id}");
+    }
+    for (slot, attempts) in resources_by_slot(&cluster).await {
+        assert_eq!(attempts, [after[&slot].attempt], "{slot}");
+    }
+    // The lost attempt is gone: the control service finds nothing of it.
+    let gone = control
+        .inflict(inflict("workers-0", Fault::Heal))
+        .await
+        .unwrap_err();
+    assert_eq!(gone.code(), Code::NotFound);
 }

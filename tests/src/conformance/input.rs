@@ -213,11 +213,16 @@ pub enum Input {
     Delete,
     /// The provider loses the resource of the slot at `slot` (modulo the
     /// slots the run holds, in slot order) behind the executor's back, and
-    /// the executor reports it.
+    /// the executor reports it. Over the services: the fake's control service
+    /// loses it, or (level 3) its node agent is killed (SIGKILL).
     Lose(u8),
-    /// The executor reports the slot's node unhealthy (its probes fail).
+    /// The executor reports the slot's node unhealthy (its probes fail). Over
+    /// the services: the fake's resource fails its probes, or the node agent
+    /// is stopped (SIGSTOP), and the executor's prober finds it.
     Sicken(u8),
-    /// The executor reports the slot's node healthy again.
+    /// The executor reports the slot's node healthy again. Over the services:
+    /// the fake's resource answers its probes again, or the node agent is
+    /// continued (SIGCONT).
     Heal(u8),
 }
 

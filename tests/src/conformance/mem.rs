@@ -148,6 +148,7 @@ impl MemSut {
             processes: Vec::new(),
             quiescent: self.sim.quiescent(),
             probes,
+            events_after_state: false,
         };
         if let Some(v) = &mut self.view {
             v.tamper(&mut rec);

@@ -1,5 +1,6 @@
 //! The conformance kit: seeded traces, an oracle for the twenty guarantees of
-//! SPEC.md section 6 (plus no double-create and converged-leaks-nothing), a
+//! SPEC.md section 6 and the day-2 ones of section 8 (21 to 23; plus no
+//! double-create and converged-leaks-nothing), a
 //! shrinker, and a battery that runs the same checks over any system under test.
 //!
 //! # How a seed is checked
@@ -25,8 +26,9 @@
 //!   ([`crate::sim`]), delivering in order or delayed, reordered and duplicated.
 //!   Every event is visible, so every guarantee is checked.
 //! - Level 2 ([`services`]): the three binaries over gRPC, driven through the
-//!   public API with the executor's seeded chaos, the link cut through a proxy
-//!   and the executor restarted to switch faults. The oracle reads states (the
+//!   public API with the executor's seeded chaos, the link cut through a proxy,
+//!   the executor restarted to switch faults, and resources lost, sickened and
+//!   healed through the fake's control service. The oracle reads states (the
 //!   run's status with every node, and the executor's inventory) and events:
 //!   each service writes an event trace (`--event-trace`, JSON lines) that
 //!   [`traces`] turns back into the events the in-memory system records, so the
@@ -41,8 +43,9 @@
 //!   of the faulty prefix carry `fault.*` boot parameters (crash, fail or hang at
 //!   a stage, a delayed endpoint); an executor-fault input either draws new
 //!   agent faults (a new generation) or restarts the executor over the live
-//!   agents, which it must adopt; the fair tail applies a new generation with
-//!   clean templates. On top of the level-2 checks, no double-create and
+//!   agents, which it must adopt; `lose`, `sicken` and `heal` kill, stop and
+//!   continue an agent; the fair tail applies a new generation with clean
+//!   templates. On top of the level-2 checks, no double-create and
 //!   converged-leaks-nothing are checked on the OS process table, sampled every
 //!   20 ms ([`record::StepRecord::processes`]). Each seed's agents are deleted
 //!   through the run, and any left are killed, even after a failure.

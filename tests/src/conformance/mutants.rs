@@ -84,6 +84,9 @@ pub enum Mutant {
     DestroyLies,
     /// The driver ignores a lost resource (as if it named another attempt).
     IgnoreLoss,
+    /// The driver cleans up after a lost resource but never restarts its
+    /// slot: the restart it is due waits forever.
+    NeverRestartAfterLoss,
     /// The decider grants every remediation its budget holds.
     IgnoreRemediationBudget,
     /// The driver takes an unhealthy report for a healthy one.
@@ -91,7 +94,7 @@ pub enum Mutant {
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 28] = [
+    pub const ALL: [Mutant; 29] = [
         Mutant::ReuseAttemptIds,
         Mutant::FoldIntoCurrentAttempt,
         Mutant::CarryFactsIntoReplacement,
@@ -118,6 +121,7 @@ impl Mutant {
         Mutant::RecreateInsteadOfAdopt,
         Mutant::DestroyLies,
         Mutant::IgnoreLoss,
+        Mutant::NeverRestartAfterLoss,
         Mutant::IgnoreRemediationBudget,
         Mutant::HideUnhealthy,
     ];
@@ -149,6 +153,7 @@ impl Mutant {
             }
             Mutant::RecreateInsteadOfAdopt => Guarantee::NoDoubleCreate,
             Mutant::DestroyLies | Mutant::IgnoreLoss => Guarantee::ConvergedLeaksNothing,
+            Mutant::NeverRestartAfterLoss => Guarantee::G21LostSlotRecovers,
             Mutant::IgnoreRemediationBudget => Guarantee::G22RemediationWithinBudget,
             Mutant::HideUnhealthy => Guarantee::G23ConvergedMeansObserved,
         }
@@ -266,6 +271,15 @@ impl Tamper for Hooks {
                     {
                         d.rule = Rule::Restart;
                         d.action = Action::Restart;
+                    }
+                }
+            }
+            Mutant::NeverRestartAfterLoss => {
+                for d in &mut out.decisions {
+                    let lost = run.node(&d.node).is_some_and(|n| n.facts.lost);
+                    if lost && d.action == Action::Restart {
+                        d.rule = Rule::RestartBackoff;
+                        d.action = Action::Wait { until: None };
                     }
                 }
             }

@@ -1,5 +1,7 @@
-//! The oracle: the twenty guarantees of SPEC.md section 6, plus no double-create
-//! and converged-leaks-nothing, each as its own named check.
+//! The oracle: the twenty guarantees of SPEC.md section 6, the day-2 ones of
+//! section 8 (21: a lost slot recovers; 22: remediation within its budget;
+//! 23: converged means observed), plus no double-create and
+//! converged-leaks-nothing, each as its own named check.
 //!
 //! [`Oracle::check`] reads one [`StepRecord`] at a time and keeps what the
 //! checks need from earlier rounds. Checks over state snapshots run at every
@@ -8,7 +10,9 @@
 //! and over the real services from their event traces
 //! ([`super::traces`]). Guarantee 16 (determinism) and the bound of guarantee 18 are whole-run
 //! checks that the runner makes; their functions here are the comparison and the
-//! bound it uses.
+//! bound it uses. Guarantee 21 is judged when the fair tail ends without
+//! converging ([`Oracle::g21_unrecovered`], which the runner asks then); the
+//! oracle keeps, round by round, which lost slots are still to recover.
 //!
 //! Each check's doc comment says exactly what it checks and where it has to
 //! approximate.
@@ -50,6 +54,7 @@ pub enum Guarantee {
     G18FairConvergence,
     G19ScaleDownHighestNoTwoLive,
     G20NoPanicNoSpin,
+    G21LostSlotRecovers,
     G22RemediationWithinBudget,
     G23ConvergedMeansObserved,
     NoDoubleCreate,
@@ -57,7 +62,7 @@ pub enum Guarantee {
 }
 
 impl Guarantee {
-    pub const ALL: [Guarantee; 24] = [
+    pub const ALL: [Guarantee; 25] = [
         Guarantee::G01AttemptIdsUniqueIncreasing,
         Guarantee::G02FoldOnlyIntoNamedAttempt,
         Guarantee::G03RetiredFactsNeverCarried,
@@ -78,6 +83,7 @@ impl Guarantee {
         Guarantee::G18FairConvergence,
         Guarantee::G19ScaleDownHighestNoTwoLive,
         Guarantee::G20NoPanicNoSpin,
+        Guarantee::G21LostSlotRecovers,
         Guarantee::G22RemediationWithinBudget,
         Guarantee::G23ConvergedMeansObserved,
         Guarantee::NoDoubleCreate,
@@ -140,6 +146,10 @@ impl Guarantee {
             }
             Guarantee::G20NoPanicNoSpin => {
                 "no panics, no spins; exhaustion and saturation are errors; at most one action per node"
+            }
+            Guarantee::G21LostSlotRecovers => {
+                "once faults stop, a slot whose resource was lost is ready again on a later attempt within \
+                 the fair tail's bound"
             }
             Guarantee::G22RemediationWithinBudget => {
                 "remediation never has more than max_in_flight nodes of a group in flight, and never acts \
@@ -248,10 +258,28 @@ pub struct Oracle {
     barren: (UnixMillis, u32),
     // Guarantee 23: what the executor last reported of each attempt's health,
     // and the attempts it reported lost.
-    /// By the report's sequence number: a re-sent older report is not the
-    /// last word.
-    health_said: BTreeMap<(LogicalNodeId, AttemptId), (u64, bool)>,
+    /// By the report's time and sequence number, as the driver orders them:
+    /// a re-sent older report is not the last word (nor, after an executor
+    /// restart numbers its reports from 1 again, an older one with a higher
+    /// number).
+    health_said: BTreeMap<(LogicalNodeId, AttemptId), ((UnixMillis, u64), bool)>,
     lost_said: BTreeSet<(LogicalNodeId, AttemptId)>,
+    /// Where the events are read after the state (levels 2 and 3), a report
+    /// is the executor's word for guarantee 23 only from the round after the
+    /// one whose events show the driver's acknowledgement of it: the driver
+    /// acknowledges after its commit, so the state read in that next round
+    /// is later than the fold. Reports sent and not yet acknowledged, by
+    /// sequence number, and those acknowledged in this round's events.
+    said_unacked: BTreeMap<u64, contract::ResourceChange>,
+    said_acked: Vec<contract::ResourceChange>,
+    /// The round's events were read after its state.
+    events_after_state: bool,
+    // Guarantee 21: each slot whose resource was lost and that is not yet
+    // ready again on a later attempt, with the highest attempt lost and the
+    // run's pass count when the loss was first seen.
+    lost_slots: BTreeMap<LogicalNodeId, (AttemptId, u64)>,
+    /// The run's pass count in the latest state.
+    passes: u64,
     // No double-create.
     leases_made: BTreeMap<(LogicalNodeId, AttemptId), u32>,
     lease_of: BTreeMap<(LogicalNodeId, AttemptId), String>,
@@ -259,6 +287,24 @@ pub struct Oracle {
     pid_of: BTreeMap<(LogicalNodeId, AttemptId), String>,
     /// The context of the submission being read (recorded just before it).
     context: Option<(OperationId, Option<ManagedNode>)>,
+    /// Converged leaks nothing, across processes: the mismatch between a
+    /// converged run and the backend (the inventory, the process table) read
+    /// at the last round, to be read again before it counts.
+    mismatch: [Option<Mismatch>; 2],
+}
+
+/// A converged run's nodes, the backend's resources and how many it holds.
+type Mismatch = (
+    BTreeSet<(LogicalNodeId, AttemptId)>,
+    BTreeSet<(LogicalNodeId, AttemptId)>,
+    usize,
+);
+
+/// Where converged-leaks-nothing reads the backend.
+#[derive(Debug, Clone, Copy)]
+enum Backend {
+    Inventory = 0,
+    Processes = 1,
 }
 
 fn rule_is_cleanup(rule: Rule) -> bool {
@@ -316,10 +362,16 @@ impl Oracle {
             barren: (UnixMillis::ZERO, 0),
             health_said: BTreeMap::new(),
             lost_said: BTreeSet::new(),
+            said_unacked: BTreeMap::new(),
+            said_acked: Vec::new(),
+            events_after_state: false,
+            lost_slots: BTreeMap::new(),
+            passes: 0,
             leases_made: BTreeMap::new(),
             lease_of: BTreeMap::new(),
             pid_of: BTreeMap::new(),
             context: None,
+            mismatch: [None, None],
         }
     }
 
@@ -335,6 +387,12 @@ impl Oracle {
     pub fn check(&mut self, rec: &StepRecord) -> Vec<Violation> {
         self.at = rec.at;
         self.now = rec.now;
+        self.events_after_state = rec.events_after_state;
+        // Reports acknowledged in the previous round's events are behind this
+        // round's state.
+        for c in std::mem::take(&mut self.said_acked) {
+            self.g23_said(&c);
+        }
         if !rec.state.gone {
             self.uid = rec.state.uid;
         }
@@ -421,22 +479,25 @@ impl Oracle {
             }
             // A lost resource is gone: a create for its identity after the
             // loss makes the identity's only lease, not a second one.
-            Event::Emitted(ToDriver::Change(c)) => match &c.change {
-                contract::Change::Lost { .. } => {
+            Event::Emitted(ToDriver::Change(c)) => {
+                if let contract::Change::Lost { .. } = &c.change {
                     self.leases_made.remove(&(c.node.clone(), c.attempt));
                     self.lease_of.remove(&(c.node.clone(), c.attempt));
-                    self.lost_said.insert((c.node.clone(), c.attempt));
+                    self.g21_lost(&c.node, c.attempt);
                 }
-                contract::Change::Health { healthy, .. } => {
-                    let said = self
-                        .health_said
-                        .entry((c.node.clone(), c.attempt))
-                        .or_insert((c.seq, *healthy));
-                    if c.seq >= said.0 {
-                        *said = (c.seq, *healthy);
+                if self.events_after_state {
+                    self.said_unacked.insert(c.seq, c.clone());
+                } else {
+                    self.g23_said(c);
+                }
+            }
+            Event::ChangesAcknowledged(seqs) => {
+                for seq in seqs {
+                    if let Some(c) = self.said_unacked.remove(seq) {
+                        self.said_acked.push(c);
                     }
                 }
-            },
+            }
             Event::ConflictProbe { op, outputs } => self.g07_conflict(op, outputs),
             Event::Pass(p) => {
                 self.g15_converged_pass(p.converged_before, p.actions, p.operations, p.changed);
@@ -455,6 +516,16 @@ impl Oracle {
     }
 
     fn transition(&mut self, t: &Transition) {
+        // A loss the driver found itself (the inventory resync) is folded
+        // without the executor having said it.
+        if let Cause::Fold {
+            msg: ToDriver::Change(c),
+            verdict: Fold::Folded,
+        } = &t.cause
+            && matches!(c.change, contract::Change::Lost { .. })
+        {
+            self.g21_lost(&c.node, c.attempt);
+        }
         if t.before != t.after {
             // Something changed, so the next pass has something to look at.
             self.barren = (t.at, 0);
@@ -493,9 +564,11 @@ impl Oracle {
             self.g03_inventory_matches_facts(s, inv);
             self.g19_inventory(inv);
             self.no_double_create_inventory(inv);
-            self.converged_leaks_nothing(s, inv, rec.quiescent);
+            self.converged_leaks_nothing(s, inv, rec.quiescent, Backend::Inventory);
         }
         self.g23_converged_is_observed(s, rec.quiescent);
+        self.passes = s.passes;
+        self.g21_recovered(s);
         for sample in &rec.processes {
             self.no_double_create_processes(sample);
         }
@@ -1427,13 +1500,16 @@ impl Oracle {
                 }
             }
             if fa > fb && (fa == fb.saturating_add(1) || matches!(t.cause, Cause::Timer)) {
-                let expected =
-                    t.at.checked_add(backoff_delay(&self.policy.backoff, self.uid, a.attempt, fa))
-                        .ok();
+                // The driver computes a backoff when it makes the change (a
+                // pass's: when it applies the answer).
+                let expected = t
+                    .applied_at
+                    .checked_add(backoff_delay(&self.policy.backoff, self.uid, a.attempt, fa))
+                    .ok();
                 if a.retry.next_effect_at != expected && a.retry.restart_at != expected {
                     let detail = format!(
                         "{id} failure {fa} at {:?}: next effect {:?}, restart {:?}, the policy says {expected:?}",
-                        t.at, a.retry.next_effect_at, a.retry.restart_at
+                        t.applied_at, a.retry.next_effect_at, a.retry.restart_at
                     );
                     self.fail(Guarantee::G14BackoffFollowsPolicy, detail);
                 }
@@ -1848,7 +1924,7 @@ impl Oracle {
         quiescent: bool,
     ) {
         let before = self.out.len();
-        self.converged_leaks_nothing(s, sample, quiescent);
+        self.converged_leaks_nothing(s, sample, quiescent, Backend::Processes);
         for v in &mut self.out[before..] {
             v.detail = format!("live node-agent processes: {}", v.detail);
         }
@@ -1904,9 +1980,89 @@ impl Oracle {
         }
     }
 
+    /// Guarantee 21: `node`'s resource of `attempt` is lost; the slot is to
+    /// recover on a later attempt.
+    fn g21_lost(&mut self, node: &LogicalNodeId, attempt: AttemptId) {
+        let passes = self.passes;
+        let e = self.lost_slots.entry(node.clone()).or_insert((attempt, passes));
+        if attempt > e.0 {
+            *e = (attempt, passes);
+        }
+    }
+
+    /// Guarantee 21, per round: a lost slot has recovered once the state
+    /// shows it ready on an attempt after the lost one; one no longer desired
+    /// (scaled down, removed, the run deleted) has nothing to recover.
+    fn g21_recovered(&mut self, s: &RunSnapshot) {
+        let done: Vec<LogicalNodeId> = self
+            .lost_slots
+            .iter()
+            .filter(|(id, (lost, _))| {
+                s.gone
+                    || self.desired_template(id).is_none()
+                    || s.nodes
+                        .get(*id)
+                        .is_some_and(|n| n.is_ready() && n.attempt > *lost)
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in done {
+            self.lost_slots.remove(&id);
+        }
+    }
+
+    /// Guarantee 21, when the fair tail ends without converging within its
+    /// pass bound (or stalls, so that it never will): every desired slot that
+    /// lost its resource and is not ready again on a later attempt breaks it.
+    /// The liveness of guarantee 18, for the slots that day 2 broke: a
+    /// driver that never replaces a lost resource, or waits on it forever,
+    /// is named here rather than only as a run that does not converge. A run
+    /// that does converge cannot break it: converged means every desired slot
+    /// is ready, and one still on its lost attempt is guarantee 23's.
+    pub fn g21_unrecovered(&self, at: StepRef, s: &RunSnapshot) -> Vec<Violation> {
+        self.lost_slots
+            .iter()
+            .map(|(id, (lost, seen))| {
+                let now = s.nodes.get(id).map_or("no node".to_owned(), |n| {
+                    format!("attempt {} {:?}/{:?}", n.attempt, n.intent, n.stage)
+                });
+                Violation {
+                    guarantee: Guarantee::G21LostSlotRecovers,
+                    at,
+                    detail: format!(
+                        "{id} lost attempt {lost} (seen at pass {seen}) and is not ready on a later attempt \
+                         when the fair tail ends at pass {}: {now}",
+                        s.passes
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    /// Guarantee 23: the executor's report `c` is its latest word on the
+    /// attempt, unless a later one came first.
+    fn g23_said(&mut self, c: &contract::ResourceChange) {
+        let key = (c.node.clone(), c.attempt);
+        match &c.change {
+            contract::Change::Lost { .. } => {
+                self.lost_said.insert(key);
+            }
+            contract::Change::Health { healthy, .. } => {
+                let order = (c.at, c.seq);
+                let said = self.health_said.entry(key).or_insert((order, *healthy));
+                if order >= said.0 {
+                    *said = (order, *healthy);
+                }
+            }
+        }
+    }
+
     /// Guarantee 23: whenever the run says it is converged and nothing is on
     /// its way, the executor's last word on every node's current attempt is
-    /// neither lost nor unhealthy.
+    /// neither lost nor unhealthy. Across processes a report is the
+    /// executor's word from the round after its acknowledgement (see
+    /// `said_unacked`): a report still on its way when the status was read
+    /// does not count against that status.
     fn g23_converged_is_observed(&mut self, s: &RunSnapshot, quiescent: bool) {
         if !quiescent || !s.converged || s.gone {
             return;
@@ -1934,12 +2090,22 @@ impl Oracle {
     /// its way, the backend holds exactly one resource per node, of the node's
     /// current attempt; whenever the run is gone and nothing is on its way, the
     /// backend holds nothing of the run.
+    ///
+    /// Across processes the backend is read after the status, and a resource
+    /// can be lost in between (its loss then still on its way to the driver),
+    /// so there a converged run that does not match the backend breaks it
+    /// only when the same mismatch is read again at the next round, the run
+    /// still converged: by then a loss has been folded (the run is no longer
+    /// converged) or the driver missed it. A gone run is checked at once:
+    /// nothing of it may appear after it.
     fn converged_leaks_nothing(
         &mut self,
         s: &RunSnapshot,
         inventory: &[super::record::Resource],
         quiescent: bool,
+        backend: Backend,
     ) {
+        let previous = self.mismatch[backend as usize].take();
         if !quiescent {
             return;
         }
@@ -1964,6 +2130,14 @@ impl Oracle {
         let have: BTreeSet<(LogicalNodeId, AttemptId)> =
             inventory.iter().map(|r| (r.node.clone(), r.attempt)).collect();
         if want != have || inventory.len() != want.len() {
+            if self.events_after_state {
+                let mismatch = (want.clone(), have.clone(), inventory.len());
+                let again = previous.as_ref() == Some(&mismatch);
+                self.mismatch[backend as usize] = Some(mismatch);
+                if !again {
+                    return;
+                }
+            }
             let extra: Vec<String> = have.difference(&want).map(|(n, a)| format!("{n} {a}")).collect();
             let missing: Vec<String> = want.difference(&have).map(|(n, a)| format!("{n} {a}")).collect();
             let detail = format!(

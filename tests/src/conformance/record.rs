@@ -158,4 +158,8 @@ pub struct StepRecord {
     /// running or queued at the executor.
     pub quiescent: bool,
     pub probes: Vec<Probe>,
+    /// The events were read after the state (levels 2 and 3: the services'
+    /// traces are read once the status is in), so the state may predate the
+    /// latest of them. In memory both are taken at once.
+    pub events_after_state: bool,
 }

@@ -106,6 +106,18 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
                     {
                         bump(format!("bootstrap:{}", o.stage.name()));
                     }
+                    if let (ToDriver::Change(c), driver_svc::core::Fold::Folded) = (msg, verdict) {
+                        bump(format!("change-folded:{}", c.change.name()));
+                        let was_unhealthy = t
+                            .before
+                            .get(&c.node)
+                            .and_then(|n| n.facts.health.as_ref())
+                            .is_some_and(contract::NodeHealth::is_unhealthy);
+                        if was_unhealthy && matches!(c.change, contract::Change::Health { healthy: true, .. })
+                        {
+                            bump("health-restored".to_owned());
+                        }
+                    }
                 }
                 Cause::Decisions(ds) => {
                     for d in ds
@@ -113,6 +125,11 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
                         .filter(|d| !matches!(d.action, contract::Action::Wait { .. }))
                     {
                         bump(format!("action:{}", d.action.name()));
+                    }
+                    for (id, a) in &t.after {
+                        if a.retry.remediating && t.before.get(id).is_some_and(|b| !b.retry.remediating) {
+                            bump("remediation-began".to_owned());
+                        }
                     }
                 }
                 Cause::Timer => bump("deadline-fold".to_owned()),
@@ -133,6 +150,12 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
                 }
             }
             Event::Emitted(ToDriver::Rejection(r)) => bump(format!("rejection:{}", r.reason.name())),
+            Event::Emitted(ToDriver::Change(c)) => bump(format!("change:{}", c.change.name())),
+            Event::ChangesAcknowledged(seqs) => {
+                for _ in seqs {
+                    bump("change-acknowledged".to_owned());
+                }
+            }
             Event::BackendCall { forced: Some(f), .. } => bump(format!("forced:{}", f.name())),
             Event::ConflictProbe { .. } => bump("conflict-probe".to_owned()),
             Event::Aborted { .. } => bump("abandoned".to_owned()),
@@ -154,6 +177,19 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
         }
         if n.is_ready() {
             bump("state:ready-node".to_owned());
+        }
+        if n.facts.lost {
+            bump("state:lost-node".to_owned());
+        }
+        if n.facts
+            .health
+            .as_ref()
+            .is_some_and(contract::NodeHealth::is_unhealthy)
+        {
+            bump("state:unhealthy-node".to_owned());
+        }
+        if n.retry.remediating {
+            bump("state:remediating-node".to_owned());
         }
     }
     if rec.state.converged && rec.quiescent {
@@ -429,12 +465,20 @@ impl<S: SystemUnderTest> Runner<'_, S> {
             .unwrap_or_else(|| unreachable!("no round recorded yet"))
     }
 
-    fn g18(&self, detail: String) -> Violations {
-        vec![Violation {
+    /// The fair tail did not converge within its bound: guarantee 18, and
+    /// guarantee 21 for every lost slot not back (in the tail; not in the
+    /// teardown, where nothing is to come back).
+    fn g18(&self, phase: Phase, detail: String) -> Violations {
+        let at = self.at.get();
+        let mut out = vec![Violation {
             guarantee: Guarantee::G18FairConvergence,
-            at: self.at.get(),
+            at,
             detail,
-        }]
+        }];
+        if phase == Phase::Tail {
+            out.extend(self.oracle.g21_unrecovered(at, &self.last().state));
+        }
+        out
     }
 
     fn slots(&self) -> u64 {
@@ -471,7 +515,7 @@ impl<S: SystemUnderTest> Runner<'_, S> {
             }
             let used = last.state.passes.saturating_sub(start);
             if used > bound {
-                return Err(self.g18(format!(
+                return Err(self.g18(phase, format!(
                     "{what}: {used} passes without converging; the bound is {bound} = {} + {nodes} nodes × (2 + {repairs} repairs) × {} (ladder with {probes} probes)",
                     TailBound::SLACK,
                     TailBound { nodes, probes, repairs }.ladder()
@@ -501,7 +545,7 @@ impl<S: SystemUnderTest> Runner<'_, S> {
                         )
                     })
                     .collect();
-                return Err(self.g18(format!(
+                return Err(self.g18(phase, format!(
                     "{what}: stalled after {used} passes and {rounds} rounds (converged {}, gone {}, quiescent {}): {}",
                     s.converged,
                     s.gone,
@@ -547,10 +591,13 @@ impl<S: SystemUnderTest> Runner<'_, S> {
             self.outcome.tail_bound = bound;
             // Guarantee 15 on the live system: a safety tick's pass over the
             // converged run is a no-op. The pass is checked where events are seen;
-            // the states before and after are compared everywhere.
-            let before = self.last().state.nodes.clone();
+            // the states before and after are compared everywhere, but for
+            // what the executor's prober reported meanwhile (a fold, not the
+            // pass: over the services, probes go on while the tick waits, and
+            // an executor that restarted reports every node's first answer).
+            let before = without_health(&self.last().state.nodes);
             let rec = self.sut.tick(Phase::Tail).map_err(|e| self.error(e))?;
-            let after = rec.state.nodes.clone();
+            let after = without_health(&rec.state.nodes);
             self.feed(rec)?;
             if after != before {
                 let changed: Vec<String> = after
@@ -574,6 +621,15 @@ impl<S: SystemUnderTest> Runner<'_, S> {
         self.outcome.teardown_passes = passes;
         Ok(())
     }
+}
+
+/// The nodes without their last health report, which only a fold changes.
+fn without_health(nodes: &crate::sim::Nodes) -> crate::sim::Nodes {
+    let mut nodes = nodes.clone();
+    for n in nodes.values_mut() {
+        n.facts.health = None;
+    }
+    nodes
 }
 
 /// Knobs of one in-memory run.

@@ -2,10 +2,16 @@
 //!
 //! The run is driven through the public API and the executor's link goes
 //! through a [`Proxy`] that can cut it. Faults come from the fake backend's
-//! seeded chaos (`--fake-faults chaos --fake-seed`), and are switched by
-//! restarting the executor with other flags; its state file keeps the
-//! provider's resources across the restart, as a real provider would. The fair
-//! tail restarts it with `--fake-faults none`.
+//! seeded chaos (`--fake-faults chaos --fake-seed`: failed, hung and
+//! ambiguous calls, and resources lost, sickened and healed at its fault
+//! ticks), and are switched by restarting the executor with other flags; its
+//! state file keeps the provider's resources (and which are sick) across the
+//! restart, as a real provider would. The `lose`, `sicken` and `heal` inputs
+//! go through the fake's control service (`--fake-control`, a test double):
+//! the executor reports the loss on the link, and its prober finds the
+//! sickness (every group the battery makes is probed). The fair tail restarts
+//! the executor with `--fake-faults none`; a resource still sick then is the
+//! driver's to replace for health.
 //!
 //! The oracle sees two things after every round. States: the run's status
 //! with every node (attempts, stages, facts, pending operations, retry state)
@@ -43,13 +49,35 @@
 //!   (and at level 3 the process table) checks the provider's.
 //! - Forced outcomes (`inject`), resends of chosen messages, driver restarts
 //!   and clock jumps are not in the level-2 alphabet: faults come from the
-//!   fake backend's chaos, link cuts and executor restarts.
+//!   fake backend's chaos, link cuts, executor restarts and the day-2 inputs.
+//! - Day 2, timing: the status is read before the traces, so a health or
+//!   loss report can be on its way while a converged status is read.
+//!   Guarantee 23 counts a report as the executor's word only from the round
+//!   after the executor received the driver's acknowledgement of it (the
+//!   driver acknowledges after its commit); converged-leaks-nothing counts a
+//!   converged run that does not match the backend only when the same
+//!   mismatch is read at the next round too; guarantee 15's comparison
+//!   around the safety tick leaves out the health reports folded meanwhile
+//!   (probes go on while it waits). A report the driver never acknowledges
+//!   is not counted at all.
+//! - Guarantee 21 is judged when the fair tail ends without converging: a
+//!   level-2 run converges as soon as its status says so, possibly before
+//!   the prober's first probe of a node still sick after the executor's
+//!   restart, which the tail then never waits for.
+//! - Guarantee 22 is checked on the driver's transitions from its trace;
+//!   the executor's probes themselves (their timing, the startup grace) are
+//!   not checked, only what they reported.
 //!
 //! Level 3 ([`ServiceSut::start_process`]) is the same system with the process
 //! backend: agent faults travel in the templates' boot parameters
 //! ([`world_l3`], [`faulty_shape`]), the tail applies [`clean_shape`], and every
 //! round also carries samples of the live agents in the OS process table
-//! ([`live_agents`]).
+//! ([`live_agents`]). The day-2 inputs signal the attempt's node agent, found
+//! in that table: `lose` kills it (SIGKILL; the executor's pidfd watch reports
+//! it), `sicken` stops it (SIGSTOP; its kernel still accepts connections, so
+//! only the executor's `ping` probe finds it) and `heal` continues it
+//! (SIGCONT). An agent still stopped when the tail starts is the driver's to
+//! replace for health.
 
 use std::{
     path::{Path, PathBuf},
@@ -59,7 +87,7 @@ use std::{
 
 use contract::{
     AttemptId, ClusterShape, Generation, LogicalNodeId, NodeTemplate, Param, RunUid, UnixMillis, pb,
-    pb::provisioning_client::ProvisioningClient,
+    pb::{fake::v1::Fault, provisioning_client::ProvisioningClient},
     shape::example_template,
     wire::{node_from_wire, shape_from_wire},
 };
@@ -276,6 +304,8 @@ fn executor_args(seed: u64, faults: FaultMix, dir: &Path, agents: Option<&Path>)
         &seed.to_string(),
         "--fake-state-file",
         &state.display().to_string(),
+        // The `lose`, `sicken` and `heal` inputs go through it.
+        "--fake-control",
     ]
     .into_iter()
     .map(str::to_owned)
@@ -576,6 +606,7 @@ impl ServiceSut {
             processes,
             quiescent,
             probes: Vec::new(),
+            events_after_state: true,
         })
     }
 
@@ -657,6 +688,52 @@ impl ServiceSut {
             }
             std::thread::sleep(left.min(SAMPLE));
             a.samples.push(live_agents(&a.dir));
+        }
+    }
+
+    /// A `lose`, `sicken` or `heal` input: the fault goes to the current
+    /// attempt of the slot at `slot` (modulo the slots the run holds, in slot
+    /// order), through the fake's control service, or (level 3) as a signal
+    /// to the attempt's node agent. A slot with no resource to hit (not yet
+    /// created, already gone) is left alone, as in memory.
+    fn inflict(&mut self, slot: u8, fault: Fault) -> anyhow::Result<()> {
+        let state = self.snapshot()?;
+        let nodes: Vec<&contract::ManagedNode> = state.nodes.values().collect();
+        if nodes.is_empty() {
+            return Ok(());
+        }
+        let n = nodes[usize::from(slot) % nodes.len()];
+        if let Some(a) = &self.agents {
+            let signal = match fault {
+                Fault::Lose => rustix::process::Signal::KILL,
+                Fault::Sicken => rustix::process::Signal::STOP,
+                Fault::Heal | Fault::Unspecified => rustix::process::Signal::CONT,
+            };
+            let pid = live_agents(&a.dir)
+                .into_iter()
+                .find(|r| r.node == n.id && r.attempt == n.attempt)
+                .and_then(|r| r.lease.parse::<i32>().ok())
+                .and_then(rustix::process::Pid::from_raw);
+            if let Some(pid) = pid {
+                // The agent may have ended since the table was read.
+                let _ = rustix::process::kill_process(pid, signal);
+            }
+            return Ok(());
+        }
+        let request = pb::fake::v1::InflictRequest {
+            run_uid: state.uid.to_string(),
+            node_id: n.id.to_string(),
+            attempt: n.attempt.get(),
+            fault: fault as i32,
+        };
+        let answer = self.rt.block_on(async {
+            let mut control = self.cluster.fake_control().await?;
+            anyhow::Ok(control.inflict(request).await)
+        })?;
+        match answer {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Code::NotFound => Ok(()),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -758,6 +835,18 @@ impl SystemUnderTest for ServiceSut {
                 self.rt.block_on(c.delete_run(pb::DeleteRunRequest {
                     run_id: RUN_ID.to_owned(),
                 }))?;
+                None
+            }
+            Input::Lose(slot) => {
+                self.inflict(*slot, Fault::Lose)?;
+                None
+            }
+            Input::Sicken(slot) => {
+                self.inflict(*slot, Fault::Sicken)?;
+                None
+            }
+            Input::Heal(slot) => {
+                self.inflict(*slot, Fault::Heal)?;
                 None
             }
             // Not drivable from outside the processes.

@@ -15,9 +15,12 @@
 //! - **A pass's decisions** are those of its answer that the driver applied:
 //!   none when the shape changed while the decider ran, and otherwise not those
 //!   for a node that changed meanwhile (its version moved, so the driver
-//!   skipped it), nor those naming another attempt, nor inserts of a slot
+//!   skipped it; a health report of the state already known moves none),
+//!   nor those naming another attempt, nor inserts of a slot
 //!   held. The transition's time is the pass's (what the decider decided at),
-//!   its `before` the nodes just before the answer was applied.
+//!   with the time the answer was applied beside it (what the driver
+//!   computes a backoff from), its `before` the nodes just before the answer
+//!   was applied.
 //! - **Passes** ([`Event::Pass`]): `pass-begun` says whether the run was
 //!   converged when the decider was asked, `pass-decided` what the answer did.
 //! - **Submissions.** An operation the executor received is paired with the
@@ -188,6 +191,24 @@ pub struct Translator {
     pub lines: BTreeMap<String, u64>,
 }
 
+/// Whether `new` differs from `old` only by a health report of the state
+/// already known: the driver keeps the report but moves no version, so a
+/// decision made before it still applies.
+fn only_reobserved(old: &contract::ManagedNode, new: &contract::ManagedNode) -> bool {
+    let (Some(a), Some(b)) = (&old.facts.health, &new.facts.health) else {
+        return false;
+    };
+    if a.healthy != b.healthy {
+        return false;
+    }
+    let strip = |n: &contract::ManagedNode| {
+        let mut n = n.clone();
+        n.facts.health = None;
+        n
+    };
+    strip(old) == strip(new)
+}
+
 fn node_id(s: &str) -> anyhow::Result<LogicalNodeId> {
     Ok(LogicalNodeId::parse("node", s)?)
 }
@@ -276,10 +297,23 @@ impl Translator {
         cause: Cause,
         changes: &Changes,
     ) -> anyhow::Result<()> {
+        self.transition_applied(out, at, at, cause, changes)
+    }
+
+    /// A transition made for `at` and applied at `applied_at` (a pass's).
+    fn transition_applied(
+        &mut self,
+        out: &mut Vec<Event>,
+        at: UnixMillis,
+        applied_at: UnixMillis,
+        cause: Cause,
+        changes: &Changes,
+    ) -> anyhow::Result<()> {
         let before = self.nodes.clone();
         self.apply(changes)?;
         out.push(Event::Transition(Box::new(Transition {
             at,
+            applied_at,
             cause,
             before,
             after: self.nodes.clone(),
@@ -290,7 +324,9 @@ impl Translator {
     fn apply(&mut self, changes: &Changes) -> anyhow::Result<()> {
         for rec in &changes.changed {
             let n = rec.node().with_context(|| format!("node {}", rec.id))?;
-            if let Some(p) = &mut self.pass {
+            if let Some(p) = &mut self.pass
+                && !self.nodes.get(&n.id).is_some_and(|old| only_reobserved(old, &n))
+            {
                 p.touched.insert(n.id.clone());
             }
             self.nodes.insert(n.id.clone(), n);
@@ -388,6 +424,7 @@ impl Translator {
                 if !before.is_empty() || !self.nodes.is_empty() {
                     out.push(Event::Transition(Box::new(Transition {
                         at: ms(t_us / 1000),
+                        applied_at: ms(t_us / 1000),
                         cause: Cause::Restore,
                         before,
                         after: self.nodes.clone(),
@@ -480,6 +517,7 @@ impl Translator {
             }
             TraceEvent::PassDecided {
                 plan_now_ms,
+                now_ms,
                 stale_answer,
                 decisions,
                 actions,
@@ -507,7 +545,7 @@ impl Translator {
                     }
                 }
                 let at = ms(plan_now_ms);
-                self.transition(out, at, Cause::Decisions(applied), &changes)?;
+                self.transition_applied(out, at, ms(now_ms), Cause::Decisions(applied), &changes)?;
                 out.push(Event::Pass(PassSummary {
                     at,
                     operations: operations as usize,
@@ -626,7 +664,12 @@ impl Translator {
             TraceEvent::ChangeOut { change, .. } => {
                 out.push(Event::Emitted(ToDriver::Change(change.resource_change()?)));
             }
-            TraceEvent::AckReceived { .. } | TraceEvent::ForgetReceived { .. } => {}
+            TraceEvent::AckReceived { changes, .. } => {
+                if !changes.is_empty() {
+                    out.push(Event::ChangesAcknowledged(changes));
+                }
+            }
+            TraceEvent::ForgetReceived { .. } => {}
             TraceEvent::Decide {
                 now_ms, decisions, ..
             } => {
@@ -636,6 +679,7 @@ impl Translator {
                     .collect::<anyhow::Result<Vec<_>>>()?;
                 out.push(Event::Transition(Box::new(Transition {
                     at: ms(now_ms),
+                    applied_at: ms(now_ms),
                     cause: Cause::Answer(decisions),
                     before: Nodes::new(),
                     after: Nodes::new(),

@@ -67,13 +67,19 @@ fn template(group: Group, image: &str) -> NodeTemplate {
     }
 }
 
-/// The policy of every group the battery makes: a node unhealthy for two
-/// seconds is replaced, one per group at a time. (`max_unhealthy` stays at
-/// 100%: a group held by it converges only once its nodes heal, which a
-/// trace need not do, and fair convergence would not hold.)
-fn group_policy() -> contract::GroupPolicy {
+/// The policy of every group the battery makes: nodes are probed (a TCP
+/// probe: for the fake, its own say; for the process backend, a ping) every
+/// 200 ms, and a node unhealthy for two seconds is replaced, one per group at
+/// a time. (`max_unhealthy` stays at 100%: a group held by it converges only
+/// once its nodes heal, which a trace need not do, and fair convergence would
+/// not hold.) In memory there is no prober: the simulation reports health as
+/// one would.
+pub fn group_policy() -> contract::GroupPolicy {
     contract::GroupPolicy {
         health: contract::HealthPolicy {
+            probe: contract::Probe::Tcp,
+            interval_ms: 200,
+            timeout_ms: 200,
             unhealthy_after_ms: 2_000,
             ..Default::default()
         },
@@ -361,7 +367,9 @@ pub enum Alphabet {
     /// Every input: the in-memory system.
     Full,
     /// What the real services can be driven with from outside: shape updates,
-    /// link cuts, executor fault switches (by restarting it) and waiting.
+    /// link cuts, executor fault switches (by restarting it), a resource lost,
+    /// sickened or healed (through the fake's control service, or signals to
+    /// a node agent) and waiting.
     Services,
 }
 
@@ -483,7 +491,10 @@ pub fn generate(seed: u64, alphabet: Alphabet, len: usize) -> Vec<Input> {
                 _ => pick_steps(&mut rng),
             },
             Alphabet::Services => match r {
-                0..=49 => pick_steps(&mut rng),
+                0..=39 => pick_steps(&mut rng),
+                40..=43 => Input::Lose(rng.below(8) as u8),
+                44..=47 => Input::Sicken(rng.below(8) as u8),
+                48 | 49 => Input::Heal(rng.below(8) as u8),
                 50..=69 => Input::Apply(pick_change(&mut rng, alphabet)),
                 70..=79 => Input::Reject(pick(&mut rng, &Bad::ALL)),
                 80..=84 => Input::Reapply,
