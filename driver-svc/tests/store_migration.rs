@@ -1,5 +1,5 @@
-//! A store written by schema version 1 (a checked-in fixture, see
-//! `fixtures/README.md`) opens under the current schema: it is migrated in
+//! Stores written by schema versions 1 and 2 (checked-in fixtures, see
+//! `fixtures/README.md`) open under the current schema: each is migrated in
 //! place, every run and node reads back as written, and the driver restores
 //! from it.
 
@@ -14,9 +14,13 @@ use driver_svc::{
 };
 
 fn fixture_copy() -> tempfile::TempDir {
+    fixture_copy_of(1)
+}
+
+fn fixture_copy_of(version: u32) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/store-v1")
+        .join(format!("tests/fixtures/store-v{version}"))
         .join(FILE_NAME);
     std::fs::copy(&src, dir.path().join(FILE_NAME)).unwrap();
     dir
@@ -24,11 +28,22 @@ fn fixture_copy() -> tempfile::TempDir {
 
 #[test]
 fn a_version_1_store_is_migrated_and_reads_back_as_written() {
+    reads_back_as_written(1);
+}
+
+/// Version 2 had no event log and no stored conditions: its runs read back
+/// with neither, and take both from then on.
+#[test]
+fn a_version_2_store_is_migrated_and_reads_back_as_written() {
+    reads_back_as_written(2);
+}
+
+fn reads_back_as_written(version: u32) {
     assert_eq!(
-        SCHEMA_VERSION, 2,
+        SCHEMA_VERSION, 3,
         "a new schema needs its own fixture and migration test"
     );
-    let dir = fixture_copy();
+    let dir = fixture_copy_of(version);
     let store = RedbStore::open(dir.path()).unwrap();
     assert_eq!(store.schema_version().unwrap(), SCHEMA_VERSION);
 
@@ -65,6 +80,10 @@ fn a_version_1_store_is_migrated_and_reads_back_as_written() {
     assert_eq!(serve.meta.epoch.get(), 7);
     assert!(serve.meta.paused && !serve.meta.reclaim);
     assert!(serve.nodes.is_empty());
+    assert!(
+        runs.iter()
+            .all(|r| r.events.is_empty() && r.meta.conditions.is_empty())
+    );
 
     // Migrated once: reopening reads the same, at the same version.
     drop(store);
@@ -99,15 +118,22 @@ fn a_migrated_store_takes_new_writes() {
 }
 
 #[test]
-fn the_fixture_itself_is_still_version_1() {
-    // The checked-in file must stay a version-1 store, or the migration
-    // test above tests nothing: open a copy read-only through redb.
-    let dir = fixture_copy();
-    let db = redb::Database::open(dir.path().join(FILE_NAME)).unwrap();
-    let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
-    let schema: redb::TableDefinition<&str, u32> = redb::TableDefinition::new("schema");
-    let table = txn.open_table(schema).unwrap();
-    assert_eq!(table.get("version").unwrap().unwrap().value(), 1);
+fn the_fixtures_themselves_are_still_of_their_versions() {
+    // The checked-in files must stay the versions they were written at, or
+    // the migration tests above test nothing: open a copy through redb.
+    for version in [1, 2] {
+        let dir = fixture_copy_of(version);
+        let db = redb::Database::open(dir.path().join(FILE_NAME)).unwrap();
+        let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
+        let schema: redb::TableDefinition<&str, u32> = redb::TableDefinition::new("schema");
+        let table = txn.open_table(schema).unwrap();
+        assert_eq!(table.get("version").unwrap().unwrap().value(), version);
+        let events: redb::TableDefinition<(&str, u64), &[u8]> = redb::TableDefinition::new("events");
+        assert!(
+            txn.open_table(events).is_err(),
+            "a version-{version} store has no event table"
+        );
+    }
 }
 
 #[test]
