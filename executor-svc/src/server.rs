@@ -1118,19 +1118,22 @@ impl Actor {
         }
     }
 
-    /// Writes what the core changed, before any output of the same step leaves.
-    /// A failed write stops the executor from accepting more work: its durable
-    /// state would no longer match what drivers were told.
-    fn persist(&mut self) {
+    /// Writes what the core changed, before any output of the same step leaves;
+    /// false when the write failed. A failed write stops the executor from
+    /// accepting more work: its durable state would no longer match what
+    /// drivers were told.
+    fn persist(&mut self) -> bool {
         let Some(store) = &self.store else {
             self.core.clear_changes();
-            return;
+            return true;
         };
         let changes = self.core.take_changes();
         if let Err(e) = store.apply(&changes) {
             tracing::error!(error = %e, "the executor store refused a write; refusing further work");
             self.store_failed = true;
+            return false;
         }
+        true
     }
 
     /// Starts every waiting operation the budget lets start now, and tells
@@ -1252,11 +1255,22 @@ impl Actor {
         self.outbox.push((link, msg));
     }
 
-    /// Writes the step's durable changes, then sends its messages.
+    /// Writes the step's durable changes, then sends its messages. A step
+    /// whose changes could not be written sends nothing: a result a driver
+    /// saw must be one a restarted executor can replay (the drivers' deadlines
+    /// fold what was not sent as ambiguous, and a restarted executor adopts).
     fn flush(&mut self) {
-        self.persist();
+        let durable = self.persist();
         self.trace.write();
-        for (link, msg) in std::mem::take(&mut self.outbox) {
+        let outbox = std::mem::take(&mut self.outbox);
+        if !durable {
+            tracing::error!(
+                messages = outbox.len(),
+                "a step's messages are not sent: its changes could not be written"
+            );
+            return;
+        }
+        for (link, msg) in outbox {
             self.send_now(link, msg);
         }
     }

@@ -576,10 +576,11 @@ impl Cluster {
                 .await?;
         // The executor keeps its fencing epochs and results in the cluster's
         // directory, so a restarted executor replays rather than re-runs.
-        let mut executor_args = vec![
-            "--state-dir".to_owned(),
-            dir.path().join("executor-state").display().to_string(),
-        ];
+        let mut executor_args = Vec::new();
+        if !opts.executor_args.iter().any(|a| a == "--state-dir") {
+            executor_args.push("--state-dir".to_owned());
+            executor_args.push(dir.path().join("executor-state").display().to_string());
+        }
         executor_args.extend(opts.executor_args.iter().cloned());
         let executor = Service::start_with_env(
             "executor-svc",

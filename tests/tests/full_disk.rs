@@ -173,3 +173,70 @@ async fn a_full_store_halts_the_run_loudly_and_it_resumes_when_space_returns() {
     drop(cluster);
     drop(disk);
 }
+
+/// The executor's store (fencing epochs, completed results) on a disk that
+/// fills: a step whose changes cannot be written sends nothing (a result a
+/// driver saw must be one a restarted executor can replay), the executor
+/// refuses further work and says so, and restarted once there is room it
+/// takes the run to convergence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_executor_store_sends_nothing_unrecorded_and_recovers_on_restart() {
+    let scratch = tempfile::tempdir().unwrap();
+    let disk = SmallDisk::mount(&scratch.path().join("state"), "16m");
+    let opts =
+        ClusterOptions::default().executor("--state-dir", &disk.at.join("executor").display().to_string());
+    let mut cluster = Cluster::start(opts).await.unwrap();
+    let mut c = cluster.client().await.unwrap();
+    cluster.apply(&big(1)).await.unwrap();
+    watch_until(&mut c, "disk", Duration::from_secs(60), |s| s.converged)
+        .await
+        .unwrap();
+
+    let filler = disk.fill();
+    // Every apply replaces the workers: their operations' results are what
+    // the executor must record, and, full, cannot.
+    let mut g = 2;
+    let refused = eventually(
+        Duration::from_secs(60),
+        "the executor's store refuses a write",
+        || {
+            let cluster = &cluster;
+            let applied = g;
+            g += 1;
+            async move {
+                let _ = cluster.apply(&big(applied)).await;
+                let log = std::fs::read_to_string(cluster.executor.log_file()).unwrap_or_default();
+                log.contains("the executor store refused a write")
+                    .then_some(applied)
+            }
+        },
+    )
+    .await;
+    let last = match refused {
+        Ok(g) => g,
+        Err(e) => {
+            cluster.dump_logs();
+            panic!("{e}");
+        }
+    };
+    let log = std::fs::read_to_string(cluster.executor.log_file()).unwrap();
+    assert!(log.contains("its changes could not be written"), "{log}");
+    let s = watch_until(&mut c, "disk", Duration::from_secs(5), |s| s.generation == last)
+        .await
+        .unwrap();
+    assert!(
+        !s.converged,
+        "converged through an executor that cannot record: {s:?}"
+    );
+
+    // Room again, and a restarted executor: the run converges.
+    std::fs::remove_file(&filler).unwrap();
+    cluster.executor.restart(cluster.dir.path()).await.unwrap();
+    watch_until(&mut c, "disk", Duration::from_secs(90), |s| {
+        s.converged && s.generation == last
+    })
+    .await
+    .unwrap();
+    drop(cluster);
+    drop(disk);
+}
