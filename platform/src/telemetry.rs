@@ -14,6 +14,11 @@
 //! flushes the spans still buffered when it is shut down or dropped, which each
 //! binary does as `main` ends.
 //!
+//! Span attributes that count something are integers: `tracing-opentelemetry`
+//! records a field of type `u64`, `usize` or `u32` (and any `%` or `?` field)
+//! as a string, and only `i64` (and the smaller signed types) as an integer,
+//! so counts are passed through [`int`].
+//!
 //! Propagation is W3C trace context only. Across gRPC calls it rides in the
 //! `traceparent`/`tracestate` metadata, injected and extracted by the tower
 //! layers in [`grpc`]; across the messages streamed on the driver–executor
@@ -161,6 +166,12 @@ fn otlp_configured() -> bool {
     let set = |name: &str| std::env::var(name).is_ok_and(|v| !v.trim().is_empty());
     let exporter_none = std::env::var("OTEL_TRACES_EXPORTER").is_ok_and(|v| v.trim() == "none");
     (set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) && !exporter_none
+}
+
+/// A count as the integer attribute it is (see the module's documentation):
+/// saturating at `i64::MAX`, which no count here reaches.
+pub fn int<T: TryInto<i64>>(n: T) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
 }
 
 fn sdk_disabled() -> bool {
@@ -416,7 +427,7 @@ macro_rules! operation_span {
             provisioning.node.id = %op.node,
             provisioning.operation.id = %op.id,
             provisioning.operation.effect = op.input.effect().name(),
-            provisioning.operation.attempt = op.id.attempt().get(),
+            provisioning.operation.attempt = $crate::telemetry::int(op.id.attempt().get()),
             provisioning.operation.outcome = $crate::__macro::tracing::field::Empty,
             otel.status_code = $crate::__macro::tracing::field::Empty,
         )
