@@ -140,8 +140,9 @@ impl Telemetry {
                 (result, provider)
             })
             .await;
+            // Through the log layer, so a JSON log stays JSON to its end.
             if let Ok((Err(e), _)) = flushed {
-                eprintln!("telemetry: flushing spans at shutdown failed: {e}");
+                tracing::warn!(error = %e, "flushing spans at shutdown failed; the spans still buffered are lost");
             }
         }
     }
@@ -159,7 +160,7 @@ impl Drop for Telemetry {
             && self.exporting
             && let Err(e) = provider.shutdown_with_timeout(FLUSH_TIMEOUT)
         {
-            eprintln!("telemetry: flushing spans at exit failed: {e}");
+            tracing::warn!(error = %e, "flushing spans at exit failed; the spans still buffered are lost");
         }
     }
 }
@@ -189,6 +190,13 @@ fn build_exporter(
     builder.build()
 }
 
+/// Logs a panic as an error line, so that a JSON log stays JSON when the
+/// process panics.
+fn log_panics_as_json() {
+    std::panic::set_hook(Box::new(|info| {
+        tracing::error!(panic = %info, "panicked");
+    }));
+}
 
 fn sdk_disabled() -> bool {
     std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"))
@@ -290,6 +298,9 @@ pub fn init(config: &TelemetryConfig<'_>) -> Result<Telemetry, TelemetryError> {
     // A second initialisation (tests that start several services in one
     // process) keeps the first subscriber.
     let installed = tracing::dispatcher::set_global_default(dispatch).is_ok();
+    if installed && config.log_json {
+        log_panics_as_json();
+    }
 
     let (metrics_addr, metrics_task) = match config.metrics_listen {
         Some(addr) => {
