@@ -24,7 +24,11 @@ struct Cli {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
+    platform::runtime::exit_code(serve_until_stopped().await)
+}
+
+async fn serve_until_stopped() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = init_telemetry("decider-svc", &cli.common)?;
     let policy = PeerPolicy::new(cli.common.transport("decider-svc")?, cli.peers.identities());

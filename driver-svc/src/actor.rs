@@ -790,7 +790,7 @@ impl RunActor {
                     provisioning.run.id = %self.run.run_id(),
                     provisioning.node.id = %o.node,
                     provisioning.bootstrap.session = %o.session,
-                    provisioning.bootstrap.seq = o.seq,
+                    provisioning.bootstrap.seq = telemetry::int(o.seq),
                     provisioning.bootstrap.stage = o.stage.name(),
                     provisioning.fold.discarded = Empty,
                 );
@@ -1193,8 +1193,8 @@ impl RunActor {
             parent: None,
             "pass",
             provisioning.run.id = %self.run.run_id(),
-            provisioning.run.generation = self.run.shape().generation.get(),
-            provisioning.pass.nodes = plan.nodes.len(),
+            provisioning.run.generation = telemetry::int(self.run.shape().generation.get()),
+            provisioning.pass.nodes = telemetry::int(plan.nodes.len()),
             provisioning.pass.full = plan.full,
             provisioning.pass.actions = Empty,
             provisioning.pass.operations = Empty,
@@ -1477,10 +1477,10 @@ impl RunActor {
 /// per ladder rule as `provisioning.pass.rule_<n>` attributes.
 fn record_pass(span: &tracing::Span, o: &crate::core::PassOutcome, result: &str) {
     let actions: u32 = o.actions_by_rule.iter().sum();
-    span.record("provisioning.pass.actions", actions);
-    span.record("provisioning.pass.operations", o.operations);
-    span.record("provisioning.pass.transitions", o.transitions);
-    span.record("provisioning.pass.stale", o.stale);
+    span.record("provisioning.pass.actions", i64::from(actions));
+    span.record("provisioning.pass.operations", i64::from(o.operations));
+    span.record("provisioning.pass.transitions", i64::from(o.transitions));
+    span.record("provisioning.pass.stale", i64::from(o.stale));
     span.record("provisioning.pass.result", result);
     for (rule, n) in o.actions_by_rule.iter().enumerate() {
         if *n > 0 {

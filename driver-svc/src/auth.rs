@@ -299,13 +299,30 @@ pub fn principal<T>(req: &tonic::Request<T>, need: Access, method: &str) -> Resu
 /// Public API calls refused before they were served, by reason (the limits
 /// layer counts its own refusals in the same family).
 pub(crate) fn refusals() -> Counter {
-    global().counter(
+    let refused = global().counter(
         "provisioning_api_refused_total",
         "Public API calls refused, by reason: unauthenticated, permission_denied, overloaded, \
          rate_limited, watch_limit, deadline, too_large.",
         &["reason"],
-    )
+    );
+    for reason in REFUSAL_REASONS {
+        refused.init(&[reason]);
+    }
+    refused
 }
+
+/// Every reason a public API call is refused for, exported at zero from the
+/// start (`internal` is a limits layer failure that should not happen).
+pub(crate) const REFUSAL_REASONS: [&str; 8] = [
+    "unauthenticated",
+    "permission_denied",
+    "overloaded",
+    "rate_limited",
+    "watch_limit",
+    "deadline",
+    "too_large",
+    "internal",
+];
 
 /// The driver's authentication flags.
 #[derive(Debug, Clone, clap::Args)]

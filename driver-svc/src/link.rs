@@ -236,9 +236,12 @@ impl Link {
         let (tx, rx) = mpsc::unbounded_channel();
         // Through the tracing layer: the link call has a client span (one per
         // connection); the operations on it carry their own trace contexts.
-        let mut client = ExecutorClient::new(platform::telemetry::grpc::traced(channel))
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(64 << 20);
+        let mut client = ExecutorClient::new(platform::telemetry::grpc::traced(
+            channel,
+            endpoint.target().clone(),
+        ))
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20);
         // Install the sender before the call: the request stream must carry the
         // claims that actors send once they hear `LinkUp`.
         if let Ok(mut c) = self.inner.current.lock() {

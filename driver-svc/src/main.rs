@@ -208,7 +208,11 @@ impl Cli {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
+    platform::runtime::exit_code(serve_until_stopped().await)
+}
+
+async fn serve_until_stopped() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = runtime::init_telemetry("driver-svc", &cli.common)?;
     let transport = cli.common.transport("driver-svc")?;

@@ -73,8 +73,58 @@ pub(crate) struct Exported {
     pub(crate) link_events: Counter,
 }
 
+/// A pass's result in `provisioning_reconcile_total{result}`.
+pub(crate) const RECONCILE_RESULTS: [&str; 4] = ["success", "requeue", "requeue_after", "error"];
+
+/// Why a pass failed, in `provisioning_reconcile_errors_total{reason}`.
+pub(crate) const RECONCILE_ERRORS: [&str; 4] = [
+    "decider_unavailable",
+    "decider_rejected",
+    "decider_undecodable",
+    "apply",
+];
+
+/// What was folded, in `provisioning_folds_total{kind}`.
+pub(crate) const FOLD_KINDS: [&str; 4] = ["result", "observation", "change", "rejection"];
+
+/// A health report's state, in `provisioning_node_health_changes_total{state}`.
+pub(crate) const HEALTH_STATES: [&str; 2] = ["healthy", "unhealthy"];
+
 impl Exported {
     fn new(r: &platform::metrics::Registry) -> Self {
+        let e = Self::register(r);
+        e.declare();
+        e
+    }
+
+    /// Exports each counter's known label values at zero from the start
+    /// (`provisioning_stale_results_discarded_total` learns its (kind,
+    /// reason) pairs as they occur: which reasons a kind can have is the
+    /// core's).
+    fn declare(&self) {
+        self.queue_adds.init(&[QUEUE]);
+        self.queue_retries.init(&[QUEUE]);
+        for result in RECONCILE_RESULTS {
+            self.reconcile.init(&[result]);
+        }
+        for reason in RECONCILE_ERRORS {
+            self.reconcile_errors.init(&[reason]);
+        }
+        for rule in contract::Rule::ALL {
+            self.actions.init(&[&rule.number().to_string(), rule_name(rule)]);
+        }
+        for effect in contract::Effect::ALL {
+            self.dispatched.init(&[effect.name()]);
+        }
+        for kind in FOLD_KINDS {
+            self.folds.init(&[kind]);
+        }
+        for state in HEALTH_STATES {
+            self.health.init(&[state]);
+        }
+    }
+
+    fn register(r: &platform::metrics::Registry) -> Self {
         use platform::metrics::LATENCY_BUCKETS;
         Self {
             queue_depth: r.gauge(

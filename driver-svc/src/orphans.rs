@@ -137,6 +137,14 @@ struct OrphanMetrics {
 
 impl OrphanMetrics {
     fn new(r: &platform::metrics::Registry) -> Self {
+        let m = Self::register(r);
+        for result in ["ok", "error"] {
+            m.sweeps.init(&[result]);
+        }
+        m
+    }
+
+    fn register(r: &platform::metrics::Registry) -> Self {
         Self {
             orphans: r.gauge(
                 "provisioning_orphans",

@@ -10,10 +10,7 @@ use contract::{
         provisioning_server::ProvisioningServer,
     },
 };
-use platform::{
-    telemetry::grpc::{ServerLayer, traced},
-    tls::ClientAuth,
-};
+use platform::{telemetry::grpc::ServerLayer, tls::ClientAuth};
 use tokio::net::TcpListener;
 use tracing::Instrument as _;
 
@@ -107,7 +104,7 @@ pub async fn run(
             e.connect_timeout(Duration::from_secs(2))
                 .timeout(Duration::from_secs(30))
         });
-    let decider = DeciderClient::new(traced(decider_endpoint.connect_lazy()))
+    let decider = DeciderClient::new(decider_endpoint.traced_lazy())
         .max_decoding_message_size(16 << 20)
         .max_encoding_message_size(16 << 20);
     let executor_endpoint = config
@@ -172,8 +169,8 @@ pub async fn run(
     });
 
     let sweep_task = (!config.orphan_sweep.is_zero()).then(|| {
-        let inventory = ExecutorClient::new(traced(inventory_endpoint.connect_lazy()))
-            .max_decoding_message_size(64 << 20);
+        let inventory =
+            ExecutorClient::new(inventory_endpoint.traced_lazy()).max_decoding_message_size(64 << 20);
         let mut stop = stop_rx.clone();
         let driver = driver.clone();
         let sweep = SweepConfig::new(config.orphan_sweep, config.orphan_destroy);

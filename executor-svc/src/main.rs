@@ -141,7 +141,11 @@ fn parse_latency(s: &str) -> Result<(u64, u64), String> {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
+    platform::runtime::exit_code(serve_until_stopped().await)
+}
+
+async fn serve_until_stopped() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = init_telemetry("executor-svc", &cli.common)?;
     let peers = PeerPolicy::new(cli.common.transport("executor-svc")?, cli.peers.identities());

@@ -138,8 +138,57 @@ struct ExecutorMetrics {
     budget_waits: Counter,
 }
 
+/// An outcome's class in the `outcome` label (`Outcome::class_name`).
+const OUTCOME_CLASSES: [&str; 5] = [
+    "succeeded",
+    "not-ready",
+    "failed-retryable",
+    "failed-permanent",
+    "ambiguous",
+];
+
 impl ExecutorMetrics {
     fn new() -> Self {
+        let m = Self::register();
+        m.declare();
+        m
+    }
+
+    /// Exports each counter's known label values at zero from the start.
+    fn declare(&self) {
+        for effect in contract::Effect::ALL.map(contract::Effect::name) {
+            for counter in [&self.started, &self.replayed, &self.late] {
+                counter.init(&[effect]);
+            }
+            for outcome in OUTCOME_CLASSES {
+                self.completed.init(&[effect, outcome]);
+            }
+        }
+        for held in [
+            crate::budget::Held::ProviderInflight,
+            crate::budget::Held::ProviderRate,
+            crate::budget::Held::RunInflight,
+            crate::budget::Held::RunRate,
+        ] {
+            self.budget_waits.init(&[held.name()]);
+        }
+        for stage in contract::BootstrapStage::ALL {
+            self.observations.init(&[stage.name()]);
+        }
+        for change in ["lost", "healthy", "unhealthy"] {
+            self.resource_changes.init(&[change]);
+        }
+        for reason in [
+            RejectionReason::Fenced,
+            RejectionReason::ConflictingInput,
+            RejectionReason::UnknownRun,
+            RejectionReason::Invalid,
+        ] {
+            self.rejections.init(&[reason.name()]);
+        }
+    }
+
+    fn register() -> Self {
         let r = platform::metrics::global();
         Self {
             started: r.counter(

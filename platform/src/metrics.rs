@@ -6,6 +6,11 @@
 //! `GET /metrics` with it over a minimal HTTP/1.1 responder, so the services
 //! need no HTTP framework for one read-only page.
 //!
+//! A family is exported from its registration: one without labels has its
+//! series at zero from the start, and one whose label values are a closed set
+//! known when it is registered declares them ([`Counter::init`]), so a rate
+//! over it starts from a sample rather than from its first event.
+//!
 //! Registration is get-or-create by name: several services started in one
 //! process (tests do that) share the process-wide [`global`] registry and
 //! their series add up, as they would in one scrape of that process. Values
@@ -146,7 +151,7 @@ impl Registry {
         }
         let c = Counter(Arc::new(CounterInner {
             desc: Desc::new(name, help, labels),
-            values: Mutex::default(),
+            values: Mutex::new(unlabelled(labels, 0)),
         }));
         families.push(Family::Counter(c.clone()));
         c
@@ -164,7 +169,7 @@ impl Registry {
         }
         let g = Gauge(Arc::new(GaugeInner {
             desc: Desc::new(name, help, labels),
-            values: Mutex::default(),
+            values: Mutex::new(unlabelled(labels, 0.0)),
         }));
         families.push(Family::Gauge(g.clone()));
         g
@@ -184,7 +189,13 @@ impl Registry {
         let h = Histogram(Arc::new(HistogramInner {
             desc: Desc::new(name, help, labels),
             buckets: buckets.to_vec(),
-            values: Mutex::default(),
+            values: Mutex::new(unlabelled(
+                labels,
+                HistogramState {
+                    counts: vec![0; buckets.len()],
+                    ..HistogramState::default()
+                },
+            )),
         }));
         families.push(Family::Histogram(h.clone()));
         h
@@ -209,6 +220,16 @@ impl Registry {
         }
         out
     }
+}
+
+/// The series of a new family: its one series, at `zero`, when it has no
+/// labels (there is nothing to wait for), else none yet.
+fn unlabelled<V>(labels: &[&'static str], zero: V) -> BTreeMap<Vec<String>, V> {
+    let mut values = BTreeMap::new();
+    if labels.is_empty() {
+        values.insert(Vec::new(), zero);
+    }
+    values
 }
 
 fn header(out: &mut String, desc: &Desc, kind: &str) {
@@ -278,6 +299,13 @@ impl Counter {
         if let Some(v) = self.0.desc.series(&mut values, labels, u64::default) {
             *v = v.saturating_add(n);
         }
+    }
+
+    /// Exports the series for `labels` at zero until it is counted: for
+    /// label values known when the family is registered.
+    pub fn init(&self, labels: &[&str]) {
+        let mut values = lock(&self.0.values);
+        let _ = self.0.desc.series(&mut values, labels, u64::default);
     }
 
     /// Sets the total of a count kept elsewhere (copied in by a scrape
@@ -600,6 +628,36 @@ latency_seconds_count{op=\"x\"} 3
             let series = text.lines().filter(|l| l.starts_with("c_total{")).count();
             assert_eq!(series as u64, sets, "{text}");
         }
+    }
+
+    #[test]
+    fn families_are_exported_from_registration() {
+        let r = Registry::default();
+        let plain = r.counter("plain_total", "P.", &[]);
+        let known = r.counter("known_total", "K.", &["reason"]);
+        for reason in ["a", "b"] {
+            known.init(&[reason]);
+        }
+        r.gauge("level", "L.", &[]);
+        r.histogram("took_seconds", "T.", &[], &[1.0]);
+        r.counter("learnt_total", "L.", &["x"]);
+        let text = r.render();
+        for line in [
+            "plain_total 0\n",
+            "known_total{reason=\"a\"} 0\n",
+            "known_total{reason=\"b\"} 0\n",
+            "level 0\n",
+            "took_seconds_bucket{le=\"+Inf\"} 0\n",
+            "took_seconds_count 0\n",
+        ] {
+            assert!(text.contains(line), "{line:?} missing from:\n{text}");
+        }
+        assert!(!text.contains("learnt_total{"), "{text}");
+        // Declaring a series keeps what it has counted.
+        known.add(&["a"], 2);
+        known.init(&["a"]);
+        plain.inc(&[]);
+        assert_eq!((known.get(&["a"]), plain.get(&[])), (2, 1));
     }
 
     #[test]

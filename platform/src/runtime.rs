@@ -98,6 +98,23 @@ pub fn init_telemetry(
     Ok(telemetry)
 }
 
+/// How a service's `main` ends: an error is logged through the log layer (a
+/// JSON line when the log is JSON, as every other line), or printed as
+/// `Error: ...` when logging was never set up, and the exit code is 1.
+pub fn exit_code<E: std::fmt::Display>(result: Result<(), E>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            if tracing::dispatcher::has_been_set() {
+                tracing::error!(error = %format_args!("{e:#}"), "exiting on an error");
+            } else {
+                eprintln!("Error: {e:#}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Sets up logging only: `RUST_LOG` filters (default `info`), text or JSON
 /// lines. For helper binaries that take no part in traces or metrics.
 pub fn init_logging(json: bool) {

@@ -8,11 +8,20 @@
 //! even when nothing is exported, so trace ids exist for the logs and travel
 //! to the next service; spans leave the process over OTLP/gRPC only when
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is
-//! set. The SDK reads the other standard variables itself:
-//! `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER` (and
-//! `_ARG`), the batch processor's `OTEL_BSP_*`. The returned [`Telemetry`]
-//! flushes the spans still buffered when it is shut down or dropped, which each
-//! binary does as `main` ends.
+//! set, in plaintext or TLS as [`export`] says, which also makes the exporter
+//! report its own health (log lines, and counters of spans exported and
+//! dropped). Exporter settings that cannot be used are logged and the process
+//! runs without exporting: telemetry never stops a service from serving. The
+//! SDK reads the other standard variables itself: `OTEL_SERVICE_NAME`,
+//! `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER` (and `_ARG`), the batch
+//! processor's `OTEL_BSP_*`. The returned [`Telemetry`] flushes the spans still
+//! buffered when it is shut down or dropped, which each binary does as `main`
+//! ends.
+//!
+//! Span attributes that count something are integers: `tracing-opentelemetry`
+//! records a field of type `u64`, `usize` or `u32` (and any `%` or `?` field)
+//! as a string, and only `i64` (and the smaller signed types) as an integer,
+//! so counts are passed through [`int`].
 //!
 //! Propagation is W3C trace context only. Across gRPC calls it rides in the
 //! `traceparent`/`tracestate` metadata, injected and extracted by the tower
@@ -37,6 +46,7 @@ use tracing_subscriber::{EnvFilter, Layer as _, filter::filter_fn, layer::Subscr
 
 use contract::ops::TraceContext;
 
+pub mod export;
 pub mod grpc;
 mod json;
 
@@ -74,8 +84,6 @@ pub struct TelemetryConfig<'a> {
 /// Why telemetry could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
-    #[error("building the OTLP span exporter: {0}")]
-    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
     #[error("binding the metrics endpoint on {addr}: {source}")]
     MetricsBind {
         addr: SocketAddr,
@@ -132,8 +140,9 @@ impl Telemetry {
                 (result, provider)
             })
             .await;
+            // Through the log layer, so a JSON log stays JSON to its end.
             if let Ok((Err(e), _)) = flushed {
-                eprintln!("telemetry: flushing spans at shutdown failed: {e}");
+                tracing::warn!(error = %e, "flushing spans at shutdown failed; the spans still buffered are lost");
             }
         }
     }
@@ -151,16 +160,42 @@ impl Drop for Telemetry {
             && self.exporting
             && let Err(e) = provider.shutdown_with_timeout(FLUSH_TIMEOUT)
         {
-            eprintln!("telemetry: flushing spans at exit failed: {e}");
+            tracing::warn!(error = %e, "flushing spans at exit failed; the spans still buffered are lost");
         }
     }
 }
 
-/// Whether the environment asks for spans to be exported.
-fn otlp_configured() -> bool {
-    let set = |name: &str| std::env::var(name).is_ok_and(|v| !v.trim().is_empty());
-    let exporter_none = std::env::var("OTEL_TRACES_EXPORTER").is_ok_and(|v| v.trim() == "none");
-    (set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) && !exporter_none
+/// Whether `OTEL_TRACES_EXPORTER=none` turns exporting off.
+fn exporter_none() -> bool {
+    std::env::var("OTEL_TRACES_EXPORTER").is_ok_and(|v| v.trim() == "none")
+}
+
+/// A count as the integer attribute it is (see the module's documentation):
+/// saturating at `i64::MAX`, which no count here reaches.
+pub fn int<T: TryInto<i64>>(n: T) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
+}
+
+/// The OTLP span exporter for `settings`.
+fn build_exporter(
+    settings: &export::ExportSettings,
+) -> Result<opentelemetry_otlp::SpanExporter, opentelemetry_otlp::ExporterBuildError> {
+    use opentelemetry_otlp::{WithExportConfig as _, WithTonicConfig as _};
+    let mut builder = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(settings.endpoint.clone());
+    if let Some(tls) = &settings.tls {
+        builder = builder.with_tls_config(tls.clone());
+    }
+    builder.build()
+}
+
+/// Logs a panic as an error line, so that a JSON log stays JSON when the
+/// process panics.
+fn log_panics_as_json() {
+    std::panic::set_hook(Box::new(|info| {
+        tracing::error!(panic = %info, "panicked");
+    }));
 }
 
 fn sdk_disabled() -> bool {
@@ -185,14 +220,40 @@ fn resource(service: &'static str) -> Resource {
 /// server live on it). A second call in the same process (tests that start
 /// several services) keeps the first subscriber.
 pub fn init(config: &TelemetryConfig<'_>) -> Result<Telemetry, TelemetryError> {
-    let exporting = otlp_configured() && !sdk_disabled();
+    // Registered first, so the exporter's counters are served from the start
+    // whether or not anything is exported.
+    let export_metrics = export::ExportMetrics::register();
+    // Set when spans go somewhere; `unusable` when exporting was asked for
+    // but its settings cannot be used (told once the log is set up).
+    let mut exporting_to: Option<(String, bool)> = None;
+    let mut unusable: Option<String> = None;
     let provider = if sdk_disabled() {
         None
     } else {
         let mut builder = SdkTracerProvider::builder().with_resource(resource(config.service));
-        if exporting {
-            let exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic().build()?;
-            builder = builder.with_batch_exporter(exporter);
+        let env = |name: &str| std::env::var(name).ok();
+        let settings = if exporter_none() {
+            Ok(None)
+        } else {
+            export::settings(&env)
+        };
+        match settings.map(|s| s.map(|s| (build_exporter(&s), s))) {
+            Ok(None) => {}
+            Ok(Some((Ok(exporter), settings))) => {
+                let health = export::Health::new(settings.endpoint.clone(), export_metrics.clone());
+                let exporter = export::Reporting::new(exporter, health.clone());
+                builder = builder.with_span_processor(export::Admission::new(
+                    exporter,
+                    health,
+                    export::queue_size(&env),
+                ));
+                exporting_to = Some((settings.endpoint, settings.tls.is_some()));
+            }
+            Ok(Some((Err(e), _))) => unusable = Some(e.to_string()),
+            Err(e) => unusable = Some(e.to_string()),
+        }
+        if unusable.is_some() {
+            builder = builder.with_span_processor(export::Unavailable(export_metrics));
         }
         Some(builder.build())
     };
@@ -237,6 +298,9 @@ pub fn init(config: &TelemetryConfig<'_>) -> Result<Telemetry, TelemetryError> {
     // A second initialisation (tests that start several services in one
     // process) keeps the first subscriber.
     let installed = tracing::dispatcher::set_global_default(dispatch).is_ok();
+    if installed && config.log_json {
+        log_panics_as_json();
+    }
 
     let (metrics_addr, metrics_task) = match config.metrics_listen {
         Some(addr) => {
@@ -245,14 +309,23 @@ pub fn init(config: &TelemetryConfig<'_>) -> Result<Telemetry, TelemetryError> {
         }
         None => (None, None),
     };
-    if exporting {
-        tracing::info!(service = config.service, "exporting spans over OTLP/gRPC");
+    if let Some(error) = &unusable {
+        tracing::error!(
+            service = config.service,
+            %error,
+            "spans are not exported: the OTLP exporter's settings cannot be used, so the service \
+             runs without them (provisioning_telemetry_spans_dropped_total with reason \
+             exporter_unavailable counts the spans)",
+        );
+    }
+    if let Some((endpoint, tls)) = &exporting_to {
+        tracing::info!(service = config.service, %endpoint, tls, "exporting spans over OTLP/gRPC");
     }
     Ok(Telemetry {
         // Only the installed subscriber's provider is worth flushing; a second
         // one in the same process never receives a span.
         provider: provider.filter(|_| installed),
-        exporting: exporting && installed,
+        exporting: exporting_to.is_some() && installed,
         metrics_addr,
         metrics_task,
     })
@@ -416,7 +489,7 @@ macro_rules! operation_span {
             provisioning.node.id = %op.node,
             provisioning.operation.id = %op.id,
             provisioning.operation.effect = op.input.effect().name(),
-            provisioning.operation.attempt = op.id.attempt().get(),
+            provisioning.operation.attempt = $crate::telemetry::int(op.id.attempt().get()),
             provisioning.operation.outcome = $crate::__macro::tracing::field::Empty,
             otel.status_code = $crate::__macro::tracing::field::Empty,
         )

@@ -46,6 +46,8 @@ use tonic::transport::{
 };
 use tower::{Layer, Service};
 
+use crate::telemetry::grpc::{Target, TracedChannel};
+
 /// The trust domain of every identity this system issues and checks.
 pub const TRUST_DOMAIN: &str = "provisioning";
 
@@ -321,12 +323,23 @@ impl Transport {
     /// identity. In plaintext there is nobody to check.
     pub fn peer_endpoint(&self, url: &str, expect: &str) -> Result<PeerEndpoint, TlsError> {
         match self {
-            Self::Insecure => Ok(PeerEndpoint {
-                endpoint: self.endpoint(url)?,
-                connector: None,
-            }),
+            Self::Insecure => {
+                let endpoint = self.endpoint(url)?;
+                Ok(PeerEndpoint {
+                    target: Target::of(endpoint.uri()),
+                    endpoint,
+                    connector: None,
+                })
+            }
             Self::Tls(material) => {
                 let url = self.url(url)?;
+                let target = url
+                    .parse::<Uri>()
+                    .map(|uri| Target::of(&uri))
+                    .map_err(|e| TlsError::Url {
+                        url: url.clone(),
+                        reason: e.to_string(),
+                    })?;
                 // TLS is the connector's: the endpoint itself is plain HTTP/2.
                 let plain = url
                     .split_once("://")
@@ -337,6 +350,7 @@ impl Transport {
                 })?;
                 Ok(PeerEndpoint {
                     endpoint,
+                    target,
                     connector: Some(PeerConnector {
                         config: Arc::new(material.peer_config(&identity_of(expect))?),
                     }),
@@ -362,6 +376,9 @@ impl Transport {
 #[derive(Clone)]
 pub struct PeerEndpoint {
     pub endpoint: Endpoint,
+    /// The service's host and port as the caller named them (the endpoint's
+    /// own URI is plaintext `http://` with TLS, which the connector does).
+    target: Target,
     connector: Option<PeerConnector>,
 }
 
@@ -379,8 +396,19 @@ impl PeerEndpoint {
     pub fn map(self, f: impl FnOnce(Endpoint) -> Endpoint) -> Self {
         Self {
             endpoint: f(self.endpoint),
+            target: self.target,
             connector: self.connector,
         }
+    }
+
+    /// Where calls through this endpoint go, for their spans.
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    /// [`PeerEndpoint::connect_lazy`], in the client tracing layer.
+    pub fn traced_lazy(&self) -> TracedChannel {
+        crate::telemetry::grpc::traced(self.connect_lazy(), self.target.clone())
     }
 
     pub async fn connect(&self) -> Result<Channel, tonic::transport::Error> {

@@ -21,7 +21,7 @@ use opentelemetry_proto::tonic::{
     common::v1::{AnyValue, KeyValue, any_value::Value},
 };
 use provisioning_tests::{
-    procs::{Cluster, ClusterOptions, watch_until},
+    procs::{Cluster, ClusterOptions, Service, TestPki, eventually, watch_until},
     shapes::shape,
 };
 use tokio_stream::wrappers::TcpListenerStream;
@@ -60,6 +60,10 @@ struct Received {
     kind: i32,
     start_ns: u64,
     attrs: BTreeMap<String, String>,
+    /// Each attribute's value type: `int`, `string`, `bool`, `double`.
+    types: BTreeMap<String, &'static str>,
+    /// The attributes of the span's events: key, value type, value.
+    event_attrs: Vec<(String, &'static str, String)>,
     links: Vec<(String, String)>,
     /// The whole span as received (events and their attributes included).
     raw: String,
@@ -82,6 +86,23 @@ fn text(v: &AnyValue) -> String {
         Some(Value::DoubleValue(d)) => d.to_string(),
         other => format!("{other:?}"),
     }
+}
+
+fn type_of(v: Option<&AnyValue>) -> &'static str {
+    match v.and_then(|v| v.value.as_ref()) {
+        Some(Value::StringValue(_)) => "string",
+        Some(Value::IntValue(_)) => "int",
+        Some(Value::BoolValue(_)) => "bool",
+        Some(Value::DoubleValue(_)) => "double",
+        Some(_) => "other",
+        None => "none",
+    }
+}
+
+fn types(kvs: &[KeyValue]) -> BTreeMap<String, &'static str> {
+    kvs.iter()
+        .map(|kv| (kv.key.clone(), type_of(kv.value.as_ref())))
+        .collect()
 }
 
 fn attributes(kvs: &[KeyValue]) -> BTreeMap<String, String> {
@@ -123,6 +144,19 @@ impl TraceService for Receiver {
                         kind: s.kind,
                         start_ns: s.start_time_unix_nano,
                         attrs: attributes(&s.attributes),
+                        types: types(&s.attributes),
+                        event_attrs: s
+                            .events
+                            .iter()
+                            .flat_map(|e| &e.attributes)
+                            .map(|kv| {
+                                (
+                                    kv.key.clone(),
+                                    type_of(kv.value.as_ref()),
+                                    kv.value.as_ref().map(text).unwrap_or_default(),
+                                )
+                            })
+                            .collect(),
                         links: s
                             .links
                             .iter()
@@ -147,6 +181,63 @@ async fn start_receiver() -> (Receiver, SocketAddr) {
         .serve_with_incoming(TcpListenerStream::new(listener));
     tokio::spawn(server);
     (receiver, addr)
+}
+
+/// A receiver serving on `listener` until [`Serving::stop`].
+struct Serving {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Serving {
+    fn start(receiver: &Receiver, listener: tokio::net::TcpListener) -> Self {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(receiver.clone()))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = stopped.await;
+            });
+        let task = tokio::spawn(async move {
+            let _ = server.await;
+        });
+        Self { stop, task }
+    }
+
+    /// Stops serving and waits until the listener and its connections are
+    /// closed, so the next export finds the port refused.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(20), self.task)
+            .await
+            .expect("the receiver stops")
+            .unwrap();
+    }
+}
+
+/// The receiver's spans of `service` for run `run`.
+fn spans_of_run(receiver: &Receiver, service: &str, run: &str) -> usize {
+    receiver
+        .spans
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.service == service && s.attr("provisioning.run.id") == Some(run))
+        .count()
+}
+
+/// A one-node run, applied and converged.
+async fn converge_one(cluster: &Cluster, run: &str) {
+    let mut c = cluster.client().await.unwrap();
+    let s = shape(run, 1, "fake", &[("solo", 1, "img:1")]);
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&s)),
+    })
+    .await
+    .unwrap();
+    if let Err(e) = watch_until(&mut c, run, CONVERGE, |s| s.converged && s.generation == 1).await {
+        cluster.dump_logs();
+        panic!("{e}");
+    }
 }
 
 fn now_ns() -> u64 {
@@ -219,6 +310,7 @@ async fn one_trace_follows_each_operation_across_the_three_services() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let idle_end_ns = now_ns();
     drop(client);
+    let (decider_port, executor_port) = (cluster.decider.addr.port(), cluster.executor.addr.port());
     stop(&mut cluster).await;
 
     let spans = receiver.spans.lock().unwrap().clone();
@@ -436,6 +528,94 @@ async fn one_trace_follows_each_operation_across_the_three_services() {
         idle.is_empty(),
         "idle ticks made spans: {:?}",
         idle.iter().map(|s| (&s.service, &s.name)).collect::<Vec<_>>()
+    );
+
+    // Every client span says where its call went: the host and port of the
+    // channel's target, the port an integer.
+    let clients: Vec<&Received> = spans.iter().filter(|s| s.kind == KIND_CLIENT).collect();
+    assert!(
+        clients
+            .iter()
+            .any(|s| s.name.starts_with("provisioning.v1.Executor/")),
+        "no client span of a call to the executor"
+    );
+    for s in &clients {
+        let port = if s.name.starts_with("provisioning.v1.Decider/") {
+            decider_port
+        } else if s.name.starts_with("provisioning.v1.Executor/") {
+            executor_port
+        } else {
+            panic!("a client span of an unknown call: {}", s.name)
+        };
+        assert_eq!(s.attr("server.address"), Some("127.0.0.1"), "{}", s.name);
+        assert_eq!(
+            s.attr("server.port"),
+            Some(port.to_string().as_str()),
+            "{}",
+            s.name
+        );
+        assert_eq!(s.types.get("server.port"), Some(&"int"), "{}", s.name);
+    }
+
+    // Counts are integer attributes, not strings.
+    assert_counts_are_integers(&spans);
+}
+
+/// Attributes that count something (or are numbers: a port, a status code).
+const INTEGER_ATTRIBUTES: &[&str] = &[
+    "provisioning.run.generation",
+    "provisioning.pass.nodes",
+    "provisioning.pass.actions",
+    "provisioning.pass.operations",
+    "provisioning.pass.transitions",
+    "provisioning.pass.stale",
+    "provisioning.operation.attempt",
+    "provisioning.bootstrap.seq",
+    "provisioning.decide.nodes",
+    "provisioning.decide.inserts",
+    "rpc.grpc.status_code",
+    "server.port",
+];
+
+/// Every attribute in [`INTEGER_ATTRIBUTES`] (and each pass's actions by
+/// rule) is seen, and always as an integer; and no string attribute, of a
+/// span or of its events, holds a bare number.
+fn assert_counts_are_integers(spans: &[Received]) {
+    let mut seen = BTreeSet::new();
+    for s in spans {
+        for (key, kind) in &s.types {
+            if INTEGER_ATTRIBUTES.contains(&key.as_str()) || key.starts_with("provisioning.pass.rule_") {
+                assert_eq!(
+                    *kind, "int",
+                    "{key} of {} ({}) is exported as {kind}: {:?}",
+                    s.name, s.service, s.attrs[key]
+                );
+                seen.insert(key.as_str());
+            } else if *kind == "string" {
+                assert!(
+                    s.attrs[key].parse::<i64>().is_err(),
+                    "{key} of {} ({}) is the number {:?} exported as a string",
+                    s.name,
+                    s.service,
+                    s.attrs[key]
+                );
+            }
+        }
+        for (key, kind, value) in &s.event_attrs {
+            assert!(
+                !(*kind == "string" && value.parse::<i64>().is_ok()),
+                "event attribute {key} of {} ({}) is the number {value:?} exported as a string",
+                s.name,
+                s.service
+            );
+        }
+    }
+    for key in INTEGER_ATTRIBUTES {
+        assert!(seen.contains(key), "no span had {key}");
+    }
+    assert!(
+        seen.iter().any(|k| k.starts_with("provisioning.pass.rule_")),
+        "no pass counted its actions by rule"
     );
 }
 
@@ -751,6 +931,16 @@ fn json_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The complete JSON lines of a log still being written (its last line may
+/// be half there).
+fn json_lines_so_far(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
 fn message(line: &serde_json::Value) -> &str {
     line["fields"]["message"].as_str().unwrap_or_default()
 }
@@ -758,18 +948,43 @@ fn message(line: &serde_json::Value) -> &str {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_carry_the_trace_and_span_ids_of_the_enclosing_span() {
     let (receiver, otlp) = start_receiver().await;
-    // No safety tick: a speculative pass is not recorded, and its log lines
-    // would name spans that were never exported.
+    // A short safety tick: the idle passes after convergence are not
+    // sampled, and neither are their Decide calls.
     let opts = traced(otlp)
-        .driver("--safety-tick-ms", "600000")
+        .driver("--safety-tick-ms", "250")
         .env("PROVISIONING_LOG_JSON", "true")
         .service_env("decider-svc", "RUST_LOG", "info,decider_svc=debug");
     let mut cluster = Cluster::start(opts).await.unwrap();
     let (client, _) = converge(&cluster, "logs").await;
+    // Wait for a Decide call of an unsampled pass: a `decided` line in the
+    // call's span that names no trace.
+    let decider_log = cluster.decider.log_file().to_path_buf();
+    let untraced = |line: &serde_json::Value| {
+        message(line) == "decided" && line.get("trace_id").is_none() && line.get("span").is_some()
+    };
+    eventually(CONVERGE, "a Decide call of an unsampled pass", || {
+        let log = decider_log.clone();
+        async move { json_lines_so_far(&log).iter().any(untraced).then_some(()) }
+    })
+    .await
+    .unwrap();
     drop(client);
     stop(&mut cluster).await;
     let spans = receiver.spans.lock().unwrap().clone();
     let span = |id: &str| spans.iter().find(|s| s.span_id == id);
+
+    // A line carries ids only of a span that was exported: every one of the
+    // three services' lines that names a span names one the receiver got,
+    // in the trace it says.
+    for name in SERVICES {
+        for line in json_lines(&cluster.dir.path().join(format!("{name}.log"))) {
+            if let Some(id) = line.get("span_id").and_then(|v| v.as_str()) {
+                let s =
+                    span(id).unwrap_or_else(|| panic!("{name}: a line names a span never exported: {line}"));
+                assert_eq!(Some(s.trace_id.as_str()), line["trace_id"].as_str(), "{line}");
+            }
+        }
+    }
 
     // The driver's "run converged" line is written inside the pass that saw
     // convergence: its ids are that pass span's.
@@ -787,10 +1002,17 @@ async fn json_logs_carry_the_trace_and_span_ids_of_the_enclosing_span() {
     assert_eq!(converged["span"]["name"], "pass");
     assert_eq!(converged["level"], "INFO");
 
-    // Every "decided" line of the decider is written inside a Decide call,
-    // under the driver's trace.
+    // Every "decided" line of the decider is written inside a Decide call:
+    // a sampled one's under the driver's trace, an unsampled one's with no ids.
     let decider = json_lines(cluster.decider.log_file());
-    let decided: Vec<&serde_json::Value> = decider.iter().filter(|l| message(l) == "decided").collect();
+    assert!(
+        decider.iter().any(untraced),
+        "no `decided` line of an unsampled call"
+    );
+    let decided: Vec<&serde_json::Value> = decider
+        .iter()
+        .filter(|l| message(l) == "decided" && !untraced(l))
+        .collect();
     assert!(!decided.is_empty(), "no `decided` lines");
     for line in decided {
         let s = span(line["span_id"].as_str().expect("span_id")).expect("the line's span was exported");
@@ -806,6 +1028,380 @@ async fn json_logs_carry_the_trace_and_span_ids_of_the_enclosing_span() {
         .find(|l| message(l) == "listening")
         .expect("a `listening` line");
     assert!(listening.get("trace_id").is_none(), "{listening}");
+}
+
+// ---------------------------------------------------------------------------
+// The exporter's own health
+// ---------------------------------------------------------------------------
+
+const EXPORT_FAILED: &str = "exporting spans over OTLP failed; spans are dropped until the receiver takes them again (provisioning_telemetry_spans_dropped_total counts them)";
+const EXPORT_RECOVERED: &str = "exporting spans over OTLP works again";
+
+/// The counters' families that learn their label values as they occur
+/// (docs/observability.md, "Metrics"); every other counter has a series
+/// from the start.
+const LEARNT_COUNTERS: &[&str] = &[
+    "grpc_server_started_total",
+    "grpc_server_handled_total",
+    "grpc_client_started_total",
+    "grpc_client_handled_total",
+    "provisioning_stale_results_discarded_total",
+    "provisioning_decider_decisions_total",
+];
+
+/// One scrape of `service`, parsed.
+async fn scrape(service: &Service) -> (Vec<Sample>, BTreeSet<String>) {
+    let text = service
+        .scrape()
+        .await
+        .unwrap_or_else(|e| panic!("scraping {}: {e}", service.name));
+    parse_exposition(&text)
+}
+
+/// A receiver stopped mid-run: each service logs one failure line, counts
+/// the spans it drops, and logs one line when the receiver is back. Every
+/// counter is there from the start. Every log line, to the last, is JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exporter_reports_failures_and_recovery_and_counters_start_at_zero() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let otlp = listener.local_addr().unwrap();
+    let receiver = Receiver::default();
+    let serving = Serving::start(&receiver, listener);
+    let opts = traced(otlp)
+        .driver("--safety-tick-ms", "600000")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .env("OTEL_EXPORTER_OTLP_TIMEOUT", "2000")
+        .env("PROVISIONING_METRICS_LISTEN", "127.0.0.1:0")
+        .env("PROVISIONING_LOG_JSON", "true");
+    let mut cluster = Cluster::start(opts).await.unwrap();
+    let services = || [&cluster.driver, &cluster.executor, &cluster.decider];
+
+    // Before anything happened: every counter has its series, at zero.
+    for (service, want) in services()
+        .into_iter()
+        .zip([DRIVER_FAMILIES, EXECUTOR_FAMILIES, DECIDER_FAMILIES])
+    {
+        let (samples, families) = scrape(service).await;
+        let counters = want
+            .iter()
+            .chain(&[
+                "provisioning_telemetry_spans_exported_total",
+                "provisioning_telemetry_spans_dropped_total",
+            ])
+            .filter(|f| f.ends_with("_total") && !LEARNT_COUNTERS.contains(f));
+        for family in counters {
+            assert!(
+                families.contains(*family),
+                "{} does not export {family}",
+                service.name
+            );
+            assert!(
+                samples.iter().any(|(n, _, _)| n == family),
+                "{} exports {family} with no series before its first event",
+                service.name
+            );
+        }
+        for reason in ["export_failed", "queue_full", "exporter_unavailable"] {
+            assert_eq!(
+                samples
+                    .iter()
+                    .find(|(n, l, _)| n == "provisioning_telemetry_spans_dropped_total"
+                        && l.get("reason").map(String::as_str) == Some(reason))
+                    .map(|s| s.2),
+                Some(0.0),
+                "{}: spans dropped for {reason} at the start",
+                service.name
+            );
+        }
+    }
+    let (driver, _) = scrape(&cluster.driver).await;
+    for (family, labels) in [
+        ("provisioning_reconcile_total", ("result", "error")),
+        (
+            "provisioning_reconcile_errors_total",
+            ("reason", "decider_unavailable"),
+        ),
+        (
+            "provisioning_operations_dispatched_total",
+            ("effect", "destroy-lease"),
+        ),
+        ("provisioning_api_refused_total", ("reason", "unauthenticated")),
+    ] {
+        assert!(
+            driver.iter().any(|(n, l, v)| n == family
+                && l.get(labels.0).map(String::as_str) == Some(labels.1)
+                && *v == 0.0),
+            "{family}{{{}=\"{}\"}} is not exported at zero from the start",
+            labels.0,
+            labels.1
+        );
+    }
+
+    // Spans reach the receiver.
+    converge_one(&cluster, "before").await;
+    eventually(
+        CONVERGE,
+        "the driver's spans of run `before` exported",
+        || async { (spans_of_run(&receiver, "provisioning-driver", "before") > 0).then_some(()) },
+    )
+    .await
+    .unwrap();
+
+    // The receiver goes away; the services go on, and say so once.
+    serving.stop().await;
+    converge_one(&cluster, "during").await;
+    for service in services() {
+        let log = service.log_file().to_path_buf();
+        eventually(
+            CONVERGE,
+            &format!("{} logs the failed export", service.name),
+            || {
+                let log = log.clone();
+                async move {
+                    json_lines_so_far(&log)
+                        .iter()
+                        .any(|l| message(l) == EXPORT_FAILED)
+                        .then_some(())
+                }
+            },
+        )
+        .await
+        .unwrap();
+        let (samples, _) = scrape(service).await;
+        let dropped = sum(
+            &samples,
+            "provisioning_telemetry_spans_dropped_total",
+            &[("reason", "export_failed")],
+        );
+        assert!(dropped > 0.0, "{}: no span counted dropped", service.name);
+    }
+    let (before, _) = scrape(&cluster.driver).await;
+    let exported_before = sum(&before, "provisioning_telemetry_spans_exported_total", &[]);
+    assert!(exported_before > 0.0, "the driver counted no span exported");
+
+    // It comes back on the same address: one line says so, and spans flow.
+    let listener = tokio::net::TcpListener::bind(otlp).await.unwrap();
+    let serving = Serving::start(&receiver, listener);
+    converge_one(&cluster, "after").await;
+    for service in services() {
+        let log = service.log_file().to_path_buf();
+        eventually(CONVERGE, &format!("{} logs the recovery", service.name), || {
+            let log = log.clone();
+            async move {
+                json_lines_so_far(&log)
+                    .iter()
+                    .any(|l| message(l) == EXPORT_RECOVERED)
+                    .then_some(())
+            }
+        })
+        .await
+        .unwrap();
+    }
+    eventually(CONVERGE, "the driver's spans of run `after` exported", || async {
+        (spans_of_run(&receiver, "provisioning-driver", "after") > 0).then_some(())
+    })
+    .await
+    .unwrap();
+    let (after, _) = scrape(&cluster.driver).await;
+    assert!(sum(&after, "provisioning_telemetry_spans_exported_total", &[]) > exported_before);
+    assert_eq!(
+        spans_of_run(&receiver, "provisioning-driver", "during"),
+        0,
+        "spans of the outage reached the receiver"
+    );
+
+    stop(&mut cluster).await;
+    serving.stop().await;
+    for service in [&cluster.driver, &cluster.executor, &cluster.decider] {
+        // Every line is JSON (json_lines panics otherwise).
+        let lines = json_lines(service.log_file());
+        let failed: Vec<&serde_json::Value> = lines.iter().filter(|l| message(l) == EXPORT_FAILED).collect();
+        let recovered: Vec<&serde_json::Value> =
+            lines.iter().filter(|l| message(l) == EXPORT_RECOVERED).collect();
+        assert_eq!(
+            (failed.len(), recovered.len()),
+            (1, 1),
+            "{}: failure and recovery lines",
+            service.name
+        );
+        assert_eq!(failed[0]["level"], "WARN");
+        assert_eq!(failed[0]["fields"]["endpoint"], format!("http://{otlp}"));
+        assert!(
+            failed[0]["fields"]["error"]
+                .as_str()
+                .is_some_and(|e| !e.is_empty())
+        );
+        assert_eq!(recovered[0]["level"], "INFO");
+        assert!(
+            recovered[0]["fields"]["dropped"].as_u64().is_some_and(|n| n > 0),
+            "{}",
+            recovered[0]
+        );
+        let at = |l: &serde_json::Value| l["timestamp"].as_str().unwrap_or_default().to_owned();
+        assert!(at(failed[0]) <= at(recovered[0]), "recovery before failure");
+    }
+}
+
+/// A flush at shutdown that cannot finish (the receiver accepts connections
+/// and never answers) is logged, as JSON in a JSON log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_flush_at_shutdown_is_a_json_line_in_a_json_log() {
+    // A blackhole: connections are accepted and never answered.
+    let blackhole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let otlp = blackhole.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((conn, _)) = blackhole.accept().await {
+            open.push(conn);
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    TestPki::create(dir.path()).unwrap();
+    let env: Vec<(String, String)> = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{otlp}")),
+        // Nothing is exported before the shutdown's flush.
+        ("OTEL_BSP_SCHEDULE_DELAY", "600000".to_owned()),
+        ("PROVISIONING_LOG_JSON", "true".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    let mut decider = Service::start_with_env("decider-svc", dir.path(), "127.0.0.1:0", &[], &env)
+        .await
+        .unwrap();
+    // One traced call (its empty request is refused), read to its end: a
+    // span to flush.
+    let mut client =
+        pb::decider_client::DeciderClient::new(decider.channel(Some(platform::tls::DRIVER)).await.unwrap());
+    if let Ok(answer) = client
+        .decide(tokio_stream::iter(Vec::<pb::DecideRequest>::new()))
+        .await
+    {
+        let mut answer = answer.into_inner();
+        while let Ok(Some(_)) = answer.message().await {}
+    }
+    drop(client);
+    let status = decider.terminate().await.unwrap();
+    held.abort();
+    assert!(status.success(), "decider-svc exited with {status}");
+
+    let lines = json_lines(decider.log_file());
+    let flush = lines
+        .iter()
+        .find(|l| message(l).starts_with("flushing spans at shutdown failed"))
+        .unwrap_or_else(|| panic!("no line about the failed flush in {lines:?}"));
+    assert_eq!(flush["level"], "WARN");
+    assert!(
+        flush["fields"]["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "{flush}"
+    );
+}
+
+/// A service that cannot start says why in a JSON line when its log is JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_that_cannot_start_says_why_in_a_json_line() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listen = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let env = vec![("PROVISIONING_LOG_JSON".to_owned(), "true".to_owned())];
+    let started = Service::start_with_env(
+        "decider-svc",
+        dir.path(),
+        &listen,
+        &["--insecure".to_owned()],
+        &env,
+    )
+    .await;
+    assert!(started.is_err(), "decider-svc started on a port in use");
+    // Every line is JSON, the last says why the process ended.
+    let lines = json_lines(&dir.path().join("decider-svc.log"));
+    let last = lines.last().expect("a log line");
+    assert_eq!(
+        (last["level"].as_str(), message(last)),
+        (Some("ERROR"), "exiting on an error")
+    );
+    let error = last["fields"]["error"].as_str().unwrap_or_default();
+    assert!(error.starts_with(&format!("binding {listen}")), "{error}");
+    drop(taken);
+}
+
+/// Spans exported over TLS with a client certificate, to a receiver that
+/// requires one: by an `https://` endpoint and by one without a scheme (TLS
+/// is the default). A service whose TLS settings cannot be used still
+/// starts and serves, says so once, and counts the spans it cannot send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_over_tls_and_unusable_settings_do_not_stop_a_service() {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+
+    let pki_dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::create(pki_dir.path()).unwrap();
+    // The receiver serves with a certificate of the test CA (valid for
+    // 127.0.0.1) and wants the client's, from the same CA.
+    let (cert, key) = pki.cert_and_key("decider-svc");
+    let tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(
+            std::fs::read(&cert).unwrap(),
+            std::fs::read(&key).unwrap(),
+        ))
+        .client_ca_root(Certificate::from_pem(std::fs::read(pki.ca()).unwrap()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let otlp = listener.local_addr().unwrap();
+    let receiver = Receiver::default();
+    let server = tonic::transport::Server::builder()
+        .tls_config(tls)
+        .unwrap()
+        .add_service(TraceServiceServer::new(receiver.clone()))
+        .serve_with_incoming(TcpListenerStream::new(listener));
+    let serving = tokio::spawn(server);
+
+    let (client_cert, client_key) = pki.cert_and_key(platform::tls::dev::CLIENT);
+    let path = |p: &std::path::Path| p.display().to_string();
+    let missing = pki_dir.path().join("no-such-ca.pem");
+    let opts = traced(otlp)
+        .driver("--safety-tick-ms", "600000")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("https://{otlp}"))
+        .service_env("driver-svc", "OTEL_EXPORTER_OTLP_ENDPOINT", &otlp.to_string())
+        .env("OTEL_EXPORTER_OTLP_CERTIFICATE", &path(&pki.ca()))
+        .env("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", &path(&client_cert))
+        .env("OTEL_EXPORTER_OTLP_CLIENT_KEY", &path(&client_key))
+        .service_env("decider-svc", "OTEL_EXPORTER_OTLP_CERTIFICATE", &path(&missing))
+        .env("PROVISIONING_METRICS_LISTEN", "127.0.0.1:0")
+        .env("PROVISIONING_LOG_JSON", "true");
+    let mut cluster = Cluster::start(opts).await.unwrap();
+    converge_one(&cluster, "tls").await;
+    let (decider, _) = scrape(&cluster.decider).await;
+    let unavailable = sum(
+        &decider,
+        "provisioning_telemetry_spans_dropped_total",
+        &[("reason", "exporter_unavailable")],
+    );
+    assert!(unavailable > 0.0, "the decider counted no span it could not send");
+    stop(&mut cluster).await;
+    serving.abort();
+
+    for service in ["provisioning-driver", "provisioning-executor"] {
+        assert!(
+            spans_of_run(&receiver, service, "tls") > 0,
+            "no span of {service} over TLS"
+        );
+    }
+    let spans = receiver.spans.lock().unwrap().clone();
+    assert!(
+        !spans.iter().any(|s| s.service == "provisioning-decider"),
+        "the decider exported without its CA"
+    );
+    let lines = json_lines(cluster.decider.log_file());
+    let told: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| message(l).starts_with("spans are not exported"))
+        .collect();
+    assert_eq!(told.len(), 1, "one line says why spans are not exported");
+    assert_eq!(told[0]["level"], "ERROR");
+    let error = told[0]["fields"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("OTEL_EXPORTER_OTLP_CERTIFICATE") && error.contains("no-such-ca.pem"),
+        "{error}"
+    );
 }
 
 // ---------------------------------------------------------------------------

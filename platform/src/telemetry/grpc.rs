@@ -7,7 +7,10 @@
 //! the caller's current span and injects its context into the metadata. Both
 //! spans follow the OpenTelemetry RPC conventions: named
 //! `{rpc.service}/{rpc.method}`, with `rpc.system = "grpc"`, `rpc.service`,
-//! `rpc.method` and, once the call ends, `rpc.grpc.status_code`. A call ends
+//! `rpc.method` and, once the call ends, `rpc.grpc.status_code`; a client
+//! span also names where the call goes, `server.address` and `server.port`
+//! (the host and port of the channel's target, [`Target`]: the request a
+//! channel is handed carries only the path). A call ends
 //! when its response body ends, not when the response head leaves, so a
 //! streaming call's span covers the whole stream; the status comes from the
 //! trailers (or from the head of a trailers-only response).
@@ -22,11 +25,12 @@
 use std::{
     future::Future,
     pin::Pin,
+    sync::Arc,
     task::{Context as TaskContext, Poll},
     time::Instant,
 };
 
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator as _};
 use tower::{Layer, Service};
@@ -376,14 +380,54 @@ where
     }
 }
 
-/// The client side: a span per outgoing call, under the caller's current
-/// span, whose context travels in the request metadata.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ClientLayer;
+/// Where a client's calls go: the `server.address` and `server.port` of its
+/// spans.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    address: Arc<str>,
+    port: Option<u16>,
+}
+
+impl Target {
+    /// The host and port of `uri`, the port being the scheme's (443 for
+    /// `https`, 80 for `http`) when the URI names none. An IPv6 address is
+    /// given without its brackets, as the conventions write it.
+    pub fn of(uri: &Uri) -> Self {
+        let host = uri.host().unwrap_or_default();
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        let port = uri.port_u16().or_else(|| match uri.scheme_str() {
+            Some(s) if s.eq_ignore_ascii_case("https") => Some(443),
+            Some(s) if s.eq_ignore_ascii_case("http") => Some(80),
+            _ => None,
+        });
+        Self {
+            address: Arc::from(host),
+            port,
+        }
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    pub fn port(&self) -> Option<u16> {
+        self.port
+    }
+}
+
+/// The client side: a span per outgoing call to `target`, under the caller's
+/// current span, whose context travels in the request metadata.
+#[derive(Debug, Clone)]
+pub struct ClientLayer {
+    target: Target,
+}
 
 impl ClientLayer {
-    pub fn new() -> Self {
-        Self
+    pub fn new(target: Target) -> Self {
+        Self { target }
     }
 }
 
@@ -393,6 +437,7 @@ impl<S> Layer<S> for ClientLayer {
     fn layer(&self, inner: S) -> Self::Service {
         Client {
             inner,
+            target: self.target.clone(),
             metrics: CallMetrics::new(Kind::Client),
         }
     }
@@ -402,6 +447,7 @@ impl<S> Layer<S> for ClientLayer {
 #[derive(Debug, Clone)]
 pub struct Client<S> {
     inner: S,
+    target: Target,
     metrics: CallMetrics,
 }
 
@@ -409,9 +455,9 @@ pub struct Client<S> {
 /// through.
 pub type TracedChannel = Client<tonic::transport::Channel>;
 
-/// Wraps `channel` in the client layer.
-pub fn traced(channel: tonic::transport::Channel) -> TracedChannel {
-    ClientLayer::new().layer(channel)
+/// Wraps `channel`, whose calls go to `target`, in the client layer.
+pub fn traced(channel: tonic::transport::Channel, target: Target) -> TracedChannel {
+    ClientLayer::new(target).layer(channel)
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Client<S>
@@ -438,7 +484,8 @@ where
             rpc.system = "grpc",
             rpc.service = %service,
             rpc.method = %method,
-            server.address = req.uri().host().unwrap_or_default(),
+            server.address = &*self.target.address,
+            server.port = self.target.port.map(i64::from),
             rpc.grpc.status_code = Empty,
             otel.status_code = Empty,
         );
@@ -493,5 +540,95 @@ mod tests {
         assert!(is_error(Kind::Server, 14));
         assert!(!is_error(Kind::Server, 0));
         assert_eq!(code_name(14), "Unavailable");
+    }
+
+    #[test]
+    fn a_target_is_the_host_and_port_of_its_uri() {
+        let target = |uri: &str| {
+            let t = Target::of(&uri.parse().unwrap_or_else(|e| panic!("{uri}: {e}")));
+            (t.address().to_owned(), t.port())
+        };
+        assert_eq!(
+            target("http://127.0.0.1:7001"),
+            ("127.0.0.1".to_owned(), Some(7001))
+        );
+        assert_eq!(
+            target("https://decider.svc"),
+            ("decider.svc".to_owned(), Some(443))
+        );
+        assert_eq!(target("http://decider"), ("decider".to_owned(), Some(80)));
+        assert_eq!(target("https://[::1]:9"), ("::1".to_owned(), Some(9)));
+    }
+
+    /// The client span names the channel's target, the port as an integer,
+    /// although the request the channel is handed carries only a path.
+    #[test]
+    fn client_spans_name_the_server_address_and_port() {
+        use std::sync::Mutex;
+        use tracing_subscriber::layer::SubscriberExt as _;
+
+        #[derive(Clone, Default)]
+        struct Fields(Arc<Mutex<Vec<(String, String)>>>);
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if let Ok(mut f) = self.0.lock() {
+                    f.push((field.name().to_owned(), format!("str:{value:?}")));
+                }
+            }
+            fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+                if let Ok(mut f) = self.0.lock() {
+                    f.push((field.name().to_owned(), format!("i64:{value}")));
+                }
+            }
+        }
+        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Fields {
+            fn on_new_span(
+                &self,
+                attrs: &tracing::span::Attributes<'_>,
+                _id: &tracing::span::Id,
+                _ctx: tracing_subscriber::layer::Context<'_, S>,
+            ) {
+                attrs.record(&mut self.clone());
+            }
+        }
+
+        let fields = Fields::default();
+        let subscriber = tracing_subscriber::registry().with(fields.clone());
+        let target = Target::of(&"https://10.1.2.3:7443".parse().unwrap_or_else(|e| panic!("{e}")));
+        let service = tower::service_fn(|_req: Request<()>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(NoBody))
+        });
+        let mut client = ClientLayer::new(target).layer(service);
+        let request = Request::builder()
+            .uri("/provisioning.v1.Decider/Decide")
+            .body(())
+            .unwrap_or_else(|e| panic!("{e}"));
+        tracing::subscriber::with_default(subscriber, || {
+            drop(client.call(request));
+        });
+        let recorded = fields.0.lock().map(|f| f.clone()).unwrap_or_default();
+        assert!(
+            recorded.contains(&("server.address".to_owned(), "str:\"10.1.2.3\"".to_owned())),
+            "{recorded:?}"
+        );
+        assert!(
+            recorded.contains(&("server.port".to_owned(), "i64:7443".to_owned())),
+            "{recorded:?}"
+        );
+    }
+
+    /// A response body with nothing in it.
+    struct NoBody;
+
+    impl Body for NoBody {
+        type Data = bytes::Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _cx: &mut TaskContext<'_>,
+        ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+            Poll::Ready(None)
+        }
     }
 }

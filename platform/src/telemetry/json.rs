@@ -4,7 +4,8 @@
 //! One object per line: `timestamp`, `level`, `target`, `fields` (the event's
 //! fields, `message` among them), `span` (the innermost span's name and
 //! fields), and `trace_id`/`span_id` of the innermost span the
-//! OpenTelemetry layer knows, when there is one.
+//! OpenTelemetry layer knows, when there is one and it is sampled: a span
+//! that is not sampled is never exported, so its ids would lead nowhere.
 
 use std::sync::OnceLock;
 
@@ -127,15 +128,19 @@ where
                 }
                 // The innermost span the OpenTelemetry layer knows names the
                 // trace; spans it does not export (debug spans, other crates')
-                // are skipped over.
+                // are skipped over. When that span is not sampled the line
+                // names no trace: an enclosing span's ids would claim it for
+                // work it did not record.
                 let cx = dispatch
                     .as_ref()
                     .and_then(|d| tracing_opentelemetry::get_otel_context(&span.id(), d));
                 if let Some(cx) = cx {
                     let sc = cx.span().span_context().clone();
                     if sc.is_valid() {
-                        line.insert("trace_id".to_owned(), Value::from(sc.trace_id().to_string()));
-                        line.insert("span_id".to_owned(), Value::from(sc.span_id().to_string()));
+                        if sc.is_sampled() {
+                            line.insert("trace_id".to_owned(), Value::from(sc.trace_id().to_string()));
+                            line.insert("span_id".to_owned(), Value::from(sc.span_id().to_string()));
+                        }
                         break;
                     }
                 }
