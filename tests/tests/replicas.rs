@@ -324,8 +324,12 @@ impl Replicated {
     /// Waits until replica `via` has the run mid-convergence: its nodes
     /// recorded and bootstrapping, none ready yet.
     async fn mid_convergence(&mut self, via: &str) -> pb::RunStatus {
+        // Some nodes held, not all ready. (Not "operations pending": those
+        // are there only while leases are made, a window a watch sampled at
+        // most every 100 ms can miss entirely, and then waits out its
+        // timeout on a run that converged.)
         self.until(via, |s| {
-            !s.converged && s.node_count > 0 && s.pending_operations > 0
+            !s.converged && s.node_count > 0 && s.ready_count < s.node_count
         })
         .await;
         tokio::time::sleep(Duration::from_millis(700)).await;
