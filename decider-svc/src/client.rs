@@ -158,6 +158,10 @@ pub fn encode_request_with_counts<'a>(
                 group_id: g.as_str().to_owned(),
                 unhealthy: c.unhealthy,
                 remediating: c.remediating,
+                available: c.available,
+                updated: c.updated,
+                canary_done: c.canary_done,
+                halted: c.halted,
             })
             .collect(),
     }));

@@ -23,7 +23,7 @@ use contract::{
     },
     wire::{TemplateTable, node_from_wire, shape_from_wire_with_table},
 };
-use decider::{DesiredView, Remediations, SlotSet};
+use decider::{Budgets, DesiredView, SlotSet};
 use platform::{
     event_trace::{self, DecisionRec, TraceEvent},
     runtime::health_and_reflection,
@@ -349,6 +349,10 @@ async fn serve_call(
             GroupCounts {
                 unhealthy: c.unhealthy,
                 remediating: c.remediating,
+                available: c.available,
+                updated: c.updated,
+                canary_done: c.canary_done,
+                halted: c.halted,
             },
         ));
     }
@@ -375,7 +379,7 @@ async fn serve_call(
     }
 
     let desired = DesiredView::new(&shape, deleting).with_counts(counts);
-    let mut remediations = Remediations::new();
+    let mut budgets = Budgets::new();
     let mut batcher = Batcher::new(out);
     let mut slots = SlotSet::new();
     let mut decided: u32 = 0;
@@ -397,7 +401,7 @@ async fn serve_call(
                         .map_err(|e| e.within(&format!("nodes[{decided}]")))?;
                     // A node due for remediation is answered at `end`, once
                     // the budget has seen every such node of the call.
-                    let Some(d) = decider::decide_or_defer(&desired, &node, now, &mut remediations) else {
+                    let Some(d) = decider::decide_or_defer(&desired, &node, now, &mut budgets) else {
                         decided += 1;
                         continue;
                     };
@@ -425,7 +429,7 @@ async fn serve_call(
         }
     }
 
-    for d in remediations.settle(&desired, now) {
+    for d in budgets.settle(&desired, now) {
         tally.count(&d);
         if let Some(t) = &mut traced {
             t.push(DecisionRec::of(&d));

@@ -22,8 +22,8 @@
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use contract::{
-    Action, ClusterShape, DecideOutput, Effect, Event, EventReason, LogicalNodeId, Monotonic, Operation,
-    OperationId, RejectionReason, ResourceChange, RunUid, Subject, TraceContext, UnixMillis, pb,
+    Action, ClusterShape, DecideOutput, Effect, Event, EventReason, GroupId, LogicalNodeId, Monotonic,
+    Operation, OperationId, RejectionReason, ResourceChange, RunUid, Subject, TraceContext, UnixMillis, pb,
 };
 use decider_svc::client::DecideError;
 use platform::telemetry;
@@ -80,6 +80,11 @@ pub enum RunEvent {
     },
     SetPaused {
         paused: bool,
+        trace: TraceContext,
+        reply: oneshot::Sender<Result<pb::RunStatus, DriverError>>,
+    },
+    Promote {
+        group: GroupId,
         trace: TraceContext,
         reply: oneshot::Sender<Result<pb::RunStatus, DriverError>>,
     },
@@ -573,6 +578,29 @@ impl RunActor {
                 self.changed = true;
                 let _ = reply.send(result.map(|()| self.status(false, now)));
             }
+            RunEvent::Promote { group, trace, reply } => {
+                let before = self.events.before(&self.run);
+                let undo = self.run.request_undo();
+                let result = match &self.halted {
+                    Some(why) => Err(DriverError::Halted(why.clone())),
+                    None => match self.run.promote(&group, now) {
+                        Err(e) => Err(DriverError::Promote(e)),
+                        Ok(false) => Ok(()),
+                        Ok(true) => {
+                            self.request_changed(trace);
+                            let committed = self.commit().await;
+                            if committed.is_err() {
+                                self.run.undo_request(undo);
+                            }
+                            committed
+                        }
+                    },
+                };
+                self.events
+                    .request(before, &self.run, now, "promote", || format!("{result:?}"));
+                self.changed = true;
+                let _ = reply.send(result.map(|()| self.status(false, now)));
+            }
             RunEvent::Get { include_nodes, reply } => {
                 let _ = reply.send(self.status(include_nodes, now));
             }
@@ -728,7 +756,7 @@ impl RunActor {
         // on a copy, so that a plan never promises what an apply would refuse.
         let mut probe = self.run.clone();
         probe.apply_shape(shape.clone())?;
-        Ok(status::plan(&self.run, &shape, now))
+        Ok(status::plan(&self.run, &probe, &shape, now))
     }
 
     fn on_executor_message(&mut self, msg: FromExecutor, now: UnixMillis) {

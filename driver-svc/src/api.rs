@@ -8,7 +8,7 @@
 use std::{pin::Pin, sync::Arc};
 
 use contract::{
-    ClusterShape, FieldError, LogicalNodeId, RunId, UnixMillis, pb,
+    ClusterShape, FieldError, GroupId, LogicalNodeId, RunId, UnixMillis, pb,
     pb::provisioning_server::Provisioning,
     wire::{event_to_wire, shape_from_wire},
 };
@@ -39,6 +39,12 @@ pub fn to_status(e: DriverError) -> Status {
         DriverError::Elsewhere { run, owner } => elsewhere(&run, &owner),
         e @ DriverError::Exhausted(_) => Status::failed_precondition(e.to_string()),
         e @ DriverError::Internal(_) => Status::internal(e.to_string()),
+        DriverError::Promote(e @ crate::core::PromoteError::NoSuchGroup(_)) => {
+            Status::invalid_argument(format!("group_id: {e}"))
+        }
+        DriverError::Promote(e @ crate::core::PromoteError::NoRollout(_)) => {
+            Status::failed_precondition(e.to_string())
+        }
     }
 }
 
@@ -244,6 +250,20 @@ impl Provisioning for Api {
         who.require_run(id.as_str())?;
         Ok(Response::new(
             self.driver.set_paused(&id, true).await.map_err(to_status)?,
+        ))
+    }
+
+    async fn promote_rollout(
+        &self,
+        req: Request<pb::PromoteRolloutRequest>,
+    ) -> Result<Response<pb::RunStatus>, Status> {
+        let who = principal(&req, Access::Write, "PromoteRollout")?;
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        let group = GroupId::parse("group_id", &r.group_id).map_err(|e| invalid(&e))?;
+        who.require_run(id.as_str())?;
+        Ok(Response::new(
+            self.driver.promote(&id, group).await.map_err(to_status)?,
         ))
     }
 

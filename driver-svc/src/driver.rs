@@ -9,7 +9,7 @@ use std::{
 };
 
 use contract::{
-    Clock, ClusterShape, Epoch, InventoryResource, LogicalNodeId, RunId, RunUid, pb,
+    Clock, ClusterShape, Epoch, GroupId, InventoryResource, LogicalNodeId, RunId, RunUid, pb,
     pb::decider_client::DeciderClient,
 };
 use platform::telemetry::grpc::TracedChannel;
@@ -671,7 +671,7 @@ impl Driver {
                 // Generation 0: there is no run yet.
                 Ok(pb::PlanResponse {
                     current_generation: 0,
-                    ..status::plan(&run, &shape, now)
+                    ..status::plan(&run, &run, &shape, now)
                 })
             }
             Err(e) => Err(e),
@@ -917,6 +917,13 @@ impl Driver {
     pub async fn set_paused(&self, run_id: &RunId, paused: bool) -> Result<pb::RunStatus, DriverError> {
         let trace = request_trace();
         self.ask(run_id, |reply| RunEvent::SetPaused { paused, trace, reply })
+            .await?
+    }
+
+    /// Lets a group's rollout go on past its canary.
+    pub async fn promote(&self, run_id: &RunId, group: GroupId) -> Result<pb::RunStatus, DriverError> {
+        let trace = request_trace();
+        self.ask(run_id, |reply| RunEvent::Promote { group, trace, reply })
             .await?
     }
 }

@@ -31,7 +31,8 @@ use std::{
 };
 
 use contract::{
-    ClusterShape, Epoch, Event, Generation, LogicalNodeId, ManagedNode, Operation, RunId, RunUid, UnixMillis,
+    ClusterShape, Epoch, Event, Generation, GroupId, LogicalNodeId, ManagedNode, NodeGroup, Operation, RunId,
+    RunUid, UnixMillis,
     pb::{self, store::v1 as rec},
     wire::{TemplateTable, event_from_wire, event_to_wire, node_from_wire, node_to_wire, shape_from_wire},
 };
@@ -39,7 +40,10 @@ use platform::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use crate::core::{ConditionMark, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};
+use crate::core::{
+    ConditionMark, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun,
+    rollout::{GroupRollout, Halt, StableGroup},
+};
 
 /// The schema this code writes.
 pub const SCHEMA_VERSION: u32 = 3;
@@ -292,8 +296,57 @@ pub(crate) fn encode_meta(sealer: &Sealer, m: &RunMeta) -> Result<Vec<u8>, Store
                 observed_generation: 0,
             })
             .collect(),
+        rollouts: m.rollouts.iter().map(rollout_to_record).collect(),
+        stable: m
+            .stable
+            .iter()
+            .map(|s| {
+                let mut group = pb::NodeGroup::from(&s.group);
+                if let Some(t) = group.template.as_mut() {
+                    sealer.seal_template(t).map_err(sealing)?;
+                }
+                Ok(rec::StableGroup {
+                    group: Some(group),
+                    generation: s.generation.get(),
+                })
+            })
+            .collect::<Result<_, StoreError>>()?,
     }
     .encode_to_vec())
+}
+
+fn rollout_to_record(r: &GroupRollout) -> rec::GroupRollout {
+    rec::GroupRollout {
+        group_id: r.group.to_string(),
+        generation: r.generation.get(),
+        started_at_ms: r.started_at.as_millis(),
+        progress_at_ms: r.progress_at.as_millis(),
+        ready: r.ready,
+        failures: r.failures,
+        promoted: r.promoted,
+        canary_reached: r.canary_reached,
+        halted_at_ms: r.halted.as_ref().map_or(0, |h| h.at.as_millis()),
+        halt_reason: r.halted.as_ref().map(|h| h.reason.clone()).unwrap_or_default(),
+        reverted_from: r.reverted_from.map_or(0, Generation::get),
+    }
+}
+
+fn rollout_from_record(r: rec::GroupRollout) -> Result<GroupRollout, StoreError> {
+    Ok(GroupRollout {
+        group: GroupId::parse("rollouts.group_id", &r.group_id).map_err(corrupt)?,
+        generation: Generation::new(r.generation),
+        started_at: UnixMillis::new(r.started_at_ms),
+        progress_at: UnixMillis::new(r.progress_at_ms),
+        ready: r.ready,
+        failures: r.failures,
+        promoted: r.promoted,
+        canary_reached: r.canary_reached,
+        halted: (r.halted_at_ms != 0).then(|| Halt {
+            at: UnixMillis::new(r.halted_at_ms),
+            reason: r.halt_reason,
+        }),
+        reverted_from: (r.reverted_from != 0).then(|| Generation::new(r.reverted_from)),
+    })
 }
 
 /// A record's schema version is one this code reads.
@@ -333,6 +386,25 @@ pub(crate) fn decode_meta(sealer: &Sealer, bytes: &[u8]) -> Result<RunMeta, Stor
                 since: UnixMillis::new(c.since_ms),
             })
             .collect(),
+        rollouts: m
+            .rollouts
+            .into_iter()
+            .map(rollout_from_record)
+            .collect::<Result<_, _>>()?,
+        stable: m
+            .stable
+            .into_iter()
+            .map(|s| {
+                let mut group = s.group.ok_or_else(|| corrupt("stable group without a group"))?;
+                if let Some(t) = group.template.as_mut() {
+                    sealer.open_template(t).map_err(sealing)?;
+                }
+                Ok(StableGroup {
+                    group: NodeGroup::try_from(group).map_err(|e| corrupt(format!("stable group: {e}")))?,
+                    generation: Generation::new(s.generation),
+                })
+            })
+            .collect::<Result<_, StoreError>>()?,
     })
 }
 

@@ -37,4 +37,6 @@ pub enum DriverError {
     /// range, a pass out of turn): a bug, not the caller's doing.
     #[error("internal: {0}")]
     Internal(String),
+    #[error(transparent)]
+    Promote(#[from] crate::core::PromoteError),
 }

@@ -91,6 +91,7 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
                 failing: g.failing,
                 unhealthy: g.unhealthy,
                 remediation_held: g.held,
+                rollout: rollout_status(run, &id),
                 stages: g
                     .stages
                     .into_iter()
@@ -153,8 +154,24 @@ pub fn explanation(
 
 /// What `Plan` answers for `shape`: the decisions a pass would make now and
 /// the nodes the shape scales away (highest index first).
-pub fn plan(run: &RunState, shape: &ClusterShape, now: UnixMillis) -> pb::PlanResponse {
-    let out = run.plan(shape, now);
+pub fn plan(run: &RunState, probe: &RunState, shape: &ClusterShape, now: UnixMillis) -> pb::PlanResponse {
+    // The decisions and waves of the run with the shape applied (its counts
+    // and rollouts are the shape's), the rest against the run as it is.
+    let out = probe.plan_current(now);
+    let waves = probe
+        .rollout_waves()
+        .into_iter()
+        .map(|w| pb::PlanWave {
+            nodes: w
+                .slots
+                .iter()
+                .map(|i| LogicalNodeId::new(w.group.clone(), *i).to_string())
+                .collect(),
+            group_id: w.group.to_string(),
+            wave: w.number,
+            note: w.note,
+        })
+        .collect();
     let mut scale_down: Vec<&LogicalNodeId> = run
         .nodes()
         .filter(|n| shape.desired_group(&n.id).is_none())
@@ -166,6 +183,7 @@ pub fn plan(run: &RunState, shape: &ClusterShape, now: UnixMillis) -> pb::PlanRe
         scale_down: scale_down.iter().map(ToString::to_string).collect(),
         current_generation: run.shape().generation.get(),
         changed_secrets: changed_secrets(run.shape(), shape),
+        waves,
     }
 }
 
@@ -202,6 +220,39 @@ pub struct Dependencies {
     pub executor_link_down: bool,
     /// Why the run is halted (a write its store refused), while it is.
     pub halted: Option<String>,
+}
+
+/// A group's rollout in progress, as clients read it.
+pub fn rollout_status(run: &RunState, group: &GroupId) -> Option<pb::RolloutStatus> {
+    let meta = run.meta();
+    let g = meta.shape.group(group)?;
+    let r = run.rollout(group)?;
+    let t = run.tally(group);
+    let counts = run
+        .group_counts()
+        .into_iter()
+        .find(|(id, _)| id == group)
+        .map(|(_, c)| c)
+        .unwrap_or_default();
+    let budget = g.policy.rollout.resolve(g.count);
+    Some(pb::RolloutStatus {
+        generation: r.generation.get(),
+        updated: t.updated,
+        updated_ready: t.updated_ready,
+        old: t.drifted(),
+        unavailable: g.count.saturating_sub(counts.available),
+        max_unavailable: decider::rollout_unavailable_budget(g),
+        max_surge: budget.max_surge,
+        canary: g.policy.rollout.canary,
+        promoted: r.promoted,
+        canary_paused: r.canary_reached && !r.canary_done() && r.halted.is_none(),
+        halted: r.halted.is_some(),
+        halt_reason: r.halted.as_ref().map(|h| h.reason.clone()).unwrap_or_default(),
+        failures: r.failures,
+        reverted_from: r.reverted_from.map_or(0, |g| g.get()),
+        started_at_ms: r.started_at.as_millis(),
+        progress_deadline_ms: UnixMillis::to_wire(r.deadline(g)),
+    })
 }
 
 /// The condition types, in the order a status lists them.
@@ -305,6 +356,22 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             }
         }
     }
+    // Rollouts that halted (SPEC §9): nothing more happens to their groups
+    // until a newer apply or a revert; and canaries waiting for a promotion.
+    let mut halted_rollouts = Vec::new();
+    let mut canaries = Vec::new();
+    if !meta.deleting {
+        for g in &meta.shape.groups {
+            let Some(r) = run.rollout(&g.id) else {
+                continue;
+            };
+            if let Some(h) = &r.halted {
+                halted_rollouts.push(format!("{}: {}", g.id, h.reason));
+            } else if r.canary_reached && !r.canary_done() {
+                canaries.push(g.id.to_string());
+            }
+        }
+    }
     let converged = run.is_converged();
     let generation = meta.shape.generation;
     let ready_c = if converged {
@@ -325,8 +392,20 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
     let settled =
         !converged && !meta.deleting && lost.is_empty() && failed.is_empty() && moving == 0 && missing == 0;
     let remediation_held = settled && !held.is_empty();
-    let stalled = remediation_held || (settled && !permanent.is_empty() && unhealthy.is_empty());
-    let stalled_c = if remediation_held {
+    let rollout_halted = !converged && !halted_rollouts.is_empty();
+    let stalled =
+        rollout_halted || remediation_held || (settled && !permanent.is_empty() && unhealthy.is_empty());
+    let stalled_c = if rollout_halted {
+        Observed {
+            kind: "Stalled",
+            status: true,
+            reason: "RolloutHalted",
+            message: format!(
+                "rollout halted: {}; the nodes on the old template keep serving until a newer apply",
+                halted_rollouts.join("; ")
+            ),
+        }
+    } else if remediation_held {
         Observed {
             kind: "Stalled",
             status: true,
@@ -377,6 +456,17 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             status: false,
             reason: "Stalled",
             message: String::new(),
+        }
+    } else if !canaries.is_empty() {
+        Observed {
+            kind: "Progressing",
+            status: true,
+            reason: "CanaryPaused",
+            message: format!(
+                "the canary of {} is on the new template: `provisionctl rollout promote {} GROUP` goes on",
+                canaries.join(", "),
+                meta.run_id
+            ),
         }
     } else {
         Observed {

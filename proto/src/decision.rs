@@ -48,9 +48,12 @@ pub enum Rule {
     AwaitBootstrap = 15,
     /// Lease and endpoint, no session.
     StartBootstrap = 16,
+    /// Ready and drifted, but the group's rollout holds it: its budget of
+    /// unavailable slots is spent, its canary waits for a promotion, or the
+    /// rollout halted (SPEC.md section 9).
+    RolloutBudget = 17,
     /// Unhealthy past its deadline, but the group's remediation budget holds
-    /// it (too many in flight, or too many of the group impaired). Number 17
-    /// is the rollout budget's (SPEC.md section 9).
+    /// it (too many in flight, or too many of the group impaired).
     RemediationBudget = 18,
 }
 
@@ -59,7 +62,7 @@ impl Rule {
     /// [`Rule::number`].
     pub const SLOTS: usize = 19;
 
-    pub const ALL: [Rule; 18] = [
+    pub const ALL: [Rule; 19] = [
         Rule::Insert,
         Rule::Reap,
         Rule::Restart,
@@ -77,6 +80,7 @@ impl Rule {
         Rule::ObserveConvergence,
         Rule::AwaitBootstrap,
         Rule::StartBootstrap,
+        Rule::RolloutBudget,
         Rule::RemediationBudget,
     ];
 
@@ -105,6 +109,7 @@ impl Rule {
             Rule::ObserveConvergence => "observe-convergence",
             Rule::AwaitBootstrap => "await-bootstrap",
             Rule::StartBootstrap => "start-bootstrap",
+            Rule::RolloutBudget => "rollout-budget",
             Rule::RemediationBudget => "remediation-budget",
         }
     }

@@ -46,10 +46,26 @@ pub enum EventReason {
     Resumed,
     /// Deletion was requested: every node is cleaned up, then the run is gone.
     Deleting,
+    /// A group's template changed while it held nodes: they are replaced
+    /// within its rollout budget.
+    RolloutStarted,
+    /// A group's canary is on the new template: the rollout waits for a
+    /// promotion.
+    RolloutPaused,
+    /// A client promoted a group's canary: the rollout goes on.
+    RolloutPromoted,
+    /// Every desired node of a group is ready on its new template.
+    RolloutCompleted,
+    /// A group's rollout passed its progress deadline or failure threshold:
+    /// its drifted nodes keep serving, replaced no further.
+    RolloutHalted,
+    /// A halted rollout was reverted: the group's last converged template was
+    /// applied as a new generation.
+    RolloutReverted,
 }
 
 impl EventReason {
-    pub const ALL: [EventReason; 16] = [
+    pub const ALL: [EventReason; 22] = [
         Self::Applied,
         Self::Converged,
         Self::Stalled,
@@ -66,6 +82,12 @@ impl EventReason {
         Self::Paused,
         Self::Resumed,
         Self::Deleting,
+        Self::RolloutStarted,
+        Self::RolloutPaused,
+        Self::RolloutPromoted,
+        Self::RolloutCompleted,
+        Self::RolloutHalted,
+        Self::RolloutReverted,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -86,6 +108,12 @@ impl EventReason {
             Self::Paused => "Paused",
             Self::Resumed => "Resumed",
             Self::Deleting => "Deleting",
+            Self::RolloutStarted => "RolloutStarted",
+            Self::RolloutPaused => "RolloutPaused",
+            Self::RolloutPromoted => "RolloutPromoted",
+            Self::RolloutCompleted => "RolloutCompleted",
+            Self::RolloutHalted => "RolloutHalted",
+            Self::RolloutReverted => "RolloutReverted",
         }
     }
 
@@ -105,6 +133,8 @@ impl EventReason {
                 | Self::RemediationHeld
                 | Self::NodeFailedPermanently
                 | Self::DependencyLost
+                | Self::RolloutHalted
+                | Self::RolloutReverted
         )
     }
 }

@@ -4,6 +4,7 @@
 
 use crate::{
     error::{FieldError, Problem},
+    rollout::RolloutPolicy,
     time::UnixMillis,
 };
 
@@ -117,6 +118,20 @@ impl Budget {
         }
     }
 
+    /// The budget for a group of `desired` nodes, a percentage rounded up
+    /// ("25%" of 3 nodes is 1).
+    pub fn resolve_up(self, desired: u32) -> u32 {
+        match self {
+            Budget::Count(n) => n,
+            Budget::Percent(p) => (u64::from(desired) * u64::from(p)).div_ceil(100) as u32,
+        }
+    }
+
+    /// Zero whatever the group's size.
+    pub fn is_zero(self) -> bool {
+        matches!(self, Budget::Count(0) | Budget::Percent(0))
+    }
+
     /// `3` or `40%`.
     pub fn parse(s: &str) -> Option<Self> {
         let s = s.trim();
@@ -178,12 +193,14 @@ impl RemediationPolicy {
 pub struct GroupPolicy {
     pub health: HealthPolicy,
     pub remediation: RemediationPolicy,
+    pub rollout: RolloutPolicy,
 }
 
 impl GroupPolicy {
     pub fn validate(&self) -> Result<(), FieldError> {
         self.health.validate().map_err(|e| e.within("health"))?;
-        self.remediation.validate().map_err(|e| e.within("remediation"))
+        self.remediation.validate().map_err(|e| e.within("remediation"))?;
+        self.rollout.validate().map_err(|e| e.within("rollout"))
     }
 }
 
@@ -225,6 +242,17 @@ pub struct GroupCounts {
     /// Slots being replaced for health (from the decision to replace until the
     /// replacement is ready).
     pub remediating: u32,
+    /// Desired slots whose current attempt serves: active, ready, neither
+    /// unhealthy nor lost (whatever its template). The rest are unavailable.
+    pub available: u32,
+    /// Desired slots whose node holds the group's current template.
+    pub updated: u32,
+    /// The group's rollout no longer pauses for its canary: promoted, or a
+    /// revert (which goes straight to the template it reverts to).
+    pub canary_done: bool,
+    /// The group's rollout halted: drifted ready nodes wait until a newer
+    /// apply (or a revert) ends the halt.
+    pub halted: bool,
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ pub mod events;
 pub mod health;
 pub mod ids;
 pub mod ops;
+pub mod rollout;
 pub mod shape;
 pub mod state;
 pub mod time;
@@ -87,6 +88,7 @@ pub use ops::{
     Change, Claim, InventoryResource, Observation, Operation, OperationInput, OperationResult, Outcome,
     Rejection, RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext, WatchHealth,
 };
+pub use rollout::RolloutPolicy;
 pub use shape::{
     Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape, ShapeLimits,
 };

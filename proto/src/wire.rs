@@ -57,6 +57,7 @@ use crate::{
         Rejection, RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext, WatchHealth,
     },
     pb,
+    rollout::RolloutPolicy,
     shape::{Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape},
     state::{
         BootstrapProgress, BootstrapStage, Effect, Failure, Intent, ManagedNode, NodeFacts, NodeStage,
@@ -437,6 +438,7 @@ fn group_from_wire(g: pb::NodeGroup, from_table: Option<Arc<NodeTemplate>>) -> R
             .transpose()
             .map_err(within("remediation"))?
             .unwrap_or_default(),
+        rollout: g.rollout.map(rollout_from_wire).unwrap_or_default(),
     };
     Ok(NodeGroup {
         id,
@@ -482,34 +484,79 @@ pub fn health_to_wire(h: &HealthPolicy) -> pb::HealthPolicy {
 /// 100%).
 pub fn remediation_from_wire(r: pb::RemediationPolicy) -> Result<RemediationPolicy, FieldError> {
     let d = RemediationPolicy::default();
-    let max_unhealthy = match r.max_unhealthy.and_then(|b| b.value) {
-        None => d.max_unhealthy,
-        Some(pb::budget::Value::Count(n)) => Budget::Count(n),
-        Some(pb::budget::Value::Percent(p)) => Budget::Percent(p),
-    };
     Ok(RemediationPolicy {
         max_in_flight: r.max_in_flight.unwrap_or(d.max_in_flight),
-        max_unhealthy,
+        max_unhealthy: budget_from_wire(r.max_unhealthy, d.max_unhealthy),
     })
 }
 
 pub fn remediation_to_wire(r: &RemediationPolicy) -> pb::RemediationPolicy {
     pb::RemediationPolicy {
         max_in_flight: Some(r.max_in_flight),
-        max_unhealthy: Some(pb::Budget {
-            value: Some(match r.max_unhealthy {
-                Budget::Count(n) => pb::budget::Value::Count(n),
-                Budget::Percent(p) => pb::budget::Value::Percent(p),
-            }),
+        max_unhealthy: Some(budget_to_wire(r.max_unhealthy)),
+    }
+}
+
+fn budget_from_wire(b: Option<pb::Budget>, default: Budget) -> Budget {
+    match b.and_then(|b| b.value) {
+        None => default,
+        Some(pb::budget::Value::Count(n)) => Budget::Count(n),
+        Some(pb::budget::Value::Percent(p)) => Budget::Percent(p),
+    }
+}
+
+fn budget_to_wire(b: Budget) -> pb::Budget {
+    pb::Budget {
+        value: Some(match b {
+            Budget::Count(n) => pb::budget::Value::Count(n),
+            Budget::Percent(p) => pb::budget::Value::Percent(p),
         }),
     }
 }
 
-fn policy_fields(p: &GroupPolicy) -> (Option<pb::HealthPolicy>, Option<pb::RemediationPolicy>) {
-    (
-        Some(health_to_wire(&p.health)),
-        Some(remediation_to_wire(&p.remediation)),
-    )
+/// Unset budgets and a zero deadline decode as the defaults (25%, 25%, 10
+/// minutes). Range checks are `GroupPolicy::validate`'s.
+pub fn rollout_from_wire(r: pb::RolloutPolicy) -> RolloutPolicy {
+    let d = RolloutPolicy::default();
+    RolloutPolicy {
+        max_unavailable: budget_from_wire(r.max_unavailable, d.max_unavailable),
+        max_surge: budget_from_wire(r.max_surge, d.max_surge),
+        canary: r.canary,
+        progress_deadline_ms: if r.progress_deadline_ms == 0 {
+            d.progress_deadline_ms
+        } else {
+            r.progress_deadline_ms
+        },
+        failure_threshold: r.failure_threshold,
+        auto_revert: r.auto_revert,
+    }
+}
+
+pub fn rollout_to_wire(r: &RolloutPolicy) -> pb::RolloutPolicy {
+    pb::RolloutPolicy {
+        max_unavailable: Some(budget_to_wire(r.max_unavailable)),
+        max_surge: Some(budget_to_wire(r.max_surge)),
+        canary: r.canary,
+        progress_deadline_ms: r.progress_deadline_ms,
+        failure_threshold: r.failure_threshold,
+        auto_revert: r.auto_revert,
+    }
+}
+
+/// A group's policies as the wire carries them (always set, so a reader
+/// sees the defaults a shape was accepted with).
+struct PolicyFields {
+    health: Option<pb::HealthPolicy>,
+    remediation: Option<pb::RemediationPolicy>,
+    rollout: Option<pb::RolloutPolicy>,
+}
+
+fn policy_fields(p: &GroupPolicy) -> PolicyFields {
+    PolicyFields {
+        health: Some(health_to_wire(&p.health)),
+        remediation: Some(remediation_to_wire(&p.remediation)),
+        rollout: Some(rollout_to_wire(&p.rollout)),
+    }
 }
 
 /// A group on its own. Its optional `run_id` is not checked, because a group
@@ -526,7 +573,11 @@ impl TryFrom<pb::NodeGroup> for NodeGroup {
 /// enclosing shape names the run.
 impl From<&NodeGroup> for pb::NodeGroup {
     fn from(g: &NodeGroup) -> Self {
-        let (health, remediation) = policy_fields(&g.policy);
+        let PolicyFields {
+            health,
+            remediation,
+            rollout,
+        } = policy_fields(&g.policy);
         Self {
             id: g.id.as_str().to_owned(),
             count: i64::from(g.count),
@@ -534,6 +585,7 @@ impl From<&NodeGroup> for pb::NodeGroup {
             run_id: String::new(),
             health,
             remediation,
+            rollout,
         }
     }
 }
@@ -622,7 +674,11 @@ pub fn shape_to_wire_with_table(
             .groups
             .iter()
             .map(|g| {
-                let (health, remediation) = policy_fields(&g.policy);
+                let PolicyFields {
+                    health,
+                    remediation,
+                    rollout,
+                } = policy_fields(&g.policy);
                 pb::NodeGroup {
                     id: g.id.as_str().to_owned(),
                     count: i64::from(g.count),
@@ -630,6 +686,7 @@ pub fn shape_to_wire_with_table(
                     run_id: String::new(),
                     health,
                     remediation,
+                    rollout,
                 }
             })
             .collect(),
@@ -2449,10 +2506,10 @@ mod tests {
         assert_eq!(insert.attempt, None);
         assert_eq!(
             err_of(Decision::try_from(pb::Decision {
-                rule: 17,
+                rule: 19,
                 ..good.clone()
             })),
-            FieldError::new("rule", Problem::UnknownValue(17))
+            FieldError::new("rule", Problem::UnknownValue(19))
         );
         assert_eq!(
             err_of(Decision::try_from(pb::Decision {

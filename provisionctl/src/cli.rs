@@ -191,6 +191,9 @@ pub enum Command {
         #[command(flatten)]
         output: OutputArg,
     },
+    /// A run's rollouts: `rollout status RUN`, `rollout promote RUN GROUP`.
+    #[command(subcommand)]
+    Rollout(RolloutCommand),
     /// Forget a node whose cleanup fails for good; what it leaves behind is recorded as an orphan.
     Abandon {
         run: String,
@@ -250,6 +253,24 @@ pub enum Command {
 }
 
 #[derive(Debug, Clone, Subcommand)]
+pub enum RolloutCommand {
+    /// Each group's rollout: nodes on the new template and the old, the
+    /// budget in use, the canary, and whether (and why) it halted.
+    Status {
+        run: String,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+    /// Let a group's rollout go on past its canary.
+    Promote {
+        run: String,
+        group: String,
+        #[command(flatten)]
+        output: OutputArg,
+    },
+}
+
+#[derive(Debug, Clone, Subcommand)]
 pub enum ConfigCommand {
     /// List the contexts; `*` marks the current one.
     GetContexts,
@@ -278,8 +299,8 @@ pub enum TokenCommand {
     New {
         /// The token holder's name (in the driver's logs and limits).
         name: String,
-        /// `read`: get, list, watch, explain, plan, orphans, events, describe; `write`: those
-        /// and apply, delete, pause, resume, abandon.
+        /// `read`: get, list, watch, explain, plan, orphans, events, describe, rollout status;
+        /// `write`: those and apply, delete, pause, resume, rollout promote, abandon.
         #[arg(long, value_enum)]
         access: platform::token::Access,
         /// Limit the token to this run (repeat for several); without it,

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use tonic::{Code, service::interceptor::InterceptedService, transport::Channel};
 
 use super::{
-    cli::{Cli, Command, FollowArgs},
+    cli::{Cli, Command, FollowArgs, RolloutCommand},
     error::{CliError, Doing, Exit, from_change_status, from_status},
     events, explain, plan,
     render::{self, Output},
@@ -205,6 +205,12 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
         }
         Command::Pause { run, output } => ctx.set_paused(&run, true, output.output).await,
         Command::Resume { run, output } => ctx.set_paused(&run, false, output.output).await,
+        Command::Rollout(RolloutCommand::Status { run, output }) => {
+            ctx.rollout_status(&run, output.output).await
+        }
+        Command::Rollout(RolloutCommand::Promote { run, group, output }) => {
+            ctx.promote(&run, &group, output.output).await
+        }
         Command::Abandon {
             run,
             node,
@@ -1028,6 +1034,43 @@ impl Ctx {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    async fn rollout_status(&self, run: &str, output: Output) -> Result<Exit, CliError> {
+        let mut client = self.connect_run(run).await?;
+        let s = client
+            .get_run(pb::GetRunRequest {
+                run_id: run.to_owned(),
+                include_nodes: false,
+            })
+            .await
+            .map_err(|s| self.status_error(&s, Doing::Run { verb: "get", run }))?
+            .into_inner();
+        match output {
+            Output::Table => print_lines(&render::rollout_table(&s))?,
+            _ => print_doc(&render::rollouts_json(&s), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    async fn promote(&self, run: &str, group: &str, output: Output) -> Result<Exit, CliError> {
+        let mut client = self.connect_run(run).await?;
+        let req = pb::PromoteRolloutRequest {
+            run_id: run.to_owned(),
+            group_id: group.to_owned(),
+        };
+        let s = client
+            .promote_rollout(req)
+            .await
+            .map_err(|s| self.change_error(&s, Doing::Run { verb: "promote", run }))?
+            .into_inner();
+        match output {
+            Output::Table => print_lines(&[format!(
+                "run {run}: the rollout of {group} goes on past its canary"
+            )])?,
+            _ => print_doc(&render::rollouts_json(&s), output)?,
+        }
+        Ok(Exit::Success)
     }
 
     async fn set_paused(&self, run: &str, paused: bool, output: Output) -> Result<Exit, CliError> {

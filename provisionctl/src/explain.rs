@@ -46,6 +46,12 @@ fn hint(st: &pb::NodeState, d: Option<&pb::Decision>, spec_current: bool) -> Opt
              or probe fault than failed nodes: fix that, or raise the group's remediation.max_unhealthy"
                 .to_owned(),
         ),
+        R::RolloutBudget => Some(
+            "the reason says what holds it: the group's max_unavailable (it goes on as replacements \
+             become ready), a canary waiting for `provisionctl rollout promote`, or a halted rollout \
+             (a newer apply ends the halt); `provisionctl rollout status` shows the group's rollout"
+                .to_owned(),
+        ),
         R::BeginDelete if !spec_current => {
             Some("the group's template changed: this attempt is replaced by one with the new spec".to_owned())
         }

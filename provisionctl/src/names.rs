@@ -124,6 +124,7 @@ pub fn rule_meaning(n: u32) -> &'static str {
         Rule::ObserveConvergence => "the bootstrap converged: the node becomes ready",
         Rule::AwaitBootstrap => "the bootstrap is running: waiting for its stages",
         Rule::StartBootstrap => "the endpoint is known: start the bootstrap",
+        Rule::RolloutBudget => "on an older template, but its group's rollout holds its replacement",
         Rule::RemediationBudget => "unhealthy, but its group's remediation budget holds its replacement",
     })
 }

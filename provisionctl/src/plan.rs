@@ -60,7 +60,9 @@ pub fn classify(d: &pb::Decision, scale_down: &BTreeSet<&str>) -> Change {
         Change::ScaleDown
     } else if d.kind == pb::ActionKind::Insert as i32 {
         Change::Insert
-    } else if d.kind == pb::ActionKind::BeginDelete as i32 {
+    } else if d.kind == pb::ActionKind::BeginDelete as i32 || d.rule == contract::Rule::RolloutBudget.number()
+    {
+        // A drifted node the rollout budget holds is replaced in a later wave.
         Change::Replace
     } else if d.kind == pb::ActionKind::Wait as i32 && d.rule == contract::Rule::Ready.number() {
         Change::Unchanged
@@ -338,6 +340,22 @@ pub fn plan_table(p: &PlanInput<'_>) -> Vec<String> {
         if lines.is_empty() {
             out.push("  no nodes".to_owned());
         }
+        let waves: Vec<&pb::PlanWave> = p.response.waves.iter().filter(|w| &w.group_id == group).collect();
+        if !waves.is_empty() {
+            out.push(format!(
+                "  rollout in {} wave{}, each once the one before is ready:",
+                waves.len(),
+                if waves.len() == 1 { "" } else { "s" }
+            ));
+            for w in waves {
+                out.push(format!(
+                    "    wave {}: {} ({})",
+                    w.wave,
+                    text::node_list(&w.nodes),
+                    w.note
+                ));
+            }
+        }
         for l in lines {
             let nodes = if l.change == Change::ScaleDown && l.nodes.len() <= SCALE_DOWN_LISTED {
                 // Listed one by one in the order they go, highest first.
@@ -434,6 +452,12 @@ pub fn plan_json(p: &PlanInput<'_>) -> Value {
             "unchanged": n(Change::Unchanged),
         },
         "scale_down": p.response.scale_down,
+        "waves": p.response.waves.iter().map(|w| json!({
+            "group_id": w.group_id,
+            "wave": w.wave,
+            "nodes": w.nodes,
+            "note": w.note,
+        })).collect::<Vec<_>>(),
         "groups": groups,
         "decisions": decisions,
     })
@@ -463,12 +487,20 @@ mod tests {
         for i in 0..3 {
             decisions.push(d(&format!("ctrl-{i}"), 11, K::Wait, "ready"));
         }
-        for i in 0..4 {
+        for i in 0..2 {
             decisions.push(d(
                 &format!("workers-{i}"),
                 4,
                 K::BeginDelete,
                 "the spec changed: replace the attempt",
+            ));
+        }
+        for i in 2..4 {
+            decisions.push(d(
+                &format!("workers-{i}"),
+                17,
+                K::Wait,
+                "workers: 2/2 unavailable: waiting for a replacement to become ready",
             ));
         }
         for i in 4..6 {
@@ -486,6 +518,20 @@ mod tests {
             scale_down: vec!["workers-5".into(), "workers-4".into()],
             current_generation: 2,
             changed_secrets: vec!["ctrl.template.join.token".into()],
+            waves: vec![
+                pb::PlanWave {
+                    group_id: "workers".into(),
+                    wave: 1,
+                    nodes: vec!["workers-0".into(), "workers-1".into()],
+                    note: "at most 2 unavailable at once".into(),
+                },
+                pb::PlanWave {
+                    group_id: "workers".into(),
+                    wave: 2,
+                    nodes: vec!["workers-2".into(), "workers-3".into()],
+                    note: "at most 2 unavailable at once".into(),
+                },
+            ],
         }
     }
 
@@ -548,7 +594,20 @@ mod tests {
         assert!(text.contains("  scale down   2 nodes: workers-5, workers-4\n      rule 4 (begin-delete): the slot is no longer desired"), "{text}");
         assert!(
             text.contains(
-                "  replace      4 nodes: workers-0..3\n      rule 4 (begin-delete): the spec changed"
+                "  replace      2 nodes: workers-0, workers-1\n      rule 4 (begin-delete): the spec changed"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "  replace      2 nodes: workers-2, workers-3\n      rule 17 (rollout-budget): workers: 2/2"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "  rollout in 2 waves, each once the one before is ready:\n    wave 1: workers-0, workers-1 \
+                 (at most 2 unavailable at once)\n    wave 2: workers-2, workers-3"
             ),
             "{text}"
         );
@@ -573,6 +632,7 @@ mod tests {
         assert_eq!(v["changed_secrets"], json!(["ctrl.template.join.token"]));
         assert_eq!(v["summary"]["scale_down"], 2);
         assert_eq!(v["scale_down"], json!(["workers-5", "workers-4"]));
+        assert_eq!(v["waves"][1]["nodes"], json!(["workers-2", "workers-3"]));
         assert_eq!(v["current_generation"], 2);
         let workers = v["groups"]
             .as_array()
@@ -599,6 +659,7 @@ mod tests {
             scale_down: vec![],
             current_generation: 0,
             changed_secrets: vec![],
+            waves: vec![],
         };
         let input = PlanInput {
             source: "-",

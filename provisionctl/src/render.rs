@@ -176,6 +176,7 @@ pub fn shape_json(s: &pb::ClusterShape) -> Value {
                 },
                 "health": health_json(g.health.unwrap_or_default()),
                 "remediation": remediation_json(g.remediation.unwrap_or_default()),
+                "rollout": rollout_policy_json(g.rollout.unwrap_or_default()),
             })
         })
         .collect();
@@ -216,13 +217,124 @@ fn remediation_json(r: pb::RemediationPolicy) -> Value {
     match contract::wire::remediation_from_wire(r) {
         Ok(r) => json!({
             "max_in_flight": r.max_in_flight,
-            "max_unhealthy": match r.max_unhealthy {
-                contract::Budget::Count(n) => json!(n),
-                contract::Budget::Percent(p) => json!(format!("{p}%")),
-            },
+            "max_unhealthy": budget_json(r.max_unhealthy),
         }),
         Err(e) => json!({ "invalid": e.to_string() }),
     }
+}
+
+fn budget_json(b: contract::Budget) -> Value {
+    match b {
+        contract::Budget::Count(n) => json!(n),
+        contract::Budget::Percent(p) => json!(format!("{p}%")),
+    }
+}
+
+/// A group's rollout policy in the shape-file schema.
+fn rollout_policy_json(r: pb::RolloutPolicy) -> Value {
+    let r = contract::wire::rollout_from_wire(r);
+    json!({
+        "max_unavailable": budget_json(r.max_unavailable),
+        "max_surge": budget_json(r.max_surge),
+        "canary": r.canary,
+        "progress_deadline": ms_text(r.progress_deadline_ms),
+        "failure_threshold": r.failure_threshold,
+        "auto_revert": r.auto_revert,
+    })
+}
+
+/// A group's rollout in progress as a document.
+pub fn rollout_json(r: &pb::RolloutStatus) -> Value {
+    json!({
+        "generation": r.generation,
+        "updated": r.updated,
+        "updated_ready": r.updated_ready,
+        "old": r.old,
+        "unavailable": r.unavailable,
+        "max_unavailable": r.max_unavailable,
+        "max_surge": r.max_surge,
+        "canary": r.canary,
+        "promoted": r.promoted,
+        "canary_paused": r.canary_paused,
+        "halted": r.halted,
+        "halt_reason": non_empty(&r.halt_reason),
+        "failures": r.failures,
+        "reverted_from": (r.reverted_from > 0).then_some(r.reverted_from),
+        "started_at_ms": ms_or_null(r.started_at_ms),
+        "progress_deadline_ms": ms_or_null(r.progress_deadline_ms),
+    })
+}
+
+/// A rollout's state in a word or a few.
+fn rollout_state(r: &pb::RolloutStatus) -> String {
+    if r.halted {
+        format!("halted: {}", r.halt_reason)
+    } else if r.canary_paused {
+        "canary: waiting for a promotion".to_owned()
+    } else if r.reverted_from > 0 {
+        format!("reverting generation {}", r.reverted_from)
+    } else {
+        "progressing".to_owned()
+    }
+}
+
+/// `rollout status`: each group's rollout, or that it has none.
+pub fn rollout_table(s: &pb::RunStatus) -> Vec<String> {
+    let mut t = Table::new(&[
+        "GROUP",
+        "GENERATION",
+        "NEW",
+        "OLD",
+        "UNAVAILABLE",
+        "CANARY",
+        "FAILED",
+        "STATE",
+    ]);
+    for g in &s.groups {
+        let Some(r) = &g.rollout else {
+            t.row(vec![
+                g.group_id.clone(),
+                "-".into(),
+                format!("{}/{} ready", g.ready, g.desired),
+                "0".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "no rollout in progress".into(),
+            ]);
+            continue;
+        };
+        let canary = match (r.canary, r.promoted) {
+            (0, _) => "-".to_owned(),
+            (n, true) => format!("{n} (promoted)"),
+            (n, false) => n.to_string(),
+        };
+        t.row(vec![
+            g.group_id.clone(),
+            r.generation.to_string(),
+            format!("{}/{} ready", r.updated_ready, g.desired),
+            r.old.to_string(),
+            format!("{}/{}", r.unavailable, r.max_unavailable),
+            canary,
+            r.failures.to_string(),
+            rollout_state(r),
+        ]);
+    }
+    t.lines()
+}
+
+/// `rollout status` as a document.
+pub fn rollouts_json(s: &pb::RunStatus) -> Value {
+    json!({
+        "run_id": s.run_id,
+        "generation": s.generation,
+        "groups": s.groups.iter().map(|g| json!({
+            "group_id": g.group_id,
+            "desired": g.desired,
+            "ready": g.ready,
+            "rollout": g.rollout.as_ref().map(rollout_json),
+        })).collect::<Vec<_>>(),
+    })
 }
 
 /// A run's status document. `with_shape` adds the (redacted) shape,
@@ -240,6 +352,7 @@ pub fn status_json(s: &pb::RunStatus, with_shape: bool, with_nodes: bool) -> Val
                 "group_id": g.group_id, "desired": g.desired, "ready": g.ready,
                 "failing": g.failing, "unhealthy": g.unhealthy,
                 "remediation_held": g.remediation_held, "stages": stages,
+                "rollout": g.rollout.as_ref().map(rollout_json),
             })
         })
         .collect();
@@ -552,6 +665,7 @@ pub(crate) mod tests {
                     failing: 1,
                     unhealthy: 1,
                     remediation_held: 1,
+                    rollout: None,
                     stages: vec![
                         pb::StageCount {
                             stage: pb::NodeStage::Dormant as i32,
@@ -570,6 +684,7 @@ pub(crate) mod tests {
                     failing: 0,
                     unhealthy: 0,
                     remediation_held: 0,
+                    rollout: None,
                     stages: vec![pb::StageCount {
                         stage: pb::NodeStage::Dormant as i32,
                         count: 2,

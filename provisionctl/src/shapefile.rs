@@ -29,6 +29,13 @@
 //!     remediation:         # optional: the budget for replacing unhealthy nodes
 //!       max_in_flight: 1   # replaced at once (0: report, never replace)
 //!       max_unhealthy: 40% # more unhealthy or lost than this: replace none
+//!     rollout:             # optional: how a template change replaces the group's nodes
+//!       max_unavailable: 1 # desired nodes unavailable at once (default 25%, rounded down)
+//!       max_surge: 25%     # successors beyond the count (default 25%, rounded up)
+//!       canary: 2          # pause after 2 replacements until `provisionctl rollout promote`
+//!       progress_deadline: 10m # no new node ready this long: the rollout halts
+//!       failure_threshold: 3   # this many failed new attempts: the rollout halts (0: off)
+//!       auto_revert: true  # a halted rollout goes back to the last converged template
 //! ```
 //!
 //! A boot or join parameter is a string (numbers and booleans are taken as
@@ -69,6 +76,28 @@ pub struct GroupFile {
     pub health: Option<HealthFile>,
     #[serde(default)]
     pub remediation: Option<RemediationFile>,
+    #[serde(default)]
+    pub rollout: Option<RolloutFile>,
+}
+
+/// `rollout:` of a group; every field optional (the defaults: 25%
+/// unavailable, 25% surge, no canary, a 10m progress deadline, no failure
+/// threshold, no auto-revert).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutFile {
+    #[serde(default)]
+    pub max_unavailable: Option<BudgetFile>,
+    #[serde(default)]
+    pub max_surge: Option<BudgetFile>,
+    #[serde(default)]
+    pub canary: Option<u32>,
+    #[serde(default)]
+    pub progress_deadline: Option<Millis>,
+    #[serde(default)]
+    pub failure_threshold: Option<u32>,
+    #[serde(default)]
+    pub auto_revert: Option<bool>,
 }
 
 /// `health:` of a group; every field optional (the defaults: no probe,
@@ -201,16 +230,33 @@ impl HealthFile {
     }
 }
 
+fn budget_to_wire(b: BudgetFile) -> pb::Budget {
+    pb::Budget {
+        value: Some(match b.0 {
+            contract::Budget::Count(n) => pb::budget::Value::Count(n),
+            contract::Budget::Percent(p) => pb::budget::Value::Percent(p),
+        }),
+    }
+}
+
 impl RemediationFile {
     fn to_wire(&self) -> pb::RemediationPolicy {
         pb::RemediationPolicy {
             max_in_flight: self.max_in_flight,
-            max_unhealthy: self.max_unhealthy.map(|b| pb::Budget {
-                value: Some(match b.0 {
-                    contract::Budget::Count(n) => pb::budget::Value::Count(n),
-                    contract::Budget::Percent(p) => pb::budget::Value::Percent(p),
-                }),
-            }),
+            max_unhealthy: self.max_unhealthy.map(budget_to_wire),
+        }
+    }
+}
+
+impl RolloutFile {
+    fn to_wire(&self) -> pb::RolloutPolicy {
+        pb::RolloutPolicy {
+            max_unavailable: self.max_unavailable.map(budget_to_wire),
+            max_surge: self.max_surge.map(budget_to_wire),
+            canary: self.canary.unwrap_or(0),
+            progress_deadline_ms: self.progress_deadline.map_or(0, |m| m.0),
+            failure_threshold: self.failure_threshold.unwrap_or(0),
+            auto_revert: self.auto_revert.unwrap_or(false),
         }
     }
 }
@@ -541,6 +587,7 @@ impl ShapeFile {
                     run_id: String::new(),
                     health: g.health.as_ref().map(HealthFile::to_wire),
                     remediation: g.remediation.as_ref().map(RemediationFile::to_wire),
+                    rollout: g.rollout.as_ref().map(RolloutFile::to_wire),
                     template: Some(pb::NodeTemplate {
                         role: g.template.role.clone(),
                         image: g.template.image.clone(),
@@ -963,6 +1010,33 @@ groups:
             e.to_string().contains("groups[0].remediation.max_unhealthy"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_rollout_parses_beside_the_template_and_its_errors_are_named() {
+        let text = GOOD.replace(
+            "  - id: gpu\n",
+            "    rollout: { max_unavailable: 0, max_surge: 2, canary: 1, progress_deadline: 2m, \
+             failure_threshold: 2, auto_revert: true }\n  - id: gpu\n",
+        );
+        let w = load("s.yaml", &text, 1).unwrap();
+        let shape = contract::wire::shape_from_wire(w).unwrap();
+        let r = shape.groups[0].policy.rollout;
+        assert_eq!(r.max_unavailable, contract::Budget::Count(0));
+        assert_eq!(r.max_surge, contract::Budget::Count(2));
+        assert_eq!(
+            (r.canary, r.progress_deadline_ms, r.failure_threshold),
+            (1, 120_000, 2)
+        );
+        assert!(r.auto_revert);
+        assert_eq!(shape.groups[1].policy.rollout, contract::RolloutPolicy::default());
+        let with = |r: &str| GOOD.replace("  - id: gpu\n", &format!("    rollout: {r}\n  - id: gpu\n"));
+        let e = parse_err("s.yaml", &with("{ max_unavailable: 0, max_surge: 0% }"));
+        assert!(e.to_string().contains("groups[0].rollout.max_unavailable"), "{e}");
+        let e = parse_err("s.yaml", &with("{ max_surge: 101% }"));
+        assert!(e.to_string().contains("groups[0].rollout.max_surge"), "{e}");
+        let e = parse_err("s.yaml", &with("{ canaries: 2 }"));
+        assert!(e.to_string().contains("canaries"), "{e}");
     }
 
     #[test]

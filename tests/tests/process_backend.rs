@@ -735,6 +735,7 @@ fn probed(count: u32, max_unhealthy: contract::Budget) -> contract::ClusterShape
             max_in_flight: 1,
             max_unhealthy,
         },
+        rollout: contract::RolloutPolicy::default(),
     };
     s
 }

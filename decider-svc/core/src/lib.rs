@@ -192,147 +192,239 @@ fn wait(
     decision(node, rule, Action::Wait { until }, reason)
 }
 
-/// What the ladder makes of one node: a decision, or a node due for
-/// remediation, which the group's budget decides once every such node of the
-/// pass is known ([`Remediations`]).
+/// What the ladder makes of one node: a decision, or a node whose
+/// replacement a group budget decides once every such node of the pass is
+/// known ([`Budgets`]).
 enum Step {
     Decided(Decision),
     Remediate(Candidate),
+    Roll(Candidate),
 }
 
-/// A ready node unhealthy past its deadline.
+/// A ready node whose replacement waits on a budget: unhealthy past its
+/// deadline (remediation), or drifted from its group's template (rollout).
 #[derive(Debug, Clone)]
 struct Candidate {
     node: LogicalNodeId,
     attempt: contract::AttemptId,
+    /// Remediation only: since when it is unhealthy, and the probe's words.
     since: UnixMillis,
     detail: String,
 }
 
-/// The remediation budget of one pass (SPEC.md section 8): the nodes due for
-/// remediation are held back until every node of the pass was seen, then
-/// granted per group in a deterministic order (longest unhealthy first, then
-/// lowest index) up to `max_in_flight` less those already in flight, unless
-/// more of the group is unhealthy or lost than `max_unhealthy` allows.
-#[derive(Debug, Default)]
-pub struct Remediations {
-    candidates: Vec<Candidate>,
+impl Candidate {
+    fn held(&self, rule: Rule, reason: String) -> Decision {
+        Decision {
+            node: self.node.clone(),
+            attempt: Some(self.attempt),
+            rule,
+            action: Action::Wait { until: None },
+            reason: reason.into(),
+        }
+    }
+
+    fn replace(&self, reason: String) -> Decision {
+        Decision {
+            node: self.node.clone(),
+            attempt: Some(self.attempt),
+            rule: Rule::BeginDelete,
+            action: Action::BeginDelete,
+            reason: reason.into(),
+        }
+    }
 }
 
-impl Remediations {
+/// The group budgets of one pass. Nodes due for a budgeted replacement are
+/// held back until every node of the pass was seen, then granted per group
+/// in a deterministic order, each grant counted against the budget of the
+/// grants after it:
+///
+/// - remediation (SPEC.md section 8): longest unhealthy first, then lowest
+///   index, up to `max_in_flight` less those already in flight, unless more
+///   of the group is unhealthy or lost than `max_unhealthy` allows;
+/// - rollout (SPEC.md section 9): lowest index first, while the group's
+///   unavailable desired slots stay within `max_unavailable`, unless its
+///   canary waits for a promotion or its rollout halted.
+///
+/// The counts come from the Decide header ([`GroupCounts`]), so a pass that
+/// decides only some of a group's nodes still sees the whole group.
+#[derive(Debug, Default)]
+pub struct Budgets {
+    remediate: Vec<Candidate>,
+    roll: Vec<Candidate>,
+}
+
+impl Budgets {
     pub fn new() -> Self {
         Self::default()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.candidates.is_empty()
+        self.remediate.is_empty() && self.roll.is_empty()
     }
 
     /// One decision per node offered: `BeginDelete` (row 4) for the granted,
-    /// a wait under row 18 for the held, each saying which budget and the counts.
-    pub fn settle(mut self, desired: &DesiredView<'_>, now: UnixMillis) -> Vec<Decision> {
-        self.candidates.sort_by(|a, b| {
-            (a.node.group(), a.since, a.node.index()).cmp(&(b.node.group(), b.since, b.node.index()))
-        });
-        let mut out = Vec::with_capacity(self.candidates.len());
-        let mut granted_in_group = 0u32;
-        let mut group: Option<&GroupId> = None;
-        for c in &self.candidates {
-            if group != Some(c.node.group()) {
-                group = Some(c.node.group());
-                granted_in_group = 0;
-            }
-            let Some(g) = desired.group(c.node.group()) else {
-                continue;
-            };
-            let policy = g.policy.remediation;
-            let counts = desired.counts(&g.id);
-            let max_unhealthy = policy.max_unhealthy.resolve(g.count);
-            let in_flight = counts.remediating + granted_in_group;
-            let held = |reason: String| Decision {
-                node: c.node.clone(),
-                attempt: Some(c.attempt),
-                rule: Rule::RemediationBudget,
-                action: Action::Wait { until: None },
-                reason: reason.into(),
-            };
-            let d = if counts.unhealthy > max_unhealthy {
-                held(format!(
-                    "{}: {}/{} unhealthy or lost, more than max_unhealthy {} allows ({}): remediation held",
-                    g.id, counts.unhealthy, g.count, policy.max_unhealthy, max_unhealthy
-                ))
-            } else if policy.max_in_flight == 0 {
-                held(format!(
-                    "{}: max_in_flight is 0: unhealthy nodes are reported, never replaced",
-                    g.id
-                ))
-            } else if in_flight >= policy.max_in_flight {
-                held(format!(
-                    "{}: {}/{} remediations in flight: waiting for one to finish",
-                    g.id, in_flight, policy.max_in_flight
-                ))
-            } else {
-                granted_in_group += 1;
-                let secs = now.saturating_since(c.since).as_secs();
-                Decision {
-                    node: c.node.clone(),
-                    attempt: Some(c.attempt),
-                    rule: Rule::BeginDelete,
-                    action: Action::BeginDelete,
-                    reason: format!(
-                        "unhealthy for {secs}s ({}): remediate ({}: {}/{} in flight)",
-                        c.detail,
-                        g.id,
-                        in_flight + 1,
-                        policy.max_in_flight
-                    )
-                    .into(),
-                }
-            };
-            out.push(d);
-        }
+    /// a wait under row 17 or 18 for the held, each saying which budget and
+    /// the counts.
+    pub fn settle(self, desired: &DesiredView<'_>, now: UnixMillis) -> Vec<Decision> {
+        let mut out = Vec::with_capacity(self.remediate.len() + self.roll.len());
+        settle_remediations(self.remediate, desired, now, &mut out);
+        settle_rollouts(self.roll, desired, &mut out);
         out
     }
 }
 
-/// The ladder for one node, its remediation budget applied with the view's
-/// counts as if it were the only node of the pass due for remediation.
-pub fn decide_node(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Decision {
-    match ladder(desired, n, now) {
-        Step::Decided(d) => d,
-        Step::Remediate(c) => {
-            let mut r = Remediations::new();
-            r.candidates.push(c);
-            let mut out = r.settle(desired, now);
-            // `settle` answers every candidate whose group is desired, and the
-            // ladder offers only nodes of desired groups.
-            out.pop()
-                .unwrap_or_else(|| wait(n, Rule::RemediationBudget, None, "group not desired"))
+fn settle_remediations(
+    mut candidates: Vec<Candidate>,
+    desired: &DesiredView<'_>,
+    now: UnixMillis,
+    out: &mut Vec<Decision>,
+) {
+    candidates.sort_by(|a, b| {
+        (a.node.group(), a.since, a.node.index()).cmp(&(b.node.group(), b.since, b.node.index()))
+    });
+    let mut granted_in_group = 0u32;
+    let mut group: Option<&GroupId> = None;
+    for c in &candidates {
+        if group != Some(c.node.group()) {
+            group = Some(c.node.group());
+            granted_in_group = 0;
         }
+        let Some(g) = desired.group(c.node.group()) else {
+            continue;
+        };
+        let policy = g.policy.remediation;
+        let counts = desired.counts(&g.id);
+        let max_unhealthy = policy.max_unhealthy.resolve(g.count);
+        let in_flight = counts.remediating + granted_in_group;
+        let held = |reason: String| c.held(Rule::RemediationBudget, reason);
+        let d = if counts.unhealthy > max_unhealthy {
+            held(format!(
+                "{}: {}/{} unhealthy or lost, more than max_unhealthy {} allows ({}): remediation held",
+                g.id, counts.unhealthy, g.count, policy.max_unhealthy, max_unhealthy
+            ))
+        } else if policy.max_in_flight == 0 {
+            held(format!(
+                "{}: max_in_flight is 0: unhealthy nodes are reported, never replaced",
+                g.id
+            ))
+        } else if in_flight >= policy.max_in_flight {
+            held(format!(
+                "{}: {}/{} remediations in flight: waiting for one to finish",
+                g.id, in_flight, policy.max_in_flight
+            ))
+        } else {
+            granted_in_group += 1;
+            let secs = now.saturating_since(c.since).as_secs();
+            c.replace(format!(
+                "unhealthy for {secs}s ({}): remediate ({}: {}/{} in flight)",
+                c.detail,
+                g.id,
+                in_flight + 1,
+                policy.max_in_flight
+            ))
+        };
+        out.push(d);
+    }
+}
+
+/// The unavailable budget a group's rollout may use. Successor attempts
+/// (surge) are not built yet, so a budget of 0 unavailable (which would need
+/// them) moves one node at a time, as a Kubernetes Deployment does when both
+/// of its budgets come to 0.
+pub fn rollout_unavailable_budget(g: &NodeGroup) -> u32 {
+    g.policy.rollout.resolve(g.count).max_unavailable.max(1)
+}
+
+fn settle_rollouts(mut candidates: Vec<Candidate>, desired: &DesiredView<'_>, out: &mut Vec<Decision>) {
+    candidates.sort_by(|a, b| (a.node.group(), a.node.index()).cmp(&(b.node.group(), b.node.index())));
+    let mut granted_in_group = 0u32;
+    let mut group: Option<&GroupId> = None;
+    for c in &candidates {
+        if group != Some(c.node.group()) {
+            group = Some(c.node.group());
+            granted_in_group = 0;
+        }
+        let Some(g) = desired.group(c.node.group()) else {
+            continue;
+        };
+        let policy = g.policy.rollout;
+        let counts = desired.counts(&g.id);
+        let budget = rollout_unavailable_budget(g);
+        let unavailable = g.count.saturating_sub(counts.available) + granted_in_group;
+        let replaced = counts.updated + granted_in_group;
+        let held = |reason: String| c.held(Rule::RolloutBudget, reason);
+        let d = if counts.halted {
+            held(format!(
+                "{}: the rollout halted: a newer apply (or a revert) ends the halt",
+                g.id
+            ))
+        } else if policy.canary > 0 && !counts.canary_done && replaced >= policy.canary {
+            held(format!(
+                "{}: canary {}/{} on the new template: waiting for a promotion (provisionctl rollout promote)",
+                g.id,
+                replaced.min(policy.canary),
+                policy.canary
+            ))
+        } else if unavailable >= budget {
+            held(format!(
+                "{}: {}/{} unavailable: waiting for a replacement to become ready",
+                g.id, unavailable, budget
+            ))
+        } else {
+            granted_in_group += 1;
+            c.replace(format!(
+                "the spec changed: replace the attempt ({}: {}/{} unavailable)",
+                g.id,
+                unavailable + 1,
+                budget
+            ))
+        };
+        out.push(d);
+    }
+}
+
+/// The ladder for one node, a budget applied with the view's counts as if it
+/// were the only node of the pass that the budget decides.
+pub fn decide_node(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Decision {
+    let mut b = Budgets::new();
+    match decide_or_defer(desired, n, now, &mut b) {
+        Some(d) => d,
+        // `settle` answers every candidate whose group is desired, and the
+        // ladder offers only nodes of desired groups.
+        None => b
+            .settle(desired, now)
+            .pop()
+            .unwrap_or_else(|| wait(n, Rule::RemediationBudget, None, "group not desired")),
     }
 }
 
 /// The ladder for one node in a pass of many: the decision, or `None` when
-/// the node is due for remediation and went to `remediations`, which answers
-/// for it in [`Remediations::settle`].
+/// a group budget decides the node: it went to `budgets`, which answers for
+/// it in [`Budgets::settle`].
 pub fn decide_or_defer(
     desired: &DesiredView<'_>,
     n: &ManagedNode,
     now: UnixMillis,
-    remediations: &mut Remediations,
+    budgets: &mut Budgets,
 ) -> Option<Decision> {
     match ladder(desired, n, now) {
         Step::Decided(d) => Some(d),
         Step::Remediate(c) => {
-            remediations.candidates.push(c);
+            budgets.remediate.push(c);
+            None
+        }
+        Step::Roll(c) => {
+            budgets.roll.push(c);
             None
         }
     }
 }
 
-/// The ladder for one node. Remediation is row 4 for a ready node that is
-/// still wanted as it is (rows 1-4 fire for none of those otherwise) and
-/// unhealthy past its stored deadline; the budget decides it ([`Remediations`]).
+/// The ladder for one node. Remediation and the rollout budget are row 4
+/// for a ready node with nothing pending (rows 1-3 and 5-10 fire for none of
+/// those): unhealthy past its stored deadline, or drifted from its group's
+/// template while it still serves; a budget decides them ([`Budgets`]).
 fn ladder(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Step {
     if due_for_remediation(desired, n, now)
         && let Some(h) = &n.facts.health
@@ -344,7 +436,20 @@ fn ladder(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Step {
             detail: h.detail.clone(),
         });
     }
+    if rolls_within_budget(desired, n) {
+        return Step::Roll(Candidate {
+            node: n.id.clone(),
+            attempt: n.attempt,
+            since: now,
+            detail: String::new(),
+        });
+    }
     Step::Decided(rows(desired, n, now))
+}
+
+/// An active, ready attempt with nothing pending.
+fn serving(n: &ManagedNode) -> bool {
+    n.intent == Intent::Active && n.stage.is_ready() && n.pending.is_none() && !n.facts.bootstrap_failed()
 }
 
 /// A ready node that is still wanted as it is, with nothing pending, and
@@ -352,14 +457,23 @@ fn ladder(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Step {
 /// The driver asks the same when it applies a `BeginDelete`, to know it for a
 /// replacement for health.
 pub fn due_for_remediation(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> bool {
-    n.intent == Intent::Active
-        && n.stage.is_ready()
-        && n.pending.is_none()
-        && !n.facts.bootstrap_failed()
+    serving(n)
         && n.facts.health.as_ref().is_some_and(|h| h.due(now))
         && desired
             .template_for(&n.id)
             .is_some_and(|t| NodeTemplate::same(t, &n.spec))
+}
+
+/// A ready node that serves (neither unhealthy nor lost) in a desired slot
+/// whose template changed: its replacement is a rollout's, and waits for the
+/// group's budget. Undesired, failed, lost and unhealthy nodes never wait:
+/// they are unavailable already.
+pub fn rolls_within_budget(desired: &DesiredView<'_>, n: &ManagedNode) -> bool {
+    serving(n)
+        && !n.facts.is_impaired()
+        && desired
+            .template_for(&n.id)
+            .is_some_and(|t| !NodeTemplate::same(t, &n.spec))
 }
 
 /// The ladder's rows for one node: first matching row wins. Row numbers are
@@ -391,7 +505,10 @@ fn rows(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Decision
                 ),
             );
         }
-        if !due(n.retry.restart_at) {
+        // The backoff paces retries of one template: a slot whose template
+        // changed restarts on the new one at once (its failure count still
+        // carries), paced by the rollout budget instead.
+        if !due(n.retry.restart_at) && NodeTemplate::same(template, &n.spec) {
             return wait(
                 n,
                 Rule::RestartBackoff,
@@ -399,12 +516,12 @@ fn rows(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Decision
                 "restart is backing off",
             );
         }
-        return decision(
-            n,
-            Rule::Restart,
-            Action::Restart,
-            "destroyed and still desired: fresh attempt",
-        );
+        let reason = if NodeTemplate::same(template, &n.spec) {
+            "destroyed and still desired: fresh attempt"
+        } else {
+            "destroyed and still desired: fresh attempt on the new template"
+        };
+        return decision(n, Rule::Restart, Action::Restart, reason);
     }
 
     // Row 4: an active attempt that is unwanted, drifted or failed begins cleanup.
@@ -579,8 +696,8 @@ pub fn fold_requeue(acc: Option<UnixMillis>, d: &Decision, now: UnixMillis) -> O
     }
 }
 
-/// One whole pass: a decision per given node (those due for remediation after
-/// the others, as the budget settled them), inserts for missing slots, and
+/// One whole pass: a decision per given node (those a group budget decides
+/// after the others, as the budgets settled them), inserts for missing slots, and
 /// `requeue_at`. `existing` must hold every slot of the run (finished), not only
 /// the nodes passed in.
 pub fn decide<'n>(
@@ -590,14 +707,14 @@ pub fn decide<'n>(
     now: UnixMillis,
 ) -> DecideOutput {
     let mut out = DecideOutput::default();
-    let mut remediations = Remediations::new();
+    let mut budgets = Budgets::new();
     for n in nodes {
-        if let Some(d) = decide_or_defer(desired, n, now, &mut remediations) {
+        if let Some(d) = decide_or_defer(desired, n, now, &mut budgets) {
             out.requeue_at = fold_requeue(out.requeue_at, &d, now);
             out.decisions.push(d);
         }
     }
-    out.decisions.extend(remediations.settle(desired, now));
+    out.decisions.extend(budgets.settle(desired, now));
     out.decisions.extend(inserts(desired, existing));
     out
 }

@@ -241,7 +241,17 @@ fn case(name: &'static str, want: Want, n: N, rule: Rule, action: Action) -> Cas
 /// `decide_node` (one decision for the node, no insert for its slot).
 fn check(c: &Case) -> Decision {
     let (shape, deleting) = c.want.shape_for(&c.node.id);
-    let view = DesiredView::new(&shape, deleting);
+    // Every desired slot serves: a rollout's budget has room (rule 17's own
+    // tables set the counts).
+    let view = DesiredView::new(&shape, deleting).with_counts(shape.groups.iter().map(|g| {
+        (
+            g.id.clone(),
+            contract::GroupCounts {
+                available: g.count,
+                ..Default::default()
+            },
+        )
+    }));
     let d = decide_node(&view, &c.node, now());
     let ctx = format!(
         "case {:?}: got {:?} ({}) for {:?}",
@@ -590,12 +600,19 @@ fn rows_2_3_permanent_failure_blocks_restart_until_the_spec_changes() {
             Action::Restart,
         ),
         case(
-            "desired template changed, restart not due: ordinary backoff",
+            "desired template changed, restart not due: the old template's backoff does not hold the new one",
             Want::Template(template("img:2")),
             node("w-0")
                 .stage(Destroyed)
                 .restart_at(NOW + 3_000)
                 .permanent("invalid image img:1", template("img:1")),
+            Rule::Restart,
+            Action::Restart,
+        ),
+        case(
+            "same template, restart not due: ordinary backoff",
+            Want::Template(template("img:1")),
+            node("w-0").stage(Destroyed).restart_at(NOW + 3_000),
             Rule::RestartBackoff,
             wait(Some(NOW + 3_000)),
         ),
@@ -1350,6 +1367,7 @@ fn row_4_and_18_the_remediation_budget() {
     let counts = |unhealthy, remediating| contract::GroupCounts {
         unhealthy,
         remediating,
+        ..Default::default()
     };
     // Not yet due: ready, and another look at the stored deadline.
     let n = node("w-0").ready().unhealthy(NOW - 10, NOW + 500).0;
@@ -1434,6 +1452,124 @@ fn row_4_and_18_the_remediation_budget() {
     assert_eq!(decide_node(&busy, &nodes[0], now()).rule, Rule::RemediationBudget);
     let idle = DesiredView::new(&s, false).with_counts([(gid("w"), counts(1, 0))]);
     assert_eq!(decide_node(&idle, &nodes[0], now()).rule, Rule::BeginDelete);
+}
+
+/// The rollout budget of a group of ten moving from `img:1` to `img:2`
+/// under `policy`, the nodes given, and the header's counts.
+fn roll(
+    policy: contract::RolloutPolicy,
+    counts: contract::GroupCounts,
+    nodes: &[ManagedNode],
+) -> Vec<(String, Rule, String)> {
+    let mut g = group("w", 10, template("img:2"));
+    g.policy.rollout = policy;
+    let s = shape(vec![g]);
+    let view = DesiredView::new(&s, false).with_counts([(gid("w"), counts)]);
+    let mut existing = SlotSet::new();
+    for n in nodes {
+        existing.insert(&n.id);
+    }
+    existing.finish();
+    decide(&view, nodes, &existing, now())
+        .decisions
+        .into_iter()
+        .filter(|d| d.rule != Rule::Insert)
+        .map(|d| (d.node.to_string(), d.rule, d.reason.into_owned()))
+        .collect()
+}
+
+#[test]
+fn row_4_and_17_the_rollout_budget() {
+    let budget = |n| contract::RolloutPolicy {
+        max_unavailable: contract::Budget::Count(n),
+        max_surge: contract::Budget::Count(0),
+        ..Default::default()
+    };
+    let counts = |available, updated| contract::GroupCounts {
+        available,
+        updated,
+        ..Default::default()
+    };
+    let old = |name: &str| node(name).ready().spec(template("img:1")).0;
+    let nodes = [old("w-5"), old("w-3"), old("w-4")];
+    let granted = |out: &[(String, Rule, String)]| -> Vec<String> {
+        out.iter()
+            .filter(|(_, r, _)| *r == Rule::BeginDelete)
+            .map(|(n, _, _)| n.clone())
+            .collect()
+    };
+
+    // Two may be unavailable, all ten serve: the two lowest indices go, the
+    // third waits under rule 17 with the counts.
+    let out = roll(budget(2), counts(10, 0), &nodes);
+    assert_eq!(granted(&out), ["w-3", "w-4"], "{out:?}");
+    let held: Vec<_> = out.iter().filter(|(_, r, _)| *r == Rule::RolloutBudget).collect();
+    assert_eq!(held.len(), 1, "{out:?}");
+    assert_eq!(held[0].0, "w-5");
+    assert!(held[0].2.contains("w: 2/2 unavailable"), "{out:?}");
+    assert!(
+        out.iter().any(|(_, _, why)| why.contains("w: 1/2 unavailable")),
+        "{out:?}"
+    );
+
+    // One slot already unavailable (a node being replaced): one more.
+    assert_eq!(granted(&roll(budget(2), counts(9, 1), &nodes)), ["w-3"]);
+    // The budget spent: none.
+    assert!(granted(&roll(budget(2), counts(8, 2), &nodes)).is_empty());
+    // A budget of 0 (surge not built yet) still moves one at a time.
+    let zero = contract::RolloutPolicy {
+        max_unavailable: contract::Budget::Count(0),
+        max_surge: contract::Budget::Count(2),
+        ..Default::default()
+    };
+    assert_eq!(granted(&roll(zero, counts(10, 0), &nodes)), ["w-3"]);
+
+    // A canary of 2 with one replaced: one more, then the rollout waits for
+    // a promotion; once promoted the budget alone decides.
+    let canary = contract::RolloutPolicy {
+        canary: 2,
+        ..budget(5)
+    };
+    let out = roll(canary, counts(10, 1), &nodes);
+    assert_eq!(granted(&out), ["w-3"], "{out:?}");
+    assert!(
+        out.iter()
+            .any(|(_, r, why)| *r == Rule::RolloutBudget && why.contains("canary 2/2")),
+        "{out:?}"
+    );
+    let promoted = contract::GroupCounts {
+        canary_done: true,
+        ..counts(10, 2)
+    };
+    assert_eq!(granted(&roll(canary, promoted, &nodes)).len(), 3);
+
+    // A halted rollout replaces nothing more.
+    let halted = contract::GroupCounts {
+        halted: true,
+        ..counts(10, 0)
+    };
+    let out = roll(budget(5), halted, &nodes);
+    assert!(
+        out.iter()
+            .all(|(_, r, why)| *r == Rule::RolloutBudget && why.contains("halted")),
+        "{out:?}"
+    );
+
+    // Failed, lost, unhealthy and undesired nodes never wait for the budget.
+    let failed = node("w-1").stage(NodeStage::Failed).spec(template("img:1")).0;
+    let lost = {
+        let mut n = old("w-2");
+        n.facts.lost = true;
+        n
+    };
+    let sick = node("w-6")
+        .ready()
+        .unhealthy(NOW - 10, NOW + 500)
+        .spec(template("img:1"))
+        .0;
+    let beyond = node("w-12").ready().spec(template("img:1")).0;
+    let out = roll(budget(1), counts(0, 0), &[failed, lost, sick, beyond]);
+    assert!(out.iter().all(|(_, r, _)| *r == Rule::BeginDelete), "{out:?}");
 }
 
 #[test]
@@ -1791,6 +1927,10 @@ fn random_counts(rng: &mut Rng) -> contract::GroupCounts {
     contract::GroupCounts {
         unhealthy: rng.below(4) as u32,
         remediating: rng.below(3) as u32,
+        available: rng.below(6) as u32,
+        updated: rng.below(6) as u32,
+        canary_done: rng.below(2) == 0,
+        halted: rng.below(5) == 0,
     }
 }
 
@@ -1894,11 +2034,33 @@ fn expected_rule(
         return match wanted {
             None => Rule::Reap,
             Some(w) if n.retry.permanent.as_ref().is_some_and(|p| *p.spec == *w) => Rule::RestartBackoff,
-            Some(_) if !due(n.retry.restart_at) => Rule::RestartBackoff,
+            // The backoff paces one template's retries, not a new one's.
+            Some(w) if !due(n.retry.restart_at) && *w == *n.spec => Rule::RestartBackoff,
             Some(_) => Rule::Restart,
         };
     }
     let failed = n.stage == NodeStage::Failed || f.bootstrap.as_ref().is_some_and(|b| b.stage.is_failure());
+    // Row 4 for a drifted node that still serves, within the rollout budget
+    // (row 17 holds it otherwise).
+    let impaired = f.lost || f.health.as_ref().is_some_and(|h| !h.healthy);
+    if n.intent == Intent::Active
+        && matches!(n.stage, NodeStage::Dormant | NodeStage::HandedOff)
+        && n.pending.is_none()
+        && !failed
+        && !impaired
+        && let Some(g) = group
+        && *g.template != *n.spec
+    {
+        let r = g.policy.rollout;
+        let budget = r.max_unavailable.resolve(g.count).max(1);
+        let canary_waits = r.canary > 0 && !counts.canary_done && counts.updated >= r.canary;
+        let spent = g.count.saturating_sub(counts.available) >= budget;
+        return if counts.halted || canary_waits || spent {
+            Rule::RolloutBudget
+        } else {
+            Rule::BeginDelete
+        };
+    }
     if n.intent == Intent::Active && wanted.is_none_or(|w| *w != *n.spec || failed) {
         return Rule::BeginDelete;
     }
@@ -2003,7 +2165,7 @@ fn action_fits_rule(d: &Decision, n: &ManagedNode, now: UnixMillis) -> bool {
                             }
                 })
         }
-        Rule::RemediationBudget => d.action == Action::Wait { until: None },
+        Rule::RolloutBudget | Rule::RemediationBudget => d.action == Action::Wait { until: None },
         Rule::CreateLease => d.action == dispatch(Effect::CreateLease),
         Rule::LookupEndpoint => d.action == dispatch(Effect::LookupEndpoint),
         Rule::ObserveConvergence => d.action == Action::ObserveConvergence,

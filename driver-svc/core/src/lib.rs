@@ -10,6 +10,7 @@
 
 pub mod commit;
 pub mod policy;
+pub mod rollout;
 pub mod run;
 pub mod session;
 pub mod store;
@@ -18,7 +19,7 @@ pub use commit::{AckRef, Commit, Held, Released};
 pub use policy::Policy;
 pub use run::{
     AbandonedNode, Applied, ApplyError, CoreError, Discard, Fold, LOST_PREFIX, LastDecision, ORPHAN_SEQ_BASE,
-    OrphanResource, PassOutcome, PassPlan, RequestUndo, RunState,
+    OrphanResource, PassOutcome, PassPlan, PromoteError, RequestUndo, RunState,
 };
 pub use session::{LinkSession, ToExecutor};
 pub use store::{ConditionMark, MemStore, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun};

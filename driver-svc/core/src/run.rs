@@ -33,8 +33,18 @@ use decider::{DesiredView, SlotSet};
 use crate::{
     commit::{AckRef, Commit},
     policy::Policy,
+    rollout::{self, GroupRollout, StableGroup, Tally},
     store::{ConditionMark, NodeRecord, RunDelta, RunMeta, StoredRun},
 };
+
+/// Why a promotion was refused. Nothing changes when one is returned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PromoteError {
+    #[error("the run has no group {0}")]
+    NoSuchGroup(contract::GroupId),
+    #[error("group {0} has no rollout in progress")]
+    NoRollout(contract::GroupId),
+}
 
 /// Why a shape update was refused. Nothing changes when one is returned.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -197,6 +207,40 @@ struct Indexed {
     /// Counted in its group's `GroupCounts`.
     impaired: bool,
     remediating: bool,
+    /// Counted in its group's rollout tally (see [`Slot`]).
+    slot: Slot,
+}
+
+/// What a node is to its group's rollout, by the shape it is indexed under.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Slot {
+    /// In a desired slot.
+    desired: bool,
+    /// Desired, and serving: active, ready, neither unhealthy nor lost.
+    available: bool,
+    /// Desired, on the group's current template.
+    updated: bool,
+    /// Updated and available.
+    updated_ready: bool,
+    /// Updated, and its attempt failed.
+    failed: bool,
+}
+
+impl Slot {
+    fn of(n: &ManagedNode, shape: &ClusterShape, deleting: bool) -> Self {
+        let Some(g) = shape.desired_group(&n.id).filter(|_| !deleting) else {
+            return Self::default();
+        };
+        let available = n.intent == Intent::Active && n.stage.is_ready() && !n.facts.is_impaired();
+        let updated = NodeTemplate::same(&g.template, &n.spec);
+        Self {
+            desired: true,
+            available,
+            updated,
+            updated_ready: updated && available,
+            failed: updated && (n.stage == NodeStage::Failed || n.facts.bootstrap_failed()),
+        }
+    }
 }
 
 impl Entry {
@@ -335,6 +379,10 @@ pub struct RunState {
     budget_held: BTreeSet<LogicalNodeId>,
     /// Groups whose counts changed since the last pass.
     counts_changed: BTreeSet<contract::GroupId>,
+    /// Each group's rollout tally, and the attempts of each group's current
+    /// template that failed since its rollout last looked.
+    tallies: HashMap<contract::GroupId, Tally>,
+    new_failures: HashMap<contract::GroupId, u32>,
     /// The run's event log as kept (at most `Policy::event_limit`, oldest
     /// first), the next sequence number, and what the next commit writes:
     /// events recorded or repeated, and where the kept log now starts.
@@ -384,6 +432,8 @@ impl RunState {
             converged_at: None,
             reclaim: false,
             conditions: Vec::new(),
+            rollouts: Vec::new(),
+            stable: Vec::new(),
         };
         Ok(Self::from_parts(meta, Vec::new(), Vec::new(), policy))
     }
@@ -427,6 +477,8 @@ impl RunState {
             counts: HashMap::new(),
             budget_held: BTreeSet::new(),
             counts_changed: BTreeSet::new(),
+            tallies: HashMap::new(),
+            new_failures: HashMap::new(),
             urgent: false,
             batch_from: None,
             folds_since_pass: 0,
@@ -453,6 +505,8 @@ impl RunState {
             *run.held.entry(id.group().clone()).or_default() += 1;
             run.reindex(&id);
         }
+        // Failures a restored rollout already counted.
+        run.new_failures.clear();
         // A log stored under a larger limit is cut to this one.
         run.trim_events();
         run
@@ -480,12 +534,23 @@ impl RunState {
             deadline,
             impaired: n.stage != NodeStage::Destroyed && n.facts.is_impaired(),
             remediating: n.retry.remediating,
+            slot: Slot::of(n, &self.meta.shape, self.meta.deleting),
         };
         let was = std::mem::replace(&mut e.indexed, now);
-        if (was.impaired, was.remediating) != (now.impaired, now.remediating) {
+        if (was.impaired, was.remediating, was.slot) != (now.impaired, now.remediating, now.slot) {
             let c = self.counts.entry(id.group().clone()).or_default();
             c.unhealthy = c.unhealthy + u32::from(now.impaired) - u32::from(was.impaired);
             c.remediating = c.remediating + u32::from(now.remediating) - u32::from(was.remediating);
+            c.available = c.available + u32::from(now.slot.available) - u32::from(was.slot.available);
+            c.updated = c.updated + u32::from(now.slot.updated) - u32::from(was.slot.updated);
+            let t = self.tallies.entry(id.group().clone()).or_default();
+            t.held = t.held + u32::from(now.slot.desired) - u32::from(was.slot.desired);
+            t.updated = t.updated + u32::from(now.slot.updated) - u32::from(was.slot.updated);
+            t.updated_ready =
+                t.updated_ready + u32::from(now.slot.updated_ready) - u32::from(was.slot.updated_ready);
+            if now.slot.failed && !was.slot.failed {
+                *self.new_failures.entry(id.group().clone()).or_default() += 1;
+            }
             self.counts_changed.insert(id.group().clone());
         }
         if was.dirty != now.dirty {
@@ -543,11 +608,19 @@ impl RunState {
         if let Some(t) = e.indexed.deadline {
             self.deadlines.remove(&(t, id.clone()));
         }
-        if (e.indexed.impaired || e.indexed.remediating)
+        let x = e.indexed;
+        if (x.impaired || x.remediating || x.slot != Slot::default())
             && let Some(c) = self.counts.get_mut(id.group())
         {
-            c.unhealthy -= u32::from(e.indexed.impaired);
-            c.remediating -= u32::from(e.indexed.remediating);
+            c.unhealthy -= u32::from(x.impaired);
+            c.remediating -= u32::from(x.remediating);
+            c.available -= u32::from(x.slot.available);
+            c.updated -= u32::from(x.slot.updated);
+            if let Some(t) = self.tallies.get_mut(id.group()) {
+                t.held -= u32::from(x.slot.desired);
+                t.updated -= u32::from(x.slot.updated);
+                t.updated_ready -= u32::from(x.slot.updated_ready);
+            }
             self.counts_changed.insert(id.group().clone());
         }
         self.budget_held.remove(id);
@@ -594,12 +667,27 @@ impl RunState {
             .map(|(g, n)| (g.clone(), *n))
             .collect();
         let mut counts: HashMap<contract::GroupId, GroupCounts> = HashMap::new();
+        let mut tallies: HashMap<contract::GroupId, Tally> = HashMap::new();
         for (id, e) in &self.nodes {
             let n = &e.rec.node;
             let c = counts.entry(id.group().clone()).or_default();
             c.unhealthy += u32::from(n.stage != NodeStage::Destroyed && n.facts.is_impaired());
             c.remediating += u32::from(n.retry.remediating);
+            let slot = Slot::of(n, &self.meta.shape, self.meta.deleting);
+            c.available += u32::from(slot.available);
+            c.updated += u32::from(slot.updated);
+            let t = tallies.entry(id.group().clone()).or_default();
+            t.held += u32::from(slot.desired);
+            t.updated += u32::from(slot.updated);
+            t.updated_ready += u32::from(slot.updated_ready);
         }
+        let tallies_now: HashMap<contract::GroupId, Tally> = self
+            .tallies
+            .iter()
+            .filter(|(_, t)| **t != Tally::default())
+            .map(|(g, t)| (g.clone(), *t))
+            .collect();
+        tallies.retain(|_, t| *t != Tally::default());
         let nonzero =
             |m: &HashMap<contract::GroupId, GroupCounts>| -> HashMap<contract::GroupId, GroupCounts> {
                 m.iter()
@@ -612,6 +700,7 @@ impl RunState {
             && deadlines == self.deadlines
             && held == held_now
             && nonzero(&counts) == nonzero(&self.counts)
+            && tallies == tallies_now
     }
 
     /// What the executor is to probe: the run's groups that have a probe
@@ -646,8 +735,15 @@ impl RunState {
         let mut v: Vec<_> = self
             .counts
             .iter()
-            .filter(|(_, c)| **c != GroupCounts::default())
-            .map(|(g, c)| (g.clone(), *c))
+            .map(|(g, c)| {
+                let mut c = *c;
+                if let Some(r) = self.rollout(g) {
+                    c.canary_done = r.canary_done();
+                    c.halted = r.halted.is_some();
+                }
+                (g.clone(), c)
+            })
+            .filter(|(_, c)| *c != GroupCounts::default())
             .collect();
         v.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         v
@@ -814,6 +910,8 @@ impl RunState {
             converged_at: None,
             reclaim: true,
             conditions: Vec::new(),
+            rollouts: Vec::new(),
+            stable: Vec::new(),
         };
         let mut run = Self::from_parts(meta, Vec::new(), Vec::new(), policy);
         run.meta_dirty = true;
@@ -979,10 +1077,254 @@ impl RunState {
             self.wakes.first().map(|(t, _)| *t),
             self.deadlines.first().map(|(t, _)| *t),
             batch,
+            self.rollout_deadline(),
         ]
         .into_iter()
         .flatten()
         .min()
+    }
+
+    // ----- rollouts ------------------------------------------------------
+
+    /// A group's rollout in progress, if any.
+    pub fn rollout(&self, group: &contract::GroupId) -> Option<&GroupRollout> {
+        self.meta.rollouts.iter().find(|r| &r.group == group)
+    }
+
+    /// A group's rollout tally (its desired slots held, updated, updated and
+    /// ready).
+    pub fn tally(&self, group: &contract::GroupId) -> Tally {
+        self.tallies.get(group).copied().unwrap_or_default()
+    }
+
+    /// The earliest progress deadline of a rollout still going.
+    fn rollout_deadline(&self) -> Option<UnixMillis> {
+        self.meta
+            .rollouts
+            .iter()
+            .filter_map(|r| r.deadline(self.meta.shape.group(&r.group)?))
+            .min()
+    }
+
+    /// Looks at every group's rollout: starts one for a group that holds
+    /// drifted nodes, ends one whose group is all on its template (which
+    /// becomes the group's stable template), and steps the rest (progress,
+    /// canary, halt). A halt with `auto_revert` reverts the group.
+    fn track_rollouts(&mut self, now: UnixMillis) {
+        if self.meta.deleting {
+            if !self.meta.rollouts.is_empty() {
+                self.meta.rollouts.clear();
+                self.meta_dirty = true;
+            }
+            return;
+        }
+        let mut reverts = Vec::new();
+        let groups: Vec<contract::NodeGroup> = self.meta.shape.groups.clone();
+        for g in &groups {
+            let t = self.tally(&g.id);
+            let failures = self.new_failures.remove(&g.id).unwrap_or(0);
+            let pos = self.meta.rollouts.iter().position(|r| r.group == g.id);
+            if t.updated_ready == g.count && t.held == g.count {
+                self.group_settled(g, pos, now);
+                continue;
+            }
+            let Some(pos) = pos else {
+                if t.drifted() > 0 {
+                    self.start_rollout(g, t, now);
+                }
+                continue;
+            };
+            let r = &mut self.meta.rollouts[pos];
+            let before = r.clone();
+            let step = rollout::step(r, g, t, failures, now);
+            if *r != before {
+                self.meta_dirty = true;
+            }
+            let subject = Subject::Group(g.id.clone());
+            match step {
+                rollout::Step::Nothing | rollout::Step::Progressed => {}
+                rollout::Step::CanaryReached => {
+                    let message = format!(
+                        "canary of {} on the new template: the rollout waits for `provisionctl rollout promote {} {}`",
+                        g.policy.rollout.canary, self.meta.run_id, g.id
+                    );
+                    self.record_event(EventReason::RolloutPaused, subject, message, now);
+                }
+                rollout::Step::Halted(reason) => {
+                    self.counts_changed.insert(g.id.clone());
+                    let revert = g.policy.rollout.auto_revert
+                        && self.meta.rollouts[pos].reverted_from.is_none()
+                        && self
+                            .stable_group(&g.id)
+                            .is_some_and(|s| !NodeTemplate::same(&s.group.template, &g.template));
+                    let message = format!(
+                        "{reason}; {} of {} nodes still on the old template keep serving{}",
+                        t.drifted(),
+                        g.count,
+                        if revert { "; reverting" } else { "" }
+                    );
+                    self.record_event(EventReason::RolloutHalted, subject, message, now);
+                    if revert {
+                        reverts.push(g.id.clone());
+                    }
+                }
+            }
+        }
+        for group in reverts {
+            self.revert(&group, now);
+        }
+    }
+
+    fn start_rollout(&mut self, g: &contract::NodeGroup, t: Tally, now: UnixMillis) {
+        let r = GroupRollout::new(g.id.clone(), self.meta.shape.generation, now, t.updated_ready);
+        let budget = decider::rollout_unavailable_budget(g);
+        let message = format!(
+            "generation {}: {} of {} nodes to replace, at most {} unavailable at once{}",
+            self.meta.shape.generation,
+            t.drifted(),
+            g.count,
+            budget,
+            match g.policy.rollout.canary {
+                0 => String::new(),
+                n => format!(", pausing after a canary of {n}"),
+            }
+        );
+        self.meta.rollouts.push(r);
+        self.meta_dirty = true;
+        self.counts_changed.insert(g.id.clone());
+        self.record_event(
+            EventReason::RolloutStarted,
+            Subject::Group(g.id.clone()),
+            message,
+            now,
+        );
+    }
+
+    /// Every desired slot of `g` is ready on its template: the group is
+    /// stable there, and a rollout to it is complete.
+    fn group_settled(&mut self, g: &contract::NodeGroup, pos: Option<usize>, now: UnixMillis) {
+        let generation = self.meta.shape.generation;
+        match self.meta.stable.iter_mut().find(|s| s.group.id == g.id) {
+            Some(s) if s.group == *g => {}
+            Some(s) => {
+                *s = StableGroup {
+                    group: g.clone(),
+                    generation,
+                };
+                self.meta_dirty = true;
+            }
+            None => {
+                self.meta.stable.push(StableGroup {
+                    group: g.clone(),
+                    generation,
+                });
+                self.meta_dirty = true;
+            }
+        }
+        if let Some(pos) = pos {
+            let r = self.meta.rollouts.remove(pos);
+            self.meta_dirty = true;
+            self.counts_changed.insert(g.id.clone());
+            let message = match r.reverted_from {
+                Some(from) => format!(
+                    "reverted from generation {from}: all {} nodes ready on the template of generation {}",
+                    g.count, r.generation
+                ),
+                None => format!(
+                    "all {} nodes ready on the template of generation {} (started {} ago)",
+                    g.count,
+                    r.generation,
+                    human(now.saturating_since(r.started_at))
+                ),
+            };
+            self.record_event(
+                EventReason::RolloutCompleted,
+                Subject::Group(g.id.clone()),
+                message,
+                now,
+            );
+        }
+    }
+
+    fn stable_group(&self, group: &contract::GroupId) -> Option<&StableGroup> {
+        self.meta.stable.iter().find(|s| &s.group.id == group)
+    }
+
+    /// Applies the group's stable template as a new generation, recorded as a
+    /// revert: its rollout skips the canary and is never reverted itself.
+    fn revert(&mut self, group: &contract::GroupId, now: UnixMillis) {
+        let Some(stable) = self.stable_group(group).cloned() else {
+            return;
+        };
+        let from = self.meta.shape.generation;
+        let generation = Generation::new(from.get().saturating_add(1));
+        let mut shape = self.meta.shape.clone();
+        shape.generation = generation;
+        let Some(g) = shape.groups.iter_mut().find(|g| &g.id == group) else {
+            return;
+        };
+        g.template = stable.group.template.clone();
+        let count = g.count;
+        // Nodes already on the stable template share its Arc again.
+        for e in self.nodes.values_mut() {
+            if e.rec.node.id.group() == group && *e.rec.node.spec == *stable.group.template {
+                e.rec.node.spec = stable.group.template.clone();
+            }
+        }
+        self.meta.shape = shape;
+        self.meta.rollouts.retain(|r| &r.group != group);
+        let ready = self.tallies.get(group).map_or(0, |t| t.updated_ready);
+        self.meta.rollouts.push(GroupRollout {
+            reverted_from: Some(from),
+            ..GroupRollout::new(group.clone(), generation, now, ready)
+        });
+        self.meta.converged_at = None;
+        self.meta_dirty = true;
+        self.full = true;
+        self.reindex_all();
+        let ready = self.tally(group).updated_ready;
+        if let Some(r) = self.meta.rollouts.last_mut() {
+            r.ready = ready;
+        }
+        let message = format!(
+            "generation {generation} reverts generation {from}: back to the template of generation {} ({ready} of {count} nodes on it)",
+            stable.generation
+        );
+        self.record_event(
+            EventReason::RolloutReverted,
+            Subject::Group(group.clone()),
+            message,
+            now,
+        );
+    }
+
+    /// Promotes a group's canary: its rollout goes on past it. `Ok(false)`
+    /// when it was promoted already (or has no canary).
+    pub fn promote(&mut self, group: &contract::GroupId, now: UnixMillis) -> Result<bool, PromoteError> {
+        let g = self
+            .meta
+            .shape
+            .group(group)
+            .ok_or_else(|| PromoteError::NoSuchGroup(group.clone()))?;
+        let canary = g.policy.rollout.canary;
+        let Some(r) = self.meta.rollouts.iter_mut().find(|r| &r.group == group) else {
+            return Err(PromoteError::NoRollout(group.clone()));
+        };
+        if r.canary_done() || canary == 0 {
+            return Ok(false);
+        }
+        r.promoted = true;
+        // The canary's pause is over: the deadline counts from now.
+        r.progress_at = now;
+        self.meta_dirty = true;
+        self.counts_changed.insert(group.clone());
+        self.record_event(
+            EventReason::RolloutPromoted,
+            Subject::Group(group.clone()),
+            format!("canary of {canary} promoted: the rollout goes on"),
+            now,
+        );
+        Ok(true)
     }
 
     // ----- desired state -------------------------------------------------
@@ -1026,11 +1368,32 @@ impl RunState {
                 }
             }
         }
-        self.meta.shape = shape;
+        // A group whose template changed starts a new rollout; a newer apply
+        // of the same template ends its rollout's halt (the rollout starts
+        // over at the next pass, its deadline counted from then).
+        let old = std::mem::replace(&mut self.meta.shape, shape);
+        self.meta.rollouts.retain(|r| {
+            let before = old.group(&r.group).map(|g| &g.template);
+            let after = self.meta.shape.group(&r.group).map(|g| &g.template);
+            match (before, after) {
+                (Some(b), Some(a)) => NodeTemplate::same(b, a) && r.halted.is_none(),
+                _ => false,
+            }
+        });
         self.meta.converged_at = None;
         self.meta_dirty = true;
         self.full = true;
+        self.reindex_all();
         Ok(Applied::Changed)
+    }
+
+    /// Reindexes every node: what a node is to its group's rollout depends on
+    /// the shape.
+    fn reindex_all(&mut self) {
+        let ids: Vec<LogicalNodeId> = self.nodes.keys().cloned().collect();
+        for id in &ids {
+            self.reindex(id);
+        }
     }
 
     /// What a client's request (a shape, a deletion, a pause) may change, to
@@ -1058,6 +1421,7 @@ impl RunState {
         self.next_event_seq = u.next_event_seq;
         self.events_changed = u.events_changed;
         self.events_below = u.events_below;
+        self.reindex_all();
     }
 
     /// Marks the run deleting: its desired shape becomes empty.
@@ -1069,6 +1433,8 @@ impl RunState {
         self.meta.converged_at = None;
         self.meta_dirty = true;
         self.full = true;
+        // A deleting run wants no slot.
+        self.reindex_all();
         true
     }
 
@@ -1102,6 +1468,9 @@ impl RunState {
         // A due wake-up never waits for the batch window: its deadline is
         // what `poll_timeout` reported, and waiting would spin the timer.
         if self.wakes.first().is_some_and(|(t, _)| *t <= now) {
+            return true;
+        }
+        if self.rollout_deadline().is_some_and(|t| t <= now) {
             return true;
         }
         let wanted = !self.dirty_ids.is_empty() || self.missing_slots();
@@ -1296,6 +1665,7 @@ impl RunState {
         for (group, reason) in held_now {
             self.record_event(EventReason::RemediationHeld, Subject::Group(group), reason, now);
         }
+        self.track_rollouts(now);
         if self.meta.observed_generation != self.meta.shape.generation {
             self.meta.observed_generation = self.meta.shape.generation;
             self.meta_dirty = true;
@@ -1313,7 +1683,7 @@ impl RunState {
     }
 
     fn record_decision(&mut self, d: &Decision, now: UnixMillis, wake: Option<UnixMillis>) {
-        if d.rule == contract::Rule::RemediationBudget {
+        if matches!(d.rule, Rule::RemediationBudget | Rule::RolloutBudget) {
             self.budget_held.insert(d.node.clone());
         } else {
             self.budget_held.remove(&d.node);
@@ -2196,6 +2566,9 @@ impl RunState {
     /// Folds every expired deadline: operations past deadline plus grace fold as
     /// ambiguous failures; expired stage deadlines fail the attempt.
     pub fn handle_timeout(&mut self, now: UnixMillis) -> Result<u32, CoreError> {
+        if self.rollout_deadline().is_some_and(|t| t <= now) {
+            self.track_rollouts(now);
+        }
         let grace = self.policy.result_grace;
         let mut expired_ops = Vec::new();
         let mut expired_stages = Vec::new();
@@ -2280,10 +2653,35 @@ impl RunState {
         Some(decider::decide_node(&self.desired_view(), n, now))
     }
 
-    /// What the decider would do now under `shape`, without changing anything.
-    pub fn plan(&self, shape: &ClusterShape, now: UnixMillis) -> DecideOutput {
-        let view = DesiredView::new(shape, false);
-        decider::decide(&view, self.nodes(), &self.slot_set(), now)
+    /// What the decider would do now under the run's own shape (a copy of
+    /// the run with a proposed shape applied, for a plan).
+    pub fn plan_current(&self, now: UnixMillis) -> DecideOutput {
+        decider::decide(&self.desired_view(), self.nodes(), &self.slot_set(), now)
+    }
+
+    /// The waves in which each group's drifted slots would be replaced under
+    /// its rollout budget (see [`rollout::waves`]).
+    pub fn rollout_waves(&self) -> Vec<rollout::Wave> {
+        let view = self.desired_view();
+        let mut out = Vec::new();
+        for g in view.groups() {
+            let (mut unavailable, mut ready) = (Vec::new(), Vec::new());
+            for n in self
+                .nodes()
+                .filter(|n| n.id.group() == &g.id && n.id.index() < g.count)
+            {
+                if NodeTemplate::same(&g.template, &n.spec) || n.intent != Intent::Active {
+                    continue;
+                }
+                if decider::rolls_within_budget(&view, n) {
+                    ready.push(n.id.index());
+                } else {
+                    unavailable.push(n.id.index());
+                }
+            }
+            out.extend(rollout::waves(g, view.counts(&g.id), unavailable, ready));
+        }
+        out
     }
 
     /// Finds whether a decision for `rule` is the last one recorded, for tests.

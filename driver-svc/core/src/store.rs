@@ -35,6 +35,10 @@ pub struct RunMeta {
     /// status last changed, so `since` and the events that conditions cause
     /// outlive the driver's process.
     pub conditions: Vec<ConditionMark>,
+    /// Each group's rollout in progress (SPEC.md section 9).
+    pub rollouts: Vec<crate::rollout::GroupRollout>,
+    /// Each group as it was when it last converged: what a revert applies.
+    pub stable: Vec<crate::rollout::StableGroup>,
 }
 
 /// A condition's status, reason and the time its status last changed.

@@ -1544,7 +1544,9 @@ impl Oracle {
     }
 
     fn g14_restart(&mut self, id: &LogicalNodeId, b: &ManagedNode, a: &ManagedNode, at: UnixMillis) {
-        if b.retry.restart_at.is_some_and(|x| x > at) {
+        // The backoff paces one template's retries: a restart onto a changed
+        // template need not wait for the old one's (SPEC §9).
+        if b.retry.restart_at.is_some_and(|x| x > at) && NodeTemplate::same(&a.spec, &b.spec) {
             let detail = format!(
                 "{id} restarted at {at:?} before its restart backoff ended at {:?}",
                 b.retry.restart_at

@@ -73,7 +73,7 @@ fn template(group: Group, image: &str) -> NodeTemplate {
 /// a time. (`max_unhealthy` stays at 100%: a group held by it converges only
 /// once its nodes heal, which a trace need not do, and fair convergence would
 /// not hold.) In memory there is no prober: the simulation reports health as
-/// one would.
+/// one would. Template changes roll out within the default budget.
 pub fn group_policy() -> contract::GroupPolicy {
     contract::GroupPolicy {
         health: contract::HealthPolicy {
@@ -86,6 +86,14 @@ pub fn group_policy() -> contract::GroupPolicy {
         remediation: contract::RemediationPolicy {
             max_in_flight: 1,
             max_unhealthy: contract::Budget::Percent(100),
+        },
+        // A progress deadline as long as any: the battery's faults can hold
+        // a rollout up for longer than the default ten minutes of simulated
+        // time, and a halted rollout waits for a newer apply, which fair
+        // convergence does not make.
+        rollout: contract::RolloutPolicy {
+            progress_deadline_ms: contract::rollout::MAX_PROGRESS_DEADLINE_MS,
+            ..Default::default()
         },
     }
 }
