@@ -273,7 +273,7 @@ mod tests {
         };
         let w = waves(&g, counts, vec![2], vec![5, 0, 1, 3, 4]);
         let slots: Vec<Vec<u32>> = w.iter().map(|w| w.slots.clone()).collect();
-        assert_eq!(slots, [vec![2], vec![0], vec![1, 3], vec![4]]);
+        assert_eq!(slots, [vec![2], vec![0], vec![1, 3], vec![4, 5]]);
         assert!(w[1].note.contains("canary"), "{w:?}");
         assert_eq!(w.iter().map(|w| w.number).collect::<Vec<_>>(), [1, 2, 3, 4]);
         // Promoted: the budget alone.
