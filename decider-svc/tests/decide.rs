@@ -79,7 +79,15 @@ async fn inserts_for_missing_slots_follow_the_node_decisions() {
         .await
         .unwrap();
     let (nodes, inserts) = out.decisions.split_at(m.nodes.len());
-    let sent: Vec<_> = m.nodes.iter().map(|n| n.id.to_string()).collect();
+    // Nodes a group budget decides (here, drifted ready ones under the
+    // rollout budget) are answered after the others, once the budget has
+    // seen every node of the call.
+    let view = decider::DesiredView::new(&m.shape, false);
+    let (budgeted, plain): (Vec<_>, Vec<_>) = m
+        .nodes
+        .iter()
+        .partition(|n| decider::rolls_within_budget(&view, n));
+    let sent: Vec<_> = plain.iter().chain(&budgeted).map(|n| n.id.to_string()).collect();
     let decided: Vec<_> = nodes.iter().map(|d| d.node.to_string()).collect();
     assert_eq!(decided, sent, "node decisions come first, in the order sent");
     let inserted: Vec<_> = inserts.iter().map(|d| d.node.to_string()).collect();

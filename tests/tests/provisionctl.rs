@@ -434,8 +434,11 @@ async fn plan_shows_inserts_scale_down_and_replacements_and_changes_nothing() {
     assert_eq!(v["field_changes"]["workers"][0]["path"], "template.image");
     let replaced = ctl.write("p3.yaml", &shape("plan", 6, "img:2"));
     let out = ctl.run(&["plan", "-f", &replaced]).await.expect(0);
+    // One node goes at once (25% of 6 rounds down to 1 unavailable); the
+    // rest wait for the budget, in the waves the plan lists.
+    assert!(out.stdout.contains("6 to replace"), "{}", out.stdout);
     assert!(
-        out.stdout.contains("replace      6 nodes: workers-0..5"),
+        out.stdout.contains("rule 17 (rollout-budget)") && out.stdout.contains("rollout in 6 waves"),
         "{}",
         out.stdout
     );

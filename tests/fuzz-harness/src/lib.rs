@@ -269,6 +269,8 @@ fn shape_request(target: &'static str, shape: Option<pb::ClusterShape>) -> Resul
             (Ok(h), Ok(r)) => {
                 g.health = Some(contract::wire::health_to_wire(&h));
                 g.remediation = Some(contract::wire::remediation_to_wire(&r));
+                let rollout = contract::wire::rollout_from_wire(g.rollout.take().unwrap_or_default());
+                g.rollout = Some(contract::wire::rollout_to_wire(&rollout));
             }
             _ => {
                 return Err(violation(
