@@ -246,9 +246,16 @@ fn now_ns() -> u64 {
 
 /// The options of a traced cluster: every service exports to `otlp`, under
 /// its own service name, with a short safety tick so idle ticks happen.
+/// The batch span processor's export cadence and timeout in traced clusters
+/// (`OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BSP_EXPORT_TIMEOUT`).
+const EXPORT_DELAY_MS: u64 = 100;
+const EXPORT_TIMEOUT_MS: u64 = 1_000;
+
 fn traced(otlp: SocketAddr) -> ClusterOptions {
     let mut opts = ClusterOptions::default()
         .driver("--safety-tick-ms", "250")
+        .env("OTEL_BSP_SCHEDULE_DELAY", &EXPORT_DELAY_MS.to_string())
+        .env("OTEL_BSP_EXPORT_TIMEOUT", &EXPORT_TIMEOUT_MS.to_string())
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("http://{otlp}"))
         .env("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
         .env("OTEL_TRACES_SAMPLER", "parentbased_always_on");
@@ -1150,6 +1157,33 @@ async fn the_exporter_reports_failures_and_recovery_and_counters_start_at_zero()
     // The receiver goes away; the services go on, and say so once.
     serving.stop().await;
     converge_one(&cluster, "during").await;
+    // The run's last spans may still sit in the batch queue, or in an export
+    // still trying to connect, when the receiver comes back, and would then
+    // be delivered (as they should: they are dropped only when an export
+    // fails). Exports here are 100 ms apart and give up after a second; once
+    // an export that began after the run converged is counted failed, every
+    // span of `during` went to a failing export. Another run's spans keep
+    // the exporter busy meanwhile.
+    let dropped_total = |samples: &[Sample]| {
+        sum(
+            samples,
+            "provisioning_telemetry_spans_dropped_total",
+            &[("reason", "export_failed")],
+        )
+    };
+    let dropped_then = dropped_total(&scrape(&cluster.driver).await.0);
+    let converged_at = std::time::Instant::now();
+    converge_one(&cluster, "during-2").await;
+    eventually(
+        CONVERGE,
+        "an export that began after the run converged failed",
+        || async {
+            let later = converged_at.elapsed() > Duration::from_millis(EXPORT_TIMEOUT_MS + EXPORT_DELAY_MS);
+            (later && dropped_total(&scrape(&cluster.driver).await.0) > dropped_then).then_some(())
+        },
+    )
+    .await
+    .unwrap();
     for service in services() {
         let log = service.log_file().to_path_buf();
         eventually(
