@@ -329,6 +329,7 @@ macro_rules! mutant_tests {
 mutant_tests! {
     mutant_reuse_attempt_ids => ReuseAttemptIds,
     mutant_ignore_remediation_budget => IgnoreRemediationBudget,
+    mutant_ignore_rollout_budget => IgnoreRolloutBudget,
     mutant_hide_unhealthy => HideUnhealthy,
     mutant_fold_into_current_attempt => FoldIntoCurrentAttempt,
     mutant_carry_facts_into_replacement => CarryFactsIntoReplacement,

@@ -246,16 +246,18 @@ fn now_ns() -> u64 {
 
 /// The options of a traced cluster: every service exports to `otlp`, under
 /// its own service name, with a short safety tick so idle ticks happen.
-/// The batch span processor's export cadence and timeout in traced clusters
-/// (`OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BSP_EXPORT_TIMEOUT`).
+/// The batch span processor's export cadence and the exporter's timeout in
+/// traced clusters (`OTEL_BSP_SCHEDULE_DELAY`, `OTEL_EXPORTER_OTLP_TIMEOUT`):
+/// an export to a receiver that is gone waits for it at most this long (the
+/// channel reconnects meanwhile), and is then counted failed.
 const EXPORT_DELAY_MS: u64 = 100;
-const EXPORT_TIMEOUT_MS: u64 = 1_000;
+const EXPORT_TIMEOUT_MS: u64 = 500;
 
 fn traced(otlp: SocketAddr) -> ClusterOptions {
     let mut opts = ClusterOptions::default()
         .driver("--safety-tick-ms", "250")
         .env("OTEL_BSP_SCHEDULE_DELAY", &EXPORT_DELAY_MS.to_string())
-        .env("OTEL_BSP_EXPORT_TIMEOUT", &EXPORT_TIMEOUT_MS.to_string())
+        .env("OTEL_EXPORTER_OTLP_TIMEOUT", &EXPORT_TIMEOUT_MS.to_string())
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("http://{otlp}"))
         .env("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
         .env("OTEL_TRACES_SAMPLER", "parentbased_always_on");
@@ -1158,12 +1160,12 @@ async fn the_exporter_reports_failures_and_recovery_and_counters_start_at_zero()
     serving.stop().await;
     converge_one(&cluster, "during").await;
     // The run's last spans may still sit in the batch queue, or in an export
-    // still trying to connect, when the receiver comes back, and would then
-    // be delivered (as they should: they are dropped only when an export
-    // fails). Exports here are 100 ms apart and give up after a second; once
-    // an export that began after the run converged is counted failed, every
-    // span of `during` went to a failing export. Another run's spans keep
-    // the exporter busy meanwhile.
+    // waiting for the channel to reconnect, when the receiver comes back,
+    // and would then be delivered (as they should: they are dropped only
+    // when an export fails). Exports here are 100 ms apart and give up after
+    // half a second; once an export that began after the run converged has
+    // had time to fail, and one is counted failed, every span of `during`
+    // went to a failing export. Another run's spans keep the exporter busy.
     let dropped_total = |samples: &[Sample]| {
         sum(
             samples,

@@ -91,10 +91,12 @@ pub enum Mutant {
     IgnoreRemediationBudget,
     /// The driver takes an unhealthy report for a healthy one.
     HideUnhealthy,
+    /// The decider replaces every drifted node its rollout budget holds.
+    IgnoreRolloutBudget,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 29] = [
+    pub const ALL: [Mutant; 30] = [
         Mutant::ReuseAttemptIds,
         Mutant::FoldIntoCurrentAttempt,
         Mutant::CarryFactsIntoReplacement,
@@ -124,6 +126,7 @@ impl Mutant {
         Mutant::NeverRestartAfterLoss,
         Mutant::IgnoreRemediationBudget,
         Mutant::HideUnhealthy,
+        Mutant::IgnoreRolloutBudget,
     ];
 
     /// The guarantee whose check must catch the mutant.
@@ -156,6 +159,7 @@ impl Mutant {
             Mutant::NeverRestartAfterLoss => Guarantee::G21LostSlotRecovers,
             Mutant::IgnoreRemediationBudget => Guarantee::G22RemediationWithinBudget,
             Mutant::HideUnhealthy => Guarantee::G23ConvergedMeansObserved,
+            Mutant::IgnoreRolloutBudget => Guarantee::G24RolloutWithinBudget,
         }
     }
 
@@ -286,6 +290,14 @@ impl Tamper for Hooks {
             Mutant::IgnoreRemediationBudget => {
                 for d in &mut out.decisions {
                     if d.rule == Rule::RemediationBudget {
+                        d.rule = Rule::BeginDelete;
+                        d.action = Action::BeginDelete;
+                    }
+                }
+            }
+            Mutant::IgnoreRolloutBudget => {
+                for d in &mut out.decisions {
+                    if d.rule == Rule::RolloutBudget {
                         d.rule = Rule::BeginDelete;
                         d.action = Action::BeginDelete;
                     }

@@ -57,12 +57,13 @@ pub enum Guarantee {
     G21LostSlotRecovers,
     G22RemediationWithinBudget,
     G23ConvergedMeansObserved,
+    G24RolloutWithinBudget,
     NoDoubleCreate,
     ConvergedLeaksNothing,
 }
 
 impl Guarantee {
-    pub const ALL: [Guarantee; 25] = [
+    pub const ALL: [Guarantee; 26] = [
         Guarantee::G01AttemptIdsUniqueIncreasing,
         Guarantee::G02FoldOnlyIntoNamedAttempt,
         Guarantee::G03RetiredFactsNeverCarried,
@@ -86,6 +87,7 @@ impl Guarantee {
         Guarantee::G21LostSlotRecovers,
         Guarantee::G22RemediationWithinBudget,
         Guarantee::G23ConvergedMeansObserved,
+        Guarantee::G24RolloutWithinBudget,
         Guarantee::NoDoubleCreate,
         Guarantee::ConvergedLeaksNothing,
     ];
@@ -157,6 +159,10 @@ impl Guarantee {
             }
             Guarantee::G23ConvergedMeansObserved => {
                 "a run is reported converged only when no desired node is lost or unhealthy"
+            }
+            Guarantee::G24RolloutWithinBudget => {
+                "a rollout never has more of a group's desired slots unavailable because of it than \
+                 max_unavailable (successors are not built: a budget of 0 is 1)"
             }
             Guarantee::NoDoubleCreate => "never two resources for one identity (no double-create)",
             Guarantee::ConvergedLeaksNothing => "a converged or deleted run leaves nothing at the backend",
@@ -278,6 +284,8 @@ pub struct Oracle {
     // ready again on a later attempt, with the highest attempt lost and the
     // run's pass count when the loss was first seen.
     lost_slots: BTreeMap<LogicalNodeId, (AttemptId, u64)>,
+    /// Slots being replaced for a rollout, until they serve again (G24).
+    rolling: BTreeSet<LogicalNodeId>,
     /// The run's pass count in the latest state.
     passes: u64,
     // No double-create.
@@ -366,6 +374,7 @@ impl Oracle {
             said_acked: Vec::new(),
             events_after_state: false,
             lost_slots: BTreeMap::new(),
+            rolling: BTreeSet::new(),
             passes: 0,
             leases_made: BTreeMap::new(),
             lease_of: BTreeMap::new(),
@@ -544,6 +553,7 @@ impl Oracle {
         self.g14_backoff(t);
         self.g19_scale_down(t);
         self.g22_budget(t);
+        self.g24_rollout_budget(t);
         self.g20_one_action_per_node(t);
     }
 
@@ -1978,6 +1988,60 @@ impl Oracle {
                     started.join(", ")
                 );
                 self.fail(Guarantee::G22RemediationWithinBudget, detail);
+            }
+        }
+    }
+
+    /// Guarantee 24, on every transition: a serving node on an older template
+    /// that begins its cleanup starts its slot's rollout replacement; the
+    /// slot counts against its group's rollout until it serves again (or is
+    /// no longer desired). When slots start, the group's count must be
+    /// within `max_unavailable` (a percentage rounded down; 0 is 1 while
+    /// successors are not built).
+    fn g24_rollout_budget(&mut self, t: &Transition) {
+        // A deleting run wants nothing: its cleanups are no rollout's.
+        if self.deleting {
+            self.rolling.clear();
+            return;
+        }
+        let Some(shape) = self.shape.clone() else { return };
+        let serving =
+            |n: &ManagedNode| n.intent == Intent::Active && n.stage.is_ready() && !n.facts.is_impaired();
+        // Slots that serve again, or are no longer wanted, are done.
+        self.rolling
+            .retain(|id| shape.desired_group(id).is_some() && !t.after.get(id).is_some_and(|n| serving(n)));
+        for g in &shape.groups {
+            let mut started = Vec::new();
+            for (id, b) in t
+                .before
+                .iter()
+                .filter(|(id, _)| id.group() == &g.id && id.index() < g.count)
+            {
+                let drifted = !NodeTemplate::same(&b.spec, &g.template) && *b.spec != *g.template;
+                let began = t
+                    .after
+                    .get(id)
+                    .is_some_and(|a| a.attempt == b.attempt && a.intent == Intent::Deleting);
+                if serving(b) && drifted && began {
+                    started.push(id.clone());
+                }
+            }
+            if started.is_empty() {
+                continue;
+            }
+            self.rolling.extend(started.iter().cloned());
+            let budget = g.policy.rollout.max_unavailable.resolve(g.count).max(1) as usize;
+            let rolling = self.rolling.iter().filter(|id| id.group() == &g.id).count();
+            if rolling > budget {
+                let names: Vec<String> = started.iter().map(ToString::to_string).collect();
+                let detail = format!(
+                    "{}: {rolling} slots being replaced for the rollout at once, max_unavailable {} allows \
+                     {budget}; {} began",
+                    g.id,
+                    g.policy.rollout.max_unavailable,
+                    names.join(", ")
+                );
+                self.fail(Guarantee::G24RolloutWithinBudget, detail);
             }
         }
     }

@@ -98,6 +98,20 @@ pub fn group_policy() -> contract::GroupPolicy {
     }
 }
 
+/// The rollout budget (`max_unavailable`) of a template change to generation
+/// `next`: counts and percentages, one that rounds to nothing (25% of a
+/// small group, moving one node at a time), and all at once.
+pub fn rollout_budget(next: u64) -> contract::Budget {
+    const BUDGETS: [contract::Budget; 5] = [
+        contract::Budget::Count(1),
+        contract::Budget::Percent(25),
+        contract::Budget::Count(2),
+        contract::Budget::Percent(50),
+        contract::Budget::Percent(100),
+    ];
+    BUDGETS[(next % BUDGETS.len() as u64) as usize]
+}
+
 fn group_id(g: Group) -> GroupId {
     // The names are valid labels by construction.
     GroupId::parse("id", g.name()).unwrap_or_else(|e| unreachable!("{e}"))
@@ -232,9 +246,12 @@ pub fn changed_shape(current: &ClusterShape, change: Change) -> ClusterShape {
     let next = current.generation.get() + 1;
     s.generation = Generation::new(next);
     let room = MAX_TOTAL.saturating_sub(total(current));
+    // A template change rolls out within a budget that the generation picks,
+    // so traces replay it and the battery sees several.
     let edit = |s: &mut ClusterShape, g: Group, f: &dyn Fn(&mut NodeTemplate)| {
         if let Some(i) = find(s, g) {
             f(Arc::make_mut(&mut s.groups[i].template));
+            s.groups[i].policy.rollout.max_unavailable = rollout_budget(next);
         }
     };
     match change {
