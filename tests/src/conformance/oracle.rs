@@ -2009,7 +2009,7 @@ impl Oracle {
             |n: &ManagedNode| n.intent == Intent::Active && n.stage.is_ready() && !n.facts.is_impaired();
         // Slots that serve again, or are no longer wanted, are done.
         self.rolling
-            .retain(|id| shape.desired_group(id).is_some() && !t.after.get(id).is_some_and(|n| serving(n)));
+            .retain(|id| shape.desired_group(id).is_some() && !t.after.get(id).is_some_and(&serving));
         for g in &shape.groups {
             let mut started = Vec::new();
             for (id, b) in t
