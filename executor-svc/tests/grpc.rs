@@ -488,6 +488,10 @@ async fn a_result_is_kept_until_acknowledged_across_links() -> TestResult {
     ensure!(outcome(&result) == pb::OutcomeClass::Succeeded, "{result:?}");
     ensure!(!result.replayed, "{result:?}");
     second.ack_result(op_id(1, 0)).await?;
+    // A link's messages are handled in order: once a claim sent after the
+    // acknowledgement is answered, the acknowledgement was taken.
+    second.claim(1).await?;
+    second.claimed(1).await?;
 
     // Acknowledged, it is not sent to the next claimant.
     let mut third = h.link().await?;
