@@ -894,4 +894,45 @@ mod tests {
         assert_eq!(loaded[0].nodes.len(), 4);
         assert!(loaded[0].events.is_empty() && loaded[0].meta.conditions.is_empty());
     }
+
+    /// A run's rollouts and stable groups are stored with it, a stable
+    /// group's secrets sealed like the shape's.
+    #[test]
+    fn rollouts_and_stable_groups_round_trip_sealed() {
+        use crate::core::rollout::{GroupRollout, Halt, StableGroup};
+        use platform::secrets::SecretKey;
+        let key = || Sealer::new(Some(SecretKey::from_bytes(&[3u8; 32]).unwrap()));
+        let now = UnixMillis::new(1_700_000_000_000);
+        let run = RunState::create(
+            shape(1),
+            RunUid::from_u128(9),
+            Epoch::new(1),
+            Arc::new(Policy::default()),
+            now,
+        )
+        .unwrap();
+        let mut meta = run.meta().clone();
+        let group = meta.shape.groups[0].clone();
+        meta.rollouts = vec![GroupRollout {
+            failures: 2,
+            promoted: true,
+            canary_reached: true,
+            halted: Some(Halt {
+                at: now,
+                reason: "2 attempts of the new template failed".to_owned(),
+            }),
+            reverted_from: Some(Generation::new(4)),
+            ..GroupRollout::new(group.id.clone(), Generation::new(5), now, 3)
+        }];
+        meta.stable = vec![StableGroup {
+            group,
+            generation: Generation::new(3),
+        }];
+        let bytes = encode_meta(&key(), &meta).unwrap();
+        assert!(
+            !contains(&bytes, b"s3cret"),
+            "a stable group's secret is in clear"
+        );
+        assert_eq!(decode_meta(&key(), &bytes).unwrap(), meta);
+    }
 }

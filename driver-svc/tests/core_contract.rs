@@ -1110,3 +1110,309 @@ fn a_permanent_failure_is_logged_once() {
         }
     );
 }
+
+// ---------------------------------------------------------------------------
+// Rollouts (SPEC §9)
+// ---------------------------------------------------------------------------
+
+/// One group `workers` of `count` on `image`, under `rollout`.
+fn rolling_shape(generation: u64, count: u32, image: &str, rollout: contract::RolloutPolicy) -> ClusterShape {
+    let mut g = contract::NodeGroup::new(
+        contract::GroupId::parse("id", "workers").unwrap(),
+        count,
+        Arc::new(contract::shape::example_template("fake", image)),
+    );
+    g.policy.rollout = rollout;
+    ClusterShape {
+        run_id: RunId::parse("run_id", "train").unwrap(),
+        generation: Generation::new(generation),
+        groups: vec![g],
+    }
+}
+
+/// A provider in the test: every operation succeeds at once and every
+/// bootstrap converges, except that a start on an image named `bad` fails
+/// (retryably: the attempt fails and restarts). Passes and answers until
+/// nothing is pending and no pass is needed, at most `rounds` times.
+fn drive(run: &mut RunState, store: &MemStore, now: UnixMillis, bad: Option<&str>, rounds: usize) {
+    let mut session = 0u64;
+    for _ in 0..rounds {
+        if run.needs_pass(now) {
+            let _ = pass(run, store, now);
+        }
+        let pending: Vec<(LogicalNodeId, contract::AttemptId, Effect, bool)> = run
+            .nodes()
+            .filter_map(|n| {
+                let p = n.pending?;
+                Some((
+                    n.id.clone(),
+                    n.attempt,
+                    p.effect,
+                    Some(n.spec.image.as_str()) == bad,
+                ))
+            })
+            .collect();
+        if pending.is_empty() && !run.needs_pass(now) {
+            return;
+        }
+        for (id, attempt, effect, fails) in pending {
+            let name = id.to_string();
+            let outcome = match effect {
+                Effect::CreateLease | Effect::LookupEndpoint => Outcome::Succeeded(ResultFacts {
+                    lease: Some(contract::LeaseId::new("l", &format!("lease-{name}-{attempt}")).unwrap()),
+                    endpoint: Some(contract::Endpoint::new("e", "10.0.0.1:22").unwrap()),
+                    session: None,
+                }),
+                Effect::StartBootstrap if fails => Outcome::Retryable {
+                    reason: "the image does not boot".into(),
+                },
+                Effect::StartBootstrap => {
+                    session += 1;
+                    Outcome::Succeeded(ResultFacts {
+                        session: Some(
+                            contract::SessionId::new("s", &format!("sess-{name}-{session}")).unwrap(),
+                        ),
+                        ..ResultFacts::default()
+                    })
+                }
+                Effect::CancelBootstrap | Effect::DestroyLease => Outcome::Succeeded(ResultFacts::default()),
+            };
+            let r = result(run, &name, outcome);
+            assert_eq!(run.fold_result(&r, now).unwrap(), Fold::Folded);
+            if effect == Effect::StartBootstrap && !fails {
+                let n = run.node(&id).unwrap();
+                let o = Observation {
+                    run_uid: UID,
+                    node: id.clone(),
+                    attempt: n.attempt,
+                    session: n.facts.session.clone().unwrap(),
+                    seq: 1,
+                    stage: contract::BootstrapStage::Converged,
+                    detail: String::new(),
+                    at: now,
+                    trace: TraceContext::default(),
+                };
+                assert_eq!(run.fold_observation(&o, now).unwrap(), Fold::Folded);
+            }
+        }
+        let _ = run.take_commit().persist_to(store).unwrap();
+    }
+}
+
+fn reasons(run: &RunState) -> Vec<&'static str> {
+    run.events().map(|e| e.reason.name()).collect()
+}
+
+#[test]
+fn a_rollout_is_tracked_from_start_to_completion_and_the_group_is_stable_after() {
+    let budget = contract::RolloutPolicy {
+        max_unavailable: contract::Budget::Count(2),
+        max_surge: contract::Budget::Count(0),
+        ..Default::default()
+    };
+    let store = MemStore::new();
+    let mut run = RunState::create(
+        rolling_shape(1, 5, "img:1", budget),
+        UID,
+        Epoch::new(1),
+        policy(),
+        T0,
+    )
+    .unwrap();
+    drive(&mut run, &store, T0, None, 200);
+    assert!(run.is_converged());
+    let workers = contract::GroupId::parse("id", "workers").unwrap();
+    assert!(run.rollout(&workers).is_none(), "a fresh group has no rollout");
+    assert_eq!(run.meta().stable.len(), 1);
+    assert_eq!(run.meta().stable[0].generation, Generation::new(1));
+
+    assert_eq!(
+        run.apply_shape(rolling_shape(2, 5, "img:2", budget)).unwrap(),
+        Applied::Changed
+    );
+    // The first pass replaces two (the budget) and holds three under rule 17.
+    let _ = pass(&mut run, &store, T0);
+    let rules: Vec<_> = run.nodes().filter_map(|n| run.last_rule(&n.id)).collect();
+    assert_eq!(
+        rules
+            .iter()
+            .filter(|r| **r == contract::Rule::BeginDelete)
+            .count(),
+        2,
+        "{rules:?}"
+    );
+    assert_eq!(
+        rules
+            .iter()
+            .filter(|r| **r == contract::Rule::RolloutBudget)
+            .count(),
+        3,
+        "{rules:?}"
+    );
+    let r = run.rollout(&workers).unwrap().clone();
+    assert_eq!(r.generation, Generation::new(2));
+    assert!(reasons(&run).contains(&"RolloutStarted"));
+    // The rollout survives a restart from the store.
+    let restored = RunState::restore(store.load_all().unwrap().remove(0), Epoch::new(2), policy());
+    assert_eq!(restored.rollout(&workers), Some(&r));
+
+    drive(&mut run, &store, T0, None, 400);
+    assert!(run.is_converged(), "{:?}", run.nodes().collect::<Vec<_>>());
+    assert!(run.rollout(&workers).is_none());
+    assert!(reasons(&run).contains(&"RolloutCompleted"));
+    assert_eq!(run.meta().stable[0].generation, Generation::new(2));
+    assert_eq!(run.meta().stable[0].group.template.image, "img:2");
+}
+
+#[test]
+fn a_failing_template_halts_its_rollout_and_reverts_once() {
+    let budget = contract::RolloutPolicy {
+        max_unavailable: contract::Budget::Count(1),
+        max_surge: contract::Budget::Count(0),
+        failure_threshold: 2,
+        auto_revert: true,
+        ..Default::default()
+    };
+    let store = MemStore::new();
+    let mut run = RunState::create(
+        rolling_shape(1, 4, "img:1", budget),
+        UID,
+        Epoch::new(1),
+        policy(),
+        T0,
+    )
+    .unwrap();
+    drive(&mut run, &store, T0, None, 200);
+    assert!(run.is_converged());
+    let workers = contract::GroupId::parse("id", "workers").unwrap();
+
+    run.apply_shape(rolling_shape(2, 4, "img:bad", budget)).unwrap();
+    // The bad template fails; its restarts back off, so time moves on.
+    let mut now = T0;
+    for _ in 0..60 {
+        drive(&mut run, &store, now, Some("img:bad"), 50);
+        if run.shape().generation == Generation::new(3) {
+            break;
+        }
+        now = run.poll_timeout().unwrap_or(now).max(now);
+    }
+    assert_eq!(run.shape().generation, Generation::new(3), "{:?}", reasons(&run));
+    assert_eq!(
+        run.shape().groups[0].template.image,
+        "img:1",
+        "reverted to the stable template"
+    );
+    let events = reasons(&run);
+    for r in ["RolloutStarted", "RolloutHalted", "RolloutReverted"] {
+        assert!(events.contains(&r), "no {r}: {events:?}");
+    }
+    // The revert is a rollout of its own, recorded as one (it may have
+    // completed already: only one slot left the old template).
+    match run.rollout(&workers) {
+        Some(revert) => {
+            assert_eq!(revert.reverted_from, Some(Generation::new(2)));
+            assert!(revert.canary_done(), "a revert has no canary");
+        }
+        None => assert!(
+            run.events()
+                .any(|e| e.reason.name() == "RolloutCompleted"
+                    && e.message.contains("reverted from generation 2")),
+            "{events:?}"
+        ),
+    }
+    // Only one slot ever left the old template (max_unavailable 1).
+    let on_bad = run.nodes().filter(|n| n.spec.image == "img:bad").count();
+    assert!(on_bad <= 1, "{on_bad} nodes on the bad template");
+
+    drive(&mut run, &store, now, Some("img:bad"), 400);
+    assert!(run.is_converged(), "the revert converges");
+    assert!(run.rollout(&workers).is_none());
+    assert!(run.nodes().all(|n| n.spec.image == "img:1"));
+    assert_eq!(
+        reasons(&run).iter().filter(|r| **r == "RolloutReverted").count(),
+        1,
+        "reverted once"
+    );
+}
+
+#[test]
+fn a_halted_rollout_holds_its_drifted_nodes_until_a_newer_apply() {
+    let budget = contract::RolloutPolicy {
+        max_unavailable: contract::Budget::Count(1),
+        max_surge: contract::Budget::Count(0),
+        failure_threshold: 1,
+        ..Default::default()
+    };
+    let store = MemStore::new();
+    let mut run = RunState::create(
+        rolling_shape(1, 3, "img:1", budget),
+        UID,
+        Epoch::new(1),
+        policy(),
+        T0,
+    )
+    .unwrap();
+    drive(&mut run, &store, T0, None, 200);
+    let workers = contract::GroupId::parse("id", "workers").unwrap();
+    run.apply_shape(rolling_shape(2, 3, "img:bad", budget)).unwrap();
+    drive(&mut run, &store, T0, Some("img:bad"), 100);
+    let r = run.rollout(&workers).unwrap();
+    assert!(r.halted.is_some(), "{r:?}");
+    assert!(r.halted.as_ref().unwrap().reason.contains("failure_threshold 1"));
+    // No revert without auto_revert; the drifted nodes wait under rule 17.
+    assert_eq!(run.shape().generation, Generation::new(2));
+    let held = run
+        .nodes()
+        .filter(|n| run.last_rule(&n.id) == Some(contract::Rule::RolloutBudget))
+        .count();
+    assert_eq!(held, 2);
+    assert!(run.group_counts().iter().any(|(g, c)| *g == workers && c.halted));
+
+    // A newer apply (a fixed template) ends the halt, and the run converges.
+    run.apply_shape(rolling_shape(3, 3, "img:3", budget)).unwrap();
+    assert!(run.rollout(&workers).is_none(), "the halted rollout is over");
+    drive(&mut run, &store, T0, Some("img:bad"), 400);
+    assert!(run.is_converged());
+    assert!(run.nodes().all(|n| n.spec.image == "img:3"));
+}
+
+#[test]
+fn a_rollout_without_progress_halts_at_its_deadline() {
+    let budget = contract::RolloutPolicy {
+        max_unavailable: contract::Budget::Count(1),
+        max_surge: contract::Budget::Count(0),
+        progress_deadline_ms: 60_000,
+        ..Default::default()
+    };
+    let store = MemStore::new();
+    let mut run = RunState::create(
+        rolling_shape(1, 2, "img:1", budget),
+        UID,
+        Epoch::new(1),
+        policy(),
+        T0,
+    )
+    .unwrap();
+    drive(&mut run, &store, T0, None, 200);
+    let workers = contract::GroupId::parse("id", "workers").unwrap();
+    run.apply_shape(rolling_shape(2, 2, "img:2", budget)).unwrap();
+    // One pass: a node begins its replacement; nothing answers after that.
+    let _ = pass(&mut run, &store, T0);
+    let deadline = run
+        .rollout(&workers)
+        .unwrap()
+        .deadline(&run.shape().groups[0])
+        .unwrap();
+    assert_eq!(deadline, T0.checked_add(Duration::from_secs(60)).unwrap());
+    assert!(run.poll_timeout().is_some_and(|t| t <= deadline));
+    let later = deadline.checked_add(Duration::from_millis(1)).unwrap();
+    assert!(run.needs_pass(later));
+    let _ = pass(&mut run, &store, later);
+    let r = run.rollout(&workers).unwrap();
+    assert!(
+        r.halted
+            .as_ref()
+            .is_some_and(|h| h.reason.contains("progress deadline")),
+        "{r:?}"
+    );
+}
