@@ -162,6 +162,7 @@ pub fn encode_request_with_counts<'a>(
                 updated: c.updated,
                 canary_done: c.canary_done,
                 halted: c.halted,
+                surging: c.surging,
             })
             .collect(),
     }));

@@ -353,6 +353,7 @@ async fn serve_call(
                 updated: c.updated,
                 canary_done: c.canary_done,
                 halted: c.halted,
+                surging: c.surging,
             },
         ));
     }

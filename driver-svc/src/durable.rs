@@ -424,6 +424,10 @@ pub(crate) fn decode_event(bytes: &[u8]) -> Result<Event, StoreError> {
 }
 
 pub(crate) fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, StoreError> {
+    Ok(stored_node(sealer, r)?.encode_to_vec())
+}
+
+fn stored_node(sealer: &Sealer, r: &NodeRecord) -> Result<rec::StoredNode, StoreError> {
     let mut table = TemplateTable::default();
     let state = node_to_wire(&r.node, &mut table);
     let mut templates = table.into_wire();
@@ -435,6 +439,10 @@ pub(crate) fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, St
             sealer.seal_operation(&mut op).map_err(sealing)?;
             Some(op)
         }
+        None => None,
+    };
+    let successor = match r.successor.as_deref() {
+        Some(s) => Some(Box::new(stored_node(sealer, s)?)),
         None => None,
     };
     Ok(rec::StoredNode {
@@ -450,12 +458,22 @@ pub(crate) fn encode_node(sealer: &Sealer, r: &NodeRecord) -> Result<Vec<u8>, St
             .as_ref()
             .map(|b| b.detail.clone())
             .unwrap_or_default(),
-    }
-    .encode_to_vec())
+        successor,
+    })
 }
 
 pub(crate) fn decode_node(sealer: &Sealer, bytes: &[u8]) -> Result<NodeRecord, StoreError> {
-    let mut n = rec::StoredNode::decode(bytes).map_err(|e| corrupt(format!("node record: {e}")))?;
+    let n = rec::StoredNode::decode(bytes).map_err(|e| corrupt(format!("node record: {e}")))?;
+    node_record(sealer, n, true)
+}
+
+/// A stored node as a record; `with_successor` is false for a successor
+/// (which has none of its own).
+fn node_record(
+    sealer: &Sealer,
+    mut n: rec::StoredNode,
+    with_successor: bool,
+) -> Result<NodeRecord, StoreError> {
     readable("node record", n.schema)?;
     for t in &mut n.templates {
         sealer.open_template(t).map_err(sealing)?;
@@ -477,10 +495,16 @@ pub(crate) fn decode_node(sealer: &Sealer, bytes: &[u8]) -> Result<NodeRecord, S
         .transpose()
         .map_err(|e| corrupt(format!("in-flight operation: {e}")))?
         .map(Box::new);
+    let successor = match n.successor {
+        Some(_) if !with_successor => return Err(corrupt("a successor record with a successor of its own")),
+        Some(s) => Some(Box::new(node_record(sealer, *s, false)?)),
+        None => None,
+    };
     Ok(NodeRecord {
         node,
         next_seq: n.next_seq,
         inflight,
+        successor,
     })
 }
 

@@ -37,7 +37,12 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
     let mut pending = 0u32;
     let mut nodes = Vec::new();
     let mut table = TemplateTable::default();
-    for n in run.nodes() {
+    // A slot's successor (a rollout's surge) is listed after the run's nodes.
+    let attempts = run
+        .nodes()
+        .map(|n| (n, false))
+        .chain(run.successors().map(|n| (n, true)));
+    for (n, successor) in attempts {
         let g = groups.entry(n.id.group().clone()).or_default();
         *g.stages.entry(n.stage).or_default() += 1;
         let current = desired
@@ -58,7 +63,12 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
                 state: Some(node_to_wire(n, &mut table)),
                 group_id: n.id.group().to_string(),
                 spec_current: current,
-                last_decision: run.last_decision(&n.id).map(|l| pb::Decision::from(&l.decision)),
+                last_decision: if successor {
+                    run.successor_decision(&n.id)
+                } else {
+                    run.last_decision(&n.id)
+                }
+                .map(|l| pb::Decision::from(&l.decision)),
             });
         }
     }

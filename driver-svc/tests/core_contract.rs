@@ -1140,24 +1140,21 @@ fn drive(run: &mut RunState, store: &MemStore, now: UnixMillis, bad: Option<&str
         if run.needs_pass(now) {
             let _ = pass(run, store, now);
         }
-        let pending: Vec<(LogicalNodeId, contract::AttemptId, Effect, bool)> = run
+        // Every attempt with an operation pending, a slot's successor too.
+        let pending: Vec<(LogicalNodeId, contract::AttemptId, contract::PendingOp, bool)> = run
             .nodes()
+            .chain(run.successors())
             .filter_map(|n| {
                 let p = n.pending?;
-                Some((
-                    n.id.clone(),
-                    n.attempt,
-                    p.effect,
-                    Some(n.spec.image.as_str()) == bad,
-                ))
+                Some((n.id.clone(), n.attempt, p, Some(n.spec.image.as_str()) == bad))
             })
             .collect();
         if pending.is_empty() && !run.needs_pass(now) {
             return;
         }
-        for (id, attempt, effect, fails) in pending {
+        for (id, attempt, p, fails) in pending {
             let name = id.to_string();
-            let outcome = match effect {
+            let outcome = match p.effect {
                 Effect::CreateLease | Effect::LookupEndpoint => Outcome::Succeeded(ResultFacts {
                     lease: Some(contract::LeaseId::new("l", &format!("lease-{name}-{attempt}")).unwrap()),
                     endpoint: Some(contract::Endpoint::new("e", "10.0.0.1:22").unwrap()),
@@ -1177,14 +1174,28 @@ fn drive(run: &mut RunState, store: &MemStore, now: UnixMillis, bad: Option<&str
                 }
                 Effect::CancelBootstrap | Effect::DestroyLease => Outcome::Succeeded(ResultFacts::default()),
             };
-            let r = result(run, &name, outcome);
+            let r = OperationResult {
+                run_uid: UID,
+                node: id.clone(),
+                id: p.id,
+                effect: p.effect,
+                outcome,
+                completed_at: now,
+                late: false,
+                replayed: false,
+                trace: TraceContext::default(),
+            };
             assert_eq!(run.fold_result(&r, now).unwrap(), Fold::Folded);
-            if effect == Effect::StartBootstrap && !fails {
-                let n = run.node(&id).unwrap();
+            if p.effect == Effect::StartBootstrap && !fails {
+                let n = run
+                    .node(&id)
+                    .filter(|n| n.attempt == attempt)
+                    .or_else(|| run.successor(&id))
+                    .unwrap();
                 let o = Observation {
                     run_uid: UID,
                     node: id.clone(),
-                    attempt: n.attempt,
+                    attempt,
                     session: n.facts.session.clone().unwrap(),
                     seq: 1,
                     stage: contract::BootstrapStage::Converged,
@@ -1415,4 +1426,73 @@ fn a_rollout_without_progress_halts_at_its_deadline() {
             .is_some_and(|h| h.reason.contains("progress deadline")),
         "{r:?}"
     );
+}
+
+/// Surge (SPEC §9): with no node to take down and one successor allowed, a
+/// template change provisions each slot's successor while its current
+/// attempt serves, hands the slot over once the successor serves, and never
+/// holds more than one successor in the group, nor fewer than all slots
+/// serving.
+#[test]
+fn a_surge_rollout_keeps_every_slot_serving() {
+    let budget = contract::RolloutPolicy {
+        max_unavailable: contract::Budget::Count(0),
+        max_surge: contract::Budget::Count(1),
+        ..Default::default()
+    };
+    let store = MemStore::new();
+    let mut run = RunState::create(
+        rolling_shape(1, 3, "img:1", budget),
+        UID,
+        Epoch::new(1),
+        policy(),
+        T0,
+    )
+    .unwrap();
+    drive(&mut run, &store, T0, None, 200);
+    assert!(run.is_converged());
+    let before: Vec<contract::AttemptId> = run.nodes().map(|n| n.attempt).collect();
+    run.apply_shape(rolling_shape(2, 3, "img:2", budget)).unwrap();
+    let serving = |run: &RunState| {
+        run.nodes()
+            .chain(run.successors())
+            .filter(|n| n.intent == contract::Intent::Active && n.stage.is_ready())
+            .map(|n| n.id.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+    };
+    let mut surged = 0;
+    let mut restored_once = false;
+    for _ in 0..200 {
+        drive(&mut run, &store, T0, None, 1);
+        assert_eq!(
+            serving(&run),
+            3,
+            "a slot stopped serving: {:?}",
+            run.nodes().collect::<Vec<_>>()
+        );
+        let successors = run.successors().count();
+        assert!(successors <= 1, "{successors} successors at once");
+        surged += successors;
+        // A slot holding two attempts round-trips the store.
+        if successors == 1 && !restored_once && !run.uncommitted() {
+            restored_once = true;
+            let restored = RunState::restore(store.load_all().unwrap().remove(0), Epoch::new(2), policy());
+            assert_eq!(
+                restored.successors().collect::<Vec<_>>(),
+                run.successors().collect::<Vec<_>>()
+            );
+            assert!(restored.indexes_consistent());
+        }
+        if run.is_converged() {
+            break;
+        }
+    }
+    assert!(run.is_converged(), "{:?}", run.nodes().collect::<Vec<_>>());
+    assert!(surged > 0, "no successor was ever provisioned");
+    assert!(restored_once, "the store never held a successor between passes");
+    assert!(run.nodes().all(|n| n.spec.image == "img:2"));
+    // Each slot's new attempt is the successor the rollout provisioned.
+    assert!(run.nodes().all(|n| !before.contains(&n.attempt)));
+    assert!(reasons(&run).contains(&"RolloutCompleted"));
 }

@@ -55,14 +55,17 @@ pub enum Rule {
     /// Unhealthy past its deadline, but the group's remediation budget holds
     /// it (too many in flight, or too many of the group impaired).
     RemediationBudget = 18,
+    /// Ready and drifted, and the group's surge budget has room: the slot
+    /// gets a successor on the new template while this attempt serves.
+    SurgeInsert = 19,
 }
 
 impl Rule {
     /// One more than the highest rule number: the size of a table indexed by
     /// [`Rule::number`].
-    pub const SLOTS: usize = 19;
+    pub const SLOTS: usize = 20;
 
-    pub const ALL: [Rule; 19] = [
+    pub const ALL: [Rule; 20] = [
         Rule::Insert,
         Rule::Reap,
         Rule::Restart,
@@ -82,6 +85,7 @@ impl Rule {
         Rule::StartBootstrap,
         Rule::RolloutBudget,
         Rule::RemediationBudget,
+        Rule::SurgeInsert,
     ];
 
     pub fn number(self) -> u32 {
@@ -111,6 +115,7 @@ impl Rule {
             Rule::StartBootstrap => "start-bootstrap",
             Rule::RolloutBudget => "rollout-budget",
             Rule::RemediationBudget => "remediation-budget",
+            Rule::SurgeInsert => "surge-insert",
         }
     }
 
@@ -140,6 +145,9 @@ pub enum Action {
     MarkDestroyed,
     /// Driver transition: the bootstrap converged; the node is ready.
     ObserveConvergence,
+    /// Driver transition: the slot gets a successor attempt on the desired
+    /// template while its current attempt serves (a rollout's surge).
+    Surge,
     /// Record and submit an operation for this effect.
     Dispatch(Effect),
     /// Nothing now. `until` is when the node wants another look, if ever on its
@@ -161,6 +169,7 @@ impl Action {
             Action::BeginDelete => "begin-delete",
             Action::MarkDestroyed => "mark-destroyed",
             Action::ObserveConvergence => "observe-convergence",
+            Action::Surge => "surge",
             Action::Dispatch(e) => e.name(),
             Action::Wait { .. } => "wait",
         }

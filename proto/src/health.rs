@@ -253,6 +253,8 @@ pub struct GroupCounts {
     /// The group's rollout halted: drifted ready nodes wait until a newer
     /// apply (or a revert) ends the halt.
     pub halted: bool,
+    /// Slots holding a successor attempt (a rollout's surge).
+    pub surging: u32,
 }
 
 #[cfg(test)]

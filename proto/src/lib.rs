@@ -94,6 +94,6 @@ pub use shape::{
 };
 pub use state::{
     BootstrapProgress, BootstrapStage, Effect, Failure, Intent, ManagedNode, NodeFacts, NodeStage, PendingOp,
-    PermanentFailure, RetryState,
+    PermanentFailure, RetryState, Surge,
 };
 pub use time::{Clock, ClockSaturated, ManualClock, Monotonic, SystemClock, UnixMillis};

@@ -294,6 +294,27 @@ pub struct ManagedNode {
     /// Deadline of the current stage (endpoint appearance or bootstrap
     /// convergence), stored when the stage is entered.
     pub stage_deadline: Option<UnixMillis>,
+    /// The attempt's place in a slot holding two (SPEC.md section 9): the
+    /// driver derives it from the slot whenever either attempt changes.
+    pub surge: Surge,
+}
+
+/// A slot holds its current attempt and, under a rollout's surge, one
+/// successor provisioned on the new template while the current one serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Surge {
+    /// The slot's only attempt.
+    #[default]
+    None,
+    /// The current attempt of a slot whose successor is `successor`;
+    /// `successor_ready` once the successor serves (the current attempt then
+    /// hands the slot over).
+    Current {
+        successor: AttemptId,
+        successor_ready: bool,
+    },
+    /// The slot's successor attempt.
+    Successor,
 }
 
 impl ManagedNode {
@@ -309,6 +330,7 @@ impl ManagedNode {
             pending: None,
             retry,
             stage_deadline: None,
+            surge: Surge::None,
         }
     }
 

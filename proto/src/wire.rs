@@ -61,7 +61,7 @@ use crate::{
     shape::{Accelerator, ClusterShape, NodeGroup, NodeTemplate, Param, Params, ProviderShape},
     state::{
         BootstrapProgress, BootstrapStage, Effect, Failure, Intent, ManagedNode, NodeFacts, NodeStage,
-        PendingOp, PermanentFailure, RetryState,
+        PendingOp, PermanentFailure, RetryState, Surge,
     },
     time::UnixMillis,
 };
@@ -263,6 +263,7 @@ pub fn action_to_wire(a: Action) -> (pb::ActionKind, pb::Effect, u64) {
         Action::BeginDelete => (pb::ActionKind::BeginDelete, pb::Effect::Unspecified, 0),
         Action::MarkDestroyed => (pb::ActionKind::MarkDestroyed, pb::Effect::Unspecified, 0),
         Action::ObserveConvergence => (pb::ActionKind::ObserveConvergence, pb::Effect::Unspecified, 0),
+        Action::Surge => (pb::ActionKind::Surge, pb::Effect::Unspecified, 0),
         Action::Dispatch(e) => (pb::ActionKind::Dispatch, e.into(), 0),
         Action::Wait { until } => (
             pb::ActionKind::Wait,
@@ -287,6 +288,7 @@ pub fn action_from_wire(kind: i32, effect: i32, until_ms: u64) -> Result<Action,
         pb::ActionKind::BeginDelete => Action::BeginDelete,
         pb::ActionKind::MarkDestroyed => Action::MarkDestroyed,
         pb::ActionKind::ObserveConvergence => Action::ObserveConvergence,
+        pb::ActionKind::Surge => Action::Surge,
         pb::ActionKind::Dispatch => Action::Dispatch(enum_from_wire::<pb::Effect, Effect>("effect", effect)?),
         pb::ActionKind::Wait => Action::Wait {
             until: UnixMillis::from_wire(until_ms),
@@ -1053,6 +1055,18 @@ pub fn node_to_wire(n: &ManagedNode, table: &mut TemplateTable) -> pb::NodeState
         retry: Some(retry_to_wire(&n.retry, table)),
         stage_deadline_ms: UnixMillis::to_wire(n.stage_deadline),
         template_ref,
+        successor_attempt: match n.surge {
+            Surge::Current { successor, .. } => successor.get(),
+            _ => 0,
+        },
+        successor_ready: matches!(
+            n.surge,
+            Surge::Current {
+                successor_ready: true,
+                ..
+            }
+        ),
+        successor: n.surge == Surge::Successor,
     }
 }
 
@@ -1079,6 +1093,20 @@ pub fn node_from_wire(n: pb::NodeState, templates: &[Arc<NodeTemplate>]) -> Resu
         Some(r) => retry_from_wire(r, templates).map_err(within("retry"))?,
         None => RetryState::default(),
     };
+    let surge = match (n.successor, n.successor_attempt) {
+        (true, 0) => Surge::Successor,
+        (false, 0) => Surge::None,
+        (false, a) => Surge::Current {
+            successor: attempt_from_wire("successor_attempt", a)?,
+            successor_ready: n.successor_ready,
+        },
+        (true, _) => {
+            return Err(FieldError::new(
+                "successor_attempt",
+                Problem::Malformed("a successor has no successor"),
+            ));
+        }
+    };
     Ok(ManagedNode {
         id,
         attempt,
@@ -1089,6 +1117,7 @@ pub fn node_from_wire(n: pb::NodeState, templates: &[Arc<NodeTemplate>]) -> Resu
         pending,
         retry,
         stage_deadline: UnixMillis::from_wire(n.stage_deadline_ms),
+        surge,
     })
 }
 
@@ -1955,6 +1984,10 @@ mod tests {
                 remediating: true,
             },
             stage_deadline: Some(UnixMillis::new(1_700_000_060_000)),
+            surge: Surge::Current {
+                successor: AttemptId::new(43),
+                successor_ready: true,
+            },
         })
     }
 

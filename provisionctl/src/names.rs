@@ -80,6 +80,7 @@ pub fn kind(v: i32) -> &'static str {
         pb::ActionKind::MarkDestroyed => "mark-destroyed",
         pb::ActionKind::ObserveConvergence => "observe-convergence",
         pb::ActionKind::Wait => "wait",
+        pb::ActionKind::Surge => "surge",
     })
 }
 
@@ -126,6 +127,7 @@ pub fn rule_meaning(n: u32) -> &'static str {
         Rule::StartBootstrap => "the endpoint is known: start the bootstrap",
         Rule::RolloutBudget => "on an older template, but its group's rollout holds its replacement",
         Rule::RemediationBudget => "unhealthy, but its group's remediation budget holds its replacement",
+        Rule::SurgeInsert => "on an older template: a successor is provisioned while this attempt serves",
     })
 }
 

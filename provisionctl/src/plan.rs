@@ -60,7 +60,9 @@ pub fn classify(d: &pb::Decision, scale_down: &BTreeSet<&str>) -> Change {
         Change::ScaleDown
     } else if d.kind == pb::ActionKind::Insert as i32 {
         Change::Insert
-    } else if d.kind == pb::ActionKind::BeginDelete as i32 || d.rule == contract::Rule::RolloutBudget.number()
+    } else if d.kind == pb::ActionKind::BeginDelete as i32
+        || d.kind == pb::ActionKind::Surge as i32
+        || d.rule == contract::Rule::RolloutBudget.number()
     {
         // A drifted node the rollout budget holds is replaced in a later wave.
         Change::Replace

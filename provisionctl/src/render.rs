@@ -742,6 +742,7 @@ pub(crate) mod tests {
                 }),
                 stage_deadline_ms: 0,
                 template_ref: 0,
+                ..Default::default()
             }),
             group_id: "workers".into(),
             spec_current: true,

@@ -178,7 +178,7 @@ pub enum Event {
     /// state held it, and the pending operation of the committed store.
     SubmitContext {
         id: OperationId,
-        node: Option<ManagedNode>,
+        node: Option<Box<ManagedNode>>,
         store_pending: Option<PendingOp>,
     },
     /// The shell ran an operation against the backend (just before `Started`).
@@ -610,7 +610,7 @@ impl Sim {
         if self.record {
             self.events.push(Event::SubmitContext {
                 id: op.id,
-                node: self.run.node(&op.node).cloned(),
+                node: self.run.node(&op.node).cloned().map(Box::new),
                 store_pending,
             });
         }

@@ -71,7 +71,8 @@ async fn status(c: &mut Client) -> pb::RunStatus {
     .into_inner()
 }
 
-/// Desired slots serving now, whatever their template: active, ready,
+/// Desired slots serving now, whatever their template: a slot serves when
+/// one of its attempts (the current one, or a successor) is active, ready,
 /// neither unhealthy nor lost.
 fn serving(s: &pb::RunStatus) -> usize {
     s.nodes
@@ -83,7 +84,9 @@ fn serving(s: &pb::RunStatus) -> usize {
             let unhealthy = facts.health.as_ref().is_some_and(|h| !h.healthy);
             ready && n.intent == pb::Intent::Active as i32 && !facts.lost && !unhealthy
         })
-        .count()
+        .map(|n| n.node_id.clone())
+        .collect::<std::collections::BTreeSet<_>>()
+        .len()
 }
 
 /// Samples the run at 10 Hz until told to stop: the fewest nodes serving
@@ -136,15 +139,17 @@ async fn delete_and_wait(c: &mut Client, agents: &Path) {
     .unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_template_change_keeps_all_but_max_unavailable_serving() {
+/// Ten nodes change template under `max_unavailable` and `max_surge`:
+/// sampled at 10 Hz, never fewer than `10 - max_unavailable` serving nor more
+/// than `10 + max_surge` live agents, and every node replaced.
+async fn rolls_within(max_unavailable: u32, max_surge: u32) {
     let keep = AgentsDir::new().unwrap();
     let agents = keep.root.clone();
     let cluster = Cluster::start(process_cluster(&agents)).await.unwrap();
     let mut c = cluster.client().await.unwrap();
     let policy = RolloutPolicy {
-        max_unavailable: Budget::Count(1),
-        max_surge: Budget::Count(0),
+        max_unavailable: Budget::Count(max_unavailable),
+        max_surge: Budget::Count(max_surge),
         ..RolloutPolicy::default()
     };
     cluster
@@ -165,20 +170,21 @@ async fn a_template_change_keeps_all_but_max_unavailable_serving() {
     tx.send(true).unwrap();
     let (fewest, most) = sampler.await.unwrap();
 
+    let floor = 10 - max_unavailable as usize;
+    let ceiling = 10 + max_surge as usize;
     assert!(
-        fewest >= 9,
-        "{fewest} of 10 serving at some point: more than max_unavailable 1 down"
+        fewest >= floor,
+        "{fewest} of 10 serving at some point: more than max_unavailable {max_unavailable} down"
     );
     assert!(
-        most <= 10,
-        "{most} live agents at some point: more than the 10 desired without surge"
+        most <= ceiling,
+        "{most} live agents at some point: more than 10 and max_surge {max_surge}"
     );
     // Every node was replaced, onto a fresh attempt.
     let (old, new) = (attempts(&before), attempts(&after));
     assert_eq!(new.len(), 10);
     assert!(new.iter().all(|a| !old.contains(a)), "{old:?} -> {new:?}");
 
-    // Held nodes said why, and the rollout left its events.
     let events = run_events(&mut c, RUN).await.unwrap();
     let reasons: Vec<&str> = events.iter().map(|e| e.reason.as_str()).collect();
     assert!(reasons.contains(&"RolloutStarted"), "{reasons:?}");
@@ -186,6 +192,16 @@ async fn a_template_change_keeps_all_but_max_unavailable_serving() {
     assert!(after.groups[0].rollout.is_none(), "{:?}", after.groups[0]);
     delete_and_wait(&mut c, &agents).await;
     drop(keep);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_change_keeps_nine_of_ten_serving_with_one_successor() {
+    rolls_within(1, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_surge_only_template_change_keeps_all_ten_serving() {
+    rolls_within(0, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

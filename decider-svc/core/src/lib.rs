@@ -17,7 +17,7 @@ use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
 use contract::{
     Action, ClusterShape, DecideOutput, Decision, Effect, GroupCounts, GroupId, Intent, LogicalNodeId,
-    ManagedNode, NodeGroup, NodeStage, NodeTemplate, Rule, UnixMillis,
+    ManagedNode, NodeGroup, NodeStage, NodeTemplate, Rule, Surge, UnixMillis,
 };
 
 /// The desired shape as the ladder sees it: which slots are wanted, and with
@@ -328,31 +328,31 @@ fn settle_remediations(
     }
 }
 
-/// The unavailable budget a group's rollout may use. Successor attempts
-/// (surge) are not built yet, so a budget of 0 unavailable (which would need
-/// them) moves one node at a time, as a Kubernetes Deployment does when both
-/// of its budgets come to 0.
+/// The unavailable budget a group's rollout may use (a percentage rounded
+/// down; with surge also 0, one node at a time).
 pub fn rollout_unavailable_budget(g: &NodeGroup) -> u32 {
-    g.policy.rollout.resolve(g.count).max_unavailable.max(1)
+    g.policy.rollout.resolve(g.count).max_unavailable
 }
 
 fn settle_rollouts(mut candidates: Vec<Candidate>, desired: &DesiredView<'_>, out: &mut Vec<Decision>) {
     candidates.sort_by(|a, b| (a.node.group(), a.node.index()).cmp(&(b.node.group(), b.node.index())));
-    let mut granted_in_group = 0u32;
+    let (mut granted_in_group, mut surged_in_group) = (0u32, 0u32);
     let mut group: Option<&GroupId> = None;
     for c in &candidates {
         if group != Some(c.node.group()) {
             group = Some(c.node.group());
             granted_in_group = 0;
+            surged_in_group = 0;
         }
         let Some(g) = desired.group(c.node.group()) else {
             continue;
         };
         let policy = g.policy.rollout;
         let counts = desired.counts(&g.id);
-        let budget = rollout_unavailable_budget(g);
+        let budget = policy.resolve(g.count);
         let unavailable = g.count.saturating_sub(counts.available) + granted_in_group;
-        let replaced = counts.updated + granted_in_group;
+        let surging = counts.surging + surged_in_group;
+        let replaced = counts.updated + granted_in_group + surged_in_group;
         let held = |reason: String| c.held(Rule::RolloutBudget, reason);
         let d = if counts.halted {
             held(format!(
@@ -366,10 +366,25 @@ fn settle_rollouts(mut candidates: Vec<Candidate>, desired: &DesiredView<'_>, ou
                 replaced.min(policy.canary),
                 policy.canary
             ))
-        } else if unavailable >= budget {
+        } else if surging < budget.max_surge {
+            surged_in_group += 1;
+            Decision {
+                node: c.node.clone(),
+                attempt: Some(c.attempt),
+                rule: Rule::SurgeInsert,
+                action: Action::Surge,
+                reason: format!(
+                    "the spec changed: a successor on the new template while this attempt serves ({}: {}/{} surging)",
+                    g.id,
+                    surging + 1,
+                    budget.max_surge
+                )
+                .into(),
+            }
+        } else if unavailable >= budget.max_unavailable {
             held(format!(
-                "{}: {}/{} unavailable: waiting for a replacement to become ready",
-                g.id, unavailable, budget
+                "{}: {}/{} unavailable, {}/{} surging: waiting for a replacement to become ready",
+                g.id, unavailable, budget.max_unavailable, surging, budget.max_surge
             ))
         } else {
             granted_in_group += 1;
@@ -377,7 +392,7 @@ fn settle_rollouts(mut candidates: Vec<Candidate>, desired: &DesiredView<'_>, ou
                 "the spec changed: replace the attempt ({}: {}/{} unavailable)",
                 g.id,
                 unavailable + 1,
-                budget
+                budget.max_unavailable
             ))
         };
         out.push(d);
@@ -426,6 +441,9 @@ pub fn decide_or_defer(
 /// those): unhealthy past its stored deadline, or drifted from its group's
 /// template while it still serves; a budget decides them ([`Budgets`]).
 fn ladder(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Step {
+    if let Some(d) = surge_rows(desired, n) {
+        return Step::Decided(d);
+    }
     if due_for_remediation(desired, n, now)
         && let Some(h) = &n.facts.health
     {
@@ -445,6 +463,58 @@ fn ladder(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Step {
         });
     }
     Step::Decided(rows(desired, n, now))
+}
+
+/// A desired slot holding two attempts (SPEC.md section 9): the current
+/// attempt serves until its successor does, then hands the slot over (row 4)
+/// and, once cleaned up, leaves it to the successor (row 1's reap); a
+/// successor that was cleaned up before it served is reaped, and the current
+/// attempt keeps the slot. A current attempt that stops serving (failed,
+/// lost, unhealthy) and an undesired slot take the ladder as any node does.
+fn surge_rows(desired: &DesiredView<'_>, n: &ManagedNode) -> Option<Decision> {
+    desired.template_for(&n.id)?;
+    match n.surge {
+        Surge::None => None,
+        Surge::Successor => (n.stage == NodeStage::Destroyed).then(|| {
+            decision(
+                n,
+                Rule::Reap,
+                Action::Reap,
+                "a successor cleaned up before it served: the current attempt keeps the slot",
+            )
+        }),
+        Surge::Current {
+            successor,
+            successor_ready,
+        } => {
+            if n.stage == NodeStage::Destroyed {
+                return Some(decision(
+                    n,
+                    Rule::Reap,
+                    Action::Reap,
+                    format!("cleaned up: its successor {successor} takes the slot"),
+                ));
+            }
+            if !serving(n) || n.facts.is_impaired() {
+                return None;
+            }
+            Some(if successor_ready {
+                decision(
+                    n,
+                    Rule::BeginDelete,
+                    Action::BeginDelete,
+                    format!("its successor {successor} serves: hand the slot over"),
+                )
+            } else {
+                wait(
+                    n,
+                    Rule::RolloutBudget,
+                    None,
+                    format!("its successor {successor} is being provisioned (surge)"),
+                )
+            })
+        }
+    }
 }
 
 /// An active, ready attempt with nothing pending.

@@ -240,9 +240,16 @@ fn case(name: &'static str, want: Want, n: N, rule: Rule, action: Action) -> Cas
 /// deterministic, and that `decide` over the same node agrees with
 /// `decide_node` (one decision for the node, no insert for its slot).
 fn check(c: &Case) -> Decision {
-    let (shape, deleting) = c.want.shape_for(&c.node.id);
-    // Every desired slot serves: a rollout's budget has room (rule 17's own
-    // tables set the counts).
+    let (mut shape, deleting) = c.want.shape_for(&c.node.id);
+    // Every desired slot serves and a rollout may take them all down: a
+    // drifted node is row 4's (the rollout's own tables set the budgets).
+    for g in &mut shape.groups {
+        g.policy.rollout = contract::RolloutPolicy {
+            max_unavailable: contract::Budget::Percent(100),
+            max_surge: contract::Budget::Count(0),
+            ..Default::default()
+        };
+    }
     let view = DesiredView::new(&shape, deleting).with_counts(shape.groups.iter().map(|g| {
         (
             g.id.clone(),
@@ -1516,13 +1523,81 @@ fn row_4_and_17_the_rollout_budget() {
     assert_eq!(granted(&roll(budget(2), counts(9, 1), &nodes)), ["w-3"]);
     // The budget spent: none.
     assert!(granted(&roll(budget(2), counts(8, 2), &nodes)).is_empty());
-    // A budget of 0 (surge not built yet) still moves one at a time.
-    let zero = contract::RolloutPolicy {
+    // No unavailable budget, two successors: the two lowest get a successor
+    // (rule 19) and nothing is taken down; one successor already in flight
+    // leaves room for one more.
+    let surge = contract::RolloutPolicy {
         max_unavailable: contract::Budget::Count(0),
         max_surge: contract::Budget::Count(2),
         ..Default::default()
     };
-    assert_eq!(granted(&roll(zero, counts(10, 0), &nodes)), ["w-3"]);
+    let surged = |out: &[(String, Rule, String)]| -> Vec<String> {
+        out.iter()
+            .filter(|(_, r, _)| *r == Rule::SurgeInsert)
+            .map(|(n, _, _)| n.clone())
+            .collect()
+    };
+    let out = roll(surge, counts(10, 0), &nodes);
+    assert_eq!(surged(&out), ["w-3", "w-4"], "{out:?}");
+    assert!(granted(&out).is_empty(), "{out:?}");
+    assert!(
+        out.iter()
+            .any(|(_, _, why)| why.contains("w: 0/0 unavailable, 2/2 surging")),
+        "{out:?}"
+    );
+    let one_in_flight = contract::GroupCounts {
+        surging: 1,
+        ..counts(10, 1)
+    };
+    assert_eq!(surged(&roll(surge, one_in_flight, &nodes)), ["w-3"]);
+    // Surge first, then the unavailable budget.
+    let both = contract::RolloutPolicy {
+        max_unavailable: contract::Budget::Count(1),
+        max_surge: contract::Budget::Count(1),
+        ..Default::default()
+    };
+    let out = roll(both, counts(10, 0), &nodes);
+    assert_eq!(
+        (surged(&out), granted(&out)),
+        (vec!["w-3".to_owned()], vec!["w-4".to_owned()])
+    );
+
+    // A slot holding a successor: the current attempt serves until the
+    // successor does, then hands over; once cleaned up, or a successor that
+    // was, is reaped.
+    let successor = AttemptId::new(900);
+    let with = |n: N, ready: bool| {
+        let mut n = n.0;
+        n.surge = contract::Surge::Current {
+            successor,
+            successor_ready: ready,
+        };
+        n
+    };
+    let out = roll(
+        surge,
+        counts(10, 1),
+        &[with(node("w-1").ready().spec(template("img:1")), false)],
+    );
+    assert_eq!(out[0].1, Rule::RolloutBudget, "{out:?}");
+    assert!(out[0].2.contains("is being provisioned"), "{out:?}");
+    let out = roll(
+        surge,
+        counts(10, 1),
+        &[with(node("w-1").ready().spec(template("img:1")), true)],
+    );
+    assert_eq!(out[0].1, Rule::BeginDelete, "{out:?}");
+    assert!(out[0].2.contains("hand the slot over"), "{out:?}");
+    let out = roll(
+        surge,
+        counts(10, 1),
+        &[with(node("w-1").stage(NodeStage::Destroyed), true)],
+    );
+    assert_eq!(out[0].1, Rule::Reap, "{out:?}");
+    let mut gone = node("w-2").stage(NodeStage::Destroyed).0;
+    gone.surge = contract::Surge::Successor;
+    let out = roll(surge, counts(10, 1), &[gone]);
+    assert_eq!(out[0].1, Rule::Reap, "{out:?}");
 
     // A canary of 2 with one replaced: one more, then the rollout waits for
     // a promotion; once promoted the budget alone decides.
@@ -1931,6 +2006,7 @@ fn random_counts(rng: &mut Rng) -> contract::GroupCounts {
         updated: rng.below(6) as u32,
         canary_done: rng.below(2) == 0,
         halted: rng.below(5) == 0,
+        surging: rng.below(3) as u32,
     }
 }
 
@@ -1938,6 +2014,14 @@ fn random_node(rng: &mut Rng, shared: &Arc<NodeTemplate>) -> ManagedNode {
     let index = rng.below(4);
     let mut n = node(&format!("w-{index}")).0;
     n.attempt = AttemptId::new(rng.next_u64() % 1_000);
+    n.surge = match rng.below(6) {
+        0 => contract::Surge::Successor,
+        1 => contract::Surge::Current {
+            successor: AttemptId::new(1_000 + rng.next_u64() % 1_000),
+            successor_ready: rng.chance(1, 2),
+        },
+        _ => contract::Surge::None,
+    };
     n.spec = match rng.below(3) {
         0 => shared.clone(),
         1 => template("img:1"),
@@ -2030,6 +2114,27 @@ fn expected_rule(
     let f = &n.facts;
     let group = wanted;
     let wanted = wanted.map(|g| &*g.template);
+    // A desired slot holding two attempts (surge).
+    let serving = n.intent == Intent::Active
+        && matches!(n.stage, NodeStage::Dormant | NodeStage::HandedOff)
+        && n.pending.is_none()
+        && !f.bootstrap.as_ref().is_some_and(|b| b.stage.is_failure())
+        && !f.lost
+        && f.health.as_ref().is_none_or(|h| h.healthy);
+    if wanted.is_some() {
+        match n.surge {
+            contract::Surge::Successor if n.stage == NodeStage::Destroyed => return Rule::Reap,
+            contract::Surge::Current { .. } if n.stage == NodeStage::Destroyed => return Rule::Reap,
+            contract::Surge::Current { successor_ready, .. } if serving => {
+                return if successor_ready {
+                    Rule::BeginDelete
+                } else {
+                    Rule::RolloutBudget
+                };
+            }
+            _ => {}
+        }
+    }
     if n.stage == NodeStage::Destroyed {
         return match wanted {
             None => Rule::Reap,
@@ -2052,10 +2157,14 @@ fn expected_rule(
         && *g.template != *n.spec
     {
         let r = g.policy.rollout;
-        let budget = r.max_unavailable.resolve(g.count).max(1);
+        let budget = r.resolve(g.count);
         let canary_waits = r.canary > 0 && !counts.canary_done && counts.updated >= r.canary;
-        let spent = g.count.saturating_sub(counts.available) >= budget;
-        return if counts.halted || canary_waits || spent {
+        let spent = g.count.saturating_sub(counts.available) >= budget.max_unavailable;
+        return if counts.halted || canary_waits {
+            Rule::RolloutBudget
+        } else if counts.surging < budget.max_surge {
+            Rule::SurgeInsert
+        } else if spent {
             Rule::RolloutBudget
         } else {
             Rule::BeginDelete
@@ -2166,6 +2275,7 @@ fn action_fits_rule(d: &Decision, n: &ManagedNode, now: UnixMillis) -> bool {
                 })
         }
         Rule::RolloutBudget | Rule::RemediationBudget => d.action == Action::Wait { until: None },
+        Rule::SurgeInsert => d.action == Action::Surge,
         Rule::CreateLease => d.action == dispatch(Effect::CreateLease),
         Rule::LookupEndpoint => d.action == dispatch(Effect::LookupEndpoint),
         Rule::ObserveConvergence => d.action == Action::ObserveConvergence,
@@ -2272,6 +2382,7 @@ fn property_decide_node_over_random_nodes() {
         if n.intent == Intent::Active
             && n.stage.is_ready()
             && current
+            && n.surge == contract::Surge::None
             && n.pending.is_none()
             && !n.facts.bootstrap_failed()
             && !n.facts.is_impaired()
@@ -2380,11 +2491,17 @@ fn property_decide_requeue_over_random_batches() {
         let ctx = format!("seed {seed}: {out:#?}");
 
         let singles: Vec<Decision> = nodes.iter().map(|n| decide_node(&view, n, now())).collect();
-        // A node due for remediation is decided after the others, by the
+        // A node a group budget decides (due for remediation, or drifted
+        // and ready under a rollout) is decided after the others, by the
         // budget over all of them; every other node as on its own.
+        let remediation = |d: &Decision| d.rule == Rule::BeginDelete && d.reason.starts_with("unhealthy for");
         let candidate = |d: &Decision| {
             d.rule == Rule::RemediationBudget
-                || (d.rule == Rule::BeginDelete && d.reason.starts_with("unhealthy for"))
+                || remediation(d)
+                || (d.rule == Rule::RolloutBudget && !d.reason.contains("is being provisioned"))
+                || d.rule == Rule::SurgeInsert
+                || (d.rule == Rule::BeginDelete
+                    && d.reason.starts_with("the spec changed: replace the attempt ("))
         };
         let by_node = |ds: &[Decision]| -> BTreeMap<LogicalNodeId, Decision> {
             ds.iter().map(|d| (d.node.clone(), d.clone())).collect()
@@ -2397,7 +2514,7 @@ fn property_decide_requeue_over_random_batches() {
             if candidate(d) {
                 let b = &batch[id];
                 assert!(candidate(b), "{ctx}");
-                granted += u32::from(b.rule == Rule::BeginDelete);
+                granted += u32::from(remediation(b));
             } else {
                 assert_eq!(&batch[id], d, "{ctx}");
             }

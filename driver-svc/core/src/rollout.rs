@@ -182,8 +182,8 @@ pub struct Wave {
 /// The waves in which a group's drifted slots would be replaced: first the
 /// ones that are unavailable already (failed, lost, unhealthy, not ready),
 /// which never wait; then the ready ones, lowest index first (the decider's
-/// order), as many at once as the unavailable budget leaves room for, each
-/// wave once the one before is ready. A canary is a wave of its own,
+/// order), as many at once as the unavailable and surge budgets leave room
+/// for, each wave once the one before is ready. A canary is a wave of its own,
 /// followed by the pause for a promotion.
 pub fn waves(
     g: &NodeGroup,
@@ -208,12 +208,14 @@ pub fn waves(
         "unavailable already (not ready, failed, lost or unhealthy): replaced without waiting".to_owned(),
     );
     ready_drifted.sort_unstable();
-    let budget = decider::rollout_unavailable_budget(g).max(1) as usize;
     let policy = g.policy.rollout;
+    let resolved = policy.resolve(g.count);
+    // A wave replaces as many as may be unavailable and surging at once.
+    let budget = (resolved.max_unavailable + resolved.max_surge).max(1) as usize;
     let mut rest = ready_drifted.as_slice();
     // The first wave uses what the budget has left now.
-    let unavailable = g.count.saturating_sub(counts.available) as usize;
-    let mut room = budget.saturating_sub(unavailable).max(1);
+    let used = g.count.saturating_sub(counts.available) + counts.surging;
+    let mut room = budget.saturating_sub(used as usize).max(1);
     if policy.canary > 0 && !counts.canary_done {
         let left = policy.canary.saturating_sub(counts.updated) as usize;
         if left > 0 {
@@ -233,7 +235,13 @@ pub fn waves(
     while !rest.is_empty() {
         let n = room.min(rest.len());
         let (wave, tail) = rest.split_at(n);
-        push(wave.to_vec(), format!("at most {budget} unavailable at once"));
+        push(
+            wave.to_vec(),
+            format!(
+                "at most {} unavailable and {} surging at once",
+                resolved.max_unavailable, resolved.max_surge
+            ),
+        );
         rest = tail;
         room = budget;
     }
@@ -262,7 +270,8 @@ mod tests {
     #[test]
     fn waves_follow_the_budget_and_the_canary() {
         let mut g = group(RolloutPolicy {
-            max_unavailable: Budget::Count(2),
+            max_unavailable: Budget::Count(1),
+            max_surge: Budget::Count(1),
             canary: 1,
             ..RolloutPolicy::default()
         });

@@ -26,7 +26,7 @@ use contract::{
     Decision, Effect, Epoch, Event, EventReason, Failure, FieldError, Generation, GroupCounts, Intent,
     LogicalNodeId, ManagedNode, NodeHealth, NodeStage, NodeTemplate, Observation, Operation, OperationId,
     OperationInput, OperationResult, Outcome, PendingOp, PermanentFailure, Rejection, ResourceChange,
-    RetryState, Rule, RunId, RunUid, Subject, TraceContext, UnixMillis, backoff_delay,
+    RetryState, Rule, RunId, RunUid, Subject, Surge, TraceContext, UnixMillis, backoff_delay,
 };
 use decider::{DesiredView, SlotSet};
 
@@ -193,6 +193,8 @@ struct Entry {
     /// When the last decision asked for another look on its own.
     wake_at: Option<UnixMillis>,
     last: Option<LastDecision>,
+    /// The successor attempt's last decision, while the slot holds one.
+    succ_last: Option<LastDecision>,
     trace: TraceContext,
     /// What the run's indexes hold for this entry (see `RunState::reindex`).
     indexed: Indexed,
@@ -209,6 +211,8 @@ struct Indexed {
     remediating: bool,
     /// Counted in its group's rollout tally (see [`Slot`]).
     slot: Slot,
+    /// The slot holds a successor attempt.
+    surging: bool,
 }
 
 /// What a node is to its group's rollout, by the shape it is indexed under.
@@ -227,20 +231,50 @@ struct Slot {
 }
 
 impl Slot {
-    fn of(n: &ManagedNode, shape: &ClusterShape, deleting: bool) -> Self {
-        let Some(g) = shape.desired_group(&n.id).filter(|_| !deleting) else {
+    /// What a slot is, from its attempts (the current one and any
+    /// successor, in either order: the marks are the same).
+    fn of<'a>(
+        mut attempts: impl Iterator<Item = &'a ManagedNode>,
+        shape: &ClusterShape,
+        deleting: bool,
+    ) -> Self {
+        let Some(first) = attempts.next() else {
             return Self::default();
         };
-        let available = n.intent == Intent::Active && n.stage.is_ready() && !n.facts.is_impaired();
-        let updated = NodeTemplate::same(&g.template, &n.spec);
-        Self {
+        let Some(g) = shape.desired_group(&first.id).filter(|_| !deleting) else {
+            return Self::default();
+        };
+        let mut slot = Self {
             desired: true,
-            available,
-            updated,
-            updated_ready: updated && available,
-            failed: updated && (n.stage == NodeStage::Failed || n.facts.bootstrap_failed()),
+            ..Self::default()
+        };
+        for n in std::iter::once(first).chain(attempts) {
+            let serves = n.intent == Intent::Active && n.stage.is_ready() && !n.facts.is_impaired();
+            let current = NodeTemplate::same(&g.template, &n.spec);
+            slot.available |= serves;
+            slot.updated |= current;
+            slot.updated_ready |= current && serves;
+            slot.failed |= current && (n.stage == NodeStage::Failed || n.facts.bootstrap_failed());
         }
+        slot
     }
+}
+
+/// Whether an attempt serves: active, ready, neither unhealthy nor lost.
+fn serves(n: &ManagedNode) -> bool {
+    n.intent == Intent::Active && n.stage.is_ready() && !n.facts.is_impaired()
+}
+
+/// The earliest of an attempt's deadlines the run watches: its operation's
+/// deadline plus grace, and an active attempt's stage deadline.
+fn deadline_of(n: &ManagedNode, grace: Duration) -> Option<UnixMillis> {
+    [
+        n.pending.and_then(|p| p.deadline.checked_add(grace).ok()),
+        n.stage_deadline.filter(|_| n.intent == Intent::Active),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
 }
 
 impl Entry {
@@ -251,9 +285,35 @@ impl Entry {
             dirty: true,
             wake_at: None,
             last: None,
+            succ_last: None,
             trace: TraceContext::default(),
             indexed: Indexed::default(),
         }
+    }
+
+    /// The slot's successor attempt is `attempt`.
+    fn is_successor(&self, attempt: AttemptId) -> bool {
+        self.rec
+            .successor
+            .as_ref()
+            .is_some_and(|s| s.node.attempt == attempt)
+    }
+
+    /// Puts the successor attempt in the current attempt's place and the
+    /// current in the successor's (its own inverse): the machinery written for
+    /// a slot's attempt then works on either (see `RunState::on_attempt`).
+    fn swap_successor(&mut self) {
+        if let Some(s) = self.rec.successor.as_deref_mut() {
+            std::mem::swap(&mut self.rec.node, &mut s.node);
+            std::mem::swap(&mut self.rec.next_seq, &mut s.next_seq);
+            std::mem::swap(&mut self.rec.inflight, &mut s.inflight);
+            std::mem::swap(&mut self.last, &mut self.succ_last);
+        }
+    }
+
+    /// The slot's attempts: the current one, then its successor.
+    fn attempts(&self) -> impl Iterator<Item = &ManagedNode> {
+        std::iter::once(&self.rec.node).chain(self.rec.successor.as_deref().map(|s| &s.node))
     }
 }
 
@@ -467,7 +527,11 @@ impl RunState {
             .into_iter()
             .map(|r| (r.node.id.clone(), Box::new(Entry::new(r))))
             .collect();
-        let pending_ops = nodes.values().filter(|e| e.rec.node.pending.is_some()).count();
+        let pending_ops = nodes
+            .values()
+            .flat_map(|e| e.attempts())
+            .filter(|n| n.pending.is_some())
+            .count();
         let ids: Vec<LogicalNodeId> = nodes.keys().cloned().collect();
         let mut run = Self {
             dirty_ids: BTreeSet::new(),
@@ -520,29 +584,39 @@ impl RunState {
         let Some(e) = self.nodes.get_mut(id) else {
             return;
         };
-        let n = &e.rec.node;
-        let deadline = [
-            n.pending.and_then(|p| p.deadline.checked_add(grace).ok()),
-            n.stage_deadline.filter(|_| n.intent == Intent::Active),
-        ]
-        .into_iter()
-        .flatten()
-        .min();
+        // Each attempt of a slot holding two knows the other's part.
+        match e.rec.successor.as_deref_mut() {
+            Some(s) => {
+                s.node.surge = Surge::Successor;
+                e.rec.node.surge = Surge::Current {
+                    successor: s.node.attempt,
+                    successor_ready: serves(&s.node),
+                };
+            }
+            None => e.rec.node.surge = Surge::None,
+        }
+        let deadline = e.attempts().filter_map(|n| deadline_of(n, grace)).min();
         let now = Indexed {
             dirty: e.dirty,
             wake: e.wake_at,
             deadline,
-            impaired: n.stage != NodeStage::Destroyed && n.facts.is_impaired(),
-            remediating: n.retry.remediating,
-            slot: Slot::of(n, &self.meta.shape, self.meta.deleting),
+            impaired: e
+                .attempts()
+                .any(|n| n.stage != NodeStage::Destroyed && n.facts.is_impaired()),
+            remediating: e.attempts().any(|n| n.retry.remediating),
+            slot: Slot::of(e.attempts(), &self.meta.shape, self.meta.deleting),
+            surging: e.rec.successor.is_some(),
         };
         let was = std::mem::replace(&mut e.indexed, now);
-        if (was.impaired, was.remediating, was.slot) != (now.impaired, now.remediating, now.slot) {
+        if (was.impaired, was.remediating, was.slot, was.surging)
+            != (now.impaired, now.remediating, now.slot, now.surging)
+        {
             let c = self.counts.entry(id.group().clone()).or_default();
             c.unhealthy = c.unhealthy + u32::from(now.impaired) - u32::from(was.impaired);
             c.remediating = c.remediating + u32::from(now.remediating) - u32::from(was.remediating);
             c.available = c.available + u32::from(now.slot.available) - u32::from(was.slot.available);
             c.updated = c.updated + u32::from(now.slot.updated) - u32::from(was.slot.updated);
+            c.surging = c.surging + u32::from(now.surging) - u32::from(was.surging);
             let t = self.tallies.entry(id.group().clone()).or_default();
             t.held = t.held + u32::from(now.slot.desired) - u32::from(was.slot.desired);
             t.updated = t.updated + u32::from(now.slot.updated) - u32::from(was.slot.updated);
@@ -609,11 +683,12 @@ impl RunState {
             self.deadlines.remove(&(t, id.clone()));
         }
         let x = e.indexed;
-        if (x.impaired || x.remediating || x.slot != Slot::default())
+        if (x.impaired || x.remediating || x.surging || x.slot != Slot::default())
             && let Some(c) = self.counts.get_mut(id.group())
         {
             c.unhealthy -= u32::from(x.impaired);
             c.remediating -= u32::from(x.remediating);
+            c.surging -= u32::from(x.surging);
             c.available -= u32::from(x.slot.available);
             c.updated -= u32::from(x.slot.updated);
             if let Some(t) = self.tallies.get_mut(id.group()) {
@@ -645,15 +720,10 @@ impl RunState {
             .nodes
             .iter()
             .filter_map(|(id, e)| {
-                let n = &e.rec.node;
-                [
-                    n.pending.and_then(|p| p.deadline.checked_add(grace).ok()),
-                    n.stage_deadline.filter(|_| n.intent == Intent::Active),
-                ]
-                .into_iter()
-                .flatten()
-                .min()
-                .map(|t| (t, id.clone()))
+                e.attempts()
+                    .filter_map(|n| deadline_of(n, grace))
+                    .min()
+                    .map(|t| (t, id.clone()))
             })
             .collect();
         let mut held: HashMap<contract::GroupId, u64> = HashMap::new();
@@ -669,11 +739,14 @@ impl RunState {
         let mut counts: HashMap<contract::GroupId, GroupCounts> = HashMap::new();
         let mut tallies: HashMap<contract::GroupId, Tally> = HashMap::new();
         for (id, e) in &self.nodes {
-            let n = &e.rec.node;
             let c = counts.entry(id.group().clone()).or_default();
-            c.unhealthy += u32::from(n.stage != NodeStage::Destroyed && n.facts.is_impaired());
-            c.remediating += u32::from(n.retry.remediating);
-            let slot = Slot::of(n, &self.meta.shape, self.meta.deleting);
+            c.unhealthy += u32::from(
+                e.attempts()
+                    .any(|n| n.stage != NodeStage::Destroyed && n.facts.is_impaired()),
+            );
+            c.remediating += u32::from(e.attempts().any(|n| n.retry.remediating));
+            c.surging += u32::from(e.rec.successor.is_some());
+            let slot = Slot::of(e.attempts(), &self.meta.shape, self.meta.deleting);
             c.available += u32::from(slot.available);
             c.updated += u32::from(slot.updated);
             let t = tallies.entry(id.group().clone()).or_default();
@@ -865,9 +938,41 @@ impl RunState {
     /// re-inserted by the next pass under a fresh attempt. `None` if the run
     /// holds no such node. The removal is written by the next commit.
     pub fn abandon(&mut self, id: &LogicalNodeId, now: UnixMillis) -> Option<AbandonedNode> {
+        // A slot holding a successor: the current attempt is forgotten and
+        // the successor takes the slot.
+        if let Some(e) = self.nodes.get_mut(id)
+            && let Some(successor) = e.rec.successor.take()
+        {
+            let gone = std::mem::replace(&mut e.rec, *successor);
+            e.last = e.succ_last.take();
+            e.version += 1;
+            e.dirty = true;
+            e.wake_at = None;
+            self.changed.insert(id.clone());
+            self.reindex(id);
+            if gone.node.pending.is_some() {
+                self.pending_ops = self.pending_ops.saturating_sub(1);
+            }
+            self.urgent = true;
+            let n = gone.node;
+            return Some(AbandonedNode {
+                run_uid: self.meta.uid,
+                run_id: self.meta.run_id.clone(),
+                node: id.clone(),
+                attempt: n.attempt,
+                lease: n.facts.lease,
+                endpoint: n.facts.endpoint,
+                session: n.facts.session,
+                pending: n.pending.map(|p| p.id),
+                at: now,
+            });
+        }
         let e = self.remove_entry(id)?;
         let n = &e.rec.node;
         if n.pending.is_some() {
+            self.pending_ops = self.pending_ops.saturating_sub(1);
+        }
+        if e.rec.successor.as_ref().is_some_and(|s| s.node.pending.is_some()) {
             self.pending_ops = self.pending_ops.saturating_sub(1);
         }
         self.changed.remove(id);
@@ -965,14 +1070,14 @@ impl RunState {
             },
             pending: None,
             retry: RetryState::default(),
+            surge: Surge::None,
             stage_deadline: None,
         };
         self.insert_entry(
             o.node.clone(),
             Box::new(Entry::new(NodeRecord {
-                node,
                 next_seq: ORPHAN_SEQ_BASE,
-                inflight: None,
+                ..NodeRecord::new(node)
             })),
         );
         if o.attempt.get() >= self.meta.next_attempt {
@@ -1003,6 +1108,45 @@ impl RunState {
         self.nodes.get(id).map(|e| &e.rec.node)
     }
 
+    /// A slot's successor attempt, while it holds one (SPEC.md section 9).
+    pub fn successor(&self, id: &LogicalNodeId) -> Option<&ManagedNode> {
+        self.nodes.get(id)?.rec.successor.as_deref().map(|s| &s.node)
+    }
+
+    /// Every successor attempt the run's slots hold.
+    pub fn successors(&self) -> impl Iterator<Item = &ManagedNode> {
+        self.nodes
+            .values()
+            .filter_map(|e| e.rec.successor.as_deref().map(|s| &s.node))
+    }
+
+    /// A successor's last decision.
+    pub fn successor_decision(&self, id: &LogicalNodeId) -> Option<&LastDecision> {
+        self.nodes.get(id)?.succ_last.as_ref()
+    }
+
+    /// Runs `f` with `attempt` of slot `id` in the slot's current place: a
+    /// successor's result, observation, change or decision is then folded by
+    /// the same code as any attempt's, and put back after (the indexes are
+    /// synced once it is).
+    fn on_attempt<R>(&mut self, id: &LogicalNodeId, attempt: AttemptId, f: impl FnOnce(&mut Self) -> R) -> R {
+        let swapped = match self.nodes.get_mut(id) {
+            Some(e) if e.is_successor(attempt) => {
+                e.swap_successor();
+                true
+            }
+            _ => false,
+        };
+        let out = f(self);
+        if swapped {
+            if let Some(e) = self.nodes.get_mut(id) {
+                e.swap_successor();
+            }
+            self.reindex(id);
+        }
+        out
+    }
+
     pub fn node_count(&self) -> usize {
         self.nodes.len()
     }
@@ -1031,14 +1175,16 @@ impl RunState {
     pub fn inflight_operations(&self) -> Vec<Operation> {
         self.nodes
             .values()
-            .filter_map(|e| e.rec.inflight.as_deref().cloned())
+            .flat_map(|e| std::iter::once(&e.rec).chain(e.rec.successor.as_deref()))
+            .filter_map(|r| r.inflight.as_deref().cloned())
             .collect()
     }
 
     pub fn pending_count(&self) -> usize {
         self.nodes
             .values()
-            .filter(|e| e.rec.node.pending.is_some())
+            .flat_map(|e| e.attempts())
+            .filter(|n| n.pending.is_some())
             .count()
     }
 
@@ -1055,6 +1201,10 @@ impl RunState {
             let Some(t) = desired.template_for(&n.id) else {
                 return false;
             };
+            // A slot still holding two attempts is mid-rollout.
+            if e.rec.successor.is_some() {
+                return false;
+            }
             // Converged means observed: a lost or unhealthy node is not ready.
             if !(NodeTemplate::same(t, &n.spec)
                 && n.is_ready()
@@ -1563,7 +1713,8 @@ impl RunState {
     pub fn plan_nodes<'a>(&'a self, plan: &'a PassPlan) -> impl Iterator<Item = &'a ManagedNode> + 'a {
         plan.nodes
             .iter()
-            .filter_map(|(id, _)| self.nodes.get(id).map(|e| &e.rec.node))
+            .filter_map(|(id, _)| self.nodes.get(id))
+            .flat_map(|e| e.attempts())
     }
 
     /// Abandons a pass whose decision never came (decider unreachable): nothing
@@ -1626,7 +1777,11 @@ impl RunState {
             let fresh = match d.action {
                 Action::Insert => !self.nodes.contains_key(&d.node),
                 _ => match (self.nodes.get(&d.node), versions.get(&d.node)) {
-                    (Some(e), Some(v)) => *v == e.version && Some(e.rec.node.attempt) == d.attempt,
+                    (Some(e), Some(v)) => {
+                        *v == e.version
+                            && d.attempt
+                                .is_some_and(|a| a == e.rec.node.attempt || e.is_successor(a))
+                    }
                     _ => false,
                 },
             };
@@ -1650,6 +1805,13 @@ impl RunState {
                 held_now
                     .entry(d.node.group().clone())
                     .or_insert_with(|| d.reason.to_string());
+            }
+            let successor = d
+                .attempt
+                .is_some_and(|a| self.nodes.get(&d.node).is_some_and(|e| e.is_successor(a)));
+            if successor {
+                self.apply_to_successor(d, now, &mut ops)?;
+                continue;
             }
             if self.meta.paused && !matches!(d.action, Action::Wait { .. }) {
                 // Paused: nothing new happens; the decision is kept for explain.
@@ -1682,6 +1844,47 @@ impl RunState {
         Ok(out)
     }
 
+    /// A decision for a slot's successor attempt: a wait is kept beside the
+    /// current attempt's (the slot wakes at the earlier), a reap drops the
+    /// successor, and the rest is applied as to any attempt.
+    fn apply_to_successor(
+        &mut self,
+        d: Decision,
+        now: UnixMillis,
+        ops: &mut Vec<Operation>,
+    ) -> Result<(), CoreError> {
+        let paused = self.meta.paused;
+        let id = d.node.clone();
+        let Some(e) = self.nodes.get_mut(&id) else {
+            return Ok(());
+        };
+        match d.action {
+            Action::Wait { until } => {
+                let wake = until.filter(|t| *t > now);
+                e.wake_at = match (e.wake_at, wake) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                e.succ_last = Some(LastDecision { decision: d, at: now });
+            }
+            _ if paused => e.succ_last = Some(LastDecision { decision: d, at: now }),
+            Action::Reap => {
+                e.rec.successor = None;
+                e.succ_last = None;
+                e.version += 1;
+                e.dirty = true;
+                e.wake_at = None;
+                self.changed.insert(id.clone());
+            }
+            _ => {
+                let attempt = d.attempt.unwrap_or(AttemptId::new(0));
+                return self.on_attempt(&id, attempt, |run| run.apply_one(d, now, ops));
+            }
+        }
+        self.reindex(&id);
+        Ok(())
+    }
+
     fn record_decision(&mut self, d: &Decision, now: UnixMillis, wake: Option<UnixMillis>) {
         if matches!(d.rule, Rule::RemediationBudget | Rule::RolloutBudget) {
             self.budget_held.insert(d.node.clone());
@@ -1711,11 +1914,7 @@ impl RunState {
                 };
                 let attempt = self.allocate_attempt()?;
                 let node = ManagedNode::new(d.node.clone(), attempt, template, RetryState::default());
-                let mut e = Box::new(Entry::new(NodeRecord {
-                    node,
-                    next_seq: 1,
-                    inflight: None,
-                }));
+                let mut e = Box::new(Entry::new(NodeRecord::new(node)));
                 e.last = Some(LastDecision {
                     decision: d.clone(),
                     at: now,
@@ -1725,9 +1924,38 @@ impl RunState {
                 self.insert_entry(d.node, e);
             }
             Action::Reap => {
+                // A current attempt cleaned up leaves the slot to its
+                // successor.
+                if let Some(e) = self.nodes.get_mut(&d.node)
+                    && let Some(successor) = e.rec.successor.take()
+                {
+                    e.rec = *successor;
+                    e.last = e.succ_last.take();
+                    e.version += 1;
+                    e.dirty = true;
+                    e.wake_at = None;
+                    self.changed.insert(d.node.clone());
+                    self.reindex(&d.node);
+                    return Ok(());
+                }
                 self.remove_entry(&d.node);
                 self.changed.remove(&d.node);
                 self.removed.insert(d.node);
+            }
+            Action::Surge => {
+                let Some(template) = self.meta.shape.desired_group(&d.node).map(|g| g.template.clone())
+                else {
+                    return Ok(());
+                };
+                // One successor per slot, ever at once.
+                if self.nodes.get(&d.node).is_none_or(|e| e.rec.successor.is_some()) {
+                    return Ok(());
+                }
+                let attempt = self.allocate_attempt()?;
+                let node = ManagedNode::new(d.node.clone(), attempt, template, RetryState::default());
+                self.change(&d.node, now, &d, |rec| {
+                    rec.successor = Some(Box::new(NodeRecord::new(node)));
+                });
             }
             Action::Restart => {
                 let Some(template) = self.meta.shape.desired_group(&d.node).map(|g| g.template.clone())
@@ -1991,6 +2219,10 @@ impl RunState {
 
     /// Folds an operation result into the attempt and operation it names.
     pub fn fold_result(&mut self, r: &OperationResult, now: UnixMillis) -> Result<Fold, CoreError> {
+        self.on_attempt(&r.node, r.id.attempt(), |run| run.fold_result_in_place(r, now))
+    }
+
+    fn fold_result_in_place(&mut self, r: &OperationResult, now: UnixMillis) -> Result<Fold, CoreError> {
         let fold = self.check_result(r);
         if let Fold::Discarded(why) = fold {
             if why != Discard::OtherRun {
@@ -2226,6 +2458,10 @@ impl RunState {
 
     /// Folds a bootstrap observation into the session it names.
     pub fn fold_observation(&mut self, o: &Observation, now: UnixMillis) -> Result<Fold, CoreError> {
+        self.on_attempt(&o.node, o.attempt, |run| run.fold_observation_in_place(o, now))
+    }
+
+    fn fold_observation_in_place(&mut self, o: &Observation, now: UnixMillis) -> Result<Fold, CoreError> {
         let fold = self.check_observation(o);
         if let Fold::Discarded(why) = fold {
             if !matches!(why, Discard::OtherRun | Discard::SessionNotYetKnown) {
@@ -2290,6 +2526,16 @@ impl RunState {
     /// being deleted or of an attempt that already failed changes nothing;
     /// every change is acknowledged once its fold is committed.
     pub fn fold_resource_change(&mut self, c: &ResourceChange, now: UnixMillis) -> Result<Fold, CoreError> {
+        self.on_attempt(&c.node, c.attempt, |run| {
+            run.fold_resource_change_in_place(c, now)
+        })
+    }
+
+    fn fold_resource_change_in_place(
+        &mut self,
+        c: &ResourceChange,
+        now: UnixMillis,
+    ) -> Result<Fold, CoreError> {
         if c.run_uid != self.meta.uid {
             return Ok(Fold::Discarded(Discard::OtherRun));
         }
@@ -2437,7 +2683,7 @@ impl RunState {
     /// flight (whose result may change that). The inventory resync compares
     /// them with the executor's inventory.
     pub fn leases_held(&self) -> impl Iterator<Item = (&LogicalNodeId, AttemptId)> {
-        self.nodes.values().map(|e| &e.rec.node).filter_map(|n| {
+        self.nodes.values().flat_map(|e| e.attempts()).filter_map(|n| {
             let live = n.intent == Intent::Active
                 && n.facts.lease.is_some()
                 && n.pending.is_none()
@@ -2515,6 +2761,18 @@ impl RunState {
         reason: &str,
         now: UnixMillis,
     ) -> Result<Fold, CoreError> {
+        self.on_attempt(node, id.attempt(), |run| {
+            run.fold_submit_failure_in_place(id, node, reason, now)
+        })
+    }
+
+    fn fold_submit_failure_in_place(
+        &mut self,
+        id: OperationId,
+        node: &LogicalNodeId,
+        reason: &str,
+        now: UnixMillis,
+    ) -> Result<Fold, CoreError> {
         let effect = match self.nodes.get(node).and_then(|e| e.rec.node.pending) {
             Some(p) if p.id == id => p.effect,
             _ => return Ok(Fold::Discarded(Discard::UnknownOperation)),
@@ -2546,20 +2804,20 @@ impl RunState {
             return Ok(Fold::Discarded(Discard::UnknownOperation));
         }
         // Rejections are rare; finding the node by its pending id is a scan.
-        let Some((node, effect)) = self.nodes.iter().find_map(|(nid, e)| match e.rec.node.pending {
-            Some(p) if p.id == id => Some((nid.clone(), p.effect)),
-            _ => None,
+        let Some((node, effect)) = self.nodes.iter().find_map(|(nid, e)| {
+            e.attempts().find_map(|n| match n.pending {
+                Some(p) if p.id == id => Some((nid.clone(), p.effect)),
+                _ => None,
+            })
         }) else {
             return Ok(Fold::Discarded(Discard::UnknownOperation));
         };
-        self.fold_outcome(
-            &node,
-            effect,
-            &Outcome::Retryable {
-                reason: format!("rejected ({}): {}", rej.reason.name(), rej.message),
-            },
-            now,
-        )?;
+        let outcome = Outcome::Retryable {
+            reason: format!("rejected ({}): {}", rej.reason.name(), rej.message),
+        };
+        self.on_attempt(&node, id.attempt(), |run| {
+            run.fold_outcome(&node, effect, &outcome, now)
+        })?;
         Ok(Fold::Folded)
     }
 
@@ -2583,30 +2841,36 @@ impl RunState {
             let Some(e) = self.nodes.get(id) else {
                 continue;
             };
-            let n = &e.rec.node;
-            if let Some(p) = n.pending
-                && p.deadline.checked_add(grace).is_ok_and(|t| t <= now)
-            {
-                expired_ops.push((id.clone(), p.effect));
-            }
-            if n.intent == Intent::Active && n.stage_deadline.is_some_and(|t| t <= now) {
-                expired_stages.push(id.clone());
+            for n in e.attempts() {
+                if let Some(p) = n.pending
+                    && p.deadline.checked_add(grace).is_ok_and(|t| t <= now)
+                {
+                    expired_ops.push((id.clone(), n.attempt, p.effect));
+                }
+                if n.intent == Intent::Active && n.stage_deadline.is_some_and(|t| t <= now) {
+                    expired_stages.push((id.clone(), n.attempt));
+                }
             }
         }
         let mut folded = 0;
-        for (id, effect) in expired_ops {
-            self.fold_outcome(
-                &id,
-                effect,
-                &Outcome::Ambiguous {
-                    reason: "no result by the operation's deadline".to_owned(),
-                },
-                now,
-            )?;
+        let ambiguous = Outcome::Ambiguous {
+            reason: "no result by the operation's deadline".to_owned(),
+        };
+        for (id, attempt, effect) in expired_ops {
+            self.on_attempt(&id, attempt, |run| run.fold_outcome(&id, effect, &ambiguous, now))?;
             self.counters.deadline_folds += 1;
             folded += 1;
         }
-        for id in expired_stages {
+        for (id, attempt) in expired_stages {
+            folded += self.on_attempt(&id, attempt, |run| run.expire_stage(id.clone(), now))?;
+        }
+        Ok(folded)
+    }
+
+    /// The current attempt of `id` missed its stage deadline: it fails.
+    fn expire_stage(&mut self, id: LogicalNodeId, now: UnixMillis) -> Result<u32, CoreError> {
+        let mut folded = 0;
+        {
             let failures = self
                 .nodes
                 .get(&id)

@@ -59,6 +59,21 @@ pub struct NodeRecord {
     pub node: ManagedNode,
     pub next_seq: u32,
     pub inflight: Option<Box<Operation>>,
+    /// The slot's successor attempt under a rollout's surge, stored with
+    /// the slot (its own `successor` is always `None`).
+    pub successor: Option<Box<NodeRecord>>,
+}
+
+impl NodeRecord {
+    /// A fresh attempt's record.
+    pub fn new(node: ManagedNode) -> Self {
+        Self {
+            node,
+            next_seq: 1,
+            inflight: None,
+            successor: None,
+        }
+    }
 }
 
 /// The writes of one pass (or one fold batch) for one run.

@@ -162,7 +162,7 @@ impl Guarantee {
             }
             Guarantee::G24RolloutWithinBudget => {
                 "a rollout never has more of a group's desired slots unavailable because of it than \
-                 max_unavailable (successors are not built: a budget of 0 is 1)"
+                 max_unavailable"
             }
             Guarantee::NoDoubleCreate => "never two resources for one identity (no double-create)",
             Guarantee::ConvergedLeaksNothing => "a converged or deleted run leaves nothing at the backend",
@@ -451,7 +451,7 @@ impl Oracle {
     fn event(&mut self, e: &Event) {
         match e {
             Event::Transition(t) => self.transition(t),
-            Event::SubmitContext { id, node, .. } => self.context = Some((*id, node.clone())),
+            Event::SubmitContext { id, node, .. } => self.context = Some((*id, node.as_deref().cloned())),
             Event::Submitted { op, recorded } => {
                 let node = match self.context.take() {
                     Some((id, node)) if id == op.id => node,
@@ -1996,8 +1996,8 @@ impl Oracle {
     /// that begins its cleanup starts its slot's rollout replacement; the
     /// slot counts against its group's rollout until it serves again (or is
     /// no longer desired). When slots start, the group's count must be
-    /// within `max_unavailable` (a percentage rounded down; 0 is 1 while
-    /// successors are not built).
+    /// within `max_unavailable` (a percentage rounded down; with no surge
+    /// either, 1).
     fn g24_rollout_budget(&mut self, t: &Transition) {
         // A deleting run wants nothing: its cleanups are no rollout's.
         if self.deleting {
@@ -2030,7 +2030,7 @@ impl Oracle {
                 continue;
             }
             self.rolling.extend(started.iter().cloned());
-            let budget = g.policy.rollout.max_unavailable.resolve(g.count).max(1) as usize;
+            let budget = g.policy.rollout.resolve(g.count).max_unavailable as usize;
             let rolling = self.rolling.iter().filter(|id| id.group() == &g.id).count();
             if rolling > budget {
                 let names: Vec<String> = started.iter().map(ToString::to_string).collect();

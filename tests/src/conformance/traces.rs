@@ -586,7 +586,7 @@ impl Translator {
                 let op = op.op()?;
                 out.push(Event::SubmitContext {
                     id: op.id,
-                    node: dispatch.as_ref().and_then(|d| d.node.clone()),
+                    node: dispatch.as_ref().and_then(|d| d.node.clone()).map(Box::new),
                     store_pending: None,
                 });
                 out.push(Event::Submitted {

@@ -93,6 +93,10 @@ pub fn group_policy() -> contract::GroupPolicy {
         // convergence does not make.
         rollout: contract::RolloutPolicy {
             progress_deadline_ms: contract::rollout::MAX_PROGRESS_DEADLINE_MS,
+            // Successors are not in the battery yet (its oracle reads one
+            // attempt per slot); tests/rollout.rs and the core's tests
+            // exercise surge.
+            max_surge: contract::Budget::Count(0),
             ..Default::default()
         },
     }
