@@ -58,8 +58,8 @@ type PhaseKey = (u64, bool, bool, bool, bool, bool);
 /// What a run holds, for the inventory resync.
 #[derive(Debug, Default)]
 pub struct Held {
-    /// Every node, at its current attempt.
-    pub nodes: Vec<(LogicalNodeId, contract::AttemptId)>,
+    /// Every node, at its current attempt and its successor's, if any.
+    pub nodes: Vec<(LogicalNodeId, crate::orphans::Attempts)>,
     /// The nodes whose lease the run believes live.
     pub leases: Vec<(LogicalNodeId, contract::AttemptId)>,
 }
@@ -651,7 +651,17 @@ impl RunActor {
             }
             RunEvent::Holdings { reply } => {
                 let _ = reply.send(Held {
-                    nodes: self.run.nodes().map(|n| (n.id.clone(), n.attempt)).collect(),
+                    nodes: self
+                        .run
+                        .nodes()
+                        .map(|n| {
+                            let attempts = crate::orphans::Attempts {
+                                current: n.attempt,
+                                successor: self.run.successor(&n.id).map(|s| s.attempt),
+                            };
+                            (n.id.clone(), attempts)
+                        })
+                        .collect(),
                     leases: self.run.leases_held().map(|(n, a)| (n.clone(), a)).collect(),
                 });
             }

@@ -55,8 +55,30 @@ pub fn key_of(r: &InventoryResource) -> ResourceKey {
     (r.identity.run_uid, r.identity.node.clone(), r.identity.attempt)
 }
 
-/// What the driver holds: run uid → node → current attempt.
-pub type Holdings = HashMap<RunUid, HashMap<LogicalNodeId, AttemptId>>;
+/// What the driver holds: run uid → node → its current attempt and any
+/// successor.
+pub type Holdings = HashMap<RunUid, HashMap<LogicalNodeId, Attempts>>;
+
+/// The attempts a run holds for one slot: its current attempt, and a
+/// successor while a rollout's surge provisions one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempts {
+    pub current: AttemptId,
+    pub successor: Option<AttemptId>,
+}
+
+impl Attempts {
+    pub fn one(current: AttemptId) -> Self {
+        Self {
+            current,
+            successor: None,
+        }
+    }
+
+    pub fn contains(&self, attempt: AttemptId) -> bool {
+        self.current == attempt || self.successor == Some(attempt)
+    }
+}
 
 /// One reading of the executor's inventory, decoded where it was read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -95,7 +117,7 @@ pub fn unwanted<'a>(inventory: &'a [InventoryResource], held: &Holdings) -> Vec<
         .filter(|r| {
             held.get(&r.identity.run_uid)
                 .and_then(|nodes| nodes.get(&r.identity.node))
-                .is_none_or(|attempt| *attempt != r.identity.attempt)
+                .is_none_or(|attempts| !attempts.contains(r.identity.attempt))
         })
         .collect()
 }
@@ -261,7 +283,7 @@ impl Orphans {
             }
             let id = &r.identity;
             let reason = match held.get(&id.run_uid).map(|nodes| nodes.get(&id.node)) {
-                Some(Some(attempt)) => format!(
+                Some(Some(Attempts { current: attempt, .. })) => format!(
                     "found by the orphan sweep: run {} holds node {} at attempt {}; this older \
                      attempt is destroyed once the slot is free",
                     id.run_id,
@@ -491,7 +513,7 @@ mod tests {
         for (u, n, attempt) in entries {
             h.entry(uid(*u))
                 .or_default()
-                .insert(node(n), AttemptId::new(*attempt));
+                .insert(node(n), Attempts::one(AttemptId::new(*attempt)));
         }
         h
     }
@@ -505,6 +527,21 @@ mod tests {
         let inv = vec![res(1, "a-0", 1), res(1, "a-1", 2)];
         let h = held(&[(1, "a-0", 1), (1, "a-1", 2)]);
         assert!(unwanted(&inv, &h).is_empty());
+    }
+
+    #[test]
+    fn a_slots_successor_is_held_too() {
+        let inv = vec![res(1, "a-0", 1), res(1, "a-0", 5), res(1, "a-0", 4)];
+        let mut h = held(&[(1, "a-0", 1)]);
+        if let Some(a) = h.get_mut(&uid(1)).and_then(|nodes| nodes.get_mut(&node("a-0"))) {
+            a.successor = Some(AttemptId::new(5));
+        }
+        let keys: Vec<ResourceKey> = unwanted(&inv, &h).into_iter().map(key_of).collect();
+        assert_eq!(
+            keys,
+            vec![key(1, "a-0", 4)],
+            "only the attempt neither current nor successor"
+        );
     }
 
     #[test]

@@ -2539,10 +2539,10 @@ mod tests {
         assert_eq!(insert.attempt, None);
         assert_eq!(
             err_of(Decision::try_from(pb::Decision {
-                rule: 19,
+                rule: 20,
                 ..good.clone()
             })),
-            FieldError::new("rule", Problem::UnknownValue(19))
+            FieldError::new("rule", Problem::UnknownValue(20))
         );
         assert_eq!(
             err_of(Decision::try_from(pb::Decision {

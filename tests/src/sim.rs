@@ -584,10 +584,13 @@ impl Sim {
 
     fn recorded_in(store: &MemStore, op: &Operation) -> Option<PendingOp> {
         let runs = store.load_all().ok()?;
+        // The operation's attempt: the slot's current one or its successor.
         runs.iter()
             .filter(|r| r.meta.uid == op.run_uid)
             .flat_map(|r| r.nodes.iter())
-            .find(|n| n.node.id == op.node)
+            .filter(|n| n.node.id == op.node)
+            .flat_map(|n| std::iter::once(n).chain(n.successor.as_deref()))
+            .find(|n| n.node.attempt == op.id.attempt())
             .and_then(|n| n.node.pending)
     }
 
@@ -1265,8 +1268,15 @@ impl Sim {
         )
     }
 
-    /// Slots whose resources belong to more than one attempt at once.
+    /// Slots whose resources belong to more than one attempt at once (what
+    /// a rollout without surge never makes).
     pub fn slots_with_two_attempts(&self) -> Vec<LogicalNodeId> {
+        self.slots_over(1)
+    }
+
+    /// Slots whose resources belong to more than `most` attempts at once
+    /// (with surge, a slot holds its current attempt and one successor).
+    pub fn slots_over(&self, most: usize) -> Vec<LogicalNodeId> {
         let mut per_slot: BTreeMap<LogicalNodeId, BTreeSet<contract::AttemptId>> = BTreeMap::new();
         for r in self.fake.inventory() {
             per_slot
@@ -1276,7 +1286,7 @@ impl Sim {
         }
         per_slot
             .into_iter()
-            .filter(|(_, a)| a.len() > 1)
+            .filter(|(_, a)| a.len() > most)
             .map(|(s, _)| s)
             .collect()
     }

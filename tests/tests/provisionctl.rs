@@ -434,11 +434,14 @@ async fn plan_shows_inserts_scale_down_and_replacements_and_changes_nothing() {
     assert_eq!(v["field_changes"]["workers"][0]["path"], "template.image");
     let replaced = ctl.write("p3.yaml", &shape("plan", 6, "img:2"));
     let out = ctl.run(&["plan", "-f", &replaced]).await.expect(0);
-    // One node goes at once (25% of 6 rounds down to 1 unavailable); the
-    // rest wait for the budget, in the waves the plan lists.
+    // The defaults for 6 nodes: two successors at once (25% rounded up) and
+    // one node down (25% rounded down); the rest wait for the budget, in the
+    // waves the plan lists.
     assert!(out.stdout.contains("6 to replace"), "{}", out.stdout);
     assert!(
-        out.stdout.contains("rule 17 (rollout-budget)") && out.stdout.contains("rollout in 6 waves"),
+        out.stdout.contains("rule 19 (surge-insert)")
+            && out.stdout.contains("rule 17 (rollout-budget)")
+            && out.stdout.contains("rollout in 2 waves"),
         "{}",
         out.stdout
     );
