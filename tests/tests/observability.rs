@@ -248,8 +248,8 @@ fn now_ns() -> u64 {
 /// its own service name, with a short safety tick so idle ticks happen.
 /// The batch span processor's export cadence and the exporter's timeout in
 /// traced clusters (`OTEL_BSP_SCHEDULE_DELAY`, `OTEL_EXPORTER_OTLP_TIMEOUT`):
-/// an export to a receiver that is gone waits for it at most this long (the
-/// channel reconnects meanwhile), and is then counted failed.
+/// an export to a receiver that is gone retries for at most this long, and
+/// is then counted failed.
 const EXPORT_DELAY_MS: u64 = 100;
 const EXPORT_TIMEOUT_MS: u64 = 500;
 
@@ -1159,33 +1159,6 @@ async fn the_exporter_reports_failures_and_recovery_and_counters_start_at_zero()
     // The receiver goes away; the services go on, and say so once.
     serving.stop().await;
     converge_one(&cluster, "during").await;
-    // The run's last spans may still sit in the batch queue, or in an export
-    // waiting for the channel to reconnect, when the receiver comes back,
-    // and would then be delivered (as they should: they are dropped only
-    // when an export fails). Exports here are 100 ms apart and give up after
-    // half a second; once an export that began after the run converged has
-    // had time to fail, and one is counted failed, every span of `during`
-    // went to a failing export. Another run's spans keep the exporter busy.
-    let dropped_total = |samples: &[Sample]| {
-        sum(
-            samples,
-            "provisioning_telemetry_spans_dropped_total",
-            &[("reason", "export_failed")],
-        )
-    };
-    let dropped_then = dropped_total(&scrape(&cluster.driver).await.0);
-    let converged_at = std::time::Instant::now();
-    converge_one(&cluster, "during-2").await;
-    eventually(
-        CONVERGE,
-        "an export that began after the run converged failed",
-        || async {
-            let later = converged_at.elapsed() > Duration::from_millis(EXPORT_TIMEOUT_MS + EXPORT_DELAY_MS);
-            (later && dropped_total(&scrape(&cluster.driver).await.0) > dropped_then).then_some(())
-        },
-    )
-    .await
-    .unwrap();
     for service in services() {
         let log = service.log_file().to_path_buf();
         eventually(
@@ -1240,10 +1213,19 @@ async fn the_exporter_reports_failures_and_recovery_and_counters_start_at_zero()
     .unwrap();
     let (after, _) = scrape(&cluster.driver).await;
     assert!(sum(&after, "provisioning_telemetry_spans_exported_total", &[]) > exported_before);
-    assert_eq!(
+    // The outage lost spans: the first failed export held the first spans of
+    // run `during` (those of `before` were received before the receiver
+    // went), so fewer of its spans arrived than of the same run made while
+    // the receiver was up. (Its last spans may arrive: an export retries
+    // within its timeout and succeeds if the receiver is back by then.)
+    let (before_spans, during_spans) = (
+        spans_of_run(&receiver, "provisioning-driver", "before"),
         spans_of_run(&receiver, "provisioning-driver", "during"),
-        0,
-        "spans of the outage reached the receiver"
+    );
+    assert!(
+        during_spans < before_spans,
+        "{during_spans} spans of the outage's run arrived, as many as the {before_spans} of a run made \
+         with the receiver up: none was dropped"
     );
 
     stop(&mut cluster).await;
