@@ -4,7 +4,13 @@
 //! cargo build --release --workspace --bins
 //! target/release/bench                       # every row, sizes 1k,10k,100k
 //! target/release/bench --sizes 1000,10000 --only decider,rpc
+//! target/release/bench --sizes 100000 --only rollout   # not in the default set
 //! ```
+//!
+//! `rollout` changes every node's template in process (driver core, decider
+//! library, executor core and fake provider) once with `max_surge: 10%` and
+//! nothing taken down, and once with every node allowed down at once, and
+//! reports each change's time and passes.
 //!
 //! Prints a table and writes it as CSV (`--csv`, default `target/bench.csv`).
 //! Figures are wall-clock on the machine that runs it; ratios compare rows
@@ -267,36 +273,70 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
 /// The three cores in one process, zero backend latency: wall time to converge.
 fn in_process(n: u64) -> anyhow::Result<(Duration, u64)> {
     let start = Instant::now();
-    let uid = RunUid::from_u128(7);
-    let mut run = RunState::create(shape(n), uid, Epoch::new(1), Arc::new(bench_policy()), NOW)?;
-    let store = MemStore::new();
-    let mut exec = ExecutorCore::new();
-    exec.claim(&contract::Claim {
-        run_uid: uid,
-        run_id: run.run_id().clone(),
-        epoch: Epoch::new(1),
-    })
-    .map_err(|r| anyhow::anyhow!("{r:?}"))?;
-    let mut fake = FakeProvider::new(FakeConfig {
-        latency_ms: (0, 0),
-        stage_interval_ms: 0,
-        ..FakeConfig::default()
-    });
-    let now = NOW;
-    let mut passes = 0u64;
-    for _ in 0..1000 {
-        if run.is_converged() {
-            return Ok((start.elapsed(), passes));
-        }
-        if run.needs_pass(now) {
+    let mut c = Composition::new(shape(n))?;
+    let passes = c.converge()?;
+    Ok((start.elapsed(), passes))
+}
+
+/// The driver core, the decider library and the executor core with the
+/// fake provider in one thread, as `in_process` composes them.
+struct Composition {
+    run: RunState,
+    store: MemStore,
+    exec: ExecutorCore,
+    fake: FakeProvider,
+    uid: RunUid,
+}
+
+impl Composition {
+    fn new(shape: ClusterShape) -> anyhow::Result<Self> {
+        let uid = RunUid::from_u128(7);
+        let run = RunState::create(shape, uid, Epoch::new(1), Arc::new(bench_policy()), NOW)?;
+        let mut exec = ExecutorCore::new();
+        exec.claim(&contract::Claim {
+            run_uid: uid,
+            run_id: run.run_id().clone(),
+            epoch: Epoch::new(1),
+        })
+        .map_err(|r| anyhow::anyhow!("{r:?}"))?;
+        let fake = FakeProvider::new(FakeConfig {
+            latency_ms: (0, 0),
+            stage_interval_ms: 0,
+            ..FakeConfig::default()
+        });
+        Ok(Self {
+            run,
+            store: MemStore::new(),
+            exec,
+            fake,
+            uid,
+        })
+    }
+
+    /// Passes until the run converges; how many it took.
+    fn converge(&mut self) -> anyhow::Result<u64> {
+        let Self {
+            run,
+            store,
+            exec,
+            fake,
+            uid,
+        } = self;
+        let now = NOW;
+        for passes in 0..100_000u64 {
+            if run.is_converged() {
+                return Ok(passes);
+            }
+            if !run.needs_pass(now) {
+                anyhow::bail!("the run waits for nothing but has not converged");
+            }
             let plan = run.begin_pass(now)?;
             let out = {
                 let view = run.desired_view();
                 decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
             };
             let mut outcome = run.apply_decisions(plan, out, now)?;
-            passes += 1;
-            let mut queue: Vec<Operation> = outcome.take_commit().persist_to(&store)?.operations;
+            let mut queue: Vec<Operation> = outcome.take_commit().persist_to(&*store)?.operations;
             let mut results = Vec::new();
             while let Some(op) = queue.pop() {
                 for o in exec.submit(op, now) {
@@ -333,14 +373,84 @@ fn in_process(n: u64) -> anyhow::Result<(Duration, u64)> {
                     }
                 }
             }
-            for a in run.take_commit().persist_to(&store)?.acks {
+            for a in run.take_commit().persist_to(&*store)?.acks {
                 if let driver_svc::core::AckRef::Result(id) = a {
-                    exec.ack_result(uid, id);
+                    exec.ack_result(*uid, id);
                 }
             }
         }
+        anyhow::bail!("in-process composition did not converge")
     }
-    anyhow::bail!("in-process composition did not converge")
+}
+
+/// A template change of every node of an `n`-node run, in process: once
+/// within a rollout budget of `max_surge: 10%` (and nothing taken down),
+/// once with no budget to speak of (every node may be down at once).
+fn bench_rollout(t: &mut Table, n: u64) -> anyhow::Result<()> {
+    let policies = [
+        (
+            "max_surge 10%",
+            contract::RolloutPolicy {
+                max_unavailable: contract::Budget::Count(0),
+                max_surge: contract::Budget::Percent(10),
+                ..Default::default()
+            },
+        ),
+        (
+            "max_unavailable 100%",
+            contract::RolloutPolicy {
+                max_unavailable: contract::Budget::Percent(100),
+                max_surge: contract::Budget::Count(0),
+                ..Default::default()
+            },
+        ),
+    ];
+    let mut figures = Vec::new();
+    for (name, policy) in policies {
+        let mut first = shape(n);
+        for g in &mut first.groups {
+            g.policy.rollout = policy;
+        }
+        let mut c = Composition::new(first.clone())?;
+        c.converge()?;
+        let mut changed = first;
+        changed.generation = Generation::new(2);
+        for g in &mut changed.groups {
+            Arc::make_mut(&mut g.template).image = "img:2".to_owned();
+        }
+        c.run.apply_shape(changed)?;
+        let start = Instant::now();
+        let passes = c.converge()?;
+        figures.push((name, start.elapsed(), passes));
+    }
+    let base = figures.last().map_or(Duration::ZERO, |f| f.1);
+    for (name, took, passes) in figures {
+        let ratio = if base.is_zero() {
+            String::new()
+        } else {
+            format!(
+                "{:.2}x the unbudgeted change",
+                took.as_secs_f64() / base.as_secs_f64()
+            )
+        };
+        t.add(
+            "rollout",
+            n,
+            &format!("time ({name})"),
+            took.as_secs_f64() * 1e3,
+            "ms",
+            ratio,
+        );
+        t.add(
+            "rollout",
+            n,
+            &format!("passes ({name})"),
+            passes as f64,
+            "",
+            String::new(),
+        );
+    }
+    Ok(())
 }
 
 fn bench_policy() -> Policy {
@@ -687,7 +797,7 @@ async fn main() -> anyhow::Result<()> {
             }
             "--help" | "-h" => {
                 println!(
-                    "bench [--sizes 1000,10000,100000] [--only decider,rpc,e2e,throughput] [--csv PATH] \
+                    "bench [--sizes 1000,10000,100000] [--only decider,rpc,e2e,throughput,rollout] [--csv PATH] \
                      [--throughput-ops 20000]"
                 );
                 return Ok(());
@@ -721,6 +831,12 @@ async fn main() -> anyhow::Result<()> {
     if want("e2e") {
         for &n in &sizes {
             bench_e2e(&mut t, n).await?;
+        }
+    }
+    // Not in the default set: at 100,000 nodes it takes minutes.
+    if only.as_ref().is_some_and(|o| o.contains("rollout")) {
+        for &n in &sizes {
+            bench_rollout(&mut t, n)?;
         }
     }
     if let Some(dir) = std::path::Path::new(&csv).parent() {
