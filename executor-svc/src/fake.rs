@@ -348,6 +348,13 @@ pub struct FakeProvider {
     /// is first asked for its changes.
     last_tick: Option<u64>,
     nodes: BTreeMap<ResourceIdentity, FakeNode>,
+    /// A held identity under its `(run uid, attempt)` (the first held, when
+    /// a confused caller gives two resources one attempt), so that
+    /// [`FakeProvider::probe`] finds a resource without walking `nodes`, each
+    /// step of which compares two identities' strings: the executor probes
+    /// every watched resource once per interval (100,000 of them a second
+    /// in the bench). Every entry is in `nodes`.
+    by_attempt: BTreeMap<(RunUid, AttemptId), ResourceIdentity>,
     /// The time of each session's next stage, so the next observation is found
     /// without scanning every node. One entry per session with stages left.
     agenda: BTreeSet<(UnixMillis, ResourceIdentity)>,
@@ -367,6 +374,18 @@ const NO_SUCH_LEASE: &str = "no such lease";
 
 /// Tells the day-2 stream's seed from the calls' stream's.
 const DAY2_STREAM: u64 = 0xd2d2_5eed_f00d_fa17;
+
+/// `a == b`, without reading the strings the two share: an identity cloned
+/// from the other (the prober's comes from the inventory) compares by
+/// address, where `==` would read both strings of each id.
+fn same_identity(a: &ResourceIdentity, b: &ResourceIdentity) -> bool {
+    let same = |x: &str, y: &str| std::ptr::eq(x, y) || x == y;
+    a.run_uid == b.run_uid
+        && a.attempt == b.attempt
+        && a.node.index() == b.node.index()
+        && same(a.run_id.as_str(), b.run_id.as_str())
+        && same(a.node.group().as_str(), b.node.group().as_str())
+}
 
 /// Turns a failure to build an id (which a well-formed counter never causes) into
 /// a definite failure: nothing was created.
@@ -399,6 +418,7 @@ impl FakeProvider {
             last_tick: None,
             config,
             nodes: BTreeMap::new(),
+            by_attempt: BTreeMap::new(),
             agenda: BTreeSet::new(),
             latest: UnixMillis::ZERO,
             lease_counter: 0,
@@ -498,7 +518,7 @@ impl FakeProvider {
         };
         self.lease_counter = n;
         self.creates += 1;
-        self.nodes.insert(
+        self.insert_node(
             identity,
             FakeNode {
                 lease: lease.clone(),
@@ -670,10 +690,21 @@ impl FakeProvider {
         }
     }
 
+    fn insert_node(&mut self, identity: ResourceIdentity, node: FakeNode) {
+        self.by_attempt
+            .entry((identity.run_uid, identity.attempt))
+            .or_insert_with(|| identity.clone());
+        self.nodes.insert(identity, node);
+    }
+
     fn remove_node(&mut self, identity: &ResourceIdentity) {
         self.remove_session(identity);
         self.nodes.remove(identity);
         self.sick.remove(identity);
+        let key = (identity.run_uid, identity.attempt);
+        if self.by_attempt.get(&key).is_some_and(|held| held == identity) {
+            self.by_attempt.remove(&key);
+        }
     }
 
     /// Loses the resource of `identity` behind the executor's back (its
@@ -801,7 +832,12 @@ impl FakeProvider {
 
     /// A health probe of the resource: it must exist and not be sick.
     pub fn probe(&self, identity: &ResourceIdentity) -> Result<(), String> {
-        if !self.nodes.contains_key(identity) {
+        let held = self
+            .by_attempt
+            .get(&(identity.run_uid, identity.attempt))
+            .is_some_and(|held| same_identity(held, identity))
+            || self.nodes.contains_key(identity);
+        if !held {
             return Err("no such resource".to_owned());
         }
         if self.sick.contains(identity) {
@@ -914,7 +950,7 @@ impl FakeProvider {
             if r.sick {
                 provider.sick.insert(r.identity.clone());
             }
-            provider.nodes.insert(
+            provider.insert_node(
                 r.identity,
                 FakeNode {
                     lease: FakeLease {
@@ -1462,6 +1498,25 @@ mod tests {
         for r in a.inventory() {
             assert_eq!(a.probe(&r.identity).is_err(), sick.contains(&r.identity));
         }
+    }
+
+    #[test]
+    fn a_probe_finds_each_resource_even_when_two_share_an_attempt() {
+        let mut p = holding(2, 1, FaultRates::none());
+        // A confused caller: another node's create under attempt 1.
+        let mut other = create(1);
+        other.node = LogicalNodeId::parse("node", "workers-9").unwrap();
+        let _ = p.execute(&other, t(0));
+        let (first, second) = (create(1).identity(), other.identity());
+        assert!(p.holds(&second));
+        for id in [&first, &second, &create(2).identity()] {
+            assert_eq!(p.probe(id), Ok(()), "{id:?}");
+        }
+        assert!(p.lose(&first));
+        assert!(p.probe(&first).is_err());
+        assert_eq!(p.probe(&second), Ok(()), "found without the index");
+        assert!(p.lose(&second));
+        assert!(p.probe(&second).is_err());
     }
 
     #[test]

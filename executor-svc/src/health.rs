@@ -7,13 +7,23 @@
 //! unhealthy, never a repeat, so an idle healthy run sends nothing. A failed
 //! probe within the group's `startup_grace` of the node's first sighting does
 //! not count. [`run`] drives it: it refreshes the targets from the backend's
-//! inventory, runs the due probes (at most [`MAX_CONCURRENT_PROBES`] at once)
-//! through [`Backend::probe`], and sends the changes to the core's change sink,
-//! which sequences them and keeps them until the driver acknowledges them.
+//! inventory when it may have changed ([`InventoryHint`]), runs the due probes
+//! (at most [`MAX_CONCURRENT_PROBES`] at once) through [`Backend::probe`], and
+//! sends the changes to the core's change sink, which sequences them and keeps
+//! them until the driver acknowledges them.
+//!
+//! The executor probes every watched resource once per interval (100,000 a
+//! second in the bench's health row), so a probe's own cost is kept to a
+//! queue pop, a slot lookup and the backend's answer: targets live in a slot
+//! table and probes carry [`Key`]s, and each probe interval has a queue that
+//! is in due order without sorting.
 
 use std::{
-    collections::{BTreeSet, HashMap},
-    sync::Arc,
+    collections::{BTreeMap, HashMap, VecDeque},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -30,8 +40,19 @@ use crate::backend::{Backend, ChangeSink, InventoryItem, RawChange};
 /// hold a socket per node.
 pub const MAX_CONCURRENT_PROBES: usize = 512;
 
+/// A target's place in the watch: its slot, and the slot's generation, so
+/// that the key of a target since removed (its slot perhaps reused) finds
+/// nothing. Probes carry keys rather than identities: the probe loop touches
+/// each target without hashing or cloning its identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Key {
+    slot: u32,
+    generation: u32,
+}
+
 #[derive(Debug, Clone)]
 struct Target {
+    identity: ResourceIdentity,
     endpoint: Endpoint,
     policy: HealthPolicy,
     first_seen: UnixMillis,
@@ -39,23 +60,37 @@ struct Target {
     /// The last state reported; `None` before the first counted probe.
     reported: Option<bool>,
     in_flight: bool,
+    /// The last [`HealthWatch::sync`] that found the resource.
+    seen: u64,
 }
 
-/// A probe to run now.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DueProbe {
-    pub identity: ResourceIdentity,
-    pub endpoint: Endpoint,
-    pub timeout: Duration,
+#[derive(Debug, Default)]
+struct Slot {
+    generation: u32,
+    target: Option<Target>,
 }
 
 /// The probe schedule. See the module documentation.
 #[derive(Debug, Default)]
 pub struct HealthWatch {
     policies: HashMap<RunUid, (Epoch, HashMap<GroupId, HealthPolicy>)>,
-    targets: HashMap<ResourceIdentity, Target>,
-    /// `(next_at, identity)` of every target not in flight.
-    queue: BTreeSet<(UnixMillis, ResourceIdentity)>,
+    slots: Vec<Slot>,
+    /// Slots without a target, for the next one.
+    free: Vec<u32>,
+    index: HashMap<ResourceIdentity, u32>,
+    /// `(next_at, key)` of every target not in flight, in due order without
+    /// sorting: `fresh` holds the targets never probed (due when found), and
+    /// `lanes` one queue per probe interval, to whose back a target goes
+    /// when its probe is recorded, due one interval later. (A wall clock set
+    /// back only delays the probes queued behind.) Entries of targets
+    /// removed since (`stale` of them) are skipped when they come up.
+    fresh: VecDeque<(UnixMillis, Key)>,
+    lanes: BTreeMap<u64, VecDeque<(UnixMillis, Key)>>,
+    /// Entries in `fresh` and `lanes`, stale ones included.
+    queued: usize,
+    stale: usize,
+    /// Syncs so far; the latest is the stamp of every target it found.
+    syncs: u64,
 }
 
 impl HealthWatch {
@@ -78,20 +113,18 @@ impl HealthWatch {
             .collect();
         // Targets whose group lost its probe go; the others take the new
         // policy from their next probe on.
-        let gone: Vec<ResourceIdentity> = self
-            .targets
-            .iter_mut()
-            .filter(|(id, _)| id.run_uid == w.run_uid)
-            .filter_map(|(id, t)| match groups.get(id.node.group()) {
-                Some(p) => {
-                    t.policy = *p;
-                    None
-                }
-                None => Some(id.clone()),
-            })
-            .collect();
-        for id in gone {
-            self.remove(&id);
+        let mut gone = Vec::new();
+        for (key, t) in self.targets_mut() {
+            if t.identity.run_uid != w.run_uid {
+                continue;
+            }
+            match groups.get(t.identity.node.group()) {
+                Some(p) => t.policy = *p,
+                None => gone.push(key),
+            }
+        }
+        for key in gone {
+            self.remove(key);
         }
         self.policies.insert(w.run_uid, (w.epoch, groups));
         true
@@ -100,140 +133,290 @@ impl HealthWatch {
     /// The run is forgotten: nothing of it is probed again.
     pub fn forget_run(&mut self, run_uid: RunUid) {
         self.policies.remove(&run_uid);
-        let gone: Vec<_> = self
-            .targets
-            .keys()
-            .filter(|id| id.run_uid == run_uid)
-            .cloned()
+        let gone: Vec<Key> = self
+            .targets_mut()
+            .filter(|(_, t)| t.identity.run_uid == run_uid)
+            .map(|(key, _)| key)
             .collect();
-        for id in gone {
-            self.remove(&id);
+        for key in gone {
+            self.remove(key);
         }
+    }
+
+    /// Whether any run asks for probes (without one, the inventory need not
+    /// be read).
+    pub fn has_policies(&self) -> bool {
+        !self.policies.is_empty()
     }
 
     /// Brings the targets in line with the backend's inventory: every live
     /// resource with an endpoint whose group has a probe, and nothing else.
+    /// One index lookup per resource; a resource already watched costs no
+    /// policy lookup and no allocation.
     pub fn sync(&mut self, inventory: &[InventoryItem], now: UnixMillis) {
-        let mut live = std::collections::HashSet::with_capacity(inventory.len());
+        self.syncs += 1;
+        let stamp = self.syncs;
+        // The inventory lists a group's resources together: the last group's
+        // policy answers most lookups.
+        let mut last: Option<(RunUid, GroupId, Option<HealthPolicy>)> = None;
         for item in inventory {
             let Some(endpoint) = &item.endpoint else { continue };
-            let Some(policy) = self
-                .policies
-                .get(&item.identity.run_uid)
-                .and_then(|(_, groups)| groups.get(item.identity.node.group()))
-            else {
-                continue;
-            };
-            live.insert(&item.identity);
-            match self.targets.get_mut(&item.identity) {
-                Some(t) => t.endpoint = endpoint.clone(),
-                None => {
-                    self.targets.insert(
-                        item.identity.clone(),
-                        Target {
-                            endpoint: endpoint.clone(),
-                            policy: *policy,
-                            first_seen: now,
-                            next_at: now,
-                            reported: None,
-                            in_flight: false,
-                        },
-                    );
-                    self.queue.insert((now, item.identity.clone()));
+            if let Some(&slot) = self.index.get(&item.identity)
+                && let Some(t) = self.slots.get_mut(slot as usize).and_then(|s| s.target.as_mut())
+            {
+                t.seen = stamp;
+                if t.endpoint != *endpoint {
+                    t.endpoint = endpoint.clone();
                 }
+                continue;
+            }
+            let (run_uid, group) = (item.identity.run_uid, item.identity.node.group());
+            let policy = match &last {
+                Some((uid, g, policy)) if *uid == run_uid && g == group => *policy,
+                _ => {
+                    let policy = self
+                        .policies
+                        .get(&run_uid)
+                        .and_then(|(_, groups)| groups.get(group))
+                        .copied();
+                    last = Some((run_uid, group.clone(), policy));
+                    policy
+                }
+            };
+            if let Some(policy) = policy {
+                self.insert(Target {
+                    identity: item.identity.clone(),
+                    endpoint: endpoint.clone(),
+                    policy,
+                    first_seen: now,
+                    next_at: now,
+                    reported: None,
+                    in_flight: false,
+                    seen: stamp,
+                });
             }
         }
-        let gone: Vec<_> = self
-            .targets
-            .keys()
-            .filter(|id| !live.contains(id))
-            .cloned()
+        let gone: Vec<Key> = self
+            .targets_mut()
+            .filter(|(_, t)| t.seen != stamp)
+            .map(|(key, _)| key)
             .collect();
-        for id in gone {
-            self.remove(&id);
+        for key in gone {
+            self.remove(key);
         }
     }
 
-    fn remove(&mut self, id: &ResourceIdentity) {
-        if let Some(t) = self.targets.remove(id)
-            && !t.in_flight
-        {
-            self.queue.remove(&(t.next_at, id.clone()));
+    fn targets_mut(&mut self) -> impl Iterator<Item = (Key, &mut Target)> {
+        self.slots.iter_mut().enumerate().filter_map(|(i, s)| {
+            let key = Key {
+                slot: u32::try_from(i).ok()?,
+                generation: s.generation,
+            };
+            s.target.as_mut().map(|t| (key, t))
+        })
+    }
+
+    fn get_mut(&mut self, key: Key) -> Option<&mut Target> {
+        self.slots
+            .get_mut(key.slot as usize)
+            .filter(|s| s.generation == key.generation)
+            .and_then(|s| s.target.as_mut())
+    }
+
+    fn insert(&mut self, target: Target) {
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => match u32::try_from(self.slots.len()) {
+                Ok(slot) => {
+                    self.slots.push(Slot::default());
+                    slot
+                }
+                // Four billion targets: the next one is not watched.
+                Err(_) => return,
+            },
+        };
+        let Some(s) = self.slots.get_mut(slot as usize) else {
+            return;
+        };
+        let key = Key {
+            slot,
+            generation: s.generation,
+        };
+        self.index.insert(target.identity.clone(), slot);
+        self.fresh.push_back((target.next_at, key));
+        self.queued += 1;
+        s.target = Some(target);
+    }
+
+    fn remove(&mut self, key: Key) {
+        let Some(s) = self
+            .slots
+            .get_mut(key.slot as usize)
+            .filter(|s| s.generation == key.generation)
+        else {
+            return;
+        };
+        let Some(t) = s.target.take() else {
+            return;
+        };
+        s.generation = s.generation.wrapping_add(1);
+        self.free.push(key.slot);
+        self.index.remove(&t.identity);
+        if !t.in_flight {
+            // Its queue entry stays until it comes up, or until stale
+            // entries outnumber live ones and the queue is rebuilt.
+            self.stale += 1;
+            if self.stale > self.queued / 2 {
+                self.rebuild_queue();
+            }
         }
     }
 
-    /// When the next probe is due, if any target waits.
+    fn rebuild_queue(&mut self) {
+        let mut lanes: BTreeMap<u64, VecDeque<(UnixMillis, Key)>> = BTreeMap::new();
+        let mut queued = 0;
+        for (key, t) in self.targets_mut() {
+            if !t.in_flight {
+                lanes
+                    .entry(t.policy.interval_ms)
+                    .or_default()
+                    .push_back((t.next_at, key));
+                queued += 1;
+            }
+        }
+        for lane in lanes.values_mut() {
+            lane.make_contiguous().sort_unstable();
+        }
+        self.fresh.clear();
+        self.lanes = lanes;
+        self.queued = queued;
+        self.stale = 0;
+    }
+
+    /// The queue whose head is due first (`None`: `fresh`), and when.
+    fn earliest(&self) -> Option<(UnixMillis, Option<u64>)> {
+        let mut best = self.fresh.front().map(|(at, _)| (*at, None));
+        for (interval, lane) in &self.lanes {
+            if let Some((at, _)) = lane.front()
+                && best.is_none_or(|(b, _)| *at < b)
+            {
+                best = Some((*at, Some(*interval)));
+            }
+        }
+        best
+    }
+
+    /// When the next probe is due, if any target waits (possibly earlier:
+    /// an entry of a removed target counts until it is skipped).
     pub fn next_due(&self) -> Option<UnixMillis> {
-        self.queue.first().map(|(t, _)| *t)
+        self.earliest().map(|(at, _)| at)
     }
 
     pub fn len(&self) -> usize {
-        self.targets.len()
+        self.index.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.targets.is_empty()
+        self.index.is_empty()
     }
 
     /// Up to `limit` probes due at `now`, each marked in flight until its
-    /// [`HealthWatch::record`].
-    pub fn take_due(&mut self, now: UnixMillis, limit: usize) -> Vec<DueProbe> {
+    /// [`HealthWatch::record`]; [`HealthWatch::target`] tells what each
+    /// probes.
+    pub fn take_due(&mut self, now: UnixMillis, limit: usize) -> Vec<Key> {
         let mut out = Vec::new();
         while out.len() < limit {
-            let Some((at, id)) = self.queue.first().cloned() else {
+            let Some((at, lane)) = self.earliest() else {
                 break;
             };
             if at > now {
                 break;
             }
-            self.queue.remove(&(at, id.clone()));
-            if let Some(t) = self.targets.get_mut(&id) {
-                t.in_flight = true;
-                out.push(DueProbe {
-                    identity: id,
-                    endpoint: t.endpoint.clone(),
-                    timeout: Duration::from_millis(t.policy.timeout_ms),
-                });
+            let popped = match lane {
+                None => self.fresh.pop_front(),
+                Some(interval) => {
+                    let popped = self.lanes.get_mut(&interval).and_then(VecDeque::pop_front);
+                    if self.lanes.get(&interval).is_some_and(VecDeque::is_empty) {
+                        self.lanes.remove(&interval);
+                    }
+                    popped
+                }
+            };
+            let Some((at, key)) = popped else {
+                break;
+            };
+            self.queued = self.queued.saturating_sub(1);
+            match self.get_mut(key) {
+                Some(t) if !t.in_flight && t.next_at == at => {
+                    t.in_flight = true;
+                    out.push(key);
+                }
+                _ => self.stale = self.stale.saturating_sub(1),
             }
         }
         out
     }
 
+    /// What a due probe probes: the resource, its endpoint, and the time
+    /// the probe may take. `None` once the target is gone.
+    pub fn target(&self, key: Key) -> Option<(&ResourceIdentity, &Endpoint, Duration)> {
+        self.slots
+            .get(key.slot as usize)
+            .filter(|s| s.generation == key.generation)
+            .and_then(|s| s.target.as_ref())
+            .map(|t| {
+                (
+                    &t.identity,
+                    &t.endpoint,
+                    Duration::from_millis(t.policy.timeout_ms),
+                )
+            })
+    }
+
+    /// The key of a watched resource.
+    pub fn key_of(&self, id: &ResourceIdentity) -> Option<Key> {
+        let slot = *self.index.get(id)?;
+        let s = self.slots.get(slot as usize)?;
+        s.target.as_ref()?;
+        Some(Key {
+            slot,
+            generation: s.generation,
+        })
+    }
+
     /// A probe's result: schedules the next probe, and returns the change to
     /// report, if the node's state changed (or this is its first counted
-    /// probe).
-    pub fn record(
-        &mut self,
-        id: &ResourceIdentity,
-        result: Result<(), String>,
-        now: UnixMillis,
-    ) -> Option<RawChange> {
-        let t = self.targets.get_mut(id)?;
+    /// probe). A result for a target no longer watched, or not in flight,
+    /// changes nothing.
+    pub fn record(&mut self, key: Key, result: Result<(), String>, now: UnixMillis) -> Option<RawChange> {
+        let t = self.get_mut(key).filter(|t| t.in_flight)?;
         t.in_flight = false;
+        let interval = t.policy.interval_ms;
         t.next_at = now
-            .checked_add(Duration::from_millis(t.policy.interval_ms))
+            .checked_add(Duration::from_millis(interval))
             .unwrap_or(UnixMillis::MAX);
-        self.queue.insert((t.next_at, id.clone()));
+        let next = t.next_at;
         let healthy = result.is_ok();
         let in_grace = now
             .saturating_since(t.first_seen)
             .lt(&Duration::from_millis(t.policy.startup_grace_ms));
-        if !healthy && in_grace && t.reported.is_none() {
-            return None;
-        }
-        if t.reported == Some(healthy) {
-            return None;
-        }
-        t.reported = Some(healthy);
-        let detail = match result {
-            Ok(()) => "probe answered".to_owned(),
-            Err(why) => why,
+        let change = if (!healthy && in_grace && t.reported.is_none()) || t.reported == Some(healthy) {
+            None
+        } else {
+            t.reported = Some(healthy);
+            let detail = match result {
+                Ok(()) => "probe answered".to_owned(),
+                Err(why) => why,
+            };
+            Some(RawChange {
+                identity: t.identity.clone(),
+                change: Change::Health { healthy, detail },
+                at: now,
+            })
         };
-        Some(RawChange {
-            identity: id.clone(),
-            change: Change::Health { healthy, detail },
-            at: now,
-        })
+        self.lanes.entry(interval).or_default().push_back((next, key));
+        self.queued += 1;
+        change
     }
 }
 
@@ -244,9 +427,41 @@ pub enum Command {
     Forget(RunUid),
 }
 
-/// How often the targets are refreshed from the inventory (a resource made or
-/// destroyed is probed, or no longer, within this).
+/// How often the targets may be refreshed from the inventory: a resource
+/// made or destroyed is probed, or no longer, within this.
 pub const TARGET_REFRESH: Duration = Duration::from_secs(1);
+
+/// How often the inventory is read when nothing says it changed: a safety
+/// net for a change no [`InventoryHint`] announced (an operation abandoned
+/// at its deadline whose effect happened after all).
+pub const TARGET_RESYNC: Duration = Duration::from_secs(30);
+
+/// Tells the prober that the backend's resources may have changed (a
+/// backend call finished, a change was reported), so that its next refresh
+/// reads the inventory. Reading the inventory costs a pass over every
+/// resource, so the prober reads it only on this hint, while a resource
+/// waits for its endpoint, and every [`TARGET_RESYNC`]: an idle run costs
+/// its probes and nothing else. Cheap to clone and to mark.
+#[derive(Debug, Clone)]
+pub struct InventoryHint(Arc<AtomicBool>);
+
+impl Default for InventoryHint {
+    /// Marked: the first refresh reads the inventory.
+    fn default() -> Self {
+        Self(Arc::new(AtomicBool::new(true)))
+    }
+}
+
+impl InventoryHint {
+    pub fn mark(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether it was marked since the last call.
+    fn take(&self) -> bool {
+        self.0.swap(false, Ordering::Relaxed)
+    }
+}
 
 /// Drives a [`HealthWatch`] until `commands` closes or the sink stops
 /// listening.
@@ -255,11 +470,16 @@ pub async fn run(
     clock: Arc<dyn Clock>,
     mut commands: mpsc::UnboundedReceiver<Command>,
     sink: ChangeSink,
+    hint: InventoryHint,
 ) {
     let mut watch = HealthWatch::new();
-    let mut probes: JoinSet<(ResourceIdentity, Result<(), String>)> = JoinSet::new();
+    let mut probes: JoinSet<(Key, Result<(), String>)> = JoinSet::new();
     let mut refresh = tokio::time::interval(TARGET_REFRESH);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // When the inventory was last read, and whether it listed a resource
+    // still without an endpoint (which may get one without any hint).
+    let mut last_read: Option<tokio::time::Instant> = None;
+    let mut awaiting_endpoint = false;
     loop {
         let now = clock.now();
         let sleep = watch
@@ -272,23 +492,33 @@ pub async fn run(
                     let any = !w.groups.is_empty();
                     watch.set_policy(w);
                     if any {
+                        hint.mark();
                         refresh.reset_immediately();
                     }
                 }
                 Some(Command::Forget(uid)) => watch.forget_run(uid),
             },
-            _ = refresh.tick() => {
+            at = refresh.tick() => {
+                let resync = last_read.is_none_or(|t| at.saturating_duration_since(t) >= TARGET_RESYNC);
                 // Nothing to probe: no need to read the inventory at all.
-                if !watch.policies.is_empty() {
+                // Taken before the read, so a change during it is read next.
+                if watch.has_policies() && (hint.take() || awaiting_endpoint || resync) {
+                    last_read = Some(at);
                     match backend.inventory().await {
-                        Ok(items) => watch.sync(&items, clock.now()),
-                        Err(e) => tracing::debug!(error = %e, "health: inventory unavailable"),
+                        Ok(items) => {
+                            awaiting_endpoint = items.iter().any(|i| i.endpoint.is_none());
+                            watch.sync(&items, clock.now());
+                        }
+                        Err(e) => {
+                            hint.mark();
+                            tracing::debug!(error = %e, "health: inventory unavailable");
+                        }
                     }
                 }
             }
             Some(done) = probes.join_next(), if !probes.is_empty() => {
-                if let Ok((id, result)) = done
-                    && let Some(change) = watch.record(&id, result, clock.now())
+                if let Ok((key, result)) = done
+                    && let Some(change) = watch.record(key, result, clock.now())
                     && !sink.send(change)
                 {
                     return;
@@ -297,11 +527,15 @@ pub async fn run(
             () = tokio::time::sleep(sleep) => {}
         }
         let room = MAX_CONCURRENT_PROBES.saturating_sub(probes.len());
-        for p in watch.take_due(clock.now(), room) {
-            let mut probe = backend.probe(&p.identity, &p.endpoint);
+        let now = clock.now();
+        for key in watch.take_due(now, room) {
+            let Some((identity, endpoint, timeout)) = watch.target(key) else {
+                continue;
+            };
+            let mut probe = backend.probe(identity, endpoint);
             // A probe that answers at once (the fake's) costs no task.
             if let Some(result) = (&mut probe).now_or_never() {
-                if let Some(change) = watch.record(&p.identity, result, clock.now())
+                if let Some(change) = watch.record(key, result, now)
                     && !sink.send(change)
                 {
                     return;
@@ -309,11 +543,11 @@ pub async fn run(
                 continue;
             }
             probes.spawn(async move {
-                let result = match tokio::time::timeout(p.timeout, probe).await {
+                let result = match tokio::time::timeout(timeout, probe).await {
                     Ok(r) => r,
-                    Err(_) => Err(format!("no answer within {} ms", p.timeout.as_millis())),
+                    Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
                 };
-                (p.identity, result)
+                (key, result)
             });
         }
     }
@@ -377,7 +611,7 @@ mod tests {
         w.sync(&[item(0)], at(0));
         let due = w.take_due(at(0), 10);
         assert_eq!(due.len(), 1);
-        let first = w.record(&id(0), Ok(()), at(10)).unwrap();
+        let first = w.record(w.key_of(&id(0)).unwrap(), Ok(()), at(10)).unwrap();
         assert!(matches!(first.change, Change::Health { healthy: true, .. }));
         assert_eq!(w.next_due(), Some(at(1_010)));
         assert!(
@@ -386,12 +620,14 @@ mod tests {
         );
         w.take_due(at(1_010), 10);
         assert_eq!(
-            w.record(&id(0), Ok(()), at(1_010)),
+            w.record(w.key_of(&id(0)).unwrap(), Ok(()), at(1_010)),
             None,
             "a repeat is not reported"
         );
         w.take_due(at(2_010), 10);
-        let down = w.record(&id(0), Err("refused".into()), at(2_010)).unwrap();
+        let down = w
+            .record(w.key_of(&id(0)).unwrap(), Err("refused".into()), at(2_010))
+            .unwrap();
         assert_eq!(
             down.change,
             Change::Health {
@@ -407,9 +643,12 @@ mod tests {
         w.set_policy(policy(3_000));
         w.sync(&[item(0)], at(0));
         w.take_due(at(0), 10);
-        assert_eq!(w.record(&id(0), Err("refused".into()), at(0)), None);
+        assert_eq!(
+            w.record(w.key_of(&id(0)).unwrap(), Err("refused".into()), at(0)),
+            None
+        );
         w.take_due(at(1_000), 10);
-        assert!(w.record(&id(0), Ok(()), at(1_000)).is_some());
+        assert!(w.record(w.key_of(&id(0)).unwrap(), Ok(()), at(1_000)).is_some());
     }
 
     #[test]
@@ -450,5 +689,84 @@ mod tests {
         assert_eq!(w.take_due(at(0), 4).len(), 4);
         assert_eq!(w.take_due(at(0), 100).len(), 6);
         assert!(w.take_due(at(0), 100).is_empty());
+    }
+
+    /// Probes `n` due targets at `now`, all answering.
+    fn probe_all(w: &mut HealthWatch, now: UnixMillis) -> usize {
+        let due = w.take_due(now, usize::MAX);
+        for &key in &due {
+            assert!(w.target(key).is_some());
+            let _ = w.record(key, Ok(()), now);
+        }
+        due.len()
+    }
+
+    #[test]
+    fn each_target_is_probed_once_per_interval_in_due_order() {
+        let mut w = HealthWatch::new();
+        w.set_policy(policy(0));
+        w.sync(&(0..3).map(item).collect::<Vec<_>>(), at(0));
+        assert_eq!(probe_all(&mut w, at(0)), 3, "found: due at once");
+        w.sync(&(0..5).map(item).collect::<Vec<_>>(), at(400));
+        assert_eq!(w.next_due(), Some(at(400)), "the new ones first");
+        assert_eq!(probe_all(&mut w, at(400)), 2);
+        assert_eq!(w.next_due(), Some(at(1_000)));
+        assert_eq!(probe_all(&mut w, at(999)), 0);
+        assert_eq!(probe_all(&mut w, at(1_000)), 3);
+        assert_eq!(w.next_due(), Some(at(1_400)));
+        assert_eq!(probe_all(&mut w, at(1_400)), 2);
+        assert_eq!(probe_all(&mut w, at(2_000)), 3);
+    }
+
+    #[test]
+    fn a_removed_target_is_not_probed_and_its_late_result_changes_nothing() {
+        let mut w = HealthWatch::new();
+        w.set_policy(policy(0));
+        w.sync(&[item(0), item(1)], at(0));
+        let due = w.take_due(at(0), 1);
+        let in_flight = due[0];
+        w.sync(&[item(1)], at(10));
+        assert_eq!(w.len(), 1);
+        assert_eq!(w.record(in_flight, Ok(()), at(20)), None, "the target is gone");
+        // Its slot goes to the next resource found; the old key finds nothing.
+        w.sync(&[item(1), item(2)], at(30));
+        assert_eq!(w.target(in_flight), None);
+        assert_eq!(w.record(in_flight, Ok(()), at(30)), None);
+        let probed: Vec<_> = w
+            .take_due(at(30), 10)
+            .into_iter()
+            .map(|k| w.target(k).unwrap().0.node.index())
+            .collect();
+        assert_eq!(probed, [1, 2]);
+    }
+
+    #[test]
+    fn entries_of_removed_targets_do_not_pile_up() {
+        let mut w = HealthWatch::new();
+        w.set_policy(policy(0));
+        for round in 0..50u32 {
+            // A fresh set of resources every round; the last round's are gone.
+            let items: Vec<_> = (round * 100..round * 100 + 100).map(item).collect();
+            let now = at(u64::from(round) * 10);
+            w.sync(&items, now);
+            assert_eq!(w.len(), 100);
+            assert!(w.queued <= 3 * 100, "round {round}: {} queued", w.queued);
+        }
+        assert_eq!(probe_all(&mut w, at(1_000)), 100, "only the live ones");
+    }
+
+    #[test]
+    fn a_new_interval_applies_from_the_next_probe() {
+        let mut w = HealthWatch::new();
+        w.set_policy(policy(0));
+        w.sync(&[item(0)], at(0));
+        assert_eq!(probe_all(&mut w, at(0)), 1);
+        let mut faster = policy(0);
+        faster.groups[0].1.interval_ms = 100;
+        faster.groups[0].1.timeout_ms = 100;
+        w.set_policy(faster);
+        assert_eq!(w.next_due(), Some(at(1_000)), "already scheduled");
+        assert_eq!(probe_all(&mut w, at(1_000)), 1);
+        assert_eq!(w.next_due(), Some(at(1_100)));
     }
 }

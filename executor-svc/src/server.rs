@@ -319,14 +319,17 @@ pub async fn run(
     let changes = ChangeSink::new(changes_tx);
     backend.watch(changes.clone());
     let (health_tx, health_rx) = mpsc::unbounded_channel();
+    let inventory_hint = health::InventoryHint::default();
     tokio::spawn(crate::health::run(
         Arc::clone(&backend),
         Arc::clone(&clock),
         health_rx,
         changes,
+        inventory_hint.clone(),
     ));
     let mut actor = Actor::new(Arc::clone(&backend), clock, events_tx.clone(), observations_tx);
     actor.health = Some(health_tx);
+    actor.inventory_hint = inventory_hint;
     actor.budget = Budget::new(config.budget, actor.clock.monotonic());
     if let Some(dir) = &config.state_dir {
         let store = crate::durable::ExecutorStore::open_sealed(dir, config.secrets.clone())?;
@@ -611,6 +614,9 @@ struct Actor {
     store_failed: bool,
     /// The health prober's commands (`None` in an actor without one).
     health: Option<mpsc::UnboundedSender<health::Command>>,
+    /// Marked whenever the backend's resources may have changed (a result,
+    /// a resource change), so that the prober reads the inventory again.
+    inventory_hint: health::InventoryHint,
     metrics: ExecutorMetrics,
     /// Messages of the current step, sent by `flush` after its changes are
     /// durable.
@@ -651,6 +657,7 @@ impl Actor {
             draining: false,
             store: None,
             health: None,
+            inventory_hint: health::InventoryHint::default(),
             store_failed: false,
             metrics: ExecutorMetrics::new(),
             outbox: Vec::new(),
@@ -806,6 +813,7 @@ impl Actor {
                 self.apply(out, None, &TraceContext::default());
             }
             Event::ResourceChange(raw) => {
+                self.inventory_hint.mark();
                 tracing::info!(identity = ?raw.identity, change = ?raw.change, "a resource changed");
                 let out = self
                     .core
@@ -1123,6 +1131,9 @@ impl Actor {
                     }
                 }
                 Output::Result(result) => {
+                    // An operation's effect is done (or abandoned): the
+                    // inventory may list something new.
+                    self.inventory_hint.mark();
                     self.trace.push(|| TraceEvent::ResultOut {
                         result: ResultRec::of(&result),
                         resend: false,

@@ -8,8 +8,9 @@
 //!   (byte-for-byte as first submitted, so the executor replays or adopts)
 //!   and asks for the observations after the last sequence it folded.
 //! - A commit is durable ([`LinkSession::handle_released`]): its operations
-//!   are submitted, its acknowledgements sent (every one held so far, in one
-//!   message), and the sessions that became known asked for from the start.
+//!   are submitted, its acknowledgements sent (every one held so far, in as
+//!   few messages as [`MAX_REFS_PER_MESSAGE`] allows), and the sessions that
+//!   became known asked for from the start.
 //! - The link goes down: everything queued for it is dropped. Pending
 //!   operations stay recorded and go out again on the next link; unsent
 //!   acknowledgements are replaced by the executor resending what it holds.
@@ -27,6 +28,14 @@ use crate::{
     commit::{AckRef, Released},
     run::RunState,
 };
+
+/// The most references (acknowledgements, replay cursors) one message
+/// carries. A reference costs about 50 bytes on the wire (each repeats the
+/// run uid) and the executor takes messages of up to 4 MiB by default: the
+/// acknowledgements of a 100,000-node run's first health reports, sent as
+/// one message, were refused, and so was every resend after the link came
+/// back (the link broke about once a second, for good).
+pub const MAX_REFS_PER_MESSAGE: usize = 10_000;
 
 /// A message for the executor, in domain types (the shell encodes it).
 #[derive(Debug, Clone, PartialEq)]
@@ -104,10 +113,7 @@ impl LinkSession {
                 resubmission: true,
             });
         }
-        let after = run.observation_cursors();
-        if !after.is_empty() {
-            self.push(ToExecutor::ObserveFrom(after));
-        }
+        self.push_chunked(run.observation_cursors(), ToExecutor::ObserveFrom);
     }
 
     /// The run's shape changed: tell the executor its health policies (they
@@ -170,12 +176,11 @@ impl LinkSession {
         }
     }
 
-    /// Queues every acknowledgement held so far as one message.
+    /// Queues every acknowledgement held so far, [`MAX_REFS_PER_MESSAGE`]
+    /// to a message.
     pub fn flush_acks(&mut self) {
-        if !self.acks.is_empty() {
-            let acks = std::mem::take(&mut self.acks);
-            self.push(ToExecutor::Ack(acks));
-        }
+        let acks = std::mem::take(&mut self.acks);
+        self.push_chunked(acks, ToExecutor::Ack);
     }
 
     /// Asks for the observations of sessions the run learned of after their
@@ -183,15 +188,34 @@ impl LinkSession {
     /// live session anyway.
     pub fn ask_replays(&mut self, run: &mut RunState) {
         let sessions = run.take_replays();
-        if sessions.is_empty() || self.link.is_none() {
+        if self.link.is_none() {
             return;
         }
-        self.push(ToExecutor::ObserveFrom(sessions));
+        self.push_chunked(sessions, ToExecutor::ObserveFrom);
     }
 
     /// The next message to send, with the link generation it is for.
     pub fn poll_transmit(&mut self) -> Option<(u64, ToExecutor)> {
         self.out.pop_front()
+    }
+
+    /// Queues `refs` as messages of at most [`MAX_REFS_PER_MESSAGE`] each
+    /// (none when there are none).
+    fn push_chunked<T>(&mut self, refs: Vec<T>, message: fn(Vec<T>) -> ToExecutor) {
+        if refs.len() <= MAX_REFS_PER_MESSAGE {
+            if !refs.is_empty() {
+                self.push(message(refs));
+            }
+            return;
+        }
+        let mut refs = refs.into_iter();
+        loop {
+            let chunk: Vec<T> = refs.by_ref().take(MAX_REFS_PER_MESSAGE).collect();
+            if chunk.is_empty() {
+                break;
+            }
+            self.push(message(chunk));
+        }
     }
 
     fn push(&mut self, m: ToExecutor) {
@@ -349,5 +373,26 @@ mod tests {
                 }
             )));
         assert!(matches!(&out[2].1, ToExecutor::Ack(a) if a.len() == 1));
+    }
+
+    #[test]
+    fn many_acknowledgements_go_out_in_bounded_messages() {
+        let (run, _) = run_with_two_pending();
+        let mut s = LinkSession::new();
+        s.handle_link_up(1, &run);
+        let _ = drain(&mut s);
+        let total = 2 * MAX_REFS_PER_MESSAGE + 7;
+        s.acknowledge((0..total as u64).map(|seq| AckRef::Change { seq }).collect());
+        s.flush_acks();
+        let sizes: Vec<usize> = drain(&mut s)
+            .into_iter()
+            .map(|(_, m)| match m {
+                ToExecutor::Ack(a) => a.len(),
+                other => panic!("not an acknowledgement: {other:?}"),
+            })
+            .collect();
+        assert_eq!(sizes, [MAX_REFS_PER_MESSAGE, MAX_REFS_PER_MESSAGE, 7]);
+        s.flush_acks();
+        assert!(drain(&mut s).is_empty(), "nothing held: nothing sent");
     }
 }

@@ -4,6 +4,7 @@
 //! cargo build --release --workspace --bins
 //! target/release/bench                       # every row, sizes 1k,10k,100k
 //! target/release/bench --sizes 1000,10000 --only decider,rpc
+//! target/release/bench --only health --health-nodes 100000 --health-window-s 30
 //! target/release/bench --sizes 100000 --only rollout   # not in the default set
 //! ```
 //!
@@ -15,6 +16,18 @@
 //! Prints a table and writes it as CSV (`--csv`, default `target/bench.csv`).
 //! Figures are wall-clock on the machine that runs it; ratios compare rows
 //! measured in the same run.
+//!
+//! Rows: `decider` (the library's `decide`, per node), `rpc` (the `Decide`
+//! RPC against the library), `throughput` (executor round trips against a
+//! bare streaming echo), `e2e` (convergence in one process and as three
+//! processes, passes, driver memory) for each of `--sizes`, and `health`
+//! (about a minute at the default 100,000 nodes): a run of
+//! `--health-nodes` fake nodes probed every second, converged, then watched
+//! idle for `--health-window-s` seconds. It reports the executor's CPU in the
+//! window as a share of one core (the target is under 5%), its RSS, the
+//! driver's passes and the executor's health reports in the window (both 0
+//! for an idle run), and how often the driver's link to the executor
+//! connected (1: it never broke).
 
 use std::{
     collections::BTreeSet,
@@ -41,7 +54,7 @@ use executor_svc::{
     core::{ExecutorCore, Output},
     fake::{FakeConfig, FakeProvider},
 };
-use provisioning_tests::procs::{Cluster, ClusterOptions};
+use provisioning_tests::procs::{Cluster, ClusterOptions, eventually, sample};
 use tokio_stream::{StreamExt, wrappers::ReceiverStream};
 
 #[derive(Debug, Clone)]
@@ -602,6 +615,208 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The group policy of the health row: a probe a second, as issue #18 asks.
+const HEALTH_POLICY: contract::HealthPolicy = contract::HealthPolicy {
+    probe: contract::Probe::Tcp,
+    interval_ms: 1_000,
+    timeout_ms: 500,
+    unhealthy_after_ms: 30_000,
+    startup_grace_ms: 0,
+};
+
+/// One series of a service's metrics, `None` while it cannot be read.
+async fn scraped(service: &provisioning_tests::procs::Service, series: &str) -> Option<f64> {
+    let text = service.scrape().await.ok()?;
+    sample(&text, series)
+}
+
+/// The passes a run has made so far, and whether it is converged.
+async fn passes_of(
+    c: &mut contract::pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>,
+) -> anyhow::Result<(u64, bool)> {
+    let s = c
+        .get_run(pb::GetRunRequest {
+            run_id: "bench".into(),
+            include_nodes: false,
+        })
+        .await?
+        .into_inner();
+    Ok((s.passes, s.converged))
+}
+
+/// Health watching at scale (issue #18): `n` fake nodes whose groups probe
+/// every second, on the three services as processes. The run converges, every
+/// node's first health report is folded (and the pass it asks for is over);
+/// then, for `window`, nothing changes: the executor's CPU as a share of one
+/// core, its RSS, and the passes and health reports in the window (both
+/// should be 0). The driver's safety tick (a pass every 30 s by default,
+/// whatever happens) and its orphan sweep (an inventory read) are pushed out
+/// of the way so that the window shows what health watching costs. The
+/// default window is the executor's inventory resync period
+/// (`executor_svc::health::TARGET_RESYNC`), so it holds one resync.
+async fn bench_health(t: &mut Table, n: u64, window: Duration) -> anyhow::Result<()> {
+    const HEALTHY: &str = "provisioning_node_health_changes_total{state=\"healthy\"}";
+    const UNHEALTHY: &str = "provisioning_node_health_changes_total{state=\"unhealthy\"}";
+    const SENT: &str = "provisioning_executor_resource_changes_total{change=\"healthy\"}";
+    const CONNECTS: &str = "provisioning_executor_link_events_total{event=\"connect\"}";
+    let opts = ClusterOptions::default()
+        .executor("--fake-latency-ms", "0,0")
+        .executor("--fake-stage-interval-ms", "0")
+        .executor("--metrics-listen", "127.0.0.1:0")
+        .driver("--metrics-listen", "127.0.0.1:0")
+        .driver("--store", "memory")
+        .driver("--probe-interval-ms", "5")
+        .driver("--max-nodes-per-group", "1000000")
+        .driver("--max-nodes-total", "1000000")
+        .driver("--safety-tick-ms", "3600000")
+        .driver("--orphan-sweep-ms", "0");
+    let cluster = Cluster::start(opts).await?;
+    let (Some(executor), Some(driver)) = (cluster.executor.pid(), cluster.driver.pid()) else {
+        anyhow::bail!("a service exited at start");
+    };
+    let mut s = shape(n);
+    for g in &mut s.groups {
+        g.policy.health = HEALTH_POLICY;
+    }
+    let mut c = cluster.client().await?.max_decoding_message_size(256 << 20);
+    let start = Instant::now();
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&s)),
+    })
+    .await?;
+    let limit = Duration::from_secs(600);
+    let converge = eventually(limit, &format!("{n} nodes converged"), || {
+        let mut c = c.clone();
+        async move {
+            passes_of(&mut c)
+                .await
+                .ok()
+                .filter(|(_, done)| *done)
+                .map(|_| start.elapsed())
+        }
+    })
+    .await?;
+    let target = n as f64;
+    let driver_svc = &cluster.driver;
+    let reported = eventually(
+        limit,
+        &format!("{n} first health reports folded"),
+        || async move {
+            scraped(driver_svc, HEALTHY)
+                .await
+                .filter(|v| *v >= target)
+                .map(|_| start.elapsed())
+        },
+    )
+    .await?;
+    // The first reports mark every node changed once: wait for the passes
+    // they ask for to be over (a pass count that holds for a second while
+    // the run is converged).
+    let mut settled = passes_of(&mut c).await?;
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = passes_of(&mut c).await?;
+        if now == settled && now.1 {
+            break;
+        }
+        anyhow::ensure!(start.elapsed() < limit, "the run did not settle: {now:?}");
+        settled = now;
+    }
+    let sent_before = scraped(&cluster.executor, SENT).await.unwrap_or(0.0);
+    let (cpu_before, driver_before) = (cpu_time(executor), cpu_time(driver));
+    let at = Instant::now();
+    tokio::time::sleep(window).await;
+    let (cpu_after, driver_after) = (cpu_time(executor), cpu_time(driver));
+    let elapsed = at.elapsed().as_secs_f64();
+    let (passes_after, converged) = passes_of(&mut c).await?;
+    let sent_after = scraped(&cluster.executor, SENT).await.unwrap_or(0.0);
+    let unhealthy = scraped(driver_svc, UNHEALTHY).await.unwrap_or(0.0);
+    let connects = scraped(driver_svc, CONNECTS).await.unwrap_or(0.0);
+    anyhow::ensure!(converged, "the run left convergence in the idle window");
+    anyhow::ensure!(unhealthy == 0.0, "{unhealthy} nodes reported unhealthy");
+    t.add(
+        "health",
+        n,
+        "converge, probes every 1 s",
+        converge.as_secs_f64(),
+        "s",
+        String::new(),
+    );
+    t.add(
+        "health",
+        n,
+        "every first health report folded",
+        reported.as_secs_f64(),
+        "s",
+        "since apply".into(),
+    );
+    let share = |before: Option<Duration>, after: Option<Duration>| {
+        before
+            .zip(after)
+            .map(|(b, a)| 100.0 * a.saturating_sub(b).as_secs_f64() / elapsed)
+    };
+    if let Some(pct) = share(cpu_before, cpu_after) {
+        t.add(
+            "health",
+            n,
+            "executor CPU while idle",
+            pct,
+            "% core",
+            format!("target < 5%: {:.2}x; {elapsed:.1} s window", pct / 5.0),
+        );
+        // Every node is probed once per interval.
+        let probes = n as f64 * elapsed * 1_000.0 / HEALTH_POLICY.interval_ms as f64;
+        t.add(
+            "health",
+            n,
+            "executor CPU per probe",
+            pct / 100.0 * elapsed * 1e9 / probes,
+            "ns",
+            String::new(),
+        );
+    }
+    if let Some(pct) = share(driver_before, driver_after) {
+        t.add("health", n, "driver CPU while idle", pct, "% core", String::new());
+    }
+    if let Some(kib) = rss_kib(executor) {
+        t.add(
+            "health",
+            n,
+            "executor RSS",
+            kib as f64 / 1024.0,
+            "MiB",
+            format!("{:.0} bytes per node", kib as f64 * 1024.0 / n as f64),
+        );
+    }
+    t.add(
+        "health",
+        n,
+        "passes while idle",
+        passes_after.saturating_sub(settled.0) as f64,
+        "passes",
+        "target 0".into(),
+    );
+    t.add(
+        "health",
+        n,
+        "health reports sent while idle",
+        sent_after - sent_before,
+        "reports",
+        "target 0".into(),
+    );
+    // A link that breaks (a message over the executor's limit) makes the
+    // executor resend all it holds unacknowledged: no run is idle then.
+    t.add(
+        "health",
+        n,
+        "executor link connects, whole run",
+        connects,
+        "connects",
+        "target 1".into(),
+    );
+    Ok(())
+}
+
 /// A bare streaming echo with the executor's own messages: each submit is
 /// answered at once with a result. The practical ceiling for this transport.
 #[derive(Debug, Default)]
@@ -771,6 +986,8 @@ async fn main() -> anyhow::Result<()> {
     let mut only: Option<BTreeSet<String>> = None;
     let mut csv = "target/bench.csv".to_owned();
     let mut throughput_ops = 20_000u64;
+    let mut health_nodes = 100_000u64;
+    let mut health_window = Duration::from_secs(30);
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -795,10 +1012,18 @@ async fn main() -> anyhow::Result<()> {
             "--throughput-ops" => {
                 throughput_ops = args.next().context("--throughput-ops needs a count")?.parse()?;
             }
+            "--health-nodes" => {
+                health_nodes = args.next().context("--health-nodes needs a count")?.parse()?;
+            }
+            "--health-window-s" => {
+                let secs: f64 = args.next().context("--health-window-s needs seconds")?.parse()?;
+                anyhow::ensure!(secs > 0.0, "--health-window-s must be above zero");
+                health_window = Duration::try_from_secs_f64(secs)?;
+            }
             "--help" | "-h" => {
                 println!(
-                    "bench [--sizes 1000,10000,100000] [--only decider,rpc,e2e,throughput,rollout] [--csv PATH] \
-                     [--throughput-ops 20000]"
+                    "bench [--sizes 1000,10000,100000] [--only decider,rpc,e2e,throughput,health,rollout] \
+                     [--csv PATH] [--throughput-ops 20000] [--health-nodes 100000] [--health-window-s 30]"
                 );
                 return Ok(());
             }
@@ -832,6 +1057,9 @@ async fn main() -> anyhow::Result<()> {
         for &n in &sizes {
             bench_e2e(&mut t, n).await?;
         }
+    }
+    if want("health") {
+        bench_health(&mut t, health_nodes, health_window).await?;
     }
     // Not in the default set: at 100,000 nodes it takes minutes.
     if only.as_ref().is_some_and(|o| o.contains("rollout")) {
