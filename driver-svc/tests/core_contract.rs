@@ -1377,6 +1377,8 @@ fn a_halted_rollout_holds_its_drifted_nodes_until_a_newer_apply() {
         .filter(|n| run.last_rule(&n.id) == Some(contract::Rule::RolloutBudget))
         .count();
     assert_eq!(held, 2);
+    // Held by the rollout, not by the remediation budget.
+    assert_eq!(run.remediation_held().count(), 0);
     assert!(run.group_counts().iter().any(|(g, c)| *g == workers && c.halted));
 
     // A newer apply (a fixed template) ends the halt, and the run converges.

@@ -437,6 +437,9 @@ pub struct RunState {
     /// Nodes whose last decision was a wait for the remediation budget: a
     /// change of their group's counts decides them again.
     budget_held: BTreeSet<LogicalNodeId>,
+    /// Nodes whose last decision was a wait for a rollout's budget, canary
+    /// or halt (rule 17; not a current attempt waiting for its successor).
+    rollout_held: BTreeSet<LogicalNodeId>,
     /// Groups whose counts changed since the last pass.
     counts_changed: BTreeSet<contract::GroupId>,
     /// Each group's rollout tally, and the attempts of each group's current
@@ -540,6 +543,7 @@ impl RunState {
             held: HashMap::new(),
             counts: HashMap::new(),
             budget_held: BTreeSet::new(),
+            rollout_held: BTreeSet::new(),
             counts_changed: BTreeSet::new(),
             tallies: HashMap::new(),
             new_failures: HashMap::new(),
@@ -699,6 +703,7 @@ impl RunState {
             self.counts_changed.insert(id.group().clone());
         }
         self.budget_held.remove(id);
+        self.rollout_held.remove(id);
     }
 
     /// Whether the indexes match a scan of the nodes (for tests and debug
@@ -1689,6 +1694,24 @@ impl RunState {
                     .iter()
                     .filter(|id| self.counts_changed.contains(id.group())),
             );
+            // A node a rollout holds, likewise; but no pass can grant more
+            // of a group than its budgets together, and the decider grants
+            // the lowest indices first: only that many, lowest first, are
+            // decided again (the rest keep their wait until they are among
+            // them), so a rollout's pass costs its budget, not its group.
+            for g in &self.meta.shape.groups {
+                if !self.counts_changed.contains(&g.id) {
+                    continue;
+                }
+                let b = g.policy.rollout.resolve(g.count);
+                let room = (b.max_unavailable + b.max_surge).max(1) as usize;
+                ids.extend(
+                    self.rollout_held
+                        .range(LogicalNodeId::new(g.id.clone(), 0)..)
+                        .take_while(|id| id.group() == &g.id)
+                        .take(room),
+                );
+            }
             ids.into_iter()
                 .filter_map(|id| self.nodes.get(id).map(|e| (id.clone(), e.version)))
                 .collect()
@@ -1886,10 +1909,25 @@ impl RunState {
     }
 
     fn record_decision(&mut self, d: &Decision, now: UnixMillis, wake: Option<UnixMillis>) {
-        if matches!(d.rule, Rule::RemediationBudget | Rule::RolloutBudget) {
-            self.budget_held.insert(d.node.clone());
-        } else {
-            self.budget_held.remove(&d.node);
+        match d.rule {
+            Rule::RemediationBudget => {
+                self.budget_held.insert(d.node.clone());
+                self.rollout_held.remove(&d.node);
+            }
+            // A current attempt waiting for its successor is decided again
+            // when the successor changes (the same entry): not the budget's.
+            Rule::RolloutBudget if self.nodes.get(&d.node).is_some_and(|e| e.rec.successor.is_some()) => {
+                self.budget_held.remove(&d.node);
+                self.rollout_held.remove(&d.node);
+            }
+            Rule::RolloutBudget => {
+                self.rollout_held.insert(d.node.clone());
+                self.budget_held.remove(&d.node);
+            }
+            _ => {
+                self.budget_held.remove(&d.node);
+                self.rollout_held.remove(&d.node);
+            }
         }
         if let Some(e) = self.nodes.get_mut(&d.node) {
             e.wake_at = wake;
@@ -1902,6 +1940,11 @@ impl RunState {
     }
 
     fn apply_one(&mut self, d: Decision, now: UnixMillis, ops: &mut Vec<Operation>) -> Result<(), CoreError> {
+        // A node that acts waits for no budget (a wait records its own).
+        if !matches!(d.action, Action::Wait { .. }) {
+            self.budget_held.remove(&d.node);
+            self.rollout_held.remove(&d.node);
+        }
         match d.action {
             Action::Wait { until } => {
                 let wake = until.filter(|t| *t > now);
