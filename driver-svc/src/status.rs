@@ -253,6 +253,7 @@ pub fn rollout_status(run: &RunState, group: &GroupId) -> Option<pb::RolloutStat
         unavailable: g.count.saturating_sub(counts.available),
         max_unavailable: decider::rollout_unavailable_budget(g),
         max_surge: budget.max_surge,
+        surging: counts.surging,
         canary: g.policy.rollout.canary,
         promoted: r.promoted,
         canary_paused: r.canary_reached && !r.canary_done() && r.halted.is_none(),

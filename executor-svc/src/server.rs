@@ -492,7 +492,20 @@ async fn read_link(
                 }
                 Ok(None) => break,
                 Err(status) => {
-                    tracing::debug!(link = link.0, %status, "driver link failed");
+                    // A driver going away is routine; a message the link
+                    // could not take (too large, malformed) is not, and the
+                    // driver only sees its link break.
+                    if matches!(
+                        status.code(),
+                        tonic::Code::ResourceExhausted
+                            | tonic::Code::OutOfRange
+                            | tonic::Code::InvalidArgument
+                            | tonic::Code::Internal
+                    ) {
+                        tracing::warn!(link = link.0, %status, "driver link failed on a message it could not take");
+                    } else {
+                        tracing::debug!(link = link.0, %status, "driver link failed");
+                    }
                     break;
                 }
             },

@@ -253,6 +253,7 @@ pub fn rollout_json(r: &pb::RolloutStatus) -> Value {
         "unavailable": r.unavailable,
         "max_unavailable": r.max_unavailable,
         "max_surge": r.max_surge,
+        "surging": r.surging,
         "canary": r.canary,
         "promoted": r.promoted,
         "canary_paused": r.canary_paused,
@@ -286,6 +287,7 @@ pub fn rollout_table(s: &pb::RunStatus) -> Vec<String> {
         "NEW",
         "OLD",
         "UNAVAILABLE",
+        "SURGING",
         "CANARY",
         "FAILED",
         "STATE",
@@ -297,6 +299,7 @@ pub fn rollout_table(s: &pb::RunStatus) -> Vec<String> {
                 "-".into(),
                 format!("{}/{} ready", g.ready, g.desired),
                 "0".into(),
+                "-".into(),
                 "-".into(),
                 "-".into(),
                 "-".into(),
@@ -315,6 +318,7 @@ pub fn rollout_table(s: &pb::RunStatus) -> Vec<String> {
             format!("{}/{} ready", r.updated_ready, g.desired),
             r.old.to_string(),
             format!("{}/{}", r.unavailable, r.max_unavailable),
+            format!("{}/{}", r.surging, r.max_surge),
             canary,
             r.failures.to_string(),
             rollout_state(r),
@@ -808,6 +812,38 @@ pub(crate) mod tests {
         assert_eq!(v["nodes"][0]["retry"]["consecutive_failures"], 3);
         assert_eq!(v["nodes"][0]["last_decision"]["rule_name"], "retry-backoff");
         assert!(v.get("shape").is_none());
+    }
+
+    #[test]
+    fn rollout_status_shows_each_groups_budget_use_and_state() {
+        let mut s = status();
+        s.groups[0].rollout = Some(pb::RolloutStatus {
+            generation: 2,
+            updated: 2,
+            updated_ready: 1,
+            old: 2,
+            unavailable: 1,
+            max_unavailable: 1,
+            max_surge: 2,
+            surging: 1,
+            canary: 2,
+            canary_paused: true,
+            ..Default::default()
+        });
+        let text = rollout_table(&s).join("\n");
+        assert!(text.contains("SURGING"), "{text}");
+        let workers = text.lines().find(|l| l.starts_with("workers")).unwrap();
+        for cell in ["1/4 ready", "1/1", "1/2", "canary: waiting for a promotion"] {
+            assert!(workers.contains(cell), "{cell} missing: {workers}");
+        }
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("gpu") && l.contains("no rollout in progress")),
+            "{text}"
+        );
+        let v = rollouts_json(&s);
+        assert_eq!(v["groups"][0]["rollout"]["surging"], 1);
+        assert!(v["groups"][1]["rollout"].is_null());
     }
 
     #[test]
