@@ -1210,6 +1210,26 @@ fn drive(run: &mut RunState, store: &MemStore, now: UnixMillis, bad: Option<&str
     }
 }
 
+/// A run of `count` workers on `img:1` under `rollout`, driven until nothing
+/// is left to do.
+fn settled(count: u32, rollout: contract::RolloutPolicy) -> (RunState, MemStore) {
+    let store = MemStore::new();
+    let mut run = RunState::create(
+        rolling_shape(1, count, "img:1", rollout),
+        UID,
+        Epoch::new(1),
+        policy(),
+        T0,
+    )
+    .unwrap();
+    drive(&mut run, &store, T0, None, 200);
+    (run, store)
+}
+
+fn workers_id() -> contract::GroupId {
+    contract::GroupId::parse("id", "workers").unwrap()
+}
+
 fn reasons(run: &RunState) -> Vec<&'static str> {
     run.events().map(|e| e.reason.name()).collect()
 }
@@ -1221,18 +1241,9 @@ fn a_rollout_is_tracked_from_start_to_completion_and_the_group_is_stable_after()
         max_surge: contract::Budget::Count(0),
         ..Default::default()
     };
-    let store = MemStore::new();
-    let mut run = RunState::create(
-        rolling_shape(1, 5, "img:1", budget),
-        UID,
-        Epoch::new(1),
-        policy(),
-        T0,
-    )
-    .unwrap();
-    drive(&mut run, &store, T0, None, 200);
+    let (mut run, store) = settled(5, budget);
     assert!(run.is_converged());
-    let workers = contract::GroupId::parse("id", "workers").unwrap();
+    let workers = workers_id();
     assert!(run.rollout(&workers).is_none(), "a fresh group has no rollout");
     assert_eq!(run.meta().stable.len(), 1);
     assert_eq!(run.meta().stable[0].generation, Generation::new(1));
@@ -1284,18 +1295,9 @@ fn a_failing_template_halts_its_rollout_and_reverts_once() {
         auto_revert: true,
         ..Default::default()
     };
-    let store = MemStore::new();
-    let mut run = RunState::create(
-        rolling_shape(1, 4, "img:1", budget),
-        UID,
-        Epoch::new(1),
-        policy(),
-        T0,
-    )
-    .unwrap();
-    drive(&mut run, &store, T0, None, 200);
+    let (mut run, store) = settled(4, budget);
     assert!(run.is_converged());
-    let workers = contract::GroupId::parse("id", "workers").unwrap();
+    let workers = workers_id();
 
     run.apply_shape(rolling_shape(2, 4, "img:bad", budget)).unwrap();
     // The bad template fails; its restarts back off, so time moves on.
@@ -1354,17 +1356,8 @@ fn a_halted_rollout_holds_its_drifted_nodes_until_a_newer_apply() {
         failure_threshold: 1,
         ..Default::default()
     };
-    let store = MemStore::new();
-    let mut run = RunState::create(
-        rolling_shape(1, 3, "img:1", budget),
-        UID,
-        Epoch::new(1),
-        policy(),
-        T0,
-    )
-    .unwrap();
-    drive(&mut run, &store, T0, None, 200);
-    let workers = contract::GroupId::parse("id", "workers").unwrap();
+    let (mut run, store) = settled(3, budget);
+    let workers = workers_id();
     run.apply_shape(rolling_shape(2, 3, "img:bad", budget)).unwrap();
     drive(&mut run, &store, T0, Some("img:bad"), 100);
     let r = run.rollout(&workers).unwrap();
@@ -1397,17 +1390,8 @@ fn a_rollout_without_progress_halts_at_its_deadline() {
         progress_deadline_ms: 60_000,
         ..Default::default()
     };
-    let store = MemStore::new();
-    let mut run = RunState::create(
-        rolling_shape(1, 2, "img:1", budget),
-        UID,
-        Epoch::new(1),
-        policy(),
-        T0,
-    )
-    .unwrap();
-    drive(&mut run, &store, T0, None, 200);
-    let workers = contract::GroupId::parse("id", "workers").unwrap();
+    let (mut run, store) = settled(2, budget);
+    let workers = workers_id();
     run.apply_shape(rolling_shape(2, 2, "img:2", budget)).unwrap();
     // One pass: a node begins its replacement; nothing answers after that.
     let _ = pass(&mut run, &store, T0);
@@ -1442,16 +1426,7 @@ fn a_surge_rollout_keeps_every_slot_serving() {
         max_surge: contract::Budget::Count(1),
         ..Default::default()
     };
-    let store = MemStore::new();
-    let mut run = RunState::create(
-        rolling_shape(1, 3, "img:1", budget),
-        UID,
-        Epoch::new(1),
-        policy(),
-        T0,
-    )
-    .unwrap();
-    drive(&mut run, &store, T0, None, 200);
+    let (mut run, store) = settled(3, budget);
     assert!(run.is_converged());
     let before: Vec<contract::AttemptId> = run.nodes().map(|n| n.attempt).collect();
     run.apply_shape(rolling_shape(2, 3, "img:2", budget)).unwrap();

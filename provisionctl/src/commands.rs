@@ -745,16 +745,21 @@ impl Ctx {
         })
     }
 
-    async fn get(&self, run: &str, nodes: bool, output: Output) -> Result<Exit, CliError> {
+    /// The run's status, as `get` reads it.
+    async fn run_status(&self, run: &str, nodes: bool) -> Result<pb::RunStatus, CliError> {
         let mut client = self.connect_run(run).await?;
-        let s = client
+        Ok(client
             .get_run(pb::GetRunRequest {
                 run_id: run.to_owned(),
                 include_nodes: nodes,
             })
             .await
             .map_err(|s| self.status_error(&s, Doing::Run { verb: "get", run }))?
-            .into_inner();
+            .into_inner())
+    }
+
+    async fn get(&self, run: &str, nodes: bool, output: Output) -> Result<Exit, CliError> {
+        let s = self.run_status(run, nodes).await?;
         match output {
             Output::Table => print_lines(&render::status_table(&s))?,
             _ => print_doc(&render::status_json(&s, true, nodes), output)?,
@@ -1037,15 +1042,7 @@ impl Ctx {
     }
 
     async fn rollout_status(&self, run: &str, output: Output) -> Result<Exit, CliError> {
-        let mut client = self.connect_run(run).await?;
-        let s = client
-            .get_run(pb::GetRunRequest {
-                run_id: run.to_owned(),
-                include_nodes: false,
-            })
-            .await
-            .map_err(|s| self.status_error(&s, Doing::Run { verb: "get", run }))?
-            .into_inner();
+        let s = self.run_status(run, false).await?;
         match output {
             Output::Table => print_lines(&render::rollout_table(&s))?,
             _ => print_doc(&render::rollouts_json(&s), output)?,

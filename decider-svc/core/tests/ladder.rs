@@ -1341,6 +1341,29 @@ fn row_11_ready_is_steady() {
 // Rows 12-16: the healthy progression
 // ---------------------------------------------------------------------------
 
+/// One pass over `nodes` of group `g` (the shape's only group) with the
+/// header's `counts`: each node's rule and reason, inserts left out.
+fn group_pass(
+    g: contract::NodeGroup,
+    counts: contract::GroupCounts,
+    nodes: &[ManagedNode],
+) -> Vec<(String, Rule, String)> {
+    let id = g.id.clone();
+    let s = shape(vec![g]);
+    let view = DesiredView::new(&s, false).with_counts([(id, counts)]);
+    let mut existing = SlotSet::new();
+    for n in nodes {
+        existing.insert(&n.id);
+    }
+    existing.finish();
+    decide(&view, nodes, &existing, now())
+        .decisions
+        .into_iter()
+        .filter(|d| d.rule != Rule::Insert)
+        .map(|d| (d.node.to_string(), d.rule, d.reason.into_owned()))
+        .collect()
+}
+
 /// The remediation budget of a group of ten with `max_in_flight` and
 /// `max_unhealthy`, the nodes given, and the header's counts.
 fn remediate(
@@ -1354,19 +1377,7 @@ fn remediate(
         max_in_flight,
         max_unhealthy,
     };
-    let s = shape(vec![g]);
-    let view = DesiredView::new(&s, false).with_counts([(gid("w"), counts)]);
-    let mut existing = SlotSet::new();
-    for n in nodes {
-        existing.insert(&n.id);
-    }
-    existing.finish();
-    decide(&view, nodes, &existing, now())
-        .decisions
-        .into_iter()
-        .filter(|d| d.rule != Rule::Insert)
-        .map(|d| (d.node.to_string(), d.rule, d.reason.into_owned()))
-        .collect()
+    group_pass(g, counts, nodes)
 }
 
 #[test]
@@ -1470,19 +1481,7 @@ fn roll(
 ) -> Vec<(String, Rule, String)> {
     let mut g = group("w", 10, template("img:2"));
     g.policy.rollout = policy;
-    let s = shape(vec![g]);
-    let view = DesiredView::new(&s, false).with_counts([(gid("w"), counts)]);
-    let mut existing = SlotSet::new();
-    for n in nodes {
-        existing.insert(&n.id);
-    }
-    existing.finish();
-    decide(&view, nodes, &existing, now())
-        .decisions
-        .into_iter()
-        .filter(|d| d.rule != Rule::Insert)
-        .map(|d| (d.node.to_string(), d.rule, d.reason.into_owned()))
-        .collect()
+    group_pass(g, counts, nodes)
 }
 
 #[test]
