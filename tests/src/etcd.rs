@@ -22,8 +22,32 @@ pub struct Etcd {
     _dir: tempfile::TempDir,
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// A loopback port free now, for a process started a moment later to bind.
+///
+/// Chosen below the kernel's ephemeral range (32768 and up on Linux), where
+/// the outgoing connections of every test running alongside take theirs and
+/// a port asked of the kernel (`bind` to port 0) would come from: a free
+/// port from there can be taken by any connection before its process binds
+/// it. Ports are handed out once per test process, starting at an offset
+/// drawn from the process id.
+pub fn free_port() -> anyhow::Result<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(7919) % SPAN,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..SPAN {
+        let port = u16::try_from(LOW + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN)?;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no free loopback port between {LOW} and {}", LOW + SPAN)
 }
 
 impl Etcd {
@@ -99,34 +123,66 @@ pub struct EtcdMembers {
     pub endpoints: Vec<String>,
 }
 
+/// Why a start of [`EtcdMembers`] failed.
+#[derive(Debug)]
+pub enum MembersStart {
+    /// A member could not bind a port it was given (another process took it
+    /// between its choice and the member's start): start again on others.
+    PortTaken(anyhow::Error),
+    Failed(anyhow::Error),
+}
+
 impl EtcdMembers {
     /// Starts every member at once (they wait for each other to form the
-    /// cluster) and returns when each listens on its client endpoint.
-    pub fn start(members: Vec<(Vec<String>, String)>) -> anyhow::Result<Self> {
+    /// cluster) and returns when each listens on its client endpoint. Each
+    /// member's log is `logs/etcd-<i>.log`; a member that exits early is
+    /// reported with the end of its log.
+    pub fn start(members: Vec<(Vec<String>, String)>, logs: &std::path::Path) -> Result<Self, MembersStart> {
+        let failed = MembersStart::Failed;
         let mut started = Self {
             children: Vec::new(),
             endpoints: Vec::new(),
         };
-        for (args, endpoint) in members {
+        let mut log_paths = Vec::new();
+        for (i, (args, endpoint)) in members.into_iter().enumerate() {
+            let log_path = logs.join(format!("etcd-{i}.log"));
+            let log = std::fs::File::create(&log_path)
+                .context("creating an etcd log")
+                .map_err(failed)?;
             let child = Command::new("etcd")
                 .args(&args)
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
+                .stderr(log)
                 .spawn()
-                .context("starting etcd (Debian package etcd-server; .ci/run installs it)")?;
+                .context("starting etcd (Debian package etcd-server; .ci/run installs it)")
+                .map_err(failed)?;
             started.children.push(child);
             started.endpoints.push(endpoint);
+            log_paths.push(log_path);
         }
         let deadline = Instant::now() + Duration::from_secs(30);
         for (i, endpoint) in started.endpoints.iter().enumerate() {
             while TcpStream::connect(endpoint).is_err() {
-                if let Some(status) = started.children[i].try_wait()? {
-                    anyhow::bail!("etcd member {i} exited with {status}");
+                let exited = started.children[i]
+                    .try_wait()
+                    .context("waiting on etcd")
+                    .map_err(failed)?;
+                if let Some(status) = exited {
+                    let log = std::fs::read_to_string(&log_paths[i]).unwrap_or_default();
+                    let tail: Vec<&str> = log.lines().rev().take(5).collect();
+                    let error = anyhow::anyhow!(
+                        "etcd member {i} exited with {status}; its log ends:\n{}",
+                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    );
+                    return Err(if log.contains("address already in use") {
+                        MembersStart::PortTaken(error)
+                    } else {
+                        MembersStart::Failed(error)
+                    });
                 }
-                anyhow::ensure!(
-                    Instant::now() < deadline,
-                    "etcd member {i} did not start listening"
-                );
+                if Instant::now() >= deadline {
+                    return Err(failed(anyhow::anyhow!("etcd member {i} did not start listening")));
+                }
                 std::thread::sleep(Duration::from_millis(50));
             }
         }

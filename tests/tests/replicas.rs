@@ -42,7 +42,7 @@ use std::{
 use contract::{ClusterShape, Param, pb, pb::provisioning_client::ProvisioningClient};
 use platform::event_trace::{TraceEvent, TraceLine, parse_line};
 use provisioning_tests::{
-    etcd::{self, Etcd, EtcdMembers, PREFIX},
+    etcd::{self, Etcd, EtcdMembers, MembersStart, PREFIX},
     procs::{
         self, AgentsDir, Cluster, ClusterOptions, Sampler, Service, bin_path, live_agent_pids, run_events,
         watch_until,
@@ -1260,11 +1260,7 @@ impl EtcdManifest {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    etcd::free_port().unwrap()
 }
 
 /// deploy/k8s-replicated/10-etcd.yaml against the schema and the drivers'
@@ -1420,22 +1416,36 @@ async fn replicas_started_from_the_manifest_share_a_run() {
         ("tls.pem", etcd_cert),
         ("tls.key", etcd_key),
     ]);
-    let lo: Vec<[u16; 3]> = m
-        .hosts
-        .iter()
-        .map(|_| [free_port(), free_port(), free_port()])
-        .collect();
-    let mut members = EtcdMembers::start(
-        (0..m.hosts.len())
-            .map(|i| {
-                (
-                    m.member_args(i, &lo, work.path(), &tls_files),
-                    format!("127.0.0.1:{}", lo[i][0]),
-                )
-            })
-            .collect(),
-    )
-    .unwrap();
+    // Ports are chosen free and bound by etcd a moment later: another
+    // process may take one in between, and then the members start again on
+    // others (each attempt in a data directory of its own).
+    let mut attempt = 0;
+    let (lo, mut members) = loop {
+        attempt += 1;
+        let lo: Vec<[u16; 3]> = m
+            .hosts
+            .iter()
+            .map(|_| [free_port(), free_port(), free_port()])
+            .collect();
+        let data = work.path().join(format!("attempt-{attempt}"));
+        std::fs::create_dir_all(&data).unwrap();
+        let start = EtcdMembers::start(
+            (0..m.hosts.len())
+                .map(|i| {
+                    (
+                        m.member_args(i, &lo, &data, &tls_files),
+                        format!("127.0.0.1:{}", lo[i][0]),
+                    )
+                })
+                .collect(),
+            &data,
+        );
+        match start {
+            Ok(members) => break (lo, members),
+            Err(MembersStart::PortTaken(e)) if attempt < 3 => eprintln!("{e:#}; again"),
+            Err(MembersStart::PortTaken(e) | MembersStart::Failed(e)) => panic!("{e:#}"),
+        }
+    };
     // Each answers its probes as the kubelet would ask them, once the
     // members have formed the cluster.
     for (i, ports) in lo.iter().enumerate() {
@@ -1502,11 +1512,7 @@ async fn replicas_started_from_the_manifest_share_a_run() {
     let mut replicas = Vec::new();
     for i in 0..3 {
         let pod = format!("driver-{i}");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let listen = format!("127.0.0.1:{port}");
         let mut mapped = Vec::new();
         let mut it = args.iter();
