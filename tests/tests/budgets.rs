@@ -27,6 +27,10 @@ async fn an_inflight_cap_is_never_exceeded_and_waiting_shows_in_explain() {
         ClusterOptions::default()
             .executor("--fake-latency-ms", "60,90")
             .executor("--budget-inflight", "3")
+            // The test samples the gauges and explains every node far faster
+            // than a client would (to catch the gauges' maxima): the driver's
+            // per-client rate limit would refuse it.
+            .driver("--rate-limit", "0")
             .service_env("executor-svc", "PROVISIONING_METRICS_LISTEN", "127.0.0.1:0"),
     )
     .await
