@@ -580,12 +580,36 @@ fn observations_fold_only_into_the_session_they_name() {
         run.fold_observation(&other, T0).unwrap(),
         Fold::Discarded(Discard::StaleSession)
     );
+    // A stage past the next one (2 and 3 have not arrived: a reconnected
+    // stream sends new stages before the replay of older ones) is left for
+    // a replay after the last folded one, and not acknowledged.
     assert_eq!(
         run.fold_observation(&obs(4, contract::BootstrapStage::Converged), T0)
             .unwrap(),
-        Fold::Folded
+        Fold::Discarded(Discard::Gap)
     );
+    assert_eq!(run.take_replays(), vec![(session.clone(), 1)]);
+    assert_eq!(run.node(&node(id)).unwrap().stage, NodeStage::BootstrapRunning);
+    for (seq, stage) in [
+        (2, contract::BootstrapStage::BootCheck),
+        (3, contract::BootstrapStage::Joined),
+        (4, contract::BootstrapStage::Converged),
+    ] {
+        assert_eq!(run.fold_observation(&obs(seq, stage), T0).unwrap(), Fold::Folded);
+    }
     assert_eq!(run.node(&node(id)).unwrap().stage, NodeStage::Joined);
+    let acked: Vec<u64> = run
+        .take_commit()
+        .persist_to(&store)
+        .unwrap()
+        .acks
+        .iter()
+        .filter_map(|a| match a {
+            AckRef::Observation { seq, .. } => Some(*seq),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(acked, [1, 1, 2, 2, 3, 4], "the gap is not acknowledged");
     // Convergence is a driver transition: the node becomes ready.
     let _ = pass(&mut run, &store, T0);
     let n = run.node(&node(id)).unwrap();

@@ -100,6 +100,12 @@ pub enum Discard {
     StaleSession,
     /// An observation at or below the last folded sequence number.
     Duplicate,
+    /// An observation past the next sequence number of its session: one
+    /// before it has not arrived yet (a stream broken and reconnected sends
+    /// new stages before the replay of older ones). It is not acknowledged,
+    /// and the session is asked for again after the last folded number, so
+    /// every stage is folded once and in order.
+    Gap,
     /// An observation of a session whose `StartBootstrap` result has not been
     /// folded yet. It is not acknowledged: the executor keeps it, and the
     /// driver asks for it again once the result names the session.
@@ -117,6 +123,7 @@ impl Discard {
             Discard::Late => "late",
             Discard::StaleSession => "stale-session",
             Discard::Duplicate => "duplicate",
+            Discard::Gap => "gap",
             Discard::SessionNotYetKnown => "session-not-yet-known",
         }
     }
@@ -2507,7 +2514,13 @@ impl RunState {
     fn fold_observation_in_place(&mut self, o: &Observation, now: UnixMillis) -> Result<Fold, CoreError> {
         let fold = self.check_observation(o);
         if let Fold::Discarded(why) = fold {
-            if !matches!(why, Discard::OtherRun | Discard::SessionNotYetKnown) {
+            if why == Discard::Gap {
+                self.replays.push((o.node.clone(), o.session.clone()));
+            }
+            if !matches!(
+                why,
+                Discard::OtherRun | Discard::SessionNotYetKnown | Discard::Gap
+            ) {
                 self.unacked.push(AckRef::Observation {
                     session: o.session.clone(),
                     seq: o.seq,
@@ -2755,8 +2768,12 @@ impl RunState {
                 Discard::StaleSession
             });
         }
-        if n.facts.bootstrap.as_ref().is_some_and(|b| o.seq <= b.seq) {
+        let last = n.facts.bootstrap.as_ref().map_or(0, |b| b.seq);
+        if o.seq <= last {
             return Fold::Discarded(Discard::Duplicate);
+        }
+        if o.seq > last.saturating_add(1) {
+            return Fold::Discarded(Discard::Gap);
         }
         Fold::Folded
     }

@@ -214,7 +214,7 @@ fn node_id(s: &str) -> anyhow::Result<LogicalNodeId> {
 }
 
 fn discard(name: &str) -> anyhow::Result<Discard> {
-    const ALL: [Discard; 9] = [
+    const ALL: [Discard; 10] = [
         Discard::OtherRun,
         Discard::UnknownNode,
         Discard::SupersededAttempt,
@@ -223,6 +223,7 @@ fn discard(name: &str) -> anyhow::Result<Discard> {
         Discard::Late,
         Discard::StaleSession,
         Discard::Duplicate,
+        Discard::Gap,
         Discard::SessionNotYetKnown,
     ];
     ALL.into_iter()
