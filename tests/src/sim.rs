@@ -213,7 +213,8 @@ pub enum Event {
     /// trace; in memory a message's fold is its acknowledgement).
     ChangesAcknowledged(Vec<u64>),
     /// The driver took this shape, or began deleting the run (level 2, from
-    /// its trace; in memory the round's state says so).
+    /// its trace; in memory, a shape the driver takes of its own in a pass
+    /// or on its timer, a revert: the round's state says the rest).
     Shape {
         shape: ClusterShape,
         deleting: bool,
@@ -510,6 +511,16 @@ impl Sim {
         })));
     }
 
+    /// The driver took a shape of its own (a revert) since `generation`.
+    fn shape_event(&mut self, generation: contract::Generation) {
+        if self.record && self.run.shape().generation != generation {
+            self.events.push(Event::Shape {
+                shape: self.run.shape().clone(),
+                deleting: self.run.is_deleting(),
+            });
+        }
+    }
+
     fn snapshot_if_recording(&self) -> Option<Nodes> {
         self.record.then(|| self.nodes())
     }
@@ -520,12 +531,14 @@ impl Sim {
             return Ok(());
         }
         let before = self.snapshot_if_recording();
+        let generation = self.run.shape().generation;
         let folded = self.run.handle_timeout(self.now)?;
         if let Some(before) = before
             && folded > 0
         {
             self.transition(Cause::Timer, before);
         }
+        self.shape_event(generation);
         let released = self.run.take_commit().persist_to(&self.store)?;
         self.session.handle_released(released, &mut self.run);
         self.transmit(None)?;
@@ -538,6 +551,7 @@ impl Sim {
             return Ok(false);
         }
         let s0 = self.snapshot_if_recording();
+        let generation = self.run.shape().generation;
         let plan = self.run.begin_pass(self.now)?;
         let s1 = self.snapshot_if_recording();
         let timer_changed = s0 != s1;
@@ -568,6 +582,7 @@ impl Sim {
             changed |= s1 != self.nodes();
             self.transition(Cause::Decisions(decisions), s1);
         }
+        self.shape_event(generation);
         self.passes += 1;
         self.events.push(Event::Pass(PassSummary {
             at: self.now,

@@ -165,6 +165,27 @@ fn with_day2_chaos_a_run_converges_once_faults_stop() {
     assert!(out.tail_passes <= out.tail_bound);
 }
 
+/// A bad image halts its group's rollout at its first failed attempt (the
+/// generation's halt policy: `failure_threshold` 1, `auto_revert`), and the
+/// driver reverts the group to the template it converged on as a generation
+/// of its own; the run converges there and no attempt starts on the bad
+/// image again (guarantee 25, with every other check).
+#[test]
+fn a_halted_rollout_reverts_to_the_last_converged_template() {
+    let out = check_trace(
+        1,
+        Delivery::InOrder,
+        "faults:none step*200 advance:70000 step*100 apply:bad-image:work step*60 advance:5000 step*60",
+    );
+    assert!(
+        out.coverage
+            .get("shape:taken-without-apply")
+            .is_some_and(|n| *n > 0),
+        "the driver never reverted: {:?}",
+        out.coverage
+    );
+}
+
 // Regression traces of real bugs the battery found. They fail until the bug is
 // fixed in the product; they are kept, not weakened. Those found before the
 // fake's chaos lost and sickened resources on its own run without that.
@@ -330,6 +351,7 @@ mutant_tests! {
     mutant_reuse_attempt_ids => ReuseAttemptIds,
     mutant_ignore_remediation_budget => IgnoreRemediationBudget,
     mutant_ignore_rollout_budget => IgnoreRolloutBudget,
+    mutant_revert_loop => RevertLoop,
     mutant_hide_unhealthy => HideUnhealthy,
     mutant_fold_into_current_attempt => FoldIntoCurrentAttempt,
     mutant_carry_facts_into_replacement => CarryFactsIntoReplacement,

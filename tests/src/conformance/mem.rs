@@ -442,7 +442,10 @@ impl SystemUnderTest for MemSut {
             return Ok(None);
         }
         let blocked = self.blocked_groups();
-        if blocked.is_empty() && !has_bad_image(run.shape()) {
+        // A halted rollout waits for the client's next apply, which the
+        // repair is.
+        let halted = run.meta().rollouts.iter().any(|r| r.halted.is_some());
+        if blocked.is_empty() && !has_bad_image(run.shape()) && !halted {
             return Ok(None);
         }
         let shape = repaired_shape(run.shape(), &blocked);

@@ -1,6 +1,7 @@
 //! The conformance kit: seeded traces, an oracle for the twenty guarantees of
-//! SPEC.md section 6 and the day-2 ones of section 8 (21 to 23; plus no
-//! double-create and converged-leaks-nothing), a
+//! SPEC.md section 6, the day-2 ones of section 8 (21 to 23) and the rollout
+//! ones of section 9 (24 and 25; plus no double-create and
+//! converged-leaks-nothing), a
 //! shrinker, and a battery that runs the same checks over any system under test.
 //!
 //! # How a seed is checked

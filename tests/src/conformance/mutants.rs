@@ -15,8 +15,9 @@ use std::{
 };
 
 use contract::{
-    Action, AttemptId, DecideOutput, Effect, LeaseId, LogicalNodeId, Operation, OperationId, OperationInput,
-    OperationResult, Outcome, PendingOp, ResultFacts, Rule, UnixMillis,
+    Action, AttemptId, ClusterShape, DecideOutput, Effect, Generation, GroupId, LeaseId, LogicalNodeId,
+    Operation, OperationId, OperationInput, OperationResult, Outcome, PendingOp, ResultFacts, Rule,
+    UnixMillis,
 };
 use driver_svc::core::{RunDelta, RunStore};
 use executor_svc::{
@@ -93,10 +94,14 @@ pub enum Mutant {
     HideUnhealthy,
     /// The decider replaces every drifted node its rollout budget holds.
     IgnoreRolloutBudget,
+    /// Once a halted rollout is reverted, the driver tries the template it
+    /// reverted from again, as a new generation of its own (a rollback
+    /// loop).
+    RevertLoop,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 30] = [
+    pub const ALL: [Mutant; 31] = [
         Mutant::ReuseAttemptIds,
         Mutant::FoldIntoCurrentAttempt,
         Mutant::CarryFactsIntoReplacement,
@@ -127,6 +132,7 @@ impl Mutant {
         Mutant::IgnoreRemediationBudget,
         Mutant::HideUnhealthy,
         Mutant::IgnoreRolloutBudget,
+        Mutant::RevertLoop,
     ];
 
     /// The guarantee whose check must catch the mutant.
@@ -160,6 +166,7 @@ impl Mutant {
             Mutant::IgnoreRemediationBudget => Guarantee::G22RemediationWithinBudget,
             Mutant::HideUnhealthy => Guarantee::G23ConvergedMeansObserved,
             Mutant::IgnoreRolloutBudget => Guarantee::G24RolloutWithinBudget,
+            Mutant::RevertLoop => Guarantee::G25RevertNeverReentersBadTemplate,
         }
     }
 
@@ -170,6 +177,8 @@ impl Mutant {
             done: false,
             dropped: false,
             undesired: BTreeSet::new(),
+            shapes: BTreeMap::new(),
+            looped: BTreeSet::new(),
         }));
     }
 
@@ -197,12 +206,22 @@ struct Hooks {
     dropped: bool,
     /// Slots the last pass saw as undesired (for `DestroyLies`).
     undesired: BTreeSet<LogicalNodeId>,
+    /// The run's shape at each generation a pass saw (for `RevertLoop`).
+    shapes: BTreeMap<u64, ClusterShape>,
+    /// Reverting generations already looped back (for `RevertLoop`).
+    looped: BTreeSet<u64>,
 }
 
 impl Tamper for Hooks {
     fn decisions(&mut self, sim: &Sim, out: &mut DecideOutput) {
         let run = &sim.run;
         let now = sim.now;
+        if self.mutant == Mutant::RevertLoop {
+            let shape = run.shape();
+            self.shapes
+                .entry(shape.generation.get())
+                .or_insert_with(|| shape.clone());
+        }
         match self.mutant {
             Mutant::BackoffBeforeCleanup => {
                 for d in &mut out.decisions {
@@ -491,6 +510,33 @@ impl Tamper for Hooks {
             }
             Mutant::OrderDependent if std::mem::take(&mut self.dropped) => sim.run.mark_all_dirty(),
             Mutant::AlwaysFollowUp => sim.run.mark_all_dirty(),
+            Mutant::RevertLoop => {
+                let shape = sim.run.shape().clone();
+                let reverts: Vec<(GroupId, u64, u64)> = sim
+                    .run
+                    .meta()
+                    .rollouts
+                    .iter()
+                    .filter_map(|r| Some((r.group.clone(), r.generation.get(), r.reverted_from?.get())))
+                    .collect();
+                for (group, generation, from) in reverts {
+                    let bad = self
+                        .shapes
+                        .get(&from)
+                        .and_then(|s| s.groups.iter().find(|g| g.id == group))
+                        .map(|g| g.template.clone());
+                    let (Some(bad), true) = (bad, self.looped.insert(generation)) else {
+                        continue;
+                    };
+                    let mut again = shape.clone();
+                    again.generation = Generation::new(shape.generation.get() + 1);
+                    if let Some(g) = again.groups.iter_mut().find(|g| g.id == group) {
+                        g.template = bad;
+                    }
+                    let _ = sim.apply_shape(again);
+                    return;
+                }
+            }
             _ => {}
         }
     }

@@ -58,12 +58,13 @@ pub enum Guarantee {
     G22RemediationWithinBudget,
     G23ConvergedMeansObserved,
     G24RolloutWithinBudget,
+    G25RevertNeverReentersBadTemplate,
     NoDoubleCreate,
     ConvergedLeaksNothing,
 }
 
 impl Guarantee {
-    pub const ALL: [Guarantee; 26] = [
+    pub const ALL: [Guarantee; 27] = [
         Guarantee::G01AttemptIdsUniqueIncreasing,
         Guarantee::G02FoldOnlyIntoNamedAttempt,
         Guarantee::G03RetiredFactsNeverCarried,
@@ -88,6 +89,7 @@ impl Guarantee {
         Guarantee::G22RemediationWithinBudget,
         Guarantee::G23ConvergedMeansObserved,
         Guarantee::G24RolloutWithinBudget,
+        Guarantee::G25RevertNeverReentersBadTemplate,
         Guarantee::NoDoubleCreate,
         Guarantee::ConvergedLeaksNothing,
     ];
@@ -163,6 +165,10 @@ impl Guarantee {
             Guarantee::G24RolloutWithinBudget => {
                 "a rollout never has more of a group's desired slots unavailable because of it than \
                  max_unavailable"
+            }
+            Guarantee::G25RevertNeverReentersBadTemplate => {
+                "after a halt with auto-revert, the run converges to the group's last converged \
+                 template without passing through the bad one again"
             }
             Guarantee::NoDoubleCreate => "never two resources for one identity (no double-create)",
             Guarantee::ConvergedLeaksNothing => "a converged or deleted run leaves nothing at the backend",
@@ -286,6 +292,16 @@ pub struct Oracle {
     lost_slots: BTreeMap<LogicalNodeId, (AttemptId, u64)>,
     /// Slots being replaced for a rollout, until they serve again (G24).
     rolling: BTreeSet<LogicalNodeId>,
+    // Guarantee 25.
+    /// Generations the client applied; any other generation the run takes
+    /// is the driver's own (a revert).
+    client_generations: BTreeSet<u64>,
+    /// The templates each group was seen converged on (every desired slot
+    /// ready on it), in order.
+    converged_on: BTreeMap<GroupId, Vec<std::sync::Arc<NodeTemplate>>>,
+    /// The template each reverted group went away from, until the client
+    /// applies another template to the group.
+    reverted_from: BTreeMap<GroupId, std::sync::Arc<NodeTemplate>>,
     /// The run's pass count in the latest state.
     passes: u64,
     // No double-create.
@@ -375,6 +391,9 @@ impl Oracle {
             events_after_state: false,
             lost_slots: BTreeMap::new(),
             rolling: BTreeSet::new(),
+            client_generations: BTreeSet::new(),
+            converged_on: BTreeMap::new(),
+            reverted_from: BTreeMap::new(),
             passes: 0,
             leases_made: BTreeMap::new(),
             lease_of: BTreeMap::new(),
@@ -407,6 +426,9 @@ impl Oracle {
         }
         if let Some(a) = &rec.apply {
             self.g17_revision_contract(a, &rec.state);
+            if a.verdict == Verdict::Changed {
+                self.client_generations.insert(a.submitted.generation.get());
+            }
         }
         // Where the events say when the driver took each shape (level 2's
         // traces), the checks over them read the shape in force then, and the
@@ -442,6 +464,7 @@ impl Oracle {
     /// The run's desired shape (if it shows one) and deletion flag from now on.
     fn take_shape(&mut self, shape: Option<&ClusterShape>, deleting: bool) {
         if let Some(shape) = shape {
+            self.g25_new_generation(shape);
             self.groups_seen.extend(shape.groups.iter().map(|g| g.id.clone()));
             self.shape = Some(shape.clone());
         }
@@ -554,7 +577,9 @@ impl Oracle {
         self.g19_scale_down(t);
         self.g22_budget(t);
         self.g24_rollout_budget(t);
+        self.g25_no_attempt_on_reverted(t);
         self.g20_one_action_per_node(t);
+        self.g25_converged_on(&t.after);
     }
 
     fn submission(&mut self, op: &Operation, node: Option<&ManagedNode>) {
@@ -585,6 +610,7 @@ impl Oracle {
         if let Some(last) = rec.processes.last() {
             self.converged_leaks_nothing_processes(s, last, rec.quiescent);
         }
+        self.g25_converged_on(&s.nodes);
         self.g04_store_agrees(s);
         self.g08_destroyed(&s.nodes, s.store.as_ref());
         self.g14_ready_is_reset(&s.nodes);
@@ -2048,6 +2074,105 @@ impl Oracle {
 
     /// Guarantee 21: `node`'s resource of `attempt` is lost; the slot is to
     /// recover on a later attempt.
+    /// Guarantee 25: notes the templates each group of the shape in force
+    /// is converged on (every desired slot active and ready on it).
+    fn g25_converged_on(&mut self, nodes: &Nodes) {
+        if self.deleting {
+            return;
+        }
+        let Some(shape) = &self.shape else {
+            return;
+        };
+        for g in &shape.groups {
+            let converged = (0..g.count).all(|i| {
+                nodes.get(&LogicalNodeId::new(g.id.clone(), i)).is_some_and(|n| {
+                    n.intent == Intent::Active && n.is_ready() && NodeTemplate::same(&n.spec, &g.template)
+                })
+            });
+            let seen = self.converged_on.entry(g.id.clone()).or_default();
+            if converged && !seen.iter().any(|t| NodeTemplate::same(t, &g.template)) {
+                seen.push(g.template.clone());
+            }
+        }
+    }
+
+    /// Guarantee 25, on shapes: a generation the client did not apply is the
+    /// driver's revert. Each group it changes goes back to a template the
+    /// group was converged on, never to one a revert went away from; a
+    /// template the client applies to a group ends what its revert left.
+    fn g25_new_generation(&mut self, shape: &ClusterShape) {
+        let Some(prev) = self.shape.take() else {
+            return;
+        };
+        if shape.generation <= prev.generation {
+            self.shape = Some(prev);
+            return;
+        }
+        let by_client = self.client_generations.contains(&shape.generation.get());
+        for g in &shape.groups {
+            let Some(p) = prev.groups.iter().find(|p| p.id == g.id) else {
+                continue;
+            };
+            if NodeTemplate::same(&p.template, &g.template) {
+                continue;
+            }
+            if by_client {
+                self.reverted_from.remove(&g.id);
+                continue;
+            }
+            let converged = self
+                .converged_on
+                .get(&g.id)
+                .is_some_and(|ts| ts.iter().any(|t| NodeTemplate::same(t, &g.template)));
+            if !converged {
+                let detail = format!(
+                    "generation {} (not the client's) moved group {} from image {} to image {}, a template \
+                     the group was never converged on",
+                    shape.generation, g.id, p.template.image, g.template.image
+                );
+                self.fail(Guarantee::G25RevertNeverReentersBadTemplate, detail);
+            }
+            if self
+                .reverted_from
+                .get(&g.id)
+                .is_some_and(|bad| NodeTemplate::same(bad, &g.template))
+            {
+                let detail = format!(
+                    "generation {} (not the client's) put group {} back on image {}, which a revert went \
+                     away from",
+                    shape.generation, g.id, g.template.image
+                );
+                self.fail(Guarantee::G25RevertNeverReentersBadTemplate, detail);
+            }
+            self.reverted_from.insert(g.id.clone(), p.template.clone());
+        }
+        self.shape = Some(prev);
+    }
+
+    /// Guarantee 25, on transitions: once a group is reverted, no attempt of
+    /// it starts on the template it was reverted from.
+    fn g25_no_attempt_on_reverted(&mut self, t: &Transition) {
+        if self.reverted_from.is_empty() {
+            return;
+        }
+        for (id, n) in &t.after {
+            let fresh = t.before.get(id).is_none_or(|b| b.attempt != n.attempt);
+            if fresh
+                && n.intent == Intent::Active
+                && self
+                    .reverted_from
+                    .get(id.group())
+                    .is_some_and(|bad| NodeTemplate::same(bad, &n.spec))
+            {
+                let detail = format!(
+                    "{id} started attempt {} on image {}, which its group's revert went away from",
+                    n.attempt, n.spec.image
+                );
+                self.fail(Guarantee::G25RevertNeverReentersBadTemplate, detail);
+            }
+        }
+    }
+
     fn g21_lost(&mut self, node: &LogicalNodeId, attempt: AttemptId) {
         let passes = self.passes;
         let e = self.lost_slots.entry(node.clone()).or_insert((attempt, passes));

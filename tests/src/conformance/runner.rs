@@ -160,6 +160,8 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
             Event::ConflictProbe { .. } => bump("conflict-probe".to_owned()),
             Event::Aborted { .. } => bump("abandoned".to_owned()),
             Event::Spin { .. } => bump("spin".to_owned()),
+            // In memory, the shapes the driver takes of its own: reverts.
+            Event::Shape { .. } if rec.apply.is_none() => bump("shape:taken-without-apply".to_owned()),
             _ => {}
         }
     }

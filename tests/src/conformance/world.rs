@@ -116,6 +116,13 @@ pub fn rollout_budget(next: u64) -> contract::Budget {
     BUDGETS[(next % BUDGETS.len() as u64) as usize]
 }
 
+/// How the rollout of a bad image to generation `next` halts: after one
+/// failed attempt or two, reverting to the group's last converged template
+/// or (one time in three) waiting for the client's next apply.
+pub fn rollout_halt(next: u64) -> (u32, bool) {
+    (1 + (next % 2) as u32, !next.is_multiple_of(3))
+}
+
 fn group_id(g: Group) -> GroupId {
     // The names are valid labels by construction.
     GroupId::parse("id", g.name()).unwrap_or_else(|e| unreachable!("{e}"))
@@ -252,10 +259,16 @@ pub fn changed_shape(current: &ClusterShape, change: Change) -> ClusterShape {
     let room = MAX_TOTAL.saturating_sub(total(current));
     // A template change rolls out within a budget that the generation picks,
     // so traces replay it and the battery sees several.
+    // A bad image also halts its rollout after a failure or two (and then
+    // mostly reverts it); other template changes never halt.
     let edit = |s: &mut ClusterShape, g: Group, f: &dyn Fn(&mut NodeTemplate)| {
         if let Some(i) = find(s, g) {
             f(Arc::make_mut(&mut s.groups[i].template));
-            s.groups[i].policy.rollout.max_unavailable = rollout_budget(next);
+            let bad = s.groups[i].template.image.starts_with("invalid");
+            let rollout = &mut s.groups[i].policy.rollout;
+            rollout.max_unavailable = rollout_budget(next);
+            (rollout.failure_threshold, rollout.auto_revert) =
+                if bad { rollout_halt(next) } else { (0, false) };
         }
     };
     match change {
