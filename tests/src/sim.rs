@@ -107,9 +107,23 @@ pub struct Transition {
     /// decider, the time the decisions were made for); otherwise `at`.
     pub applied_at: UnixMillis,
     pub cause: Cause,
+    /// The slots' current attempts.
+    pub before: Nodes,
+    pub after: Nodes,
+    /// The successor attempts slots hold under a rollout's surge, by slot,
+    /// where either side holds one.
+    pub successors: Option<Box<Successors>>,
+}
+
+/// The successor attempts around a [`Transition`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Successors {
     pub before: Nodes,
     pub after: Nodes,
 }
+
+/// A run's nodes as a transition reads them: current attempts, successors.
+type Snapshot = (Nodes, Nodes);
 
 /// An outcome the test forces on one operation instead of the fake's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -500,14 +514,30 @@ impl Sim {
         self.run.nodes().map(|n| (n.id.clone(), n.clone())).collect()
     }
 
-    fn transition(&mut self, cause: Cause, before: Nodes) {
-        let after = self.nodes();
+    /// Every successor attempt by slot.
+    pub fn successors(&self) -> Nodes {
+        self.run.successors().map(|n| (n.id.clone(), n.clone())).collect()
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        (self.nodes(), self.successors())
+    }
+
+    fn transition(&mut self, cause: Cause, (before, successors_before): Snapshot) {
+        let (after, successors_after) = self.snapshot();
+        let successors = (!successors_before.is_empty() || !successors_after.is_empty()).then(|| {
+            Box::new(Successors {
+                before: successors_before,
+                after: successors_after,
+            })
+        });
         self.events.push(Event::Transition(Box::new(Transition {
             at: self.now,
             applied_at: self.now,
             cause,
             before,
             after,
+            successors,
         })));
     }
 
@@ -521,8 +551,8 @@ impl Sim {
         }
     }
 
-    fn snapshot_if_recording(&self) -> Option<Nodes> {
-        self.record.then(|| self.nodes())
+    fn snapshot_if_recording(&self) -> Option<Snapshot> {
+        self.record.then(|| self.snapshot())
     }
 
     /// Folds expired deadlines, as the driver's actor does on its timer.
@@ -579,7 +609,7 @@ impl Sim {
         let released = outcome.take_commit().persist_to(&self.store)?;
         let mut changed = timer_changed;
         if let (Some(s1), Some(decisions)) = (s1, decisions) {
-            changed |= s1 != self.nodes();
+            changed |= s1 != self.snapshot();
             self.transition(Cause::Decisions(decisions), s1);
         }
         self.shape_event(generation);
@@ -628,7 +658,15 @@ impl Sim {
         if self.record {
             self.events.push(Event::SubmitContext {
                 id: op.id,
-                node: self.run.node(&op.node).cloned().map(Box::new),
+                // The operation's attempt: the slot's current one, or its
+                // successor under a rollout's surge.
+                node: self
+                    .run
+                    .successor(&op.node)
+                    .filter(|n| n.attempt == op.id.attempt())
+                    .or_else(|| self.run.node(&op.node))
+                    .cloned()
+                    .map(Box::new),
                 store_pending,
             });
         }

@@ -186,6 +186,26 @@ fn a_halted_rollout_reverts_to_the_last_converged_template() {
     );
 }
 
+/// A template change whose generation picks a surge replaces each node by
+/// a successor provisioned while the node serves: the oracle reads both
+/// attempts of a slot (guarantee 19 as SPEC.md section 9 restates it, and
+/// every check of an attempt's record over the successors too).
+#[test]
+fn a_surge_rollout_hands_each_slot_to_its_successor() {
+    let out = check_trace(
+        1,
+        Delivery::InOrder,
+        "faults:none step*200 advance:70000 step*100 apply:image:work step*300 advance:5000 step*100",
+    );
+    for key in ["action:surge", "action:reap"] {
+        assert!(
+            out.coverage.get(key).is_some_and(|n| *n > 0),
+            "the rollout never showed {key}: {:?}",
+            out.coverage
+        );
+    }
+}
+
 // Regression traces of real bugs the battery found. They fail until the bug is
 // fixed in the product; they are kept, not weakened. Those found before the
 // fake's chaos lost and sickened resources on its own run without that.
@@ -352,6 +372,7 @@ mutant_tests! {
     mutant_ignore_remediation_budget => IgnoreRemediationBudget,
     mutant_ignore_rollout_budget => IgnoreRolloutBudget,
     mutant_revert_loop => RevertLoop,
+    mutant_ignore_surge_budget => IgnoreSurgeBudget,
     mutant_hide_unhealthy => HideUnhealthy,
     mutant_fold_into_current_attempt => FoldIntoCurrentAttempt,
     mutant_carry_facts_into_replacement => CarryFactsIntoReplacement,

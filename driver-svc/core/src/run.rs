@@ -1797,13 +1797,24 @@ impl RunState {
                 self.reindex(id);
             }
         }
+        // A slot's current attempt and its successor are decided from one
+        // snapshot, and whichever decision changes the slot first leaves the
+        // other stale: the successor's go first, whatever order the decider
+        // answered in, so the outcome does not depend on it.
+        let mut decisions = output.decisions;
+        if self.counts.values().any(|c| c.surging > 0) {
+            decisions.sort_by_key(|d| {
+                !d.attempt
+                    .is_some_and(|a| self.nodes.get(&d.node).is_some_and(|e| e.is_successor(a)))
+            });
+        }
         let mut ops = Vec::new();
         // Groups whose remediation the budget held before this pass, and
         // why it holds them now (an event when a group starts being held).
         let held_before: BTreeSet<contract::GroupId> =
             self.budget_held.iter().map(|n| n.group().clone()).collect();
         let mut held_now: BTreeMap<contract::GroupId, String> = BTreeMap::new();
-        for d in output.decisions {
+        for d in decisions {
             let fresh = match d.action {
                 Action::Insert => !self.nodes.contains_key(&d.node),
                 _ => match (self.nodes.get(&d.node), versions.get(&d.node)) {
@@ -1937,7 +1948,12 @@ impl RunState {
             }
         }
         if let Some(e) = self.nodes.get_mut(&d.node) {
-            e.wake_at = wake;
+            // The slot wakes for the earlier of its attempts' waits (a
+            // successor's was recorded first in this pass).
+            e.wake_at = match (e.wake_at, wake) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             e.last = Some(LastDecision {
                 decision: d.clone(),
                 at: now,

@@ -22,7 +22,7 @@ use super::{
         ApplyKind, ApplyRecord, Phase, Probe, Resource, RunSnapshot, StepRecord, StepRef, StoreRow, Verdict,
     },
     runner::SystemUnderTest,
-    world::{World, bad_shape, changed_shape, has_bad_image, repaired_shape},
+    world::{World, bad_shape, changed_shape, has_bad_image, repaired_shape, with_surge},
 };
 use crate::sim::Sim;
 
@@ -103,6 +103,7 @@ impl MemSut {
             converged: run.is_converged(),
             next_attempt: Some(meta.next_attempt),
             nodes,
+            successors: self.sim.successors(),
             spec_current,
             store: Some(store),
             passes: self.sim.passes,
@@ -338,7 +339,8 @@ impl SystemUnderTest for MemSut {
                 one(self, None)
             }
             Input::Apply(c) => {
-                let shape = changed_shape(self.sim.run.shape(), *c);
+                let current = self.sim.run.shape();
+                let shape = with_surge(current, changed_shape(current, *c));
                 let a = self.apply_shape(ApplyKind::Valid, shape)?;
                 one(self, Some(a))
             }

@@ -25,7 +25,9 @@
 //! - Level 1 ([`mem`]): the driver's `RunState`, the decider and the executor's
 //!   core over the fake provider, in memory on a virtual clock
 //!   ([`crate::sim`]), delivering in order or delayed, reordered and duplicated.
-//!   Every event is visible, so every guarantee is checked.
+//!   Every event is visible, so every guarantee is checked, over rollouts
+//!   with surge too (a slot's current attempt and its successor, read in
+//!   two views of each transition: [`oracle`]'s `views`).
 //! - Level 2 ([`services`]): the three binaries over gRPC, driven through the
 //!   public API with the executor's seeded chaos, the link cut through a proxy,
 //!   the executor restarted to switch faults, and resources lost, sickened and

@@ -94,6 +94,9 @@ pub enum Mutant {
     HideUnhealthy,
     /// The decider replaces every drifted node its rollout budget holds.
     IgnoreRolloutBudget,
+    /// The decider gives every drifted node its rollout budget holds a
+    /// successor, whatever the group's `max_surge`.
+    IgnoreSurgeBudget,
     /// Once a halted rollout is reverted, the driver tries the template it
     /// reverted from again, as a new generation of its own (a rollback
     /// loop).
@@ -101,7 +104,7 @@ pub enum Mutant {
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 31] = [
+    pub const ALL: [Mutant; 32] = [
         Mutant::ReuseAttemptIds,
         Mutant::FoldIntoCurrentAttempt,
         Mutant::CarryFactsIntoReplacement,
@@ -132,6 +135,7 @@ impl Mutant {
         Mutant::IgnoreRemediationBudget,
         Mutant::HideUnhealthy,
         Mutant::IgnoreRolloutBudget,
+        Mutant::IgnoreSurgeBudget,
         Mutant::RevertLoop,
     ];
 
@@ -166,6 +170,7 @@ impl Mutant {
             Mutant::IgnoreRemediationBudget => Guarantee::G22RemediationWithinBudget,
             Mutant::HideUnhealthy => Guarantee::G23ConvergedMeansObserved,
             Mutant::IgnoreRolloutBudget => Guarantee::G24RolloutWithinBudget,
+            Mutant::IgnoreSurgeBudget => Guarantee::G19ScaleDownHighestNoTwoLive,
             Mutant::RevertLoop => Guarantee::G25RevertNeverReentersBadTemplate,
         }
     }
@@ -319,6 +324,14 @@ impl Tamper for Hooks {
                     if d.rule == Rule::RolloutBudget {
                         d.rule = Rule::BeginDelete;
                         d.action = Action::BeginDelete;
+                    }
+                }
+            }
+            Mutant::IgnoreSurgeBudget => {
+                for d in &mut out.decisions {
+                    if d.rule == Rule::RolloutBudget && run.successor(&d.node).is_none() {
+                        d.rule = Rule::SurgeInsert;
+                        d.action = Action::Surge;
                     }
                 }
             }

@@ -20,9 +20,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use contract::{
-    AttemptId, ClusterShape, Effect, Endpoint, GroupId, Intent, LeaseId, LogicalNodeId, ManagedNode,
-    NodeFacts, NodeStage, NodeTemplate, Operation, OperationId, Outcome, RejectionReason, RetryState, Rule,
-    RunUid, SessionId, UnixMillis, backoff_delay,
+    AttemptId, ClusterShape, Decision, Effect, Endpoint, GroupId, Intent, LeaseId, LogicalNodeId,
+    ManagedNode, NodeFacts, NodeStage, NodeTemplate, Operation, OperationId, Outcome, RejectionReason,
+    RetryState, Rule, RunUid, SessionId, UnixMillis, backoff_delay,
 };
 use driver_svc::core::{Fold, Policy};
 use executor_svc::core::Output;
@@ -247,6 +247,10 @@ pub struct Oracle {
     groups_seen: BTreeSet<GroupId>,
     // Guarantee 1.
     slot_attempt: BTreeMap<LogicalNodeId, AttemptId>,
+    /// Each slot's current attempt, and its successor attempt while it
+    /// holds one (guarantee 19).
+    current_of: BTreeMap<LogicalNodeId, AttemptId>,
+    successor_of: BTreeMap<LogicalNodeId, AttemptId>,
     attempt_slot: BTreeMap<AttemptId, LogicalNodeId>,
     max_attempt: Option<AttemptId>,
     next_attempt: u64,
@@ -370,6 +374,8 @@ impl Oracle {
             deleting: false,
             groups_seen: BTreeSet::new(),
             slot_attempt: BTreeMap::new(),
+            current_of: BTreeMap::new(),
+            successor_of: BTreeMap::new(),
             attempt_slot: BTreeMap::new(),
             max_attempt: None,
             next_attempt: 0,
@@ -558,11 +564,34 @@ impl Oracle {
         {
             self.g21_lost(&c.node, c.attempt);
         }
-        if t.before != t.after {
+        if t.before != t.after || t.successors.as_ref().is_some_and(|s| s.before != s.after) {
             // Something changed, so the next pass has something to look at.
             self.barren = (t.at, 0);
         }
-        self.g01_nodes(&t.after);
+        let (current, successors) = views(t);
+        // Attempts handed out in one transition, to current attempts and
+        // successors alike, are all above those handed out before.
+        self.g01_nodes(
+            current
+                .after
+                .iter()
+                .chain(successors.iter().flat_map(|s| &s.after)),
+        );
+        self.attempt_checks(&current, false);
+        if let Some(successors) = &successors {
+            self.attempt_checks(successors, true);
+        }
+        self.g19_handover(t);
+        self.g19_successors(t);
+        self.g22_budget(&current);
+        self.g24_rollout_budget(&current, t.successors.as_deref());
+        self.g20_one_action_per_node(t);
+        self.g25_converged_on(&current.after);
+    }
+
+    /// The checks of one attempt's record, over one view of a transition
+    /// ([`views`]).
+    fn attempt_checks(&mut self, t: &Transition, successors: bool) {
         self.g02_fold_named(t);
         self.g03_fresh_attempt_facts(t);
         self.g03_fact_owners(&t.after);
@@ -574,12 +603,12 @@ impl Oracle {
         self.g12_not_ready(t);
         self.g13_adopt_first(t);
         self.g14_backoff(t);
-        self.g19_scale_down(t);
-        self.g22_budget(t);
-        self.g24_rollout_budget(t);
+        // A successor is reaped when it is destroyed, its slot still desired:
+        // what the slot holds is checked on its own (g19_handover).
+        if !successors {
+            self.g19_scale_down(t);
+        }
         self.g25_no_attempt_on_reverted(t);
-        self.g20_one_action_per_node(t);
-        self.g25_converged_on(&t.after);
     }
 
     fn submission(&mut self, op: &Operation, node: Option<&ManagedNode>) {
@@ -665,7 +694,7 @@ impl Oracle {
     /// attempt that is allocated and retired between two observations is never
     /// seen; in memory there is none (a node changes at most once per pass, and
     /// every pass is observed), over the API polls can miss one.
-    fn g01_nodes(&mut self, nodes: &Nodes) {
+    fn g01_nodes<'a>(&mut self, nodes: impl IntoIterator<Item = (&'a LogicalNodeId, &'a ManagedNode)>) {
         let floor = self.max_attempt;
         let mut fresh = Vec::new();
         for (id, n) in nodes {
@@ -1470,21 +1499,21 @@ impl Oracle {
         // The node a folded failure names, and whether it counts only for an
         // active attempt (a failed bootstrap stage of a deleting attempt is
         // progress of its cleanup, not a new failure).
-        let must_count: Option<(LogicalNodeId, bool)> = match &t.cause {
+        let must_count: Option<(LogicalNodeId, AttemptId, bool)> = match &t.cause {
             Cause::Fold {
                 msg: ToDriver::Result(r),
                 verdict: Fold::Folded,
-            } if is_failure(&r.outcome) => Some((r.node.clone(), false)),
+            } if is_failure(&r.outcome) => Some((r.node.clone(), r.id.attempt(), false)),
             Cause::Fold {
                 msg: ToDriver::Observation(o),
                 verdict: Fold::Folded,
-            } if o.stage.is_failure() => Some((o.node.clone(), true)),
+            } if o.stage.is_failure() => Some((o.node.clone(), o.attempt, true)),
             // A lost resource fails its attempt; a health report is a fact,
             // not a failure (remediation counts one when it begins).
             Cause::Fold {
                 msg: ToDriver::Change(c),
                 verdict: Fold::Folded,
-            } if matches!(c.change, contract::Change::Lost { .. }) => Some((c.node.clone(), true)),
+            } if matches!(c.change, contract::Change::Lost { .. }) => Some((c.node.clone(), c.attempt, true)),
             Cause::Fold {
                 msg: ToDriver::Rejection(rej),
                 verdict: Fold::Folded,
@@ -1492,7 +1521,7 @@ impl Oracle {
                 .before
                 .values()
                 .find(|n| n.pending.is_some_and(|p| Some(p.id) == rej.id))
-                .map(|n| (n.id.clone(), false)),
+                .map(|n| (n.id.clone(), n.attempt, false)),
             _ => None,
         };
         let decisions: Option<&Vec<contract::Decision>> = match &t.cause {
@@ -1508,8 +1537,9 @@ impl Oracle {
                 continue;
             }
             let (fb, fa) = (b.retry.consecutive_failures, a.retry.consecutive_failures);
-            if let Some((node, active_only)) = &must_count
+            if let Some((node, attempt, active_only)) = &must_count
                 && node == id
+                && *attempt == b.attempt
                 && fa != fb.saturating_add(1)
             {
                 // A failed stage folded into an attempt that already failed (its
@@ -1764,13 +1794,30 @@ impl Oracle {
         }
     }
 
-    /// Guarantee 19, at the backend: a create for an attempt never runs while
-    /// another attempt of the same slot still holds a resource.
+    /// The attempts a slot may hold at once: its current one and, under a
+    /// rollout's surge, its successor (SPEC.md section 9).
+    fn slot_may_hold(&self, slot: &LogicalNodeId) -> BTreeSet<AttemptId> {
+        self.current_of
+            .get(slot)
+            .into_iter()
+            .chain(self.successor_of.get(slot))
+            .copied()
+            .collect()
+    }
+
+    /// Guarantee 19 at the backend: a create for an attempt finds no other
+    /// attempt of its slot holding a resource, but (with surge) the slot's
+    /// current attempt and its successor.
     fn g19_no_second_attempt_at_backend(&mut self, op: &Operation, slot_attempts: &[AttemptId]) {
         if op.input.effect() != Effect::CreateLease {
             return;
         }
-        if let Some(other) = slot_attempts.iter().find(|a| **a != op.id.attempt()) {
+        let may = self.slot_may_hold(&op.node);
+        let pair = may.contains(&op.id.attempt());
+        if let Some(other) = slot_attempts
+            .iter()
+            .find(|a| **a != op.id.attempt() && !(pair && may.contains(a)))
+        {
             let detail = format!(
                 "{} created for attempt {} while attempt {other} still held a resource",
                 op.node,
@@ -1780,7 +1827,8 @@ impl Oracle {
         }
     }
 
-    /// Guarantee 19, per round: no slot has live resources of two attempts.
+    /// Guarantee 19, per round: no slot has live resources of two attempts,
+    /// but its current attempt and its successor.
     fn g19_inventory(&mut self, inventory: &[super::record::Resource]) {
         let mut per_slot: BTreeMap<&LogicalNodeId, BTreeSet<AttemptId>> = BTreeMap::new();
         for r in inventory {
@@ -1788,7 +1836,7 @@ impl Oracle {
         }
         let doubled: Vec<String> = per_slot
             .iter()
-            .filter(|(_, a)| a.len() > 1)
+            .filter(|(s, a)| a.len() > 1 && !a.is_subset(&self.slot_may_hold(s)))
             .map(|(s, a)| format!("{s} {a:?}"))
             .collect();
         if !doubled.is_empty() {
@@ -1802,6 +1850,80 @@ impl Oracle {
         }
     }
 
+    /// Guarantee 19 as SPEC.md section 9 restates it, on transitions: a slot
+    /// gains a successor only while its group's template has a surge, and
+    /// then its group holds at most `max_surge` successors. Notes each slot's
+    /// successor.
+    fn g19_successors(&mut self, t: &Transition) {
+        let mut gained: BTreeSet<&GroupId> = BTreeSet::new();
+        for (id, n) in &t.after {
+            let successor = match n.surge {
+                contract::Surge::Current { successor, .. } => Some(successor),
+                _ => None,
+            };
+            let had = t.before.get(id).and_then(|b| match b.surge {
+                contract::Surge::Current { successor, .. } => Some(successor),
+                _ => None,
+            });
+            if successor.is_some() && successor != had {
+                gained.insert(id.group());
+            }
+        }
+        for group in gained {
+            let held = t
+                .after
+                .values()
+                .filter(|n| n.id.group() == group && matches!(n.surge, contract::Surge::Current { .. }))
+                .count() as u32;
+            let Some(g) = self
+                .shape
+                .as_ref()
+                .and_then(|s| s.groups.iter().find(|g| &g.id == group))
+            else {
+                continue;
+            };
+            let budget = g.policy.rollout.resolve(g.count).max_surge;
+            if held > budget {
+                let detail = format!(
+                    "group {group} holds {held} successors, max_surge {:?} allows {budget} of {}",
+                    g.policy.rollout.max_surge, g.count
+                );
+                self.fail(Guarantee::G19ScaleDownHighestNoTwoLive, detail);
+            }
+        }
+        for (id, n) in &t.after {
+            self.current_of.insert(id.clone(), n.attempt);
+            match n.surge {
+                contract::Surge::Current { successor, .. } => {
+                    self.successor_of.insert(id.clone(), successor);
+                }
+                _ => {
+                    self.successor_of.remove(id);
+                }
+            }
+        }
+        self.current_of.retain(|id, _| t.after.contains_key(id));
+        self.successor_of.retain(|id, _| t.after.contains_key(id));
+    }
+
+    /// Guarantee 19 at a handover: a successor takes its slot over only once
+    /// the slot's current attempt is destroyed (cleaned up, holding nothing).
+    fn g19_handover(&mut self, t: &Transition) {
+        for id in promoted(t) {
+            if let Some(old) = t.before.get(id)
+                && old.stage != NodeStage::Destroyed
+            {
+                let detail = format!(
+                    "{id}'s successor {} took the slot over while attempt {} was {:?}",
+                    t.after.get(id).map_or(AttemptId::new(0), |n| n.attempt),
+                    old.attempt,
+                    old.stage
+                );
+                self.fail(Guarantee::G19ScaleDownHighestNoTwoLive, detail);
+            }
+        }
+    }
+
     /// Guarantee 20, per pass: the decider gives at most one decision per node,
     /// in the answer it sends (where its trace shows it) and in what the driver
     /// applies.
@@ -1809,9 +1931,10 @@ impl Oracle {
         let (Cause::Decisions(decisions) | Cause::Answer(decisions)) = &t.cause else {
             return;
         };
+        // A slot's current attempt and its successor are decided apart.
         let mut seen = BTreeSet::new();
         for d in decisions {
-            if !seen.insert(&d.node) {
+            if !seen.insert((&d.node, d.attempt)) {
                 self.fail(
                     Guarantee::G20NoPanicNoSpin,
                     format!("one pass decided {} twice", d.node),
@@ -2024,7 +2147,7 @@ impl Oracle {
     /// no longer desired). When slots start, the group's count must be
     /// within `max_unavailable` (a percentage rounded down; with no surge
     /// either, 1).
-    fn g24_rollout_budget(&mut self, t: &Transition) {
+    fn g24_rollout_budget(&mut self, t: &Transition, successors: Option<&crate::sim::Successors>) {
         // A deleting run wants nothing: its cleanups are no rollout's.
         if self.deleting {
             self.rolling.clear();
@@ -2033,9 +2156,17 @@ impl Oracle {
         let Some(shape) = self.shape.clone() else { return };
         let serving =
             |n: &ManagedNode| n.intent == Intent::Active && n.stage.is_ready() && !n.facts.is_impaired();
+        // Under surge a slot serves through its successor too: the current
+        // attempt hands the slot over once its successor serves.
+        let successor_serves =
+            |nodes: Option<&Nodes>, id: &LogicalNodeId| nodes.and_then(|s| s.get(id)).is_some_and(&serving);
+        let (succ_before, succ_after) = (successors.map(|s| &s.before), successors.map(|s| &s.after));
         // Slots that serve again, or are no longer wanted, are done.
-        self.rolling
-            .retain(|id| shape.desired_group(id).is_some() && !t.after.get(id).is_some_and(&serving));
+        self.rolling.retain(|id| {
+            shape.desired_group(id).is_some()
+                && !t.after.get(id).is_some_and(&serving)
+                && !successor_serves(succ_after, id)
+        });
         for g in &shape.groups {
             let mut started = Vec::new();
             for (id, b) in t
@@ -2048,7 +2179,7 @@ impl Oracle {
                     .after
                     .get(id)
                     .is_some_and(|a| a.attempt == b.attempt && a.intent == Intent::Deleting);
-                if serving(b) && drifted && began {
+                if serving(b) && drifted && began && !successor_serves(succ_before, id) {
                     started.push(id.clone());
                 }
             }
@@ -2342,6 +2473,100 @@ impl Oracle {
 }
 
 /// A message, briefly.
+/// The two views of a transition that the checks of one attempt's record
+/// read, each as if every attempt in it were its slot's only one: the slots'
+/// current attempts (a successor that takes its slot over shows as having
+/// held it already, continuing) and, where the run holds any, the successors
+/// of a rollout's surge (one that takes its slot over leaves this view
+/// without being removed). Decisions go to the view holding the attempt they
+/// name, inserts to the current one; the reap of a current attempt whose
+/// successor takes over is in neither (`g19_handover` checks it). The
+/// `surge` marks the driver derives from a slot's pair are cleared: a change
+/// of the successor marks its current attempt, which is checked on its own
+/// (`g19_successors`).
+fn views(t: &Transition) -> (std::borrow::Cow<'_, Transition>, Option<Transition>) {
+    use std::borrow::Cow;
+    let Some(s) = t.successors.as_deref() else {
+        return (Cow::Borrowed(t), None);
+    };
+    let promoted: BTreeSet<&LogicalNodeId> = promoted(t).collect();
+    let clear = |nodes: &Nodes| -> Nodes {
+        nodes
+            .iter()
+            .map(|(id, n)| {
+                let mut n = n.clone();
+                n.surge = contract::Surge::None;
+                (id.clone(), n)
+            })
+            .collect()
+    };
+    let mut before_c = clear(&t.before);
+    for id in &promoted {
+        if let Some(n) = s.before.get(*id) {
+            let mut n = n.clone();
+            n.surge = contract::Surge::None;
+            before_c.insert((*id).clone(), n);
+        }
+    }
+    let after_c = clear(&t.after);
+    let mut before_s = clear(&s.before);
+    before_s.retain(|id, _| !promoted.contains(id));
+    let after_s = clear(&s.after);
+    let holds = |before: &Nodes, after: &Nodes, d: &Decision| {
+        [before, after]
+            .iter()
+            .any(|m| m.get(&d.node).is_some_and(|n| Some(n.attempt) == d.attempt))
+    };
+    let split = |ds: &[Decision]| -> (Vec<Decision>, Vec<Decision>) {
+        let current = ds
+            .iter()
+            .filter(|d| d.attempt.is_none() || holds(&before_c, &after_c, d))
+            .cloned()
+            .collect();
+        let successors = ds
+            .iter()
+            .filter(|d| {
+                d.attempt.is_some() && !holds(&before_c, &after_c, d) && holds(&before_s, &after_s, d)
+            })
+            .cloned()
+            .collect();
+        (current, successors)
+    };
+    let (cause_c, cause_s) = match &t.cause {
+        Cause::Decisions(ds) => {
+            let (c, s) = split(ds);
+            (Cause::Decisions(c), Cause::Decisions(s))
+        }
+        Cause::Answer(ds) => {
+            let (c, s) = split(ds);
+            (Cause::Answer(c), Cause::Answer(s))
+        }
+        other => (other.clone(), other.clone()),
+    };
+    let view = |cause, before, after| Transition {
+        at: t.at,
+        applied_at: t.applied_at,
+        cause,
+        before,
+        after,
+        successors: None,
+    };
+    (
+        Cow::Owned(view(cause_c, before_c, after_c)),
+        Some(view(cause_s, before_s, after_s)),
+    )
+}
+
+/// Slots whose successor took the slot over in `t`.
+fn promoted(t: &Transition) -> impl Iterator<Item = &LogicalNodeId> {
+    t.successors.iter().flat_map(move |s| {
+        s.before
+            .iter()
+            .filter(move |(id, n)| t.after.get(*id).is_some_and(|a| a.attempt == n.attempt))
+            .map(|(id, _)| id)
+    })
+}
+
 pub fn describe(m: &ToDriver) -> String {
     match m {
         ToDriver::Result(r) => format!(

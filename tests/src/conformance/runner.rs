@@ -381,9 +381,10 @@ pub fn describe_round(rec: &StepRecord) -> String {
         out.push_str("\n    ");
         out.push_str(&line);
     }
-    for n in rec.state.nodes.values() {
+    let successors = rec.state.successors.values().map(|n| (n, " (successor)"));
+    for (n, role) in rec.state.nodes.values().map(|n| (n, "")).chain(successors) {
         out.push_str(&format!(
-            "\n    {} a{} {:?}/{:?} pending={:?} lease={} session={} amb=({},{}) fails={} next={:?} restart={:?}",
+            "\n    {}{role} a{} {:?}/{:?} pending={:?} lease={} session={} amb=({},{}) fails={} next={:?} restart={:?}",
             n.id,
             n.attempt.get(),
             n.intent,

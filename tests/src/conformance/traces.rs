@@ -318,6 +318,8 @@ impl Translator {
             cause,
             before,
             after: self.nodes.clone(),
+            // The services' battery makes no surge.
+            successors: None,
         })));
         Ok(())
     }
@@ -429,6 +431,7 @@ impl Translator {
                         cause: Cause::Restore,
                         before,
                         after: self.nodes.clone(),
+                        successors: None,
                     })));
                 }
             }
@@ -684,6 +687,7 @@ impl Translator {
                     cause: Cause::Answer(decisions),
                     before: Nodes::new(),
                     after: Nodes::new(),
+                    successors: None,
                 })));
             }
         }

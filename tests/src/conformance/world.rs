@@ -93,9 +93,8 @@ pub fn group_policy() -> contract::GroupPolicy {
         // convergence does not make.
         rollout: contract::RolloutPolicy {
             progress_deadline_ms: contract::rollout::MAX_PROGRESS_DEADLINE_MS,
-            // Successors are not in the battery yet (its oracle reads one
-            // attempt per slot); tests/rollout.rs and the core's tests
-            // exercise surge.
+            // No surge but where a template change picks one
+            // ([`with_surge`], in memory).
             max_surge: contract::Budget::Count(0),
             ..Default::default()
         },
@@ -114,6 +113,36 @@ pub fn rollout_budget(next: u64) -> contract::Budget {
         contract::Budget::Percent(100),
     ];
     BUDGETS[(next % BUDGETS.len() as u64) as usize]
+}
+
+/// The surge (`max_surge`) of a template change to generation `next`, in
+/// memory (the oracle over the services reads one attempt per slot): none,
+/// one, a percentage that rounds up to one at least, and two.
+pub fn rollout_surge(next: u64) -> contract::Budget {
+    const SURGES: [contract::Budget; 4] = [
+        contract::Budget::Count(0),
+        contract::Budget::Count(1),
+        contract::Budget::Percent(25),
+        contract::Budget::Count(2),
+    ];
+    SURGES[(next % SURGES.len() as u64) as usize]
+}
+
+/// `shape` with the surge its generation picks for each group whose
+/// template differs from `current`'s.
+pub fn with_surge(current: &ClusterShape, mut shape: ClusterShape) -> ClusterShape {
+    let surge = rollout_surge(shape.generation.get());
+    for g in &mut shape.groups {
+        let changed = current
+            .groups
+            .iter()
+            .find(|c| c.id == g.id)
+            .is_some_and(|c| !NodeTemplate::same(&c.template, &g.template));
+        if changed {
+            g.policy.rollout.max_surge = surge;
+        }
+    }
+    shape
 }
 
 /// How the rollout of a bad image to generation `next` halts: after one
