@@ -22,7 +22,22 @@ use platform::event_trace::{
 use crate::core::{CoreError, Fold, PassOutcome, PassPlan, RunState};
 
 /// A copy of a run's nodes before a change; `None` when the trace is off.
-pub(crate) type Before = Option<BTreeMap<LogicalNodeId, ManagedNode>>;
+/// The run's nodes before a change: current attempts, and the successors
+/// of a rollout's surge.
+pub(crate) type Before = Option<Nodes>;
+
+/// Current attempts and successors, by slot.
+pub(crate) type Nodes = (
+    BTreeMap<LogicalNodeId, ManagedNode>,
+    BTreeMap<LogicalNodeId, ManagedNode>,
+);
+
+fn nodes_of(run: &RunState) -> Nodes {
+    (
+        run.nodes().map(|n| (n.id.clone(), n.clone())).collect(),
+        run.successors().map(|n| (n.id.clone(), n.clone())).collect(),
+    )
+}
 
 /// A message from the executor, as received.
 #[derive(Debug, Clone, Copy)]
@@ -44,7 +59,7 @@ pub(crate) enum Verdict<'a> {
 /// What a pass's answer is applied to, kept from before it is applied.
 #[derive(Debug)]
 pub(crate) struct PassContext {
-    before: BTreeMap<LogicalNodeId, ManagedNode>,
+    before: Nodes,
     plan_now: UnixMillis,
     stale_answer: bool,
     decisions: Vec<Decision>,
@@ -75,6 +90,7 @@ impl RunEvents {
                 shape: event_trace::hex(&pb::ClusterShape::from(run.shape())),
                 deleting: run.is_deleting(),
                 nodes: run.nodes().map(NodeRec::of).collect(),
+                successors: run.successors().map(NodeRec::of).collect(),
             });
         }
         events
@@ -82,11 +98,10 @@ impl RunEvents {
 
     /// The run's nodes before a change, if the trace is on.
     pub(crate) fn before(&self, run: &RunState) -> Before {
-        self.trace
-            .map(|_| run.nodes().map(|n| (n.id.clone(), n.clone())).collect())
+        self.trace.map(|_| nodes_of(run))
     }
 
-    fn changes(before: BTreeMap<LogicalNodeId, ManagedNode>, run: &RunState) -> Changes {
+    fn changes((before, successors_before): Nodes, run: &RunState) -> Changes {
         let mut changes = Changes::default();
         for n in run.nodes() {
             if before.get(&n.id) != Some(n) {
@@ -96,6 +111,16 @@ impl RunEvents {
         changes.removed = before
             .keys()
             .filter(|id| run.node(id).is_none())
+            .map(ToString::to_string)
+            .collect();
+        for n in run.successors() {
+            if successors_before.get(&n.id) != Some(n) {
+                changes.successors.push(NodeRec::of(n));
+            }
+        }
+        changes.successors_removed = successors_before
+            .keys()
+            .filter(|id| run.successor(id).is_none())
             .map(ToString::to_string)
             .collect();
         changes
@@ -210,7 +235,7 @@ impl RunEvents {
     ) -> Option<PassContext> {
         self.trace?;
         Some(PassContext {
-            before: run.nodes().map(|n| (n.id.clone(), n.clone())).collect(),
+            before: nodes_of(run),
             plan_now: plan.now,
             stale_answer: plan.generation != run.shape().generation || plan.deleting != run.is_deleting(),
             decisions: out.decisions.clone(),
@@ -239,6 +264,7 @@ impl RunEvents {
             operations: o.operations,
             transitions: o.transitions,
             stale: o.stale,
+            stale_at: o.stale_at.clone(),
             changes: Self::changes(cx.before, run),
         });
         self.committed_now();

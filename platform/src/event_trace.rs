@@ -67,6 +67,9 @@ pub enum TraceEvent {
         shape: String,
         deleting: bool,
         nodes: Vec<NodeRec>,
+        /// The successor attempts slots hold under a rollout's surge.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        successors: Vec<NodeRec>,
     },
     /// A request reached the run: `what` is `shape`, `delete`, `pause`,
     /// `resume` or `abandon` from a client, or `adopt-orphans` from the orphan
@@ -133,6 +136,10 @@ pub enum TraceEvent {
         operations: u32,
         transitions: u32,
         stale: u32,
+        /// Where the stale decisions are in `decisions` (the others were
+        /// applied).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        stale_at: Vec<u32>,
         #[serde(default, skip_serializing_if = "Changes::is_empty")]
         changes: Changes,
     },
@@ -231,11 +238,21 @@ pub struct Changes {
     pub changed: Vec<NodeRec>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub removed: Vec<String>,
+    /// Successor attempts (a rollout's surge) that changed or appeared.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub successors: Vec<NodeRec>,
+    /// Slots whose successor attempt went away (it took the slot over, or
+    /// was reaped).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub successors_removed: Vec<String>,
 }
 
 impl Changes {
     pub fn is_empty(&self) -> bool {
-        self.changed.is_empty() && self.removed.is_empty()
+        self.changed.is_empty()
+            && self.removed.is_empty()
+            && self.successors.is_empty()
+            && self.successors_removed.is_empty()
     }
 }
 

@@ -165,6 +165,8 @@ pub struct PassOutcome {
     pub transitions: u32,
     /// Decisions skipped because their node changed while the decider ran.
     pub stale: u32,
+    /// Where those are in the decider's answer (for the event trace).
+    pub stale_at: Vec<u32>,
     /// Actions (not waits) by rule number.
     pub actions_by_rule: [u32; contract::Rule::SLOTS],
     /// Another pass is needed at once (a driver transition happened, or a
@@ -1775,6 +1777,7 @@ impl RunState {
             operations: 0,
             transitions: 0,
             stale: 0,
+            stale_at: Vec::new(),
             actions_by_rule: [0; contract::Rule::SLOTS],
             follow_up: false,
             converged: false,
@@ -1802,11 +1805,23 @@ impl RunState {
         // other stale: the successor's go first, whatever order the decider
         // answered in, so the outcome does not depend on it.
         let mut decisions = output.decisions;
+        // Each decision's place in the answer, where the order changed.
+        let mut answered_at: Option<Vec<u32>> = None;
         if self.counts.values().any(|c| c.surging > 0) {
-            decisions.sort_by_key(|d| {
-                !d.attempt
-                    .is_some_and(|a| self.nodes.get(&d.node).is_some_and(|e| e.is_successor(a)))
-            });
+            let mut keyed: Vec<(bool, u32, Decision)> = decisions
+                .into_iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    let successor = d
+                        .attempt
+                        .is_some_and(|a| self.nodes.get(&d.node).is_some_and(|e| e.is_successor(a)));
+                    (!successor, u32::try_from(i).unwrap_or(u32::MAX), d)
+                })
+                .collect();
+            keyed.sort_by_key(|(current, _, _)| *current);
+            let (at, sorted): (Vec<u32>, Vec<Decision>) = keyed.into_iter().map(|(_, i, d)| (i, d)).unzip();
+            answered_at = Some(at);
+            decisions = sorted;
         }
         let mut ops = Vec::new();
         // Groups whose remediation the budget held before this pass, and
@@ -1814,7 +1829,7 @@ impl RunState {
         let held_before: BTreeSet<contract::GroupId> =
             self.budget_held.iter().map(|n| n.group().clone()).collect();
         let mut held_now: BTreeMap<contract::GroupId, String> = BTreeMap::new();
-        for d in decisions {
+        for (pos, d) in decisions.into_iter().enumerate() {
             let fresh = match d.action {
                 Action::Insert => !self.nodes.contains_key(&d.node),
                 _ => match (self.nodes.get(&d.node), versions.get(&d.node)) {
@@ -1828,6 +1843,12 @@ impl RunState {
             };
             if !fresh {
                 out.stale += 1;
+                out.stale_at.push(
+                    answered_at
+                        .as_ref()
+                        .and_then(|at| at.get(pos).copied())
+                        .unwrap_or_else(|| u32::try_from(pos).unwrap_or(u32::MAX)),
+                );
                 out.follow_up = true;
                 self.urgent = true;
                 if let Some(e) = self.nodes.get_mut(&d.node) {

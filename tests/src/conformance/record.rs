@@ -66,8 +66,7 @@ pub struct RunSnapshot {
     /// Every node. Over the API a node's spec is a placeholder (the status
     /// carries whether it is current instead).
     pub nodes: Nodes,
-    /// The successor attempts slots hold under a rollout's surge (in memory;
-    /// the services' battery makes no surge).
+    /// The successor attempts slots hold under a rollout's surge.
     pub successors: Nodes,
     /// Whether each node's spec is its slot's current template.
     pub spec_current: BTreeMap<LogicalNodeId, bool>,

@@ -98,7 +98,7 @@ use super::{
     record::{ApplyKind, ApplyRecord, Phase, Resource, RunSnapshot, StepRecord, StepRef, Verdict},
     runner::SystemUnderTest,
     traces::{TracePaths, TraceTamper, Translator},
-    world::{RUN_ID, World, bad_shape, changed_shape},
+    world::{RUN_ID, World, bad_shape, changed_shape, with_surge},
 };
 use crate::{
     procs::{Cluster, ClusterOptions, Proxy, Service, live_agent_pids},
@@ -534,10 +534,16 @@ impl ServiceSut {
         let placeholder = Arc::new(example_template("fake", "placeholder"));
         let templates: Vec<Arc<NodeTemplate>> = vec![placeholder; max_ref as usize + 1];
         let mut nodes = std::collections::BTreeMap::new();
+        let mut successors = std::collections::BTreeMap::new();
         let mut spec_current = std::collections::BTreeMap::new();
         for n in s.nodes {
             let Some(state) = n.state else { continue };
             let node = node_from_wire(state, &templates)?;
+            // A slot's successor is listed after the run's nodes.
+            if node.surge == contract::Surge::Successor {
+                successors.insert(node.id.clone(), node);
+                continue;
+            }
             spec_current.insert(node.id.clone(), n.spec_current);
             nodes.insert(node.id.clone(), node);
         }
@@ -552,7 +558,7 @@ impl ServiceSut {
             converged: s.converged,
             next_attempt: None,
             nodes,
-            successors: Default::default(),
+            successors,
             spec_current,
             store: None,
             passes: s.passes,
@@ -777,7 +783,7 @@ impl SystemUnderTest for ServiceSut {
             }
             Input::Apply(c) => match self.current_shape()? {
                 Some(current) => {
-                    let shape = changed_shape(&current, *c);
+                    let shape = with_surge(&current, changed_shape(&current, *c));
                     let wire = pb::ClusterShape::from(&shape);
                     Some(self.apply_wire(ApplyKind::Valid, shape, wire)?)
                 }
@@ -823,7 +829,7 @@ impl SystemUnderTest for ServiceSut {
             Input::Faults(FaultMix::Chaos) if self.agents.is_some() => match self.current_shape()? {
                 Some(current) => {
                     let a = self.agents.as_mut().unwrap_or_else(|| unreachable!());
-                    let shape = faulty_shape(&current, &mut a.rng, true);
+                    let shape = with_surge(&current, faulty_shape(&current, &mut a.rng, true));
                     Some(self.apply_valid(shape)?)
                 }
                 None => None,
@@ -867,7 +873,7 @@ impl SystemUnderTest for ServiceSut {
             // Level 3: the faults are in the templates; a new generation with
             // clean ones ends them.
             let apply = match self.current_shape()? {
-                Some(current) => Some(self.apply_valid(clean_shape(&current))?),
+                Some(current) => Some(self.apply_valid(with_surge(&current, clean_shape(&current)))?),
                 None => None,
             };
             return self.record(Phase::Tail, None, None, apply);

@@ -6,18 +6,18 @@
 //! # How each event is rebuilt
 //!
 //! - **Transitions.** The driver writes, for every change of a run's nodes, the
-//!   new state of each node that changed and the cause: a client request, a
+//!   new state of each node that changed (current attempts, and the
+//!   successors of a rollout's surge apart) and the cause: a client request, a
 //!   received message with the fold's verdict, the timer's deadline folds, the
 //!   deadline folds that open a pass, a pass's applied answer, a restore from
 //!   the store (`run-started`). [`Translator`] keeps a copy of the run's nodes
 //!   and turns each such line into a [`Transition`] with the full states before
 //!   and after, as the simulation records them.
 //! - **A pass's decisions** are those of its answer that the driver applied:
-//!   none when the shape changed while the decider ran, and otherwise not those
-//!   for a node that changed meanwhile (its version moved, so the driver
-//!   skipped it; a health report of the state already known moves none),
-//!   nor those naming another attempt, nor inserts of a slot
-//!   held. The transition's time is the pass's (what the decider decided at),
+//!   none when the shape changed while the decider ran, and otherwise all but
+//!   those the driver says it left stale (`stale_at`: their slot changed
+//!   meanwhile, or they name an attempt the slot no longer holds).
+//!   The transition's time is the pass's (what the decider decided at),
 //!   with the time the answer was applied beside it (what the driver
 //!   computes a backoff from), its `before` the nodes just before the answer
 //!   was applied.
@@ -150,9 +150,6 @@ struct PassInFlight {
     converged: bool,
     /// Its opening deadline folds changed a node.
     changed: bool,
-    planned: BTreeSet<LogicalNodeId>,
-    /// Nodes that changed since the plan was made.
-    touched: BTreeSet<LogicalNodeId>,
 }
 
 /// Reads the traces and rebuilds the oracle's events.
@@ -162,10 +159,12 @@ pub struct Translator {
     executor: Follow,
     decider: Follow,
     tamper: Option<TraceTamper>,
-    /// The driver's nodes as its lines say.
+    /// The driver's nodes as its lines say: current attempts, and the
+    /// successors of a rollout's surge.
     nodes: Nodes,
-    /// Each node's pending operation as of the driver's last commit.
-    committed: BTreeMap<LogicalNodeId, Option<PendingOp>>,
+    successors: Nodes,
+    /// Each attempt's pending operation as of the driver's last commit.
+    committed: BTreeMap<(LogicalNodeId, AttemptId), Option<PendingOp>>,
     pass: Option<PassInFlight>,
     dispatches: BTreeMap<String, Vec<Dispatch>>,
     /// Every operation the executor received, by id.
@@ -189,24 +188,6 @@ pub struct Translator {
     uid: Option<String>,
     /// Lines read so far, per service.
     pub lines: BTreeMap<String, u64>,
-}
-
-/// Whether `new` differs from `old` only by a health report of the state
-/// already known: the driver keeps the report but moves no version, so a
-/// decision made before it still applies.
-fn only_reobserved(old: &contract::ManagedNode, new: &contract::ManagedNode) -> bool {
-    let (Some(a), Some(b)) = (&old.facts.health, &new.facts.health) else {
-        return false;
-    };
-    if a.healthy != b.healthy {
-        return false;
-    }
-    let strip = |n: &contract::ManagedNode| {
-        let mut n = n.clone();
-        n.facts.health = None;
-        n
-    };
-    strip(old) == strip(new)
 }
 
 fn node_id(s: &str) -> anyhow::Result<LogicalNodeId> {
@@ -261,6 +242,7 @@ impl Translator {
             decider: Follow::new(paths.decider.clone()),
             tamper,
             nodes: Nodes::new(),
+            successors: Nodes::new(),
             committed: BTreeMap::new(),
             pass: None,
             dispatches: BTreeMap::new(),
@@ -311,6 +293,7 @@ impl Translator {
         changes: &Changes,
     ) -> anyhow::Result<()> {
         let before = self.nodes.clone();
+        let successors_before = self.successors.clone();
         self.apply(changes)?;
         out.push(Event::Transition(Box::new(Transition {
             at,
@@ -318,34 +301,55 @@ impl Translator {
             cause,
             before,
             after: self.nodes.clone(),
-            // The services' battery makes no surge.
-            successors: None,
+            successors: self.successors_around(successors_before),
         })));
         Ok(())
+    }
+
+    /// The successors around a transition, where either side holds one.
+    fn successors_around(&self, before: Nodes) -> Option<Box<crate::sim::Successors>> {
+        (!before.is_empty() || !self.successors.is_empty()).then(|| {
+            Box::new(crate::sim::Successors {
+                before,
+                after: self.successors.clone(),
+            })
+        })
     }
 
     fn apply(&mut self, changes: &Changes) -> anyhow::Result<()> {
         for rec in &changes.changed {
             let n = rec.node().with_context(|| format!("node {}", rec.id))?;
-            if let Some(p) = &mut self.pass
-                && !self.nodes.get(&n.id).is_some_and(|old| only_reobserved(old, &n))
-            {
-                p.touched.insert(n.id.clone());
-            }
             self.nodes.insert(n.id.clone(), n);
         }
         for id in &changes.removed {
-            let id = node_id(id)?;
-            if let Some(p) = &mut self.pass {
-                p.touched.insert(id.clone());
-            }
-            self.nodes.remove(&id);
+            self.nodes.remove(&node_id(id)?);
+        }
+        for rec in &changes.successors {
+            let n = rec.node().with_context(|| format!("successor {}", rec.id))?;
+            self.successors.insert(n.id.clone(), n);
+        }
+        for id in &changes.successors_removed {
+            self.successors.remove(&node_id(id)?);
         }
         Ok(())
     }
 
     fn commit(&mut self) {
-        self.committed = self.nodes.iter().map(|(id, n)| (id.clone(), n.pending)).collect();
+        self.committed = self
+            .nodes
+            .values()
+            .chain(self.successors.values())
+            .map(|n| ((n.id.clone(), n.attempt), n.pending))
+            .collect();
+    }
+
+    /// The node of the attempt an operation names: the slot's current
+    /// attempt or its successor.
+    fn node_of(&self, op: &Operation) -> Option<&contract::ManagedNode> {
+        self.successors
+            .get(&op.node)
+            .filter(|n| n.attempt == op.id.attempt())
+            .or_else(|| self.nodes.get(&op.node))
     }
 
     fn release_commit(&mut self) {
@@ -409,6 +413,7 @@ impl Translator {
             TraceEvent::Started => {}
             TraceEvent::RunStarted {
                 nodes,
+                successors,
                 shape,
                 deleting,
                 ..
@@ -418,9 +423,14 @@ impl Translator {
                     deleting,
                 });
                 let before = std::mem::take(&mut self.nodes);
+                let successors_before = std::mem::take(&mut self.successors);
                 for rec in &nodes {
                     let n = rec.node().with_context(|| format!("node {}", rec.id))?;
                     self.nodes.insert(n.id.clone(), n);
+                }
+                for rec in &successors {
+                    let n = rec.node().with_context(|| format!("successor {}", rec.id))?;
+                    self.successors.insert(n.id.clone(), n);
                 }
                 self.commit();
                 self.pass = None;
@@ -431,7 +441,7 @@ impl Translator {
                         cause: Cause::Restore,
                         before,
                         after: self.nodes.clone(),
-                        successors: None,
+                        successors: self.successors_around(successors_before),
                     })));
                 }
             }
@@ -501,7 +511,6 @@ impl Translator {
             TraceEvent::PassBegun {
                 now_ms,
                 converged,
-                nodes,
                 changes,
                 ..
             } => {
@@ -512,11 +521,6 @@ impl Translator {
                 self.pass = Some(PassInFlight {
                     converged,
                     changed: !changes.is_empty(),
-                    planned: nodes
-                        .iter()
-                        .map(|n| node_id(&n.id))
-                        .collect::<anyhow::Result<_>>()?,
-                    touched: BTreeSet::new(),
                 });
             }
             TraceEvent::PassDecided {
@@ -527,24 +531,18 @@ impl Translator {
                 actions,
                 operations,
                 transitions,
+                stale_at,
                 changes,
                 ..
             } => {
                 let pass = self.pass.take();
+                // The driver says which decisions it left stale; the rest
+                // it applied.
                 let mut applied = Vec::new();
                 if !stale_answer {
-                    for d in &decisions {
-                        let d = d.decision()?;
-                        let fresh = match d.action {
-                            contract::Action::Insert => !self.nodes.contains_key(&d.node),
-                            _ => {
-                                pass.as_ref().is_some_and(|p| {
-                                    p.planned.contains(&d.node) && !p.touched.contains(&d.node)
-                                }) && self.nodes.get(&d.node).map(|n| n.attempt) == d.attempt
-                            }
-                        };
-                        if fresh {
-                            applied.push(d);
+                    for (i, d) in decisions.iter().enumerate() {
+                        if !stale_at.iter().any(|s| *s as usize == i) {
+                            applied.push(d.decision()?);
                         }
                     }
                 }
@@ -570,10 +568,15 @@ impl Translator {
             TraceEvent::Dispatched { op, sent, .. } => {
                 if sent {
                     let op = op.op()?;
-                    let recorded = self.committed.get(&op.node).copied().flatten().is_some_and(|p| {
-                        p.id == op.id && p.effect == op.input.effect() && p.deadline == op.deadline
-                    });
-                    let node = self.nodes.get(&op.node).cloned();
+                    let recorded = self
+                        .committed
+                        .get(&(op.node.clone(), op.id.attempt()))
+                        .copied()
+                        .flatten()
+                        .is_some_and(|p| {
+                            p.id == op.id && p.effect == op.input.effect() && p.deadline == op.deadline
+                        });
+                    let node = self.node_of(&op).cloned();
                     self.dispatches
                         .entry(op.id.to_string())
                         .or_default()
@@ -859,6 +862,7 @@ mod tests {
             shape: hex(&contract::pb::ClusterShape::from(&shape)),
             deleting: false,
             nodes: Vec::new(),
+            successors: Vec::new(),
         });
         let executor = EventTrace::open("executor-svc", &paths.executor).unwrap();
         executor.emit(TraceEvent::CallStarted {

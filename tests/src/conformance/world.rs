@@ -94,7 +94,7 @@ pub fn group_policy() -> contract::GroupPolicy {
         rollout: contract::RolloutPolicy {
             progress_deadline_ms: contract::rollout::MAX_PROGRESS_DEADLINE_MS,
             // No surge but where a template change picks one
-            // ([`with_surge`], in memory).
+            // ([`with_surge`]).
             max_surge: contract::Budget::Count(0),
             ..Default::default()
         },
@@ -115,9 +115,8 @@ pub fn rollout_budget(next: u64) -> contract::Budget {
     BUDGETS[(next % BUDGETS.len() as u64) as usize]
 }
 
-/// The surge (`max_surge`) of a template change to generation `next`, in
-/// memory (the oracle over the services reads one attempt per slot): none,
-/// one, a percentage that rounds up to one at least, and two.
+/// The surge (`max_surge`) of a template change to generation `next`:
+/// none, one, a percentage that rounds up to one at least, and two.
 pub fn rollout_surge(next: u64) -> contract::Budget {
     const SURGES: [contract::Budget; 4] = [
         contract::Budget::Count(0),
