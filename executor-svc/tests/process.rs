@@ -704,9 +704,10 @@ async fn a_missing_agent_binary_is_a_permanent_failure() -> TestResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_agent_that_never_records_itself_is_ambiguous_and_never_doubled() -> TestResult {
+async fn an_agent_that_never_records_itself_is_held_as_the_lease_and_never_doubled() -> TestResult {
     // A stand-in agent that runs with the real agent's arguments but never
-    // writes its record: the create cannot tell whether it will come up.
+    // writes its record (as a real one stopped before it could): the create
+    // holds the live process as the identity's lease, not ready.
     let scripts = tempfile::tempdir()?;
     let script = scripts.path().join("silent-agent");
     std::fs::write(
@@ -717,18 +718,25 @@ async fn an_agent_that_never_records_itself_is_ambiguous_and_never_doubled() -> 
     let f = Fixture::with_agent(script)?;
     let mut node = Node::new("workers-0", 1)?;
     node.deadline_ms = 700;
-    let first = f.run(node.create(Params::new())).await;
-    ensure!(matches!(first, Outcome::Ambiguous { .. }), "{first:?}");
+    let first = facts(f.run(node.create(Params::new())).await)?;
     let dir = f.backend.dir_of(&node.identity());
     let spawned = processes_naming(&dir);
     ensure!(spawned.len() == 1, "{spawned:?}");
-    // The re-issued create waits for the same process instead of spawning.
-    let second = f.run(node.create(Params::new())).await;
-    ensure!(matches!(second, Outcome::Ambiguous { .. }), "{second:?}");
+    let lease = first.lease.clone().context("a lease")?;
+    ensure!(
+        pid_of(&lease)? == spawned[0] && first.endpoint.is_none(),
+        "{first:?}"
+    );
+    // The re-issued create adopts the same process instead of spawning.
+    let second = facts(f.run(node.create(Params::new())).await)?;
+    ensure!(second.lease == Some(lease.clone()), "{second:?}");
     ensure!(
         processes_naming(&dir) == spawned,
         "never two processes for one identity"
     );
+    // Not ready, which is not a failure.
+    let lookup = f.run(node.lookup(&lease)).await;
+    ensure!(matches!(lookup, Outcome::NotReady { .. }), "{lookup:?}");
     node.deadline_ms = 10_000;
     f.destroy(&node).await?;
     ensure!(processes_naming(&dir).is_empty());

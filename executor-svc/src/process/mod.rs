@@ -25,8 +25,10 @@
 //! Outcome classes are honest: a missing agent binary is `Permanent`; a failure
 //! that definitely left nothing behind (nothing spawned, the agent is dead, the
 //! connection was refused) is `Retryable`; a request that may have taken effect
-//! but got no answer (a spawned agent that never recorded itself before the
-//! deadline, a start sent but unanswered) is `Ambiguous`. A cancel is the
+//! but got no answer (a start sent but unanswered) is `Ambiguous`. A spawned
+//! agent that has not recorded itself by the create's deadline is still the
+//! identity's one live process: the create holds it as the lease, and lookups
+//! say it is not ready until it records its endpoint. A cancel is the
 //! exception: the session is ended on the executor's side when the agent does
 //! not answer (see `Shared::cancel`), so cleanup always reaches the destroy.
 
@@ -104,8 +106,8 @@ pub struct ProcessConfig {
     /// How long a destroyed agent gets between SIGTERM and SIGKILL.
     pub kill_grace: Duration,
     /// The longest a create waits for a new agent to record itself (the
-    /// operation's deadline may cut it shorter); past it the create is
-    /// ambiguous.
+    /// operation's deadline may cut it shorter); past it the create holds
+    /// the live agent as its lease, not ready yet.
     pub start_timeout: Duration,
 }
 
@@ -480,12 +482,24 @@ impl Shared {
             }
         })
         .await;
-        waited.unwrap_or_else(|_| Outcome::Ambiguous {
-            reason: format!(
-                "node agent pid {pid} was spawned but had not recorded itself after {wait:?}; it may \
-                 still come up"
-            ),
-        })
+        match waited {
+            Ok(outcome) => outcome,
+            // The agent lives but has not recorded itself (it is slow, or
+            // stopped): it is the identity's one resource all the same, held
+            // as its lease, and not ready (a lookup says so until it records
+            // its endpoint). Reporting it ambiguous instead would have a
+            // cleanup re-issue the create for ever while the agent stays
+            // stopped, never reaching the destroy.
+            Err(_) if process_exists(pid) => {
+                tracing::info!(
+                    pid,
+                    ?wait,
+                    "a node agent has not recorded itself yet; holding it as the lease"
+                );
+                lease_outcome(pid, None)
+            }
+            Err(_) => self.exited_early(dir, pid),
+        }
     }
 
     /// The outcome of a create whose agent died before it was usable: nothing
