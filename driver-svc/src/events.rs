@@ -22,21 +22,24 @@ use platform::event_trace::{
 use crate::core::{CoreError, Fold, PassOutcome, PassPlan, RunState};
 
 /// A copy of a run's nodes before a change; `None` when the trace is off.
-/// The run's nodes before a change: current attempts, and the successors
-/// of a rollout's surge.
+/// The run before a change: its nodes, and the generation of its shape.
 pub(crate) type Before = Option<Nodes>;
 
-/// Current attempts and successors, by slot.
-pub(crate) type Nodes = (
-    BTreeMap<LogicalNodeId, ManagedNode>,
-    BTreeMap<LogicalNodeId, ManagedNode>,
-);
+/// Current attempts and successors (a rollout's surge) by slot, and the
+/// shape's generation.
+#[derive(Debug)]
+pub(crate) struct Nodes {
+    current: BTreeMap<LogicalNodeId, ManagedNode>,
+    successors: BTreeMap<LogicalNodeId, ManagedNode>,
+    generation: contract::Generation,
+}
 
 fn nodes_of(run: &RunState) -> Nodes {
-    (
-        run.nodes().map(|n| (n.id.clone(), n.clone())).collect(),
-        run.successors().map(|n| (n.id.clone(), n.clone())).collect(),
-    )
+    Nodes {
+        current: run.nodes().map(|n| (n.id.clone(), n.clone())).collect(),
+        successors: run.successors().map(|n| (n.id.clone(), n.clone())).collect(),
+        generation: run.shape().generation,
+    }
 }
 
 /// A message from the executor, as received.
@@ -101,8 +104,19 @@ impl RunEvents {
         self.trace.map(|_| nodes_of(run))
     }
 
-    fn changes((before, successors_before): Nodes, run: &RunState) -> Changes {
+    fn changes(
+        Nodes {
+            current: before,
+            successors: successors_before,
+            generation,
+        }: Nodes,
+        run: &RunState,
+    ) -> Changes {
         let mut changes = Changes::default();
+        // A shape the run took of its own (a revert).
+        if run.shape().generation != generation {
+            changes.shape = Some(event_trace::hex(&pb::ClusterShape::from(run.shape())));
+        }
         for n in run.nodes() {
             if before.get(&n.id) != Some(n) {
                 changes.changed.push(NodeRec::of(n));

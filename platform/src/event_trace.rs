@@ -245,6 +245,9 @@ pub struct Changes {
     /// was reaped).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub successors_removed: Vec<String>,
+    /// The run's shape, when the change gave it another generation (hex).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<String>,
 }
 
 impl Changes {
@@ -253,6 +256,7 @@ impl Changes {
             && self.removed.is_empty()
             && self.successors.is_empty()
             && self.successors_removed.is_empty()
+            && self.shape.is_none()
     }
 }
 

@@ -178,9 +178,7 @@ fn a_halted_rollout_reverts_to_the_last_converged_template() {
         "faults:none step*200 advance:70000 step*100 apply:bad-image:work step*60 advance:5000 step*60",
     );
     assert!(
-        out.coverage
-            .get("shape:taken-without-apply")
-            .is_some_and(|n| *n > 0),
+        out.coverage.get("shape:reverted").is_some_and(|n| *n > 0),
         "the driver never reverted: {:?}",
         out.coverage
     );
@@ -706,6 +704,77 @@ fn level2_day2_on_purpose() {
 #[test]
 fn level3_day2_on_purpose() {
     day2_on_purpose(true);
+}
+
+#[test]
+fn level2_revert_on_purpose() {
+    revert_on_purpose(false);
+}
+
+#[test]
+fn level3_revert_on_purpose() {
+    revert_on_purpose(true);
+}
+
+/// Over the services: once the run has converged, a template whose attempts
+/// fail (an image the fake refuses; at level 3 a boot that fails every
+/// agent at its join) halts the group's rollout at its first failed attempt
+/// (the generation's halt policy, `world::rollout_halt`), and the driver
+/// reverts the group as a generation of its own. The oracle sees the revert
+/// and holds G25 with every other check; the run converges on the old
+/// template.
+fn revert_on_purpose(process: bool) {
+    let world = (1..)
+        .map(services::world)
+        .find(|w| {
+            w.initial
+                .groups
+                .iter()
+                .any(|g| g.id.as_str() == "work" && g.count >= 2)
+        })
+        .unwrap();
+    assert_eq!(
+        world.initial.generation.get(),
+        1,
+        "the bad template's generation must revert"
+    );
+    assert_eq!(provisioning_tests::conformance::world::rollout_halt(2), (1, true));
+    let bad = if process { "failing-boot" } else { "bad-image" };
+    let trace = format!(
+        "faults:none step*30 step*30 step*30 apply:{bad}:work step*30 step*30 step*30 step*30 step*30 step*30"
+    );
+    let trace = parse_trace(&trace).unwrap();
+    let mut sut = if process {
+        ServiceSut::start_process(&world)
+    } else {
+        ServiceSut::start(&world)
+    }
+    .unwrap_or_else(|e| panic!("cannot start: {e:#}"));
+    let result = run_sut(&mut sut, &world, &trace);
+    if result.is_err() {
+        sut.dump_logs();
+    }
+    let killed = sut.reap_agents();
+    sut.stop();
+    let level = if process { 3 } else { 2 };
+    let out = result.unwrap_or_else(|vs| {
+        let v = &vs[0];
+        panic!(
+            "level {level} revert: {:?} ({}) at {}: {}\n  seed {}, trace {}",
+            v.guarantee,
+            v.guarantee.text(),
+            v.at,
+            v.detail,
+            world.seed,
+            format_trace(&trace)
+        )
+    });
+    assert_eq!(killed, 0, "the harness had to kill agents");
+    assert!(
+        out.coverage.get("shape:reverted").is_some_and(|n| *n > 0),
+        "level {level}: the driver never reverted: {:?}",
+        out.coverage
+    );
 }
 
 /// Level 3: the level-2 battery against the process backend, every lease a

@@ -50,6 +50,10 @@ pub enum Change {
     Boot(Group),
     /// An image the backend refuses permanently.
     BadImage(Group),
+    /// A boot parameter that fails every process-backend agent at its join
+    /// (`fault.fail_at`); to the fake, just a new boot parameter. Not
+    /// generated: what a test asks for.
+    FailingBoot(Group),
     /// The group leaves the shape.
     RemoveGroup(Group),
     /// A generation bump with the same content: nothing may be replaced.
@@ -244,6 +248,7 @@ impl fmt::Display for Change {
             Change::Image(g) => write!(f, "image:{}", g.name()),
             Change::Boot(g) => write!(f, "boot:{}", g.name()),
             Change::BadImage(g) => write!(f, "bad-image:{}", g.name()),
+            Change::FailingBoot(g) => write!(f, "failing-boot:{}", g.name()),
             Change::RemoveGroup(g) => write!(f, "remove:{}", g.name()),
             Change::Bump => f.write_str("bump"),
         }
@@ -339,6 +344,7 @@ impl FromStr for Input {
                 "image" => Change::Image(group(2)?),
                 "boot" => Change::Boot(group(2)?),
                 "bad-image" => Change::BadImage(group(2)?),
+                "failing-boot" => Change::FailingBoot(group(2)?),
                 "remove" => Change::RemoveGroup(group(2)?),
                 "bump" => Change::Bump,
                 _ => return Err(err("unknown change")),

@@ -309,6 +309,8 @@ pub struct Oracle {
     /// The template each reverted group went away from, until the client
     /// applies another template to the group.
     reverted_from: BTreeMap<GroupId, std::sync::Arc<NodeTemplate>>,
+    /// Groups reverted so far.
+    reverts: u64,
     /// The run's pass count in the latest state.
     passes: u64,
     // No double-create.
@@ -404,6 +406,7 @@ impl Oracle {
             client_generations: BTreeSet::new(),
             converged_on: BTreeMap::new(),
             reverted_from: BTreeMap::new(),
+            reverts: 0,
             passes: 0,
             leases_made: BTreeMap::new(),
             lease_of: BTreeMap::new(),
@@ -411,6 +414,11 @@ impl Oracle {
             context: None,
             mismatch: [None, None],
         }
+    }
+
+    /// How many groups the oracle has seen the driver revert.
+    pub fn reverts(&self) -> u64 {
+        self.reverts
     }
 
     fn fail(&mut self, guarantee: Guarantee, detail: String) {
@@ -1703,7 +1711,11 @@ impl Oracle {
                 self.fail(Guarantee::G17GenerationMonotonic, detail);
             }
         }
+        // Over the API the driver may take a generation of its own (a
+        // revert) before the state after the apply is read.
+        let later = !a.exact && after.generation > a.submitted.generation;
         if a.verdict == Verdict::Changed
+            && !later
             && (after.generation != a.submitted.generation
                 || after
                     .shape
@@ -2301,6 +2313,7 @@ impl Oracle {
                 self.fail(Guarantee::G25RevertNeverReentersBadTemplate, detail);
             }
             self.reverted_from.insert(g.id.clone(), p.template.clone());
+            self.reverts += 1;
         }
         self.shape = Some(prev);
     }

@@ -160,8 +160,6 @@ fn cover(coverage: &mut BTreeMap<String, u64>, rec: &StepRecord) {
             Event::ConflictProbe { .. } => bump("conflict-probe".to_owned()),
             Event::Aborted { .. } => bump("abandoned".to_owned()),
             Event::Spin { .. } => bump("spin".to_owned()),
-            // In memory, the shapes the driver takes of its own: reverts.
-            Event::Shape { .. } if rec.apply.is_none() => bump("shape:taken-without-apply".to_owned()),
             _ => {}
         }
     }
@@ -423,12 +421,20 @@ impl<S: SystemUnderTest> Runner<'_, S> {
         if debug() {
             eprintln!("{}", describe_round(&rec));
         }
+        let reverts = self.oracle.reverts();
         let violations = self.oracle.check(&rec);
         if !violations.is_empty() {
             return Err(violations);
         }
         self.outcome.rounds += 1;
         cover(&mut self.outcome.coverage, &rec);
+        if self.oracle.reverts() > reverts {
+            *self
+                .outcome
+                .coverage
+                .entry("shape:reverted".to_owned())
+                .or_default() += 1;
+        }
         for n in rec.state.nodes.values() {
             self.outcome.max_failures = self.outcome.max_failures.max(n.retry.consecutive_failures);
             self.outcome.highest_attempt = self.outcome.highest_attempt.max(n.attempt.get());

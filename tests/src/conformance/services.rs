@@ -98,7 +98,7 @@ use super::{
     record::{ApplyKind, ApplyRecord, Phase, Resource, RunSnapshot, StepRecord, StepRef, Verdict},
     runner::SystemUnderTest,
     traces::{TracePaths, TraceTamper, Translator},
-    world::{RUN_ID, World, bad_shape, changed_shape, with_surge},
+    world::{RUN_ID, World, bad_shape, changed_shape, rollout_halt, with_surge},
 };
 use crate::{
     procs::{Cluster, ClusterOptions, Proxy, Service, live_agent_pids},
@@ -190,6 +190,19 @@ pub fn faulty_shape(current: &ClusterShape, rng: &mut Rng, bump: bool) -> Cluste
         };
         t.boot.insert(key.to_owned(), Param { value, secret: false });
     }
+    // A template whose attempts fail halts its rollout after a failure or
+    // two and mostly reverts it (`world::rollout_halt`); others never halt.
+    for g in &mut s.groups {
+        let failing = ["fault.crash_at", "fault.fail_at"]
+            .iter()
+            .any(|k| g.template.boot.contains_key(*k));
+        let rollout = &mut g.policy.rollout;
+        (rollout.failure_threshold, rollout.auto_revert) = if failing {
+            rollout_halt(s.generation.get())
+        } else {
+            (0, false)
+        };
+    }
     s
 }
 
@@ -200,6 +213,7 @@ pub fn clean_shape(current: &ClusterShape) -> ClusterShape {
     s.generation = Generation::new(current.generation.get() + 1);
     for g in &mut s.groups {
         strip_faults(Arc::make_mut(&mut g.template));
+        (g.policy.rollout.failure_threshold, g.policy.rollout.auto_revert) = (0, false);
     }
     s
 }
@@ -622,6 +636,33 @@ impl ServiceSut {
         Ok(self.snapshot()?.shape)
     }
 
+    /// Applies the shape `next` makes of the run's current one, as a client
+    /// would: when the driver took a generation of its own (a revert)
+    /// between the read and the apply, which refuses the apply's generation,
+    /// it reads the run again and makes the shape anew (at most a few times).
+    fn apply_next(
+        &mut self,
+        next: &mut dyn FnMut(&mut Self, &ClusterShape) -> ClusterShape,
+    ) -> anyhow::Result<Option<ApplyRecord>> {
+        let mut tries = 0;
+        loop {
+            let Some(current) = self.current_shape()? else {
+                return Ok(None);
+            };
+            let shape = next(self, &current);
+            let a = self.apply_valid(shape)?;
+            tries += 1;
+            let moved = tries < 4
+                && matches!(a.verdict, Verdict::Rejected(_))
+                && self
+                    .current_shape()?
+                    .is_some_and(|s| s.generation > current.generation);
+            if !moved {
+                return Ok(Some(a));
+            }
+        }
+    }
+
     fn apply_wire(
         &mut self,
         kind: ApplyKind,
@@ -781,14 +822,9 @@ impl SystemUnderTest for ServiceSut {
                 self.round += 1;
                 None
             }
-            Input::Apply(c) => match self.current_shape()? {
-                Some(current) => {
-                    let shape = with_surge(&current, changed_shape(&current, *c));
-                    let wire = pb::ClusterShape::from(&shape);
-                    Some(self.apply_wire(ApplyKind::Valid, shape, wire)?)
-                }
-                None => None,
-            },
+            Input::Apply(c) => {
+                self.apply_next(&mut |_, current| with_surge(current, changed_shape(current, *c)))?
+            }
             Input::Reject(b) => match self.current_shape()? {
                 Some(current) => {
                     let (shape, wire) = if *b == Bad::RunId {
@@ -826,14 +862,12 @@ impl SystemUnderTest for ServiceSut {
             // Level 3: new agent faults in the templates, at a new generation;
             // or (`none`) an executor restart over the same agents, which it
             // must adopt.
-            Input::Faults(FaultMix::Chaos) if self.agents.is_some() => match self.current_shape()? {
-                Some(current) => {
-                    let a = self.agents.as_mut().unwrap_or_else(|| unreachable!());
-                    let shape = with_surge(&current, faulty_shape(&current, &mut a.rng, true));
-                    Some(self.apply_valid(shape)?)
-                }
-                None => None,
-            },
+            Input::Faults(FaultMix::Chaos) if self.agents.is_some() => {
+                self.apply_next(&mut |sut, current| {
+                    let a = sut.agents.as_mut().unwrap_or_else(|| unreachable!());
+                    with_surge(current, faulty_shape(current, &mut a.rng, true))
+                })?
+            }
             Input::Faults(m) => {
                 self.restart_executor(*m)?;
                 None
@@ -872,10 +906,7 @@ impl SystemUnderTest for ServiceSut {
         if self.agents.is_some() {
             // Level 3: the faults are in the templates; a new generation with
             // clean ones ends them.
-            let apply = match self.current_shape()? {
-                Some(current) => Some(self.apply_valid(with_surge(&current, clean_shape(&current)))?),
-                None => None,
-            };
+            let apply = self.apply_next(&mut |_, current| with_surge(current, clean_shape(current)))?;
             return self.record(Phase::Tail, None, None, apply);
         }
         self.restart_executor(FaultMix::None)?;

@@ -303,6 +303,13 @@ impl Translator {
             after: self.nodes.clone(),
             successors: self.successors_around(successors_before),
         })));
+        // A shape the driver took of its own with the change (a revert).
+        if let Some(shape) = &changes.shape {
+            out.push(Event::Shape {
+                shape: platform::event_trace::shape(shape)?,
+                deleting: false,
+            });
+        }
         Ok(())
     }
 

@@ -287,12 +287,14 @@ pub fn changed_shape(current: &ClusterShape, change: Change) -> ClusterShape {
     let room = MAX_TOTAL.saturating_sub(total(current));
     // A template change rolls out within a budget that the generation picks,
     // so traces replay it and the battery sees several.
-    // A bad image also halts its rollout after a failure or two (and then
-    // mostly reverts it); other template changes never halt.
+    // A bad image or a failing boot also halts its rollout after a failure
+    // or two (and then mostly reverts it); other template changes never
+    // halt.
     let edit = |s: &mut ClusterShape, g: Group, f: &dyn Fn(&mut NodeTemplate)| {
         if let Some(i) = find(s, g) {
             f(Arc::make_mut(&mut s.groups[i].template));
-            let bad = s.groups[i].template.image.starts_with("invalid");
+            let t = &s.groups[i].template;
+            let bad = t.image.starts_with("invalid") || t.boot.contains_key("fault.fail_at");
             let rollout = &mut s.groups[i].policy.rollout;
             rollout.max_unavailable = rollout_budget(next);
             (rollout.failure_threshold, rollout.auto_revert) =
@@ -332,6 +334,15 @@ pub fn changed_shape(current: &ClusterShape, change: Change) -> ClusterShape {
             );
         }),
         Change::BadImage(g) => edit(&mut s, g, &|t| t.image = format!("invalid:{next}")),
+        Change::FailingBoot(g) => edit(&mut s, g, &|t| {
+            t.boot.insert(
+                "fault.fail_at".to_owned(),
+                Param {
+                    value: "joined".to_owned(),
+                    secret: false,
+                },
+            );
+        }),
         Change::RemoveGroup(g) => {
             if let Some(i) = find(&s, g) {
                 s.groups.remove(i);
