@@ -616,6 +616,40 @@ fn level2_trace_checks_can_fail() {
     }
 }
 
+/// Runs `trace` over the services (level 3 with the process backend) with
+/// every check, then deletes the run: the outcome, or a panic naming the
+/// guarantee broken and how to run it again. No agent outlives it.
+fn on_purpose(world: &World, trace: &str, process: bool, what: &str) -> RunOutcome {
+    let trace = parse_trace(trace).unwrap();
+    let mut sut = if process {
+        ServiceSut::start_process(world)
+    } else {
+        ServiceSut::start(world)
+    }
+    .unwrap_or_else(|e| panic!("cannot start: {e:#}"));
+    let result = run_sut(&mut sut, world, &trace);
+    if result.is_err() {
+        sut.dump_logs();
+    }
+    let killed = sut.reap_agents();
+    sut.stop();
+    let level = if process { 3 } else { 2 };
+    let out = result.unwrap_or_else(|vs| {
+        let v = &vs[0];
+        panic!(
+            "level {level} {what}: {:?} ({}) at {}: {}\n  seed {}, trace {}",
+            v.guarantee,
+            v.guarantee.text(),
+            v.at,
+            v.detail,
+            world.seed,
+            format_trace(&trace)
+        )
+    });
+    assert_eq!(killed, 0, "the harness had to kill agents");
+    out
+}
+
 /// Day 2 through the services, on purpose rather than by chance: a run of
 /// at least four nodes converges, then one node is sickened and left sick,
 /// one is lost and one is sickened and healed soon after; the battery's
@@ -640,33 +674,8 @@ fn day2_on_purpose(process: bool) {
         "step*30 step*30 sicken:0 lose:1 sicken:2 step*30 step*20 heal:2 \
          step*30 step*30 step*30 step*30 step*30 step*30 step*30",
     );
-    let trace = parse_trace(&trace).unwrap();
-    let mut sut = if process {
-        ServiceSut::start_process(&world)
-    } else {
-        ServiceSut::start(&world)
-    }
-    .unwrap_or_else(|e| panic!("cannot start: {e:#}"));
-    let result = run_sut(&mut sut, &world, &trace);
-    if result.is_err() {
-        sut.dump_logs();
-    }
-    let killed = sut.reap_agents();
-    sut.stop();
+    let out = on_purpose(&world, &trace, process, "day 2");
     let level = if process { 3 } else { 2 };
-    let out = result.unwrap_or_else(|vs| {
-        let v = &vs[0];
-        panic!(
-            "level {level} day 2: {:?} ({}) at {}: {}\n  seed {}, trace {}",
-            v.guarantee,
-            v.guarantee.text(),
-            v.at,
-            v.detail,
-            world.seed,
-            format_trace(&trace)
-        )
-    });
-    assert_eq!(killed, 0, "the harness had to kill agents");
     eprintln!(
         "level {level} day 2: seed {}, {} polls, highest attempt {}, the tail took {} of {} passes, {:.1?}; coverage {:?}",
         world.seed,
@@ -743,33 +752,8 @@ fn revert_on_purpose(process: bool) {
     let trace = format!(
         "faults:none step*30 step*30 step*30 apply:{bad}:work step*30 step*30 step*30 step*30 step*30 step*30"
     );
-    let trace = parse_trace(&trace).unwrap();
-    let mut sut = if process {
-        ServiceSut::start_process(&world)
-    } else {
-        ServiceSut::start(&world)
-    }
-    .unwrap_or_else(|e| panic!("cannot start: {e:#}"));
-    let result = run_sut(&mut sut, &world, &trace);
-    if result.is_err() {
-        sut.dump_logs();
-    }
-    let killed = sut.reap_agents();
-    sut.stop();
+    let out = on_purpose(&world, &trace, process, "revert");
     let level = if process { 3 } else { 2 };
-    let out = result.unwrap_or_else(|vs| {
-        let v = &vs[0];
-        panic!(
-            "level {level} revert: {:?} ({}) at {}: {}\n  seed {}, trace {}",
-            v.guarantee,
-            v.guarantee.text(),
-            v.at,
-            v.detail,
-            world.seed,
-            format_trace(&trace)
-        )
-    });
-    assert_eq!(killed, 0, "the harness had to kill agents");
     assert!(
         out.coverage.get("shape:reverted").is_some_and(|n| *n > 0),
         "level {level}: the driver never reverted: {:?}",
