@@ -177,11 +177,7 @@ fn a_halted_rollout_reverts_to_the_last_converged_template() {
         Delivery::InOrder,
         "faults:none step*200 advance:70000 step*100 apply:bad-image:work step*60 advance:5000 step*60",
     );
-    assert!(
-        out.coverage.get("shape:reverted").is_some_and(|n| *n > 0),
-        "the driver never reverted: {:?}",
-        out.coverage
-    );
+    assert_saw(&out.coverage, &["shape:reverted"], "level 1's revert");
 }
 
 /// A template change whose generation picks a surge replaces each node by
@@ -195,13 +191,11 @@ fn a_surge_rollout_hands_each_slot_to_its_successor() {
         Delivery::InOrder,
         "faults:none step*200 advance:70000 step*100 apply:image:work step*300 advance:5000 step*100",
     );
-    for key in ["action:surge", "action:reap"] {
-        assert!(
-            out.coverage.get(key).is_some_and(|n| *n > 0),
-            "the rollout never showed {key}: {:?}",
-            out.coverage
-        );
-    }
+    assert_saw(
+        &out.coverage,
+        &["action:surge", "action:reap"],
+        "the surge rollout",
+    );
 }
 
 // Regression traces of real bugs the battery found. They fail until the bug is
@@ -753,12 +747,17 @@ fn revert_on_purpose(process: bool) {
         "faults:none step*30 step*30 step*30 apply:{bad}:work step*30 step*30 step*30 step*30 step*30 step*30"
     );
     let out = on_purpose(&world, &trace, process, "revert");
-    let level = if process { 3 } else { 2 };
-    assert!(
-        out.coverage.get("shape:reverted").is_some_and(|n| *n > 0),
-        "level {level}: the driver never reverted: {:?}",
-        out.coverage
-    );
+    assert_saw(&out.coverage, &["shape:reverted"], "the revert over the services");
+}
+
+/// Every one of `keys` is in a run's coverage.
+fn assert_saw(coverage: &std::collections::BTreeMap<String, u64>, keys: &[&str], what: &str) {
+    for key in keys {
+        assert!(
+            coverage.get(*key).is_some_and(|n| *n > 0),
+            "{what} never showed {key}: {coverage:?}"
+        );
+    }
 }
 
 /// Level 3: the level-2 battery against the process backend, every lease a
