@@ -45,7 +45,8 @@ use crate::{
 };
 
 /// The most span links a pass carries to the folds that made it necessary;
-/// past this the pass still runs, but names only its first causes.
+/// past this the pass still runs, names only its first causes, and counts
+/// the others (`provisioning.pass.links_dropped`).
 const MAX_CAUSES: usize = 16;
 
 /// The status is rebuilt (O(nodes)) at most this often while only counts move.
@@ -216,6 +217,8 @@ pub(crate) struct RunActor {
     origin: Option<TraceContext>,
     /// The folds since the last pass started; the next pass links to them.
     causes: Vec<TraceContext>,
+    /// Causes past [`MAX_CAUSES`] since the last pass began.
+    causes_dropped: u64,
     /// Since when the run has wanted a pass that has not started (the work
     /// queue's view of this run).
     wanted_since: Option<Monotonic>,
@@ -309,6 +312,7 @@ impl RunActor {
             speculative: false,
             origin: (!origin.traceparent.is_empty()).then_some(origin),
             causes: Vec::new(),
+            causes_dropped: 0,
             wanted_since: None,
             in_flight,
             deadline_folds_seen,
@@ -950,10 +954,12 @@ impl RunActor {
 
     /// A fold changed the run: the next pass links to the fold's span.
     fn caused_by(&mut self, fold: &tracing::Span) {
-        if self.causes.len() < MAX_CAUSES {
-            let cx = telemetry::context_of(fold);
-            if !cx.traceparent.is_empty() {
+        let cx = telemetry::context_of(fold);
+        if !cx.traceparent.is_empty() {
+            if self.causes.len() < MAX_CAUSES {
                 self.causes.push(cx);
+            } else {
+                self.causes_dropped += 1;
             }
         }
         self.triggered();
@@ -1239,6 +1245,7 @@ impl RunActor {
             provisioning.pass.transitions = Empty,
             provisioning.pass.stale = Empty,
             provisioning.pass.result = Empty,
+            provisioning.pass.links_dropped = Empty,
             otel.status_code = Empty,
         );
         if speculative {
@@ -1250,6 +1257,10 @@ impl RunActor {
             for cause in self.causes.drain(..) {
                 telemetry::add_link(&span, &cause);
             }
+            span.record(
+                "provisioning.pass.links_dropped",
+                telemetry::int(std::mem::take(&mut self.causes_dropped)),
+            );
         }
         span
     }

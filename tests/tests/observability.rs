@@ -589,6 +589,62 @@ const INTEGER_ATTRIBUTES: &[&str] = &[
 /// Every attribute in [`INTEGER_ATTRIBUTES`] (and each pass's actions by
 /// rule) is seen, and always as an integer; and no string attribute, of a
 /// span or of its events, holds a bare number.
+/// A pass caused by more folds than it may link (sixty creates completing
+/// at once) links the first 16 and counts the rest in
+/// `provisioning.pass.links_dropped`: no cause is dropped silently. Every
+/// pass that is not speculative carries the count, an integer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_with_more_causes_than_links_counts_the_rest() {
+    let (receiver, otlp) = start_receiver().await;
+    let mut cluster = Cluster::start(traced(otlp).executor("--fake-latency-ms", "40,40"))
+        .await
+        .unwrap();
+    let mut c = cluster.client().await.unwrap();
+    let s = shape("links", 1, "fake", &[("workers", 60, "img:1")]);
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&s)),
+    })
+    .await
+    .unwrap();
+    if let Err(e) = watch_until(&mut c, "links", CONVERGE, |s| s.converged && s.generation == 1).await {
+        cluster.dump_logs();
+        panic!("{e}");
+    }
+    drop(c);
+    stop(&mut cluster).await;
+    let spans = receiver.spans.lock().unwrap().clone();
+    let passes: Vec<&Received> = spans
+        .iter()
+        .filter(|s| s.name == "pass" && s.attr("provisioning.run.id") == Some("links"))
+        .collect();
+    assert!(!passes.is_empty());
+    for p in &passes {
+        assert!(p.links.len() <= 16, "{} links", p.links.len());
+        let dropped = p.attr("provisioning.pass.links_dropped");
+        assert_eq!(
+            p.types.get("provisioning.pass.links_dropped").copied(),
+            dropped.map(|_| "int"),
+            "{p:?}"
+        );
+        if p.links.len() < 16 {
+            assert!(
+                dropped.is_none_or(|d| d == "0"),
+                "dropped {dropped:?} with {} links",
+                p.links.len()
+            );
+        }
+    }
+    let counted: u64 = passes
+        .iter()
+        .filter_map(|p| p.attr("provisioning.pass.links_dropped")?.parse::<u64>().ok())
+        .sum();
+    assert!(
+        passes.iter().any(|p| p.links.len() == 16) && counted > 0,
+        "no pass had more causes than links: {:?}",
+        passes.iter().map(|p| p.links.len()).collect::<Vec<_>>()
+    );
+}
+
 fn assert_counts_are_integers(spans: &[Received]) {
     let mut seen = BTreeSet::new();
     for s in spans {
