@@ -720,6 +720,11 @@ impl Driver {
     }
 
     /// The orphan report: abandoned nodes, then what the sweep found.
+    /// The inventory resync's last look found held leases missing.
+    pub fn missing_suspected(&self) -> bool {
+        self.shared.orphans.missing_suspected()
+    }
+
     pub fn orphans(&self) -> Vec<Orphan> {
         self.shared.orphans.list()
     }

@@ -73,7 +73,8 @@ struct Cli {
     /// How often the inventory resync compares the executor's inventory
     /// with the runs (the first look follows the executor link coming up):
     /// resources no run wants are orphans, and leases a run holds that the
-    /// inventory lacks at two consecutive looks are lost; 0 = off.
+    /// inventory lacks at two consecutive looks are lost (a look that
+    /// finds one missing is followed within a second); 0 = off.
     #[arg(long, env = "DRIVER_ORPHAN_SWEEP_MS", default_value_t = 60_000)]
     orphan_sweep_ms: u64,
     /// What the sweep does with an orphan it confirmed: `destroy` it through

@@ -27,7 +27,8 @@
 //!
 //! The same reading of the inventory makes the inventory resync's finding
 //! too (SPEC section 8): a lease a run believes live that the inventory lacks
-//! at two consecutive looks is lost. The inventory arrives decoded
+//! at two consecutive looks is lost (the sweep task looks again within a
+//! second when a look finds one missing). The inventory arrives decoded
 //! ([`Inventory`], read and decoded by the sweep task in `server`); this
 //! module speaks no wire type, and the API turns an [`Orphan`] into its wire
 //! form.
@@ -433,6 +434,13 @@ impl Orphans {
 
     /// The report: abandoned nodes first (in order), then the sweep's
     /// findings, then the orphans being destroyed (each by identity).
+    /// The last look found leases a run holds missing from the inventory:
+    /// the look that confirms them (or not) is due soon, not a whole
+    /// interval later.
+    pub fn missing_suspected(&self) -> bool {
+        !self.lock().missing.is_empty()
+    }
+
     pub fn list(&self) -> Vec<Orphan> {
         let inner = self.lock();
         inner

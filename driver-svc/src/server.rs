@@ -295,8 +295,9 @@ async fn take_over_loop(driver: Driver, replicas: Arc<dyn Replicas>, lost: tokio
 }
 
 /// The orphan sweep: shortly after the executor link comes up (each time it
-/// does), then every `config.every` while it stays up, reads the executor's
-/// inventory and compares it with the runs (see [`crate::orphans`]).
+/// does), then every `config.every` while it stays up (or as soon again when
+/// a look found held leases missing), reads the executor's inventory and
+/// compares it with the runs (see [`crate::orphans`]).
 async fn sweep_orphans(
     driver: Driver,
     mut executor: ExecutorClient<platform::telemetry::grpc::TracedChannel>,
@@ -340,6 +341,12 @@ async fn sweep_orphans(
                 let resources = inventory.resources.len();
                 let new = driver.sweep_orphans(inventory, config.destroy).await;
                 tracing::debug!(resources, new_orphans = new.len(), "orphan sweep");
+                // A lease missing at this look is lost if it is missing at
+                // the next: look again soon (a loss the executor reported
+                // before it restarted, and never re-sent, waits on it).
+                if driver.missing_suspected() {
+                    next = Some(at.saturating_add(config.after_link_up));
+                }
             }
             Err(status) => {
                 driver.sweep_failed();
