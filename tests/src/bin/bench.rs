@@ -517,13 +517,7 @@ async fn three_processes(n: u64, durable: bool) -> anyhow::Result<(Duration, u64
     .await?;
     let deadline = Instant::now() + Duration::from_secs(600);
     let status = loop {
-        let s = c
-            .get_run(pb::GetRunRequest {
-                run_id: "bench".into(),
-                include_nodes: false,
-            })
-            .await?
-            .into_inner();
+        let s = bench_run(&mut c).await?;
         if s.converged {
             break s;
         }
@@ -630,17 +624,23 @@ async fn scraped(service: &provisioning_tests::procs::Service, series: &str) -> 
     sample(&text, series)
 }
 
+/// The bench run's status, without its nodes.
+async fn bench_run(
+    c: &mut contract::pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>,
+) -> anyhow::Result<pb::RunStatus> {
+    Ok(c.get_run(pb::GetRunRequest {
+        run_id: "bench".into(),
+        include_nodes: false,
+    })
+    .await?
+    .into_inner())
+}
+
 /// The passes a run has made so far, and whether it is converged.
 async fn passes_of(
     c: &mut contract::pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>,
 ) -> anyhow::Result<(u64, bool)> {
-    let s = c
-        .get_run(pb::GetRunRequest {
-            run_id: "bench".into(),
-            include_nodes: false,
-        })
-        .await?
-        .into_inner();
+    let s = bench_run(c).await?;
     Ok((s.passes, s.converged))
 }
 
