@@ -1,7 +1,8 @@
 //! Compiles `provisioning/v1/*.proto` with the pure-Rust `protox` compiler, so no
 //! system `protoc` is needed, and writes the descriptor set used by reflection;
 //! compiles the fake backend's control service
-//! (`provisioning/fake/v1/fake_control.proto`, a test double) on its own.
+//! (`provisioning/fake/v1/fake_control.proto`, a test double) and the provider
+//! plugin protocol (`provisioning/provider/v1/provider.proto`) on their own.
 
 use std::{env, fs, path::PathBuf};
 
@@ -33,5 +34,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .build_server(true)
         .compile_fds(fake)?;
+    // The provider protocol (`provisioning.provider.v1`) is versioned on its
+    // own and served by plugins, not by the services: its own descriptor set.
+    let provider = protox::compile(["provisioning/provider/v1/provider.proto"], [&root])?;
+    fs::write(out_dir.join("provider_descriptor.bin"), provider.encode_to_vec())?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(provider)?;
     Ok(())
 }

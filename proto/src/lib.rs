@@ -73,6 +73,20 @@ pub mod pb {
             tonic::include_proto!("provisioning.fake.v1");
         }
     }
+
+    /// The provider plugin protocol (`provisioning.provider.v1`, SPEC.md
+    /// section 10): what a provider plugin serves and the executor calls.
+    /// Versioned apart from the services' protocol.
+    pub mod provider {
+        pub mod v1 {
+            tonic::include_proto!("provisioning.provider.v1");
+
+            /// The encoded descriptor set of the provider protocol, for a
+            /// plugin's gRPC server reflection.
+            pub const FILE_DESCRIPTOR_SET: &[u8] =
+                include_bytes!(concat!(env!("OUT_DIR"), "/provider_descriptor.bin"));
+        }
+    }
 }
 
 pub use backoff::{BackoffPolicy, backoff_delay};
