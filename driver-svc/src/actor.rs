@@ -134,6 +134,8 @@ pub enum RunEvent {
     FromExecutor(FromExecutor),
     LinkUp(u64),
     LinkDown,
+    /// The executor's providers changed: the run's conditions may name one.
+    Providers,
     Decided {
         plan: PassPlan,
         result: Result<DecideOutput, DecideError>,
@@ -151,6 +153,7 @@ impl From<LinkEvent> for RunEvent {
             LinkEvent::Up(generation) => Self::LinkUp(generation),
             LinkEvent::Down => Self::LinkDown,
             LinkEvent::Message(msg) => Self::FromExecutor(msg),
+            LinkEvent::Providers => Self::Providers,
         }
     }
 }
@@ -186,6 +189,8 @@ pub(crate) struct RunActor {
     /// The executor link went down after being up, and is not back yet: its
     /// return is an event.
     link_lost: bool,
+    /// The providers the run names that were unavailable at the last look.
+    providers_down: Vec<String>,
     /// What goes on the executor link, and when (claims, resubmissions,
     /// replay cursors, acknowledgements): the same session logic the
     /// simulation runs.
@@ -297,6 +302,7 @@ impl RunActor {
             status,
             event_mark,
             link_lost: false,
+            providers_down: Vec::new(),
             session: LinkSession::new(),
             pass_in_flight: false,
             decider_failures: 0,
@@ -732,6 +738,30 @@ impl RunActor {
                     );
                 }
                 self.session.handle_link_down();
+                self.changed = true;
+            }
+            RunEvent::Providers => {
+                let down = self.providers_down();
+                if down != self.providers_down {
+                    let (reason, message) = if down.is_empty() {
+                        (
+                            EventReason::DependencyBack,
+                            format!("provider {} is available again", self.providers_down.join(", ")),
+                        )
+                    } else {
+                        (
+                            EventReason::DependencyLost,
+                            format!(
+                                "provider {} is unavailable at the executor; its operations wait",
+                                down.join(", ")
+                            ),
+                        )
+                    };
+                    if !self.run.is_gone() {
+                        self.run.record_event(reason, Subject::Run, message, now);
+                    }
+                    self.providers_down = down;
+                }
                 self.changed = true;
             }
             RunEvent::Decided { plan, result } => self.decided(plan, result, now).await,
@@ -1449,6 +1479,7 @@ impl RunActor {
             decider_down: self.decider_down.clone(),
             executor_link_down: self.session.link().is_none() && !self.run.is_gone(),
             halted: self.halted.clone(),
+            providers_down: self.providers_down(),
         };
         let observed = status::observe(&self.run, &deps);
         let (conditions, transitions) = self.conditions.stamp(observed, status.generation, now);
@@ -1473,6 +1504,27 @@ impl RunActor {
     }
 
     /// Tells followers of the event log what is committed now.
+    /// The providers the run's groups name that the executor serves but
+    /// cannot reach now (a plugin that is down).
+    fn providers_down(&self) -> Vec<String> {
+        let Some(served) = self.shared.link.providers() else {
+            return Vec::new();
+        };
+        let mut down: Vec<String> = self
+            .run
+            .meta()
+            .shape
+            .groups
+            .iter()
+            .map(|g| g.template.provider.name.as_str())
+            .filter(|name| served.iter().any(|s| s.name == *name && !s.available))
+            .map(str::to_owned)
+            .collect();
+        down.sort();
+        down.dedup();
+        down
+    }
+
     fn publish_event_mark(&self) {
         let mark = self.run.event_mark();
         self.event_mark.send_if_modified(|m| {

@@ -391,6 +391,22 @@ impl Provisioning for Api {
         Ok(Response::new(Box::pin(stream)))
     }
 
+    async fn list_providers(
+        &self,
+        req: Request<pb::ListProvidersRequest>,
+    ) -> Result<Response<pb::ListProvidersResponse>, Status> {
+        principal(&req, Access::Read, "ListProviders")?;
+        let served = self.driver.link().providers();
+        Ok(Response::new(pb::ListProvidersResponse {
+            known: served.is_some(),
+            providers: served
+                .iter()
+                .flat_map(|s| s.iter())
+                .map(pb::ServedProvider::from)
+                .collect(),
+        }))
+    }
+
     async fn list_orphans(
         &self,
         req: Request<pb::ListOrphansRequest>,

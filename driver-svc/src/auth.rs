@@ -12,7 +12,7 @@
 //!
 //! **Authorization** is per method and per run, in the handlers (`api.rs`),
 //! through [`principal`] and [`Principal::require_run`]: a token grants `read`
-//! (`GetRun`, `ListRuns`, `WatchRun`, `ExplainNode`, `Plan`, `ListOrphans`,
+//! (`GetRun`, `ListRuns`, `WatchRun`, `ExplainNode`, `Plan`, `ListOrphans`, `ListProviders`,
 //! `ListEvents`, `WatchEvents`) or `write` (those, and `Apply`, `DeleteRun`, `PauseRun`, `ResumeRun`, `PromoteRollout`,
 //! `AbandonNode`), optionally only for named runs. A call beyond its grant is
 //! answered `PERMISSION_DENIED` before it touches anything; lists show only

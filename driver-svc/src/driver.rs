@@ -9,8 +9,8 @@ use std::{
 };
 
 use contract::{
-    Clock, ClusterShape, Epoch, GroupId, InventoryResource, LogicalNodeId, RunId, RunUid, pb,
-    pb::decider_client::DeciderClient,
+    Clock, ClusterShape, Epoch, FieldError, GroupId, InventoryResource, LogicalNodeId, Problem, RunId,
+    RunUid, pb, pb::decider_client::DeciderClient,
 };
 use platform::telemetry::grpc::TracedChannel;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -493,9 +493,32 @@ impl Driver {
         rx.await.map_err(|_| gone())
     }
 
+    /// Refuses a shape whose group names a provider the executor does not
+    /// serve (SPEC §10), once the executor has said what it serves. A
+    /// served provider that is down now is accepted: its plugin comes back.
+    fn check_providers(&self, shape: &ClusterShape) -> Result<(), DriverError> {
+        let Some(served) = self.shared.run.link.providers() else {
+            return Ok(());
+        };
+        for (i, g) in shape.groups.iter().enumerate() {
+            let name = &g.template.provider.name;
+            if !served.iter().any(|s| s.name == *name) {
+                return Err(DriverError::Apply(ApplyError::Invalid(FieldError::new(
+                    format!("groups[{i}].template.provider.name"),
+                    Problem::NotServed {
+                        name: name.clone(),
+                        served: served.iter().map(|s| s.name.clone()).collect(),
+                    },
+                ))));
+            }
+        }
+        Ok(())
+    }
+
     /// Applies a shape: creates the run, or updates it under the revision
     /// contract. The shape is stored before this returns.
     pub async fn apply(&self, shape: ClusterShape) -> Result<ApplyOutcome, DriverError> {
+        self.check_providers(&shape)?;
         let existing = self.find(&shape.run_id).await;
         match existing {
             Ok(h) => {
@@ -651,6 +674,7 @@ impl Driver {
     }
 
     pub async fn plan(&self, shape: ClusterShape) -> Result<pb::PlanResponse, DriverError> {
+        self.check_providers(&shape)?;
         match self.find(&shape.run_id).await {
             Ok(_) => {
                 let run_id = shape.run_id.clone();

@@ -15,7 +15,8 @@ use std::{
 };
 
 use contract::{
-    Epoch, Observation, OperationResult, Rejection, ResourceChange, RunUid, SessionId, TraceContext, pb,
+    Epoch, Observation, OperationResult, Rejection, ResourceChange, RunUid, ServedProvider, SessionId,
+    TraceContext, pb,
     pb::{driver_message, executor_client::ExecutorClient, executor_message::Kind},
 };
 use platform::tls::PeerEndpoint;
@@ -46,6 +47,9 @@ pub enum LinkEvent {
     Up(u64),
     Down,
     Message(FromExecutor),
+    /// The executor said again what it serves (a plugin went down or came
+    /// back): statuses that name providers are due again.
+    Providers,
 }
 
 /// Where a run's link events go (its actor's queue); `false` once it is gone.
@@ -61,6 +65,9 @@ struct Inner {
     counters: Mutex<LinkCounters>,
     /// Why the last connection attempt failed, if it did.
     last_error: Mutex<Option<String>>,
+    /// What the executor last said it serves; `None` until it has said.
+    /// Kept across a broken link: the next link says it again first.
+    providers: RwLock<Option<Arc<[ServedProvider]>>>,
 }
 
 impl std::fmt::Debug for Inner {
@@ -69,6 +76,7 @@ impl std::fmt::Debug for Inner {
             .field("current", &self.current)
             .field("counters", &self.counters)
             .field("last_error", &self.last_error)
+            .field("providers", &self.providers)
             .finish_non_exhaustive()
     }
 }
@@ -121,6 +129,34 @@ impl Link {
             }
         }
         sent
+    }
+
+    /// The providers the executor serves, as it last said (`None`: it has
+    /// not said since this driver started).
+    pub fn providers(&self) -> Option<Arc<[ServedProvider]>> {
+        self.inner.providers.read().ok().and_then(|p| p.clone())
+    }
+
+    /// Records what the executor serves and tells every run, when it changed.
+    fn set_providers(&self, served: Vec<ServedProvider>) {
+        let changed = self.inner.providers.write().is_ok_and(|mut p| {
+            if p.as_deref() == Some(served.as_slice()) {
+                return false;
+            }
+            tracing::info!(
+                providers = %served
+                    .iter()
+                    .map(|s| if s.available { s.name.clone() } else { format!("{} (unavailable)", s.name) })
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                "the executor serves"
+            );
+            *p = Some(served.into());
+            true
+        });
+        if changed {
+            self.broadcast(|| LinkEvent::Providers);
+        }
     }
 
     pub fn counters(&self) -> LinkCounters {
@@ -299,6 +335,24 @@ impl Link {
             }
             Some(Kind::Waiting(w)) => {
                 contract::wire::Waiting::try_from(w).map(|w| (w.run_uid, FromExecutor::Waiting(w)))
+            }
+            Some(Kind::Providers(p)) => {
+                match p
+                    .providers
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, p)| {
+                        ServedProvider::try_from(p).map_err(|e| e.within(&format!("providers[{i}]")))
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+                {
+                    Ok(served) => self.set_providers(served),
+                    Err(e) => {
+                        self.count(|c| c.undecodable += 1);
+                        tracing::warn!(error = %e, "undecodable provider list from the executor");
+                    }
+                }
+                return;
             }
             None => return,
         };

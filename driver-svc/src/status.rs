@@ -230,6 +230,8 @@ pub struct Dependencies {
     pub executor_link_down: bool,
     /// Why the run is halted (a write its store refused), while it is.
     pub halted: Option<String>,
+    /// Providers the run's groups name that the executor cannot reach now.
+    pub providers_down: Vec<String>,
 }
 
 /// A group's rollout in progress, as clients read it.
@@ -510,6 +512,17 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             status: true,
             reason: "ExecutorLinkDown",
             message: "the executor link is down; operations wait until it is back".to_owned(),
+        }
+    } else if !deps.providers_down.is_empty() {
+        Observed {
+            kind: "Degraded",
+            status: true,
+            reason: "ProviderUnavailable",
+            message: format!(
+                "provider {} is unavailable at the executor; its operations wait, or end ambiguous and are \
+                 adopted once it is back",
+                deps.providers_down.join(", ")
+            ),
         }
     } else if !lost.is_empty() {
         Observed {

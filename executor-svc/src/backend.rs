@@ -171,12 +171,17 @@ pub trait Backend: Send + Sync + 'static {
         _identity: &ResourceIdentity,
         endpoint: &Endpoint,
     ) -> BoxFuture<'static, Result<(), String>> {
-        let addr = endpoint.as_str().to_owned();
-        Box::pin(async move {
-            tokio::net::TcpStream::connect(&addr)
-                .await
-                .map(drop)
-                .map_err(|e| format!("connect to {addr}: {e}"))
-        })
+        tcp_probe(endpoint)
     }
+}
+
+/// The default health probe: a TCP connect to the endpoint.
+pub fn tcp_probe(endpoint: &Endpoint) -> BoxFuture<'static, Result<(), String>> {
+    let addr = endpoint.as_str().to_owned();
+    Box::pin(async move {
+        tokio::net::TcpStream::connect(&addr)
+            .await
+            .map(drop)
+            .map_err(|e| format!("connect to {addr}: {e}"))
+    })
 }

@@ -291,6 +291,7 @@ mod tests {
             id: OperationId::new(AttemptId::new(1), seq),
             epoch: Epoch::new(1),
             deadline: UnixMillis::new(1),
+            provider: "fake".into(),
             input: OperationInput::DestroyLease { lease: None },
             trace: TraceContext::default(),
         }

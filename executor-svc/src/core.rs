@@ -1192,6 +1192,7 @@ mod tests {
             id: OperationId::new(AttemptId::new(attempt), seq),
             epoch: Epoch::new(epoch),
             deadline: t(deadline),
+            provider: "fake".into(),
             input,
             trace: TraceContext::default(),
         }

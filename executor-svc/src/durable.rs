@@ -267,6 +267,7 @@ mod tests {
             id: OperationId::new(AttemptId::new(attempt), 1),
             epoch: Epoch::new(epoch),
             deadline: UnixMillis::new(10_000),
+            provider: "fake".into(),
             input: OperationInput::CreateLease {
                 template: Arc::new(example_template("fake", "img:1")),
             },

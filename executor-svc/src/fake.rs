@@ -1015,6 +1015,7 @@ mod tests {
             id: OperationId::new(AttemptId::new(attempt), seq),
             epoch: Epoch::new(1),
             deadline: t(1_000_000),
+            provider: "fake".into(),
             input,
             trace: TraceContext::default(),
         }

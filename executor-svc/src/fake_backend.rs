@@ -596,6 +596,7 @@ mod tests {
             id: OperationId::new(AttemptId::new(attempt), seq),
             epoch: Epoch::new(1),
             deadline: UnixMillis::MAX,
+            provider: "fake".into(),
             input,
             trace: TraceContext {
                 traceparent: format!("00-{:032x}-{:016x}-01", 7, 9),

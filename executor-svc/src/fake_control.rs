@@ -129,6 +129,7 @@ mod tests {
             id: OperationId::new(AttemptId::new(3), 0),
             epoch: Epoch::new(1),
             deadline: contract::UnixMillis::MAX,
+            provider: "fake".into(),
             input: OperationInput::CreateLease {
                 template: Arc::new(example_template("fake", "img:1")),
             },

@@ -31,5 +31,7 @@ pub mod fake;
 pub mod fake_backend;
 pub mod fake_control;
 pub mod health;
+pub mod plugin;
 pub mod process;
+pub mod providers;
 pub mod server;

@@ -12,7 +12,9 @@ use executor_svc::{
     backend::Backend,
     fake::{FakeConfig, FaultRates},
     fake_backend::FakeBackend,
+    plugin::{PluginBackend, PluginConfig, PluginTarget},
     process::{ProcessBackend, ProcessConfig},
+    providers::Providers,
     server::{self, Config},
 };
 use platform::{
@@ -28,9 +30,39 @@ struct Cli {
     common: CommonArgs,
     #[command(flatten)]
     peers: PeerArgs,
-    /// Which provider backend runs the operations.
+    /// The provider built into the executor, served under its own name
+    /// (`fake` or `process`, which node templates choose by
+    /// `provider.name`); `none` serves plugins only.
     #[arg(long, env = "EXECUTOR_BACKEND", value_enum, default_value_t = BackendKind::Fake)]
     backend: BackendKind,
+    /// A provider plugin that is already running, at `unix:/path` or
+    /// `host:port` (over TCP with the same TLS settings as the executor's
+    /// own clients). Repeat for several; the plugin's `GetInfo` names the
+    /// providers it serves.
+    #[arg(
+        long = "plugin",
+        env = "EXECUTOR_PLUGINS",
+        value_delimiter = ',',
+        value_name = "ADDRESS"
+    )]
+    plugins: Vec<String>,
+    /// A provider plugin the executor starts (`sh -c COMMAND`) and
+    /// supervises: it must print `provider-listening <address>` on its
+    /// standard output once it listens; it is health-checked and started
+    /// again with backoff when it exits or stops answering. Repeat for
+    /// several.
+    #[arg(long = "plugin-command", value_name = "COMMAND")]
+    plugin_commands: Vec<String>,
+    /// How long the executor waits at start for each plugin to answer (a
+    /// command's, to announce its address too) before it refuses to start.
+    #[arg(long, env = "EXECUTOR_PLUGIN_START_TIMEOUT_MS", default_value_t = 30_000)]
+    plugin_start_timeout_ms: u64,
+    /// How often each plugin is asked whether it answers (`GetInfo`); three
+    /// checks failed in a row take it down (its operations wait) and, for a
+    /// supervised one, restart it.
+    #[arg(long, env = "EXECUTOR_PLUGIN_HEALTH_INTERVAL_MS", default_value_t = 1_000,
+          value_parser = clap::value_parser!(u64).range(10..))]
+    plugin_health_interval_ms: u64,
     /// Messages queued for one driver link before it counts as stuck and is
     /// closed. Large: a run of many nodes sends results in bursts, and closing a
     /// busy link only makes the driver reconnect and ask for them again.
@@ -111,6 +143,19 @@ enum BackendKind {
     Fake,
     /// Each lease is a node-agent child process with a TCP endpoint.
     Process,
+    /// No built-in provider: only plugins (`--plugin`, `--plugin-command`).
+    None,
+}
+
+impl BackendKind {
+    /// The `provider.name` the built-in is served under.
+    fn provider_name(self) -> Option<&'static str> {
+        match self {
+            BackendKind::Fake => Some("fake"),
+            BackendKind::Process => Some("process"),
+            BackendKind::None => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -148,13 +193,14 @@ async fn main() -> std::process::ExitCode {
 async fn serve_until_stopped() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = init_telemetry("executor-svc", &cli.common)?;
-    let peers = PeerPolicy::new(cli.common.transport("executor-svc")?, cli.peers.identities());
+    let transport = cli.common.transport("executor-svc")?;
+    let peers = PeerPolicy::new(transport.clone(), cli.peers.identities());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     if cli.fake_control && cli.backend != BackendKind::Fake {
         anyhow::bail!("--fake-control controls the fake backend: it needs --backend fake");
     }
     let mut fake_control = None;
-    let backend: Arc<dyn Backend> = match cli.backend {
+    let builtin: Option<Arc<dyn Backend>> = match cli.backend {
         BackendKind::Fake => {
             let config = FakeConfig {
                 seed: cli.fake_seed,
@@ -172,7 +218,7 @@ async fn serve_until_stopped() -> anyhow::Result<()> {
                 tracing::warn!("serving the fake backend's control service (a test double)");
                 fake_control = Some(fake.clone());
             }
-            Arc::new(fake)
+            Some(Arc::new(fake))
         }
         BackendKind::Process => {
             let agent_path = match cli.node_agent_path.clone() {
@@ -191,9 +237,36 @@ async fn serve_until_stopped() -> anyhow::Result<()> {
             let backend =
                 ProcessBackend::start(config, Arc::clone(&clock)).context("starting the process backend")?;
             tracing::info!(state_dir = %backend.state_dir().display(), "process backend ready");
-            Arc::new(backend)
+            Some(Arc::new(backend))
         }
+        BackendKind::None => None,
     };
+    let mut host = Providers::builder();
+    if let (Some(backend), Some(name)) = (builtin, cli.backend.provider_name()) {
+        host = host.builtin(name, backend);
+    }
+    let targets = cli
+        .plugins
+        .iter()
+        .map(|a| PluginTarget::Address(a.clone()))
+        .chain(
+            cli.plugin_commands
+                .iter()
+                .map(|c| PluginTarget::Command(c.clone())),
+        );
+    for target in targets {
+        let config = PluginConfig {
+            start_timeout: Duration::from_millis(cli.plugin_start_timeout_ms),
+            health_interval: Duration::from_millis(cli.plugin_health_interval_ms),
+            ..PluginConfig::new(target, transport.clone())
+        };
+        let plugin = PluginBackend::start(config, Arc::clone(&clock))
+            .await
+            .context("starting a provider plugin")?;
+        host = host.plugin(plugin);
+    }
+    let providers = host.build()?;
+    let backend: Arc<dyn Backend> = Arc::new(providers.clone());
     let listener = bind_and_announce(
         "executor-svc",
         cli.common.listen,
@@ -233,9 +306,13 @@ async fn serve_until_stopped() -> anyhow::Result<()> {
             run_rate: cli.run_budget_rate,
         },
         fake_control,
+        providers: Some(providers.served()),
         ..Config::default()
     };
+    let grace = config.shutdown_grace;
     let result = server::run(listener, shutdown_signal(), config, backend, clock).await;
+    // Supervised plugins are ended (SIGTERM, then SIGKILL) with the executor.
+    providers.shutdown(grace).await;
     // Spans of the last operations are exported before the process ends.
     telemetry.shutdown().await;
     Ok(result?)

@@ -100,6 +100,10 @@ pub struct Config {
     /// double: `--fake-control`); `None`, as in production, serves nothing
     /// of it.
     pub fake_control: Option<crate::fake_backend::FakeBackend>,
+    /// The providers the backend serves (see `providers`), told to every
+    /// driver first on its link and again whenever they change; `None`
+    /// tells nothing (a driver then checks no provider names).
+    pub providers: Option<watch::Receiver<Vec<contract::ServedProvider>>>,
 }
 
 impl Default for Config {
@@ -116,6 +120,7 @@ impl Default for Config {
             budget: crate::budget::BudgetConfig::default(),
             messages: platform::runtime::MessageLimits::default(),
             fake_control: None,
+            providers: None,
         }
     }
 }
@@ -335,6 +340,18 @@ pub async fn run(
         let store = crate::durable::ExecutorStore::open_sealed(dir, config.secrets.clone())?;
         actor.core = ExecutorCore::restore(store.load()?);
         actor.store = Some(store);
+    }
+    if let Some(mut served) = config.providers.clone() {
+        actor.served = Some(served.borrow_and_update().clone());
+        let events = events_tx.clone();
+        tokio::spawn(async move {
+            while served.changed().await.is_ok() {
+                let now = served.borrow_and_update().clone();
+                if events.send(Event::Providers(now)).await.is_err() {
+                    break;
+                }
+            }
+        });
     }
     let actor = tokio::spawn(actor.run(events_rx, observations_rx, changes_rx, lifecycle_rx));
 
@@ -579,6 +596,8 @@ enum Event {
     },
     /// A backend reported a bootstrap stage.
     Observation(RawObservation),
+    /// What the executor serves changed (a plugin went down or came back).
+    Providers(Vec<contract::ServedProvider>),
     /// A backend saw a resource it holds change (it is lost).
     ResourceChange(RawChange),
     /// The earliest deadline may have passed.
@@ -641,6 +660,19 @@ struct Actor {
     budget: Budget,
     /// Waiting operations the driver has been told about.
     told_waiting: HashSet<(RunUid, OperationId)>,
+    /// What the executor serves, told first on every link (`None`: nothing
+    /// is told).
+    served: Option<Vec<contract::ServedProvider>>,
+}
+
+/// The message that tells a driver what the executor serves.
+fn providers_message(served: &[contract::ServedProvider]) -> pb::ExecutorMessage {
+    pb::ExecutorMessage {
+        kind: Some(pb::executor_message::Kind::Providers(pb::ProvidersServed {
+            providers: served.iter().map(pb::ServedProvider::from).collect(),
+        })),
+        ..Default::default()
+    }
 }
 
 async fn sleep_for(delay: Option<Duration>) {
@@ -677,6 +709,7 @@ impl Actor {
             trace: event_trace::Deferred::default(),
             budget: Budget::new(BudgetConfig::default(), Monotonic::default()),
             told_waiting: HashSet::new(),
+            served: None,
         }
     }
 
@@ -760,6 +793,17 @@ impl Actor {
                     return;
                 }
                 self.links.insert(link, LinkState { tx, _closer: closer });
+                if let Some(served) = &self.served {
+                    self.send(link, providers_message(served));
+                }
+            }
+            Event::Providers(served) => {
+                let msg = providers_message(&served);
+                let links: Vec<LinkId> = self.links.keys().copied().collect();
+                for link in links {
+                    self.send(link, msg.clone());
+                }
+                self.served = Some(served);
             }
             Event::FromDriver { link, msg } => {
                 // Messages still queued from a link that was closed (stuck, or

@@ -255,6 +255,7 @@ fn op(id: pb::OperationId, epoch: u64, deadline_ms: u64, input: pb::operation::I
         id: Some(id),
         epoch,
         deadline_ms,
+        provider: "fake".to_owned(),
         input: Some(input),
         trace: Some(pb::TraceContext {
             traceparent: TRACEPARENT.to_owned(),

@@ -247,6 +247,7 @@ impl Node {
             id: OperationId::new(AttemptId::new(self.attempt), seq),
             epoch: Epoch::new(1),
             deadline: UnixMillis::new(SystemClock.now().as_millis() + self.deadline_ms),
+            provider: "process".into(),
             input,
             trace: TraceContext::default(),
         }

@@ -179,6 +179,7 @@ impl Link {
             id,
             epoch: Epoch::new(epoch),
             deadline: UnixMillis::new(SystemClock.now().as_millis() + 10_000),
+            provider: "process".into(),
             input,
             trace: TraceContext::default(),
         };

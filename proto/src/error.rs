@@ -40,6 +40,11 @@ pub enum Problem {
         limit: Option<u64>,
         flag: &'static str,
     },
+    /// A provider name no provider the executor serves answers to.
+    NotServed {
+        name: String,
+        served: Vec<String>,
+    },
 }
 
 impl fmt::Display for Problem {
@@ -76,6 +81,17 @@ impl fmt::Display for Problem {
             Problem::ForeignRun { expected } => write!(f, "names another run (expected {expected:?})"),
             Problem::UnknownValue(v) => write!(f, "has an unset or unknown value {v}"),
             Problem::TooLarge { bytes, limit } => write!(f, "is {bytes} bytes; the limit is {limit}"),
+            Problem::NotServed { name, served } if served.is_empty() => {
+                write!(
+                    f,
+                    "is {name:?}, which the executor does not serve (it serves no provider)"
+                )
+            }
+            Problem::NotServed { name, served } => write!(
+                f,
+                "is {name:?}, which the executor does not serve (it serves: {})",
+                served.join(", ")
+            ),
         }
     }
 }

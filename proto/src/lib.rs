@@ -100,7 +100,8 @@ pub use ids::{
 };
 pub use ops::{
     Change, Claim, InventoryResource, Observation, Operation, OperationInput, OperationResult, Outcome,
-    Rejection, RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, TraceContext, WatchHealth,
+    ProviderKind, Rejection, RejectionReason, ResourceChange, ResourceIdentity, ResultFacts, ServedProvider,
+    TraceContext, WatchHealth,
 };
 pub use rollout::RolloutPolicy;
 pub use shape::{

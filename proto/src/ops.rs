@@ -93,6 +93,11 @@ pub struct Operation {
     pub id: OperationId,
     pub epoch: Epoch,
     pub deadline: UnixMillis,
+    /// The provider that serves the node: its template's `provider.name`,
+    /// carried by every operation of the attempt so the executor routes each
+    /// to the provider that holds the resource. Empty from a driver that
+    /// predates it: the executor's default provider.
+    pub provider: Arc<str>,
     pub input: OperationInput,
     pub trace: TraceContext,
 }
@@ -285,4 +290,35 @@ pub struct Rejection {
     pub reason: RejectionReason,
     pub message: String,
     pub highest_epoch: Epoch,
+}
+
+/// Whether a provider is compiled into the executor or reached as a plugin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProviderKind {
+    Builtin,
+    Plugin,
+}
+
+impl ProviderKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderKind::Builtin => "builtin",
+            ProviderKind::Plugin => "plugin",
+        }
+    }
+}
+
+/// A provider an executor serves, as it tells its drivers (SPEC.md section
+/// 10).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServedProvider {
+    /// The `provider.name` node templates choose it by.
+    pub name: String,
+    pub kind: ProviderKind,
+    /// False while its plugin cannot be reached.
+    pub available: bool,
+    pub reports_health: bool,
+    pub reports_loss: bool,
+    /// Where the plugin is reached, and what it says of itself.
+    pub detail: String,
 }

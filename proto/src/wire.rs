@@ -1263,6 +1263,7 @@ impl TryFrom<pb::Operation> for Operation {
             id: op_id_from_wire("id", o.id)?,
             epoch: Epoch::new(o.epoch),
             deadline: deadline_from_wire("deadline_ms", o.deadline_ms)?,
+            provider: Arc::from(o.provider),
             input: OperationInput::try_from(required("input", o.input)?)?,
             trace: trace_from_wire(o.trace),
         })
@@ -1279,6 +1280,7 @@ impl From<&Operation> for pb::Operation {
             epoch: o.epoch.get(),
             deadline_ms: o.deadline.as_millis(),
             input: Some(pb::operation::Input::from(&o.input)),
+            provider: o.provider.to_string(),
             trace: trace_to_wire(&o.trace),
         }
     }
@@ -1673,6 +1675,51 @@ impl TryFrom<&pb::Resource> for InventoryResource {
             endpoint: optional("endpoint", &r.endpoint, Endpoint::new)?,
             session_live: r.session_live,
             epoch: Epoch::new(r.epoch),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Served providers
+// ---------------------------------------------------------------------------
+
+impl From<&crate::ServedProvider> for pb::ServedProvider {
+    fn from(p: &crate::ServedProvider) -> Self {
+        Self {
+            name: p.name.clone(),
+            kind: p.kind.as_str().to_owned(),
+            available: p.available,
+            reports_health: p.reports_health,
+            reports_loss: p.reports_loss,
+            detail: p.detail.clone(),
+        }
+    }
+}
+
+impl TryFrom<pb::ServedProvider> for crate::ServedProvider {
+    type Error = FieldError;
+
+    fn try_from(p: pb::ServedProvider) -> Result<Self, FieldError> {
+        if p.name.is_empty() {
+            return Err(FieldError::new("name", Problem::Empty));
+        }
+        let kind = match p.kind.as_str() {
+            "builtin" => crate::ProviderKind::Builtin,
+            "plugin" => crate::ProviderKind::Plugin,
+            _ => {
+                return Err(FieldError::new(
+                    "kind",
+                    Problem::Malformed("expected builtin or plugin"),
+                ));
+            }
+        };
+        Ok(Self {
+            name: p.name,
+            kind,
+            available: p.available,
+            reports_health: p.reports_health,
+            reports_loss: p.reports_loss,
+            detail: p.detail,
         })
     }
 }
@@ -2256,6 +2303,7 @@ mod tests {
             id: OperationId::new(AttemptId::new(42), 2),
             epoch: Epoch::new(9),
             deadline: UnixMillis::new(1_700_000_030_000),
+            provider: "fake".into(),
             input,
             trace: trace(),
         })

@@ -1926,7 +1926,7 @@ async fn exercise(stack: &Stack, running: &mut Running, work: &Path, secrets: &P
     let shape = work.join("shape.yaml");
     std::fs::write(
         &shape,
-        "run_id: deployed\ngroups:\n  - id: workers\n    count: 2\n    template:\n      image: registry.local/node:1.0\n      provider: { name: local }\n      boot: { stage_delay_ms: \"20\" }\n      join: { token: { value: s3cret, secret: true } }\n",
+        "run_id: deployed\ngroups:\n  - id: workers\n    count: 2\n    template:\n      image: registry.local/node:1.0\n      provider: { name: process }\n      boot: { stage_delay_ms: \"20\" }\n      join: { token: { value: s3cret, secret: true } }\n",
     )?;
     let shape_arg = shape.display().to_string();
     for args in [

@@ -418,6 +418,7 @@ fn driver_messages() -> anyhow::Result<Vec<(String, pb::DriverMessage)>> {
             id: op_id(4, i),
             epoch: Epoch::new(3),
             deadline: UnixMillis::new(NOW + 10_000),
+            provider: "fake".into(),
             input,
             trace: trace(),
         };

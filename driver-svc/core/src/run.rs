@@ -2208,6 +2208,7 @@ impl RunState {
                 lease: n.facts.lease.clone(),
             },
         };
+        let provider: Arc<str> = Arc::from(n.spec.provider.name.as_str());
         let seq = e.rec.next_seq;
         let next_seq = seq
             .checked_add(1)
@@ -2220,6 +2221,7 @@ impl RunState {
             id,
             epoch,
             deadline,
+            provider,
             input,
             trace: trace.clone(),
         };

@@ -91,7 +91,13 @@ impl Events {
     }
 
     /// The resource's health (on a change, or when first known).
-    pub fn health(&self, identity: &ResourceIdentity, healthy: bool, detail: impl Into<String>, at: UnixMillis) {
+    pub fn health(
+        &self,
+        identity: &ResourceIdentity,
+        healthy: bool,
+        detail: impl Into<String>,
+        at: UnixMillis,
+    ) {
         let changed = pb::HealthChanged {
             identity: Some(identity_to_wire(identity)),
             healthy,
@@ -166,8 +172,20 @@ mod tests {
     async fn a_stream_that_opens_late_gets_the_latest_stage_and_health_first() {
         let events = Events::default();
         let session = SessionId::new("s", "s1").unwrap();
-        events.stage(&identity(1), &session, BootstrapStage::Joined, "", UnixMillis::new(1));
-        events.stage(&identity(1), &session, BootstrapStage::Converged, "", UnixMillis::new(2));
+        events.stage(
+            &identity(1),
+            &session,
+            BootstrapStage::Joined,
+            "",
+            UnixMillis::new(1),
+        );
+        events.stage(
+            &identity(1),
+            &session,
+            BootstrapStage::Converged,
+            "",
+            UnixMillis::new(2),
+        );
         events.health(&identity(1), true, "", UnixMillis::new(3));
         let mut rx = events.subscribe();
         let first = rx.recv().await.unwrap();
@@ -187,7 +205,13 @@ mod tests {
     async fn a_destroyed_resource_is_not_replayed() {
         let events = Events::default();
         let session = SessionId::new("s", "s1").unwrap();
-        events.stage(&identity(2), &session, BootstrapStage::Converged, "", UnixMillis::new(1));
+        events.stage(
+            &identity(2),
+            &session,
+            BootstrapStage::Converged,
+            "",
+            UnixMillis::new(1),
+        );
         events.destroyed(&identity(2));
         let mut rx = events.subscribe();
         assert!(rx.try_recv().is_err());

@@ -180,10 +180,12 @@ pub async fn serve<P: Provider>(
         .add_optional_service(testing.map(pb::provider_testing_server::ProviderTestingServer::new));
     match &options.listen {
         Listen::Tcp(addr) => {
-            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Bind {
-                listen: options.listen.clone(),
-                source,
-            })?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind {
+                    listen: options.listen.clone(),
+                    source,
+                })?;
             let bound = listener.local_addr().map_err(|source| ServeError::Bind {
                 listen: options.listen.clone(),
                 source,

@@ -16,9 +16,7 @@ use tonic::{Request, Response, Status};
 
 use crate::{
     Answer, Bootstrap, Call, Events, Provider, Resource, Testing,
-    wire::{
-        answer_to_wire, identity_from_wire, identity_to_wire, params_from, pb, template_from_wire,
-    },
+    wire::{answer_to_wire, identity_from_wire, identity_to_wire, params_from, pb, template_from_wire},
 };
 
 /// The `Provider` service of one plugin.
@@ -55,7 +53,11 @@ fn decode_call(call: Option<pb::Call>) -> Result<Call, Status> {
 }
 
 /// An optional opaque id: empty means "not known".
-fn optional<T>(field: &str, s: &str, new: fn(&str, &str) -> Result<T, FieldError>) -> Result<Option<T>, Status> {
+fn optional<T>(
+    field: &str,
+    s: &str,
+    new: fn(&str, &str) -> Result<T, FieldError>,
+) -> Result<Option<T>, Status> {
     if s.is_empty() {
         Ok(None)
     } else {
@@ -66,7 +68,11 @@ fn optional<T>(field: &str, s: &str, new: fn(&str, &str) -> Result<T, FieldError
 /// Runs one provider call: answered ambiguous if the deadline had already
 /// passed, if the call is still running at its deadline (dropped then), or if
 /// it panics. The provider is never asked to vouch for what it cannot.
-async fn guarded<T>(call: &Call, method: &'static str, work: impl FnOnce() -> BoxFuture<'static, Answer<T>>) -> Answer<T> {
+async fn guarded<T>(
+    call: &Call,
+    method: &'static str,
+    work: impl FnOnce() -> BoxFuture<'static, Answer<T>>,
+) -> Answer<T> {
     let remaining = match call.deadline {
         None => None,
         Some(deadline) => {
@@ -103,7 +109,9 @@ async fn guarded<T>(call: &Call, method: &'static str, work: impl FnOnce() -> Bo
         }
         Err(_) => {
             tracing::warn!(method, identity = ?call.identity, "the provider did not answer by the deadline: answered ambiguous");
-            Answer::Ambiguous(format!("{method}: the provider did not answer by the call's deadline"))
+            Answer::Ambiguous(format!(
+                "{method}: the provider did not answer by the call's deadline"
+            ))
         }
     }
 }
@@ -119,7 +127,11 @@ fn resource_to_wire(r: &Resource) -> pb::Resource {
     pb::Resource {
         identity: Some(identity_to_wire(&r.identity)),
         lease_id: r.lease.as_str().to_owned(),
-        endpoint: r.endpoint.as_ref().map(|e| e.as_str().to_owned()).unwrap_or_default(),
+        endpoint: r
+            .endpoint
+            .as_ref()
+            .map(|e| e.as_str().to_owned())
+            .unwrap_or_default(),
         session_live: r.session_live,
         provider_name: r.provider_name.clone(),
     }
@@ -129,7 +141,10 @@ type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchEvent, Status>> + S
 
 #[tonic::async_trait]
 impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
-    async fn get_info(&self, _: Request<pb::GetInfoRequest>) -> Result<Response<pb::GetInfoResponse>, Status> {
+    async fn get_info(
+        &self,
+        _: Request<pb::GetInfoRequest>,
+    ) -> Result<Response<pb::GetInfoResponse>, Status> {
         let info = self.provider.info();
         Ok(Response::new(pb::GetInfoResponse {
             protocol_version: pb::ProtocolVersion::ProtocolVersion1.into(),
@@ -155,7 +170,9 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         tracing::debug!(identity = ?call.identity, answer = answer.class_name(), "CreateLease");
         Ok(Response::new(pb::CreateLeaseResponse {
             answer: Some(answer_to_wire(&answer)),
-            lease_id: value(&answer).map(|l: LeaseId| l.as_str().to_owned()).unwrap_or_default(),
+            lease_id: value(&answer)
+                .map(|l: LeaseId| l.as_str().to_owned())
+                .unwrap_or_default(),
         }))
     }
 
@@ -168,10 +185,15 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         let lease = LeaseId::new("lease_id", &r.lease_id).map_err(invalid)?;
         let provider = Arc::clone(&self.provider);
         let c = call.clone();
-        let answer = guarded(&call, "LookupEndpoint", move || provider.lookup_endpoint(c, lease)).await;
+        let answer = guarded(&call, "LookupEndpoint", move || {
+            provider.lookup_endpoint(c, lease)
+        })
+        .await;
         Ok(Response::new(pb::LookupEndpointResponse {
             answer: Some(answer_to_wire(&answer)),
-            endpoint: value(&answer).map(|e: Endpoint| e.as_str().to_owned()).unwrap_or_default(),
+            endpoint: value(&answer)
+                .map(|e: Endpoint| e.as_str().to_owned())
+                .unwrap_or_default(),
         }))
     }
 
@@ -189,10 +211,15 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         };
         let provider = Arc::clone(&self.provider);
         let c = call.clone();
-        let answer = guarded(&call, "StartBootstrap", move || provider.start_bootstrap(c, bootstrap)).await;
+        let answer = guarded(&call, "StartBootstrap", move || {
+            provider.start_bootstrap(c, bootstrap)
+        })
+        .await;
         Ok(Response::new(pb::StartBootstrapResponse {
             answer: Some(answer_to_wire(&answer)),
-            session_id: value(&answer).map(|s: SessionId| s.as_str().to_owned()).unwrap_or_default(),
+            session_id: value(&answer)
+                .map(|s: SessionId| s.as_str().to_owned())
+                .unwrap_or_default(),
         }))
     }
 
@@ -205,7 +232,10 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         let session = optional("session_id", &r.session_id, SessionId::new)?;
         let provider = Arc::clone(&self.provider);
         let c = call.clone();
-        let answer = guarded(&call, "CancelBootstrap", move || provider.cancel_bootstrap(c, session)).await;
+        let answer = guarded(&call, "CancelBootstrap", move || {
+            provider.cancel_bootstrap(c, session)
+        })
+        .await;
         if matches!(answer, Answer::Succeeded(())) {
             self.events.session_ended(&call.identity);
         }
@@ -241,7 +271,9 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
             Ok(Ok(resources)) => Ok(Response::new(pb::ListResourcesResponse {
                 resources: resources.iter().map(resource_to_wire).collect(),
             })),
-            Ok(Err(reason)) => Err(Status::unavailable(format!("the provider cannot list now: {reason}"))),
+            Ok(Err(reason)) => Err(Status::unavailable(format!(
+                "the provider cannot list now: {reason}"
+            ))),
             Err(_) => Err(Status::internal("the provider panicked while listing")),
         }
     }
@@ -268,7 +300,8 @@ impl TestingService {
 #[tonic::async_trait]
 impl pb::provider_testing_server::ProviderTesting for TestingService {
     async fn lose(&self, request: Request<pb::LoseRequest>) -> Result<Response<pb::LoseResponse>, Status> {
-        let identity = identity_from_wire("identity", request.get_ref().identity.as_ref()).map_err(invalid)?;
+        let identity =
+            identity_from_wire("identity", request.get_ref().identity.as_ref()).map_err(invalid)?;
         let found = self.hooks.lose(identity).await;
         Ok(Response::new(pb::LoseResponse { found }))
     }

@@ -26,7 +26,10 @@ pub fn identity_to_wire(identity: &ResourceIdentity) -> pb::Identity {
 
 /// A resource identity from the wire; `field` names the message field in the
 /// error (`call.identity`, say).
-pub fn identity_from_wire(field: &str, identity: Option<&pb::Identity>) -> Result<ResourceIdentity, FieldError> {
+pub fn identity_from_wire(
+    field: &str,
+    identity: Option<&pb::Identity>,
+) -> Result<ResourceIdentity, FieldError> {
     let Some(identity) = identity else {
         return Err(FieldError::new(field, Problem::Missing));
     };
@@ -177,7 +180,9 @@ pub fn answer_to_wire<T>(answer: &Answer<T>) -> pb::Answer {
     use pb::answer::Outcome;
     let outcome = match answer {
         Answer::Succeeded(_) => Outcome::Succeeded(pb::Succeeded {}),
-        Answer::NotReady(reason) => Outcome::NotReady(pb::NotReady { reason: reason.clone() }),
+        Answer::NotReady(reason) => Outcome::NotReady(pb::NotReady {
+            reason: reason.clone(),
+        }),
         Answer::Retryable(reason) => Outcome::Failed(pb::Failed {
             kind: pb::FailureKind::Retryable.into(),
             reason: reason.clone(),
@@ -186,9 +191,13 @@ pub fn answer_to_wire<T>(answer: &Answer<T>) -> pb::Answer {
             kind: pb::FailureKind::Permanent.into(),
             reason: reason.clone(),
         }),
-        Answer::Ambiguous(reason) => Outcome::Ambiguous(pb::Ambiguous { reason: reason.clone() }),
+        Answer::Ambiguous(reason) => Outcome::Ambiguous(pb::Ambiguous {
+            reason: reason.clone(),
+        }),
     };
-    pb::Answer { outcome: Some(outcome) }
+    pb::Answer {
+        outcome: Some(outcome),
+    }
 }
 
 /// An answer from the wire. `value` gives a success its value: `None` (a
@@ -233,7 +242,10 @@ mod tests {
     #[test]
     fn an_identity_survives_the_wire() {
         let wire = identity_to_wire(&identity());
-        assert_eq!(identity_from_wire("call.identity", Some(&wire)).unwrap(), identity());
+        assert_eq!(
+            identity_from_wire("call.identity", Some(&wire)).unwrap(),
+            identity()
+        );
     }
 
     #[test]
@@ -282,14 +294,20 @@ mod tests {
             let back = answer_from_wire(Some(answer_to_wire(&a)), || Some(1u8));
             assert_eq!(back, a);
         }
-        assert!(matches!(answer_from_wire::<u8>(None, || Some(1)), Answer::Ambiguous(_)));
+        assert!(matches!(
+            answer_from_wire::<u8>(None, || Some(1)),
+            Answer::Ambiguous(_)
+        ));
         assert!(matches!(
             answer_from_wire::<u8>(Some(pb::Answer { outcome: None }), || Some(1)),
             Answer::Ambiguous(_)
         ));
         // A success without its value cannot be trusted.
         let ok = answer_to_wire(&Answer::Succeeded(()));
-        assert!(matches!(answer_from_wire::<u8>(Some(ok), || None), Answer::Ambiguous(_)));
+        assert!(matches!(
+            answer_from_wire::<u8>(Some(ok), || None),
+            Answer::Ambiguous(_)
+        ));
         // An unspecified failure kind is retryable.
         let unspecified = pb::Answer {
             outcome: Some(pb::answer::Outcome::Failed(pb::Failed {
@@ -297,6 +315,9 @@ mod tests {
                 reason: "x".into(),
             })),
         };
-        assert_eq!(answer_from_wire::<u8>(Some(unspecified), || None), Answer::Retryable("x".into()));
+        assert_eq!(
+            answer_from_wire::<u8>(Some(unspecified), || None),
+            Answer::Retryable("x".into())
+        );
     }
 }

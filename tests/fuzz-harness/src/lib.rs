@@ -845,6 +845,19 @@ pub fn executor_message(data: &[u8]) -> Result<Verdict, Violation> {
             Ok(_) => Ok(Verdict::Accepted),
             Err(e) => refused(T, &e),
         },
+        Some(Kind::Providers(p)) => {
+            for p in p.providers {
+                match contract::ServedProvider::try_from(p) {
+                    Ok(p) => domain_round_trip::<contract::ServedProvider, pb::ServedProvider>(
+                        T,
+                        "a served provider",
+                        &p,
+                    )?,
+                    Err(e) => return refused(T, &e),
+                }
+            }
+            Ok(Verdict::Accepted)
+        }
         Some(Kind::Change(c)) => match contract::ResourceChange::try_from(c) {
             Ok(c) => {
                 domain_round_trip::<contract::ResourceChange, pb::ResourceChange>(

@@ -875,6 +875,7 @@ fn create_op(uid: RunUid, i: u64) -> pb::Operation {
         id: contract::OperationId::new(AttemptId::new(i + 1), 1),
         epoch: Epoch::new(1),
         deadline: UnixMillis::new(u64::MAX / 2),
+        provider: "fake".into(),
         input: contract::OperationInput::CreateLease {
             template: Arc::new(example_template("fake", "img:1")),
         },

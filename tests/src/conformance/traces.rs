@@ -826,6 +826,7 @@ mod tests {
             id: OperationId::new(AttemptId::new(attempt), seq),
             epoch: Epoch::new(1),
             deadline: UnixMillis::new(10_000),
+            provider: "fake".into(),
             input,
             trace: TraceContext::default(),
         };

@@ -1,0 +1,884 @@
+//! A provider plugin as a [`Backend`]: the executor's side of the provider
+//! protocol (`provisioning.provider.v1`, SPEC.md section 10).
+//!
+//! A plugin is reached at an address (`unix:/path`, or `host:port` with the
+//! executor's TLS) or started from a command and supervised: the executor
+//! starts it, reads its announcement (`provider-listening <address>`) from
+//! its standard output, checks its health with `GetInfo`, and starts it again
+//! with backoff when it exits or stops answering. What the plugin holds is
+//! found again through `ListResources` (the inventory, as for any backend),
+//! so a restart orphans nothing and creates nothing twice.
+//!
+//! Outcomes: what the plugin answers, as it answers it; a transport error, a
+//! broken connection and a deadline overrun are ambiguous by rule. While the
+//! plugin is down an operation waits for it to come back; the core abandons
+//! it as ambiguous at its deadline, so nothing is ever reported failed that
+//! may have happened.
+//!
+//! One `Watch` stream is kept open: bootstrap stages go to the sink of the
+//! operation that started the session (or to the resumed-sessions sink after
+//! an executor restart), losses to the change sink, and health reports (from
+//! a plugin that reports them) answer [`Backend::probe`].
+
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    process::Stdio,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
+
+use contract::{
+    Change, Clock, Endpoint, LeaseId, Operation, OperationInput, Outcome, ResourceIdentity, ResultFacts,
+    SessionId,
+};
+use futures::future::BoxFuture;
+use platform::tls::Transport;
+use provider_sdk::{
+    ANNOUNCEMENT, Answer,
+    wire::{
+        answer_from_wire, at_from_wire, identity_from_wire, identity_to_wire, params, pb, stage_from_wire,
+        template_to_wire,
+    },
+};
+use tokio::{
+    io::{AsyncBufReadExt as _, BufReader},
+    sync::watch,
+};
+use tonic::transport::{Channel, Endpoint as ChannelEndpoint};
+
+use crate::backend::{
+    Backend, BackendError, ChangeSink, InventoryItem, ObservationSink, RawChange, RawObservation, tcp_probe,
+};
+
+type Client = pb::provider_client::ProviderClient<Channel>;
+
+/// Where a plugin is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PluginTarget {
+    /// Already running: `unix:/path` or `host:port`.
+    Address(String),
+    /// Started and supervised by the executor: a command line, run by
+    /// `sh -c`.
+    Command(String),
+}
+
+impl std::fmt::Display for PluginTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PluginTarget::Address(a) => write!(f, "plugin at {a}"),
+            PluginTarget::Command(c) => write!(f, "plugin command {c:?}"),
+        }
+    }
+}
+
+/// How a plugin is reached and watched.
+#[derive(Debug, Clone)]
+pub struct PluginConfig {
+    pub target: PluginTarget,
+    /// TLS (or plaintext) for a plugin reached over TCP; a Unix socket is
+    /// plaintext.
+    pub transport: Transport,
+    /// How long the executor waits at start for the plugin to answer
+    /// `GetInfo` (and, for a command, to announce its address).
+    pub start_timeout: Duration,
+    /// How often `GetInfo` checks that the plugin answers.
+    pub health_interval: Duration,
+    /// Checks in a row that fail before a supervised plugin is restarted.
+    pub health_failures: u32,
+    /// The first and the longest wait before a supervised plugin is started
+    /// again; the wait doubles on each quick exit.
+    pub restart_backoff: (Duration, Duration),
+}
+
+impl PluginConfig {
+    pub fn new(target: PluginTarget, transport: Transport) -> Self {
+        Self {
+            target,
+            transport,
+            start_timeout: Duration::from_secs(30),
+            health_interval: Duration::from_secs(1),
+            health_failures: 3,
+            restart_backoff: (Duration::from_millis(100), Duration::from_secs(10)),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("{target}: {reason}")]
+    Start { target: PluginTarget, reason: String },
+}
+
+/// What the plugin said of itself.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PluginInfo {
+    pub provider_names: Vec<String>,
+    pub reports_health: bool,
+    pub reports_loss: bool,
+    pub description: String,
+}
+
+/// A plugin as the executor's backend. Cheap to clone.
+#[derive(Clone)]
+pub struct PluginBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PluginBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PluginBackend")
+            .field("target", &self.inner.config.target)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    config: PluginConfig,
+    clock: Arc<dyn Clock>,
+    /// The connection to the plugin; `None` while it is down.
+    client: watch::Sender<Option<Client>>,
+    info: Mutex<PluginInfo>,
+    /// The sink of each session's operation, by identity.
+    sessions: Mutex<HashMap<ResourceIdentity, ObservationSink>>,
+    resumed: Mutex<Option<ObservationSink>>,
+    changes: Mutex<Option<ChangeSink>>,
+    /// The last health the plugin reported of each resource.
+    health: Mutex<HashMap<ResourceIdentity, Result<(), String>>>,
+    /// Ends the supervisor and the watch loop.
+    stop: watch::Sender<bool>,
+    /// The supervisor of a plugin command, awaited at shutdown so that the
+    /// plugin has exited when the executor does.
+    supervisor: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section leaves its map whole.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Inner {
+    fn current(&self) -> Option<Client> {
+        self.client.borrow().clone()
+    }
+
+    /// The client once the plugin is up.
+    async fn client(&self) -> Client {
+        let mut rx = self.client.subscribe();
+        loop {
+            if let Some(c) = rx.borrow_and_update().clone() {
+                return c;
+            }
+            if rx.changed().await.is_err() {
+                // The sender lives as long as `self`: not reached.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    fn label(&self) -> String {
+        self.config.target.to_string()
+    }
+}
+
+/// A channel to `address` (`unix:/path` or `host:port`), connected lazily;
+/// the channel reconnects on its own.
+fn channel(address: &str, transport: &Transport) -> Result<Channel, String> {
+    if let Some(path) = address.strip_prefix("unix:") {
+        let path = PathBuf::from(path);
+        let endpoint =
+            ChannelEndpoint::from_static("http://plugin.invalid").connect_timeout(Duration::from_secs(2));
+        return Ok(
+            endpoint.connect_with_connector_lazy(tower::service_fn(move |_: http::Uri| {
+                let path = path.clone();
+                async move {
+                    tokio::net::UnixStream::connect(path)
+                        .await
+                        .map(hyper_util::rt::TokioIo::new)
+                }
+            })),
+        );
+    }
+    let endpoint = transport.endpoint(address).map_err(|e| e.to_string())?;
+    Ok(endpoint
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .connect_lazy())
+}
+
+async fn get_info(client: &mut Client, timeout: Duration) -> Result<PluginInfo, String> {
+    let mut request = tonic::Request::new(pb::GetInfoRequest {});
+    request.set_timeout(timeout);
+    let info = tokio::time::timeout(timeout, client.get_info(request))
+        .await
+        .map_err(|_| "GetInfo timed out".to_owned())?
+        .map_err(|s| format!("GetInfo: {}", s.message()))?
+        .into_inner();
+    if info.protocol_version != pb::ProtocolVersion::ProtocolVersion1 as i32 {
+        return Err(format!(
+            "speaks provider protocol version {}; this executor speaks version 1",
+            info.protocol_version
+        ));
+    }
+    if info.provider_names.is_empty() {
+        return Err("its GetInfo names no provider".into());
+    }
+    let caps = info.capabilities.unwrap_or_default();
+    Ok(PluginInfo {
+        provider_names: info.provider_names,
+        reports_health: caps.reports_health,
+        reports_loss: caps.reports_loss,
+        description: info.description,
+    })
+}
+
+impl PluginBackend {
+    /// Connects to the plugin (starting it first if it is a command) and
+    /// waits until it answers `GetInfo`, for at most the start timeout.
+    pub async fn start(config: PluginConfig, clock: Arc<dyn Clock>) -> Result<Self, PluginError> {
+        let (client, _) = watch::channel(None);
+        let (stop, _) = watch::channel(false);
+        let inner = Arc::new(Inner {
+            config: config.clone(),
+            clock,
+            client,
+            info: Mutex::new(PluginInfo::default()),
+            sessions: Mutex::default(),
+            resumed: Mutex::default(),
+            changes: Mutex::default(),
+            health: Mutex::default(),
+            stop,
+            supervisor: Mutex::default(),
+        });
+        let (first_tx, first_rx) = tokio::sync::oneshot::channel();
+        match &config.target {
+            PluginTarget::Address(address) => {
+                let channel = channel(address, &config.transport).map_err(|reason| PluginError::Start {
+                    target: config.target.clone(),
+                    reason,
+                })?;
+                tokio::spawn(watch_address(Arc::clone(&inner), Client::new(channel), first_tx));
+            }
+            PluginTarget::Command(command) => {
+                let task = tokio::spawn(supervise(Arc::clone(&inner), command.clone(), first_tx));
+                *locked(&inner.supervisor) = Some(task);
+            }
+        }
+        let first = tokio::time::timeout(config.start_timeout, first_rx).await;
+        match first {
+            Ok(Ok(Ok(info))) => {
+                tracing::info!(plugin = %config.target, names = ?info.provider_names, "provider plugin ready");
+                Ok(Self { inner })
+            }
+            Ok(Ok(Err(reason))) => {
+                inner.stop.send_replace(true);
+                Err(PluginError::Start {
+                    target: config.target,
+                    reason,
+                })
+            }
+            Ok(Err(_)) | Err(_) => {
+                inner.stop.send_replace(true);
+                Err(PluginError::Start {
+                    target: config.target,
+                    reason: format!("did not answer GetInfo within {:?}", config.start_timeout),
+                })
+            }
+        }
+    }
+
+    /// What the plugin said of itself when it last started.
+    pub fn info(&self) -> PluginInfo {
+        locked(&self.inner.info).clone()
+    }
+
+    /// Whether the plugin answers now, as a channel that changes with it.
+    pub fn availability(&self) -> watch::Receiver<bool> {
+        let mut client = self.inner.client.subscribe();
+        let (tx, rx) = watch::channel(client.borrow().is_some());
+        let mut stop = self.inner.stop.subscribe();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    changed = client.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                        let up = client.borrow_and_update().is_some();
+                        tx.send_if_modified(|v| std::mem::replace(v, up) != up);
+                    }
+                    _ = stop.changed() => return,
+                }
+            }
+        });
+        rx
+    }
+
+    /// Where the plugin is, for operators.
+    pub fn target(&self) -> &PluginTarget {
+        &self.inner.config.target
+    }
+
+    /// Stops the watch loop and the supervisor, which ends a supervised
+    /// plugin (SIGTERM, then SIGKILL a second later); waits for that at most
+    /// `grace` and a second.
+    pub async fn shutdown(&self, grace: Duration) {
+        self.inner.stop.send_replace(true);
+        let task = locked(&self.inner.supervisor).take();
+        if let Some(task) = task
+            && tokio::time::timeout(grace + Duration::from_secs(1), task)
+                .await
+                .is_err()
+        {
+            tracing::warn!(plugin = %self.inner.label(), "the provider plugin did not end in time");
+        }
+    }
+}
+
+/// Health-checks a plugin at an address: `GetInfo` every interval; the
+/// client is withdrawn after the configured failures in a row and given back
+/// on the next answer.
+async fn watch_address(
+    inner: Arc<Inner>,
+    mut client: Client,
+    first: tokio::sync::oneshot::Sender<Result<PluginInfo, String>>,
+) {
+    let mut first = Some(first);
+    let mut stop = inner.stop.subscribe();
+    let mut failures = 0u32;
+    loop {
+        match get_info(
+            &mut client,
+            inner.config.health_interval.max(Duration::from_millis(500)),
+        )
+        .await
+        {
+            Ok(info) => {
+                failures = 0;
+                *locked(&inner.info) = info.clone();
+                if inner.current().is_none() {
+                    if first.is_none() {
+                        tracing::info!(plugin = %inner.label(), "provider plugin answers again");
+                    }
+                    inner.client.send_replace(Some(client.clone()));
+                }
+                if let Some(tx) = first.take() {
+                    let _ = tx.send(Ok(info));
+                }
+            }
+            Err(e) => {
+                failures += 1;
+                if failures >= inner.config.health_failures && inner.current().is_some() {
+                    tracing::warn!(plugin = %inner.label(), error = %e, "provider plugin does not answer: its operations wait");
+                    inner.client.send_replace(None);
+                }
+                if first.is_some() {
+                    tracing::debug!(plugin = %inner.label(), error = %e, "waiting for the provider plugin");
+                }
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(inner.config.health_interval) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Runs a plugin command until the executor stops: starts it, reads its
+/// announcement, checks its health, and starts it again (with backoff) when
+/// it exits or stops answering.
+async fn supervise(
+    inner: Arc<Inner>,
+    command: String,
+    first: tokio::sync::oneshot::Sender<Result<PluginInfo, String>>,
+) {
+    let mut first = Some(first);
+    let mut stop = inner.stop.subscribe();
+    let (min_backoff, max_backoff) = inner.config.restart_backoff;
+    let mut backoff = min_backoff;
+    loop {
+        let started = tokio::time::Instant::now();
+        match run_once(&inner, &command, &mut first, &mut stop).await {
+            RunEnd::Stopped => return,
+            RunEnd::Ended(why) => {
+                inner.client.send_replace(None);
+                // A run that lasted a while starts the backoff afresh.
+                if started.elapsed() > max_backoff * 3 {
+                    backoff = min_backoff;
+                }
+                tracing::warn!(plugin = %inner.label(), reason = %why, ?backoff, "provider plugin ended: starting it again");
+                if let Some(tx) = first.take() {
+                    let _ = tx.send(Err(why));
+                    return;
+                }
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            _ = stop.changed() => return,
+        }
+        backoff = (backoff * 2).min(max_backoff);
+    }
+}
+
+enum RunEnd {
+    Stopped,
+    Ended(String),
+}
+
+async fn run_once(
+    inner: &Arc<Inner>,
+    command: &str,
+    first: &mut Option<tokio::sync::oneshot::Sender<Result<PluginInfo, String>>>,
+    stop: &mut watch::Receiver<bool>,
+) -> RunEnd {
+    let mut child = match tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("exec {command}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+    {
+        Ok(child) => child,
+        Err(e) => return RunEnd::Ended(format!("cannot start it: {e}")),
+    };
+    let pid = child.id();
+    tracing::info!(plugin = %inner.label(), pid, "provider plugin started");
+    let Some(stdout) = child.stdout.take() else {
+        return RunEnd::Ended("its standard output was not captured".into());
+    };
+    let mut lines = BufReader::new(stdout).lines();
+    let announced = tokio::select! {
+        line = tokio::time::timeout(inner.config.start_timeout, lines.next_line()) => line,
+        _ = stop.changed() => {
+            end_child(&mut child, pid).await;
+            return RunEnd::Stopped;
+        }
+    };
+    let address = match announced {
+        Ok(Ok(Some(line))) => match line.strip_prefix(ANNOUNCEMENT).map(str::trim) {
+            Some(address) if !address.is_empty() => address.to_owned(),
+            _ => {
+                end_child(&mut child, pid).await;
+                return RunEnd::Ended(format!(
+                    "its first line on standard output was {line:?}, not `{ANNOUNCEMENT} <address>`"
+                ));
+            }
+        },
+        Ok(Ok(None)) => {
+            let status = child.wait().await.map(|s| s.to_string()).unwrap_or_default();
+            return RunEnd::Ended(format!("it exited ({status}) before announcing its address"));
+        }
+        Ok(Err(e)) => {
+            end_child(&mut child, pid).await;
+            return RunEnd::Ended(format!("reading its standard output: {e}"));
+        }
+        Err(_) => {
+            end_child(&mut child, pid).await;
+            return RunEnd::Ended(format!(
+                "it announced no address within {:?}",
+                inner.config.start_timeout
+            ));
+        }
+    };
+    // Later lines are not the protocol's: read and drop them, so the plugin
+    // never blocks on a full pipe.
+    let drain_label = inner.label();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            tracing::debug!(plugin = %drain_label, line = %line, "plugin standard output");
+        }
+    });
+    let mut client = match channel(&address, &inner.config.transport) {
+        Ok(c) => Client::new(c),
+        Err(e) => {
+            end_child(&mut child, pid).await;
+            return RunEnd::Ended(format!("its address {address:?}: {e}"));
+        }
+    };
+    let mut failures = 0u32;
+    let mut up = false;
+    loop {
+        let check = inner.config.health_interval.max(Duration::from_millis(500));
+        tokio::select! {
+            status = child.wait() => {
+                let status = status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+                return RunEnd::Ended(format!("it exited ({status})"));
+            }
+            _ = stop.changed() => {
+                inner.client.send_replace(None);
+                end_child(&mut child, pid).await;
+                return RunEnd::Stopped;
+            }
+            info = get_info(&mut client, check) => match info {
+                Ok(info) => {
+                    failures = 0;
+                    if !up {
+                        up = true;
+                        let previous = std::mem::replace(&mut *locked(&inner.info), info.clone());
+                        if !previous.provider_names.is_empty() && previous.provider_names != info.provider_names {
+                            tracing::warn!(plugin = %inner.label(), before = ?previous.provider_names, now = ?info.provider_names,
+                                "the restarted plugin serves other names: this executor routes by the names it started with");
+                        }
+                        tracing::info!(plugin = %inner.label(), pid, %address, "provider plugin answers");
+                        inner.client.send_replace(Some(client.clone()));
+                        if let Some(tx) = first.take() {
+                            let _ = tx.send(Ok(info));
+                        }
+                    }
+                }
+                Err(e) => {
+                    failures += 1;
+                    if failures >= inner.config.health_failures {
+                        end_child(&mut child, pid).await;
+                        return RunEnd::Ended(format!("it stopped answering: {e}"));
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(if up { inner.config.health_interval } else { Duration::from_millis(50) }) => {}
+            _ = stop.changed() => {
+                inner.client.send_replace(None);
+                end_child(&mut child, pid).await;
+                return RunEnd::Stopped;
+            }
+        }
+    }
+}
+
+/// SIGTERM, then SIGKILL if it has not exited within a second.
+async fn end_child(child: &mut tokio::process::Child, pid: Option<u32>) {
+    if let Some(pid) = pid
+        .and_then(|p| i32::try_from(p).ok())
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        if tokio::time::timeout(Duration::from_secs(1), child.wait())
+            .await
+            .is_ok()
+        {
+            return;
+        }
+    }
+    let _ = child.kill().await;
+}
+
+/// Keeps one `Watch` stream open while the plugin is up and routes what it
+/// reports.
+async fn watch_loop(inner: Arc<Inner>) {
+    let mut stop = inner.stop.subscribe();
+    loop {
+        let mut client = tokio::select! {
+            c = inner.client() => c,
+            _ = stop.changed() => return,
+        };
+        let stream = tokio::select! {
+            s = client.watch(pb::WatchRequest {}) => s,
+            _ = stop.changed() => return,
+        };
+        match stream {
+            Ok(stream) => {
+                let mut stream = stream.into_inner();
+                loop {
+                    let next = tokio::select! {
+                        n = stream.message() => n,
+                        _ = stop.changed() => return,
+                    };
+                    match next {
+                        Ok(Some(event)) => route(&inner, event),
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::debug!(plugin = %inner.label(), error = %e, "the plugin's Watch stream broke");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::debug!(plugin = %inner.label(), error = %e, "cannot open the plugin's Watch stream")
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+fn route(inner: &Inner, event: pb::WatchEvent) {
+    use pb::watch_event::Event;
+    match event.event {
+        Some(Event::Stage(s)) => {
+            let (Ok(identity), Some(stage), Ok(session)) = (
+                identity_from_wire("identity", s.identity.as_ref()),
+                stage_from_wire(s.stage),
+                SessionId::new("session_id", &s.session_id),
+            ) else {
+                tracing::warn!(plugin = %inner.label(), "the plugin reported a malformed stage: dropped");
+                return;
+            };
+            let observation =
+                RawObservation::new(identity, session, stage, s.detail, at_from_wire(s.at_unix_ms));
+            let sink = locked(&inner.sessions)
+                .get(&observation.identity)
+                .cloned()
+                .or_else(|| locked(&inner.resumed).clone());
+            if let Some(sink) = sink {
+                sink.send(observation);
+            }
+        }
+        Some(Event::Lost(l)) => {
+            let Ok(identity) = identity_from_wire("identity", l.identity.as_ref()) else {
+                tracing::warn!(plugin = %inner.label(), "the plugin reported a malformed loss: dropped");
+                return;
+            };
+            locked(&inner.sessions).remove(&identity);
+            locked(&inner.health).remove(&identity);
+            if let Some(changes) = locked(&inner.changes).clone() {
+                changes.send(RawChange {
+                    identity,
+                    change: Change::Lost { reason: l.reason },
+                    at: at_from_wire(l.at_unix_ms),
+                });
+            }
+        }
+        Some(Event::Health(h)) => {
+            let Ok(identity) = identity_from_wire("identity", h.identity.as_ref()) else {
+                tracing::warn!(plugin = %inner.label(), "the plugin reported a malformed health change: dropped");
+                return;
+            };
+            let health = if h.healthy { Ok(()) } else { Err(h.detail) };
+            locked(&inner.health).insert(identity, health);
+        }
+        None => {}
+    }
+}
+
+fn call(op: &Operation) -> pb::Call {
+    pb::Call {
+        identity: Some(identity_to_wire(&op.identity())),
+        operation_id: op.id.to_string(),
+        deadline_unix_ms: op.deadline.as_millis(),
+        provider_name: op.provider.to_string(),
+    }
+}
+
+fn request<T>(message: T, op: &Operation, timeout: Duration) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(timeout);
+    if !op.trace.traceparent.is_empty()
+        && let Ok(v) = op.trace.traceparent.parse()
+    {
+        request.metadata_mut().insert("traceparent", v);
+    }
+    request
+}
+
+/// A gRPC error from the plugin: a request it refused as malformed did
+/// nothing (a definite failure, and a bug on one side); anything else may have
+/// happened.
+fn status_outcome(plugin: &str, status: &tonic::Status) -> Outcome {
+    match status.code() {
+        tonic::Code::InvalidArgument | tonic::Code::Unimplemented => Outcome::Permanent {
+            reason: format!("the {plugin} refused the call: {}", status.message()),
+        },
+        _ => Outcome::Ambiguous {
+            reason: format!(
+                "the {plugin} did not answer: {} ({:?})",
+                status.message(),
+                status.code()
+            ),
+        },
+    }
+}
+
+fn outcome<T>(answer: Answer<T>, facts: impl FnOnce(T) -> ResultFacts) -> Outcome {
+    match answer {
+        Answer::Succeeded(v) => Outcome::Succeeded(facts(v)),
+        Answer::NotReady(reason) => Outcome::NotReady { reason },
+        Answer::Retryable(reason) => Outcome::Retryable { reason },
+        Answer::Permanent(reason) => Outcome::Permanent { reason },
+        Answer::Ambiguous(reason) => Outcome::Ambiguous { reason },
+    }
+}
+
+async fn execute(inner: Arc<Inner>, op: Operation, observations: ObservationSink) -> Outcome {
+    // While the plugin is down the operation waits for it, never past its
+    // deadline: then it may or may not have been sent before the plugin went
+    // down, which is ambiguous.
+    let wait = op.deadline.saturating_since(inner.clock.now());
+    let Ok(mut client) = tokio::time::timeout(wait, inner.client()).await else {
+        return Outcome::Ambiguous {
+            reason: format!("the {} was down until the operation's deadline", inner.label()),
+        };
+    };
+    let timeout = op.deadline.saturating_since(inner.clock.now());
+    if timeout.is_zero() {
+        return Outcome::Ambiguous {
+            reason: "the operation's deadline passed before the plugin was reached".into(),
+        };
+    }
+    let plugin = inner.label();
+    let identity = op.identity();
+    let c = call(&op);
+    macro_rules! answer {
+        ($rpc:ident, $msg:expr, |$r:ident| $value:expr, |$v:ident| $facts:expr) => {
+            match client.$rpc(request($msg, &op, timeout)).await {
+                Ok(response) => {
+                    let $r = response.into_inner();
+                    let answer = answer_from_wire($r.answer.clone(), || $value);
+                    outcome(answer, |$v| $facts)
+                }
+                Err(status) => status_outcome(&plugin, &status),
+            }
+        };
+    }
+    match &op.input {
+        OperationInput::CreateLease { template } => answer!(
+            create_lease,
+            pb::CreateLeaseRequest {
+                call: Some(c),
+                template: Some(template_to_wire(template)),
+            },
+            |r| LeaseId::new("lease_id", &r.lease_id).ok(),
+            |lease| ResultFacts {
+                lease: Some(lease),
+                ..ResultFacts::default()
+            }
+        ),
+        OperationInput::LookupEndpoint { lease } => answer!(
+            lookup_endpoint,
+            pb::LookupEndpointRequest {
+                call: Some(c),
+                lease_id: lease.as_str().to_owned(),
+            },
+            |r| Endpoint::new("endpoint", &r.endpoint).ok(),
+            |endpoint| ResultFacts {
+                endpoint: Some(endpoint),
+                ..ResultFacts::default()
+            }
+        ),
+        OperationInput::StartBootstrap {
+            lease,
+            endpoint,
+            boot,
+            join,
+        } => {
+            // Stages may arrive before the answer: the sink is in place first.
+            locked(&inner.sessions).insert(identity.clone(), observations);
+            answer!(
+                start_bootstrap,
+                pb::StartBootstrapRequest {
+                    call: Some(c),
+                    lease_id: lease.as_str().to_owned(),
+                    endpoint: endpoint.as_str().to_owned(),
+                    boot: params(boot),
+                    join: params(join),
+                },
+                |r| SessionId::new("session_id", &r.session_id).ok(),
+                |session| ResultFacts {
+                    session: Some(session),
+                    ..ResultFacts::default()
+                }
+            )
+        }
+        OperationInput::CancelBootstrap { session } => {
+            let out = answer!(
+                cancel_bootstrap,
+                pb::CancelBootstrapRequest {
+                    call: Some(c),
+                    session_id: session
+                        .as_ref()
+                        .map(|s| s.as_str().to_owned())
+                        .unwrap_or_default(),
+                },
+                |_r| Some(()),
+                |_v| ResultFacts::default()
+            );
+            if matches!(out, Outcome::Succeeded(_)) {
+                locked(&inner.sessions).remove(&identity);
+            }
+            out
+        }
+        OperationInput::DestroyLease { lease } => {
+            let out = answer!(
+                destroy_lease,
+                pb::DestroyLeaseRequest {
+                    call: Some(c),
+                    lease_id: lease.as_ref().map(|l| l.as_str().to_owned()).unwrap_or_default(),
+                },
+                |_r| Some(()),
+                |_v| ResultFacts::default()
+            );
+            if matches!(out, Outcome::Succeeded(_)) {
+                locked(&inner.sessions).remove(&identity);
+                locked(&inner.health).remove(&identity);
+            }
+            out
+        }
+    }
+}
+
+impl Backend for PluginBackend {
+    fn execute(&self, op: Operation, observations: ObservationSink) -> BoxFuture<'static, Outcome> {
+        Box::pin(execute(Arc::clone(&self.inner), op, observations))
+    }
+
+    fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
+        let inner = Arc::clone(&self.inner);
+        Box::pin(async move {
+            let Some(mut client) = inner.current() else {
+                return Err(BackendError::Unavailable(format!(
+                    "the {} is down",
+                    inner.label()
+                )));
+            };
+            let mut request = tonic::Request::new(pb::ListResourcesRequest {});
+            request.set_timeout(Duration::from_secs(30));
+            let listed = client
+                .list_resources(request)
+                .await
+                .map_err(|s| BackendError::Unavailable(format!("the {}: {}", inner.label(), s.message())))?
+                .into_inner();
+            let mut items = Vec::with_capacity(listed.resources.len());
+            for r in listed.resources {
+                let identity = identity_from_wire("identity", r.identity.as_ref()).map_err(|e| {
+                    BackendError::Internal(format!("the {} listed a resource whose {e}", inner.label()))
+                })?;
+                items.push(InventoryItem {
+                    identity,
+                    lease: LeaseId::new("lease_id", &r.lease_id).ok(),
+                    endpoint: Endpoint::new("endpoint", &r.endpoint).ok(),
+                    session_live: r.session_live,
+                });
+            }
+            Ok(items)
+        })
+    }
+
+    fn resume(&self, observations: ObservationSink) {
+        *locked(&self.inner.resumed) = Some(observations);
+    }
+
+    fn watch(&self, changes: ChangeSink) {
+        *locked(&self.inner.changes) = Some(changes);
+        tokio::spawn(watch_loop(Arc::clone(&self.inner)));
+    }
+
+    fn probe(
+        &self,
+        identity: &ResourceIdentity,
+        endpoint: &Endpoint,
+    ) -> BoxFuture<'static, Result<(), String>> {
+        if !locked(&self.inner.info).reports_health {
+            return tcp_probe(endpoint);
+        }
+        let reported = locked(&self.inner.health).get(identity).cloned();
+        Box::pin(async move {
+            reported.unwrap_or_else(|| Err("the plugin has reported no health for this resource yet".into()))
+        })
+    }
+}
