@@ -31,6 +31,7 @@ pub mod fake;
 pub mod fake_backend;
 pub mod fake_control;
 pub mod health;
+pub mod hosted;
 pub mod plugin;
 pub mod process;
 pub mod providers;
