@@ -183,7 +183,7 @@ impl Inner {
 
 /// A channel to `address` (`unix:/path` or `host:port`), connected lazily;
 /// the channel reconnects on its own.
-fn channel(address: &str, transport: &Transport) -> Result<Channel, String> {
+pub fn channel(address: &str, transport: &Transport) -> Result<Channel, String> {
     if let Some(path) = address.strip_prefix("unix:") {
         let path = PathBuf::from(path);
         let endpoint =
@@ -432,9 +432,7 @@ async fn run_once(
     first: &mut Option<tokio::sync::oneshot::Sender<Result<PluginInfo, String>>>,
     stop: &mut watch::Receiver<bool>,
 ) -> RunEnd {
-    let mut child = match tokio::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!("exec {command}"))
+    let mut child = match plugin_command(command)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -545,6 +543,29 @@ async fn run_once(
                 end_child(&mut child, pid).await;
                 return RunEnd::Stopped;
             }
+        }
+    }
+}
+
+/// The command that starts a plugin: `sh -c "exec COMMAND"`, under
+/// `setpriv --pdeathsig TERM` where util-linux has it, so that a plugin
+/// whose executor died without ending it (SIGKILL) ends too, rather than
+/// holding its resources beside the one the next executor starts.
+fn plugin_command(command: &str) -> tokio::process::Command {
+    let shell = ["sh".to_owned(), "-c".to_owned(), format!("exec {command}")];
+    let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists());
+    match setpriv {
+        Some(setpriv) => {
+            let mut c = tokio::process::Command::new(setpriv);
+            c.args(["--pdeathsig", "TERM", "--"]).args(shell);
+            c
+        }
+        None => {
+            let mut c = tokio::process::Command::new(&shell[0]);
+            c.args(&shell[1..]);
+            c
         }
     }
 }
@@ -876,9 +897,12 @@ impl Backend for PluginBackend {
         if !locked(&self.inner.info).reports_health {
             return tcp_probe(endpoint);
         }
-        let reported = locked(&self.inner.health).get(identity).cloned();
-        Box::pin(async move {
-            reported.unwrap_or_else(|| Err("the plugin has reported no health for this resource yet".into()))
-        })
+        // Nothing reported yet is nothing wrong: a plugin that reports health
+        // says so as soon as it knows (and at once on a new Watch stream).
+        let reported = locked(&self.inner.health)
+            .get(identity)
+            .cloned()
+            .unwrap_or(Ok(()));
+        Box::pin(async move { reported })
     }
 }

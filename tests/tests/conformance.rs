@@ -493,7 +493,10 @@ fn level2_services() {
         let mut sut =
             ServiceSut::start(&world).unwrap_or_else(|e| panic!("level 2 seed {seed}: cannot start: {e:#}"));
         let seed_started = Instant::now();
-        let result = run_sut(&mut sut, &world, &trace);
+        let result = {
+            let w = sut.world().clone();
+            run_sut(&mut sut, &w, &trace)
+        };
         if result.is_err() {
             sut.dump_logs();
         }
@@ -589,7 +592,10 @@ fn level2_trace_checks_can_fail() {
             let trace = generate(seed, Alphabet::Services, prefix_len(seed, Alphabet::Services));
             let mut sut = ServiceSut::start_tampered(&world, tamper)
                 .unwrap_or_else(|e| panic!("seed {seed}: cannot start: {e:#}"));
-            let result = run_sut(&mut sut, &world, &trace);
+            let result = {
+                let w = sut.world().clone();
+                run_sut(&mut sut, &w, &trace)
+            };
             sut.stop();
             if let Err(vs) = result {
                 caught = Some((seed, vs));
@@ -621,7 +627,10 @@ fn on_purpose(world: &World, trace: &str, process: bool, what: &str) -> RunOutco
         ServiceSut::start(world)
     }
     .unwrap_or_else(|e| panic!("cannot start: {e:#}"));
-    let result = run_sut(&mut sut, world, &trace);
+    let result = {
+        let w = sut.world().clone();
+        run_sut(&mut sut, &w, &trace)
+    };
     if result.is_err() {
         sut.dump_logs();
     }
@@ -772,16 +781,33 @@ fn assert_saw(coverage: &std::collections::BTreeMap<String, u64>, keys: &[&str],
 /// node of its current attempt when converged, none once the run is deleted.
 #[test]
 fn level3_process_backend() {
-    let seeds = env_u64("CONFORMANCE_L3_SEEDS", 16);
+    level3(services::Backend::Process, "CONFORMANCE_L3_SEEDS", 16);
+}
+
+/// Level 3 through the provider protocol: the same battery with the process
+/// backend served as a plugin (`builtin-provider`) that the executor starts
+/// and supervises, and restarts with itself (an executor restart of the
+/// trace ends its plugin too, and the next one finds the agents through the
+/// plugin's list).
+#[test]
+fn level3_process_plugin() {
+    level3(services::Backend::ProcessPlugin, "CONFORMANCE_L3_PLUGIN_SEEDS", 4);
+}
+
+fn level3(backend: services::Backend, seeds_var: &str, default_seeds: u64) {
+    let seeds = env_u64(seeds_var, default_seeds);
     let started = Instant::now();
     let mut coverage = std::collections::BTreeMap::<String, u64>::new();
     for seed in 1..=seeds {
         let world = services::world_l3(seed);
         let trace = generate(seed, Alphabet::Services, prefix_len(seed, Alphabet::Services));
-        let mut sut = ServiceSut::start_process(&world)
+        let mut sut = ServiceSut::start_on(&world, backend.clone())
             .unwrap_or_else(|e| panic!("level 3 seed {seed}: cannot start: {e:#}"));
         let seed_started = Instant::now();
-        let result = run_sut(&mut sut, &world, &trace);
+        let result = {
+            let w = sut.world().clone();
+            run_sut(&mut sut, &w, &trace)
+        };
         if result.is_err() {
             sut.dump_logs();
         }

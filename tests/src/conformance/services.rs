@@ -218,6 +218,55 @@ pub fn clean_shape(current: &ClusterShape) -> ClusterShape {
     s
 }
 
+/// `shape` with the battery's provider name (`fake`) replaced by
+/// `provider`. Only that name: a shape made invalid on purpose keeps its
+/// fault.
+fn named(mut shape: ClusterShape, provider: &str) -> ClusterShape {
+    if provider != "fake" {
+        for g in &mut shape.groups {
+            if g.template.provider.name == "fake" {
+                Arc::make_mut(&mut g.template).provider.name = provider.to_owned();
+            }
+        }
+    }
+    shape
+}
+
+/// A `lose`, `sicken` or `heal` through a plugin's testing hooks
+/// (`ProviderTesting`). A resource the plugin does not hold is left alone.
+async fn test_hook(
+    address: &str,
+    run_uid: RunUid,
+    node: &LogicalNodeId,
+    attempt: AttemptId,
+    fault: Fault,
+) -> anyhow::Result<()> {
+    use provider_sdk::wire::{identity_to_wire, pb as ppb};
+    let channel = executor_svc::plugin::channel(address, &platform::tls::Transport::Insecure)
+        .map_err(|e| anyhow::anyhow!("{address}: {e}"))?;
+    let mut testing = ppb::provider_testing_client::ProviderTestingClient::new(channel);
+    let identity = Some(identity_to_wire(&contract::ResourceIdentity {
+        run_uid,
+        run_id: contract::RunId::parse("run_id", RUN_ID)?,
+        node: node.clone(),
+        attempt,
+    }));
+    match fault {
+        Fault::Lose => {
+            testing.lose(ppb::LoseRequest { identity }).await?;
+        }
+        Fault::Sicken | Fault::Heal | Fault::Unspecified => {
+            testing
+                .set_healthy(ppb::SetHealthyRequest {
+                    identity,
+                    healthy: fault != Fault::Sicken,
+                })
+                .await?;
+        }
+    }
+    Ok(())
+}
+
 /// Live node agents whose state is under `root`, from the OS process table
 /// (`/proc`), as resources whose lease is the agent's PID. A zombie has an
 /// empty command line and is not live.
@@ -273,6 +322,7 @@ pub struct ServiceSut {
     agents: Option<Agents>,
     proxy: Proxy,
     client: ProvisioningClient<Channel>,
+    backend: Backend,
     world: World,
     uid: Option<String>,
     round: u64,
@@ -282,13 +332,85 @@ pub struct ServiceSut {
     rt: tokio::runtime::Runtime,
 }
 
+/// Which provider the battery's executor serves its operations through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// The built-in fake, with its seeded chaos (level 2).
+    Fake,
+    /// The built-in process backend (level 3).
+    Process,
+    /// The process backend as a plugin the executor starts and supervises
+    /// (level 3 through the provider protocol).
+    ProcessPlugin,
+    /// A plugin already running at `address` that serves `provider` (the
+    /// conformance kit's battery): level 2, with its testing hooks.
+    Plugin { address: String, provider: String },
+}
+
+impl Backend {
+    /// The provider name the shapes must carry.
+    fn provider(&self) -> &str {
+        match self {
+            Backend::Fake => "fake",
+            Backend::Process | Backend::ProcessPlugin => "process",
+            Backend::Plugin { provider, .. } => provider,
+        }
+    }
+
+    fn has_agents(&self) -> bool {
+        matches!(self, Backend::Process | Backend::ProcessPlugin)
+    }
+}
+
 /// The executor's flags. Every executor of a seed writes the same event
 /// trace (a restart appends).
-fn executor_args(seed: u64, faults: FaultMix, dir: &Path, agents: Option<&Path>) -> Vec<String> {
+fn executor_args(
+    seed: u64,
+    faults: FaultMix,
+    dir: &Path,
+    agents: Option<&Path>,
+    backend: &Backend,
+) -> Vec<String> {
     let durable = [
         "--event-trace".to_owned(),
         TracePaths::in_dir(dir).executor.display().to_string(),
     ];
+    if let Backend::Plugin { address, .. } = backend {
+        return [
+            "--backend",
+            "none",
+            "--plugin",
+            address,
+            "--plugin-health-interval-ms",
+            "200",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(durable)
+        .collect();
+    }
+    if let (Backend::ProcessPlugin, Some(agents)) = (backend, agents) {
+        let plugin = format!(
+            "{} --backend process --process-state-dir {} --listen unix:{} --health-interval-ms 200",
+            crate::procs::bin_path("builtin-provider")
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|_| "builtin-provider".to_owned()),
+            agents.display(),
+            dir.join("provider.sock").display(),
+        );
+        return [
+            "--backend",
+            "none",
+            "--plugin-command",
+            &plugin,
+            "--plugin-health-interval-ms",
+            "200",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(durable)
+        .collect();
+    }
     if let Some(agents) = agents {
         return [
             "--backend",
@@ -330,22 +452,30 @@ fn executor_args(seed: u64, faults: FaultMix, dir: &Path, agents: Option<&Path>)
 impl ServiceSut {
     /// Starts the services for `world`, with the executor's chaos on.
     pub fn start(world: &World) -> anyhow::Result<Self> {
-        Self::start_with(world, false, None)
+        Self::start_with(world, Backend::Fake, None)
     }
 
     /// Level 3: starts the services for `world` with the process backend, its
     /// agents under a state directory of their own.
     pub fn start_process(world: &World) -> anyhow::Result<Self> {
-        Self::start_with(world, true, None)
+        Self::start_with(world, Backend::Process, None)
+    }
+
+    /// Starts the services for `world` over `backend`.
+    pub fn start_on(world: &World, backend: Backend) -> anyhow::Result<Self> {
+        Self::start_with(world, backend, None)
     }
 
     /// Starts the services for `world` with the reading of their traces
     /// corrupted by `tamper` (to show the trace checks can fail).
     pub fn start_tampered(world: &World, tamper: TraceTamper) -> anyhow::Result<Self> {
-        Self::start_with(world, false, Some(tamper))
+        Self::start_with(world, Backend::Fake, Some(tamper))
     }
 
-    fn start_with(world: &World, process: bool, tamper: Option<TraceTamper>) -> anyhow::Result<Self> {
+    fn start_with(world: &World, backend: Backend, tamper: Option<TraceTamper>) -> anyhow::Result<Self> {
+        let process = backend.has_agents();
+        let mut world = world.clone();
+        world.initial = named(world.initial, backend.provider());
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -362,6 +492,7 @@ impl ServiceSut {
             FaultMix::Chaos,
             dir.path(),
             agents.as_ref().map(|a| a.dir.as_path()),
+            &backend,
         );
         let (cluster, proxy, client) = rt.block_on(async {
             let proxy = Proxy::start().await?;
@@ -408,6 +539,7 @@ impl ServiceSut {
             agents,
             proxy,
             client,
+            backend,
             world: world.clone(),
             uid: None,
             round: 0,
@@ -415,6 +547,12 @@ impl ServiceSut {
             trace_paths,
             rt,
         })
+    }
+
+    /// The world as the services run it: its shapes name the provider the
+    /// executor serves. The oracle must judge against this one.
+    pub fn world(&self) -> &World {
+        &self.world
     }
 
     /// Level 3: where the agents live.
@@ -695,6 +833,7 @@ impl ServiceSut {
             faults,
             self.cluster.dir.path(),
             self.agents.as_ref().map(|a| a.dir.as_path()),
+            &self.backend,
         );
         // A restarted executor keeps its dedup table and fencing epochs where
         // the cluster's first executor keeps them, so it replays what it
@@ -752,6 +891,11 @@ impl ServiceSut {
             return Ok(());
         }
         let n = nodes[usize::from(slot) % nodes.len()];
+        if let Backend::Plugin { address, .. } = &self.backend {
+            return self
+                .rt
+                .block_on(test_hook(address, state.uid, &n.id, n.attempt, fault));
+        }
         if let Some(a) = &self.agents {
             let signal = match fault {
                 Fault::Lose => rustix::process::Signal::KILL,
@@ -788,6 +932,7 @@ impl ServiceSut {
 
     /// Level 3: applies `shape` (a valid update) and records it.
     fn apply_valid(&mut self, shape: ClusterShape) -> anyhow::Result<ApplyRecord> {
+        let shape = named(shape, self.backend.provider());
         let wire = pb::ClusterShape::from(&shape);
         self.apply_wire(ApplyKind::Valid, shape, wire)
     }
@@ -831,7 +976,7 @@ impl SystemUnderTest for ServiceSut {
                         // Over the API a shape's run id addresses the run, so
                         // another run id is another run; the run-id contract
                         // is a group that names another run.
-                        let shape = bad_shape(&current, Bad::SameGeneration);
+                        let shape = named(bad_shape(&current, Bad::SameGeneration), self.backend.provider());
                         let mut s = current.clone();
                         s.generation = Generation::new(current.generation.get() + 1);
                         let mut wire = pb::ClusterShape::from(&s);
@@ -840,7 +985,7 @@ impl SystemUnderTest for ServiceSut {
                         }
                         (shape, wire)
                     } else {
-                        let shape = bad_shape(&current, *b);
+                        let shape = named(bad_shape(&current, *b), self.backend.provider());
                         let wire = pb::ClusterShape::from(&shape);
                         (shape, wire)
                     };
