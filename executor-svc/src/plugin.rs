@@ -397,13 +397,13 @@ async fn supervise(
     let (min_backoff, max_backoff) = inner.config.restart_backoff;
     let mut backoff = min_backoff;
     loop {
-        let started = tokio::time::Instant::now();
+        let started = inner.clock.monotonic();
         match run_once(&inner, &command, &mut first, &mut stop).await {
             RunEnd::Stopped => return,
             RunEnd::Ended(why) => {
                 inner.client.send_replace(None);
                 // A run that lasted a while starts the backoff afresh.
-                if started.elapsed() > max_backoff * 3 {
+                if inner.clock.monotonic().saturating_since(started) > max_backoff * 3 {
                     backoff = min_backoff;
                 }
                 tracing::warn!(plugin = %inner.label(), reason = %why, ?backoff, "provider plugin ended: starting it again");

@@ -209,6 +209,13 @@ pub enum Command {
         #[command(flatten)]
         output: OutputArg,
     },
+    /// List the providers the driver's executor serves (the names node
+    /// templates choose by `provider.name`), built in or plugins, whether
+    /// each answers now, and what it reports itself.
+    Providers {
+        #[command(flatten)]
+        output: OutputArg,
+    },
     /// Make bearer tokens for the driver's tokens file (no server involved).
     #[command(subcommand)]
     Token(TokenCommand),
@@ -299,7 +306,7 @@ pub enum TokenCommand {
     New {
         /// The token holder's name (in the driver's logs and limits).
         name: String,
-        /// `read`: get, list, watch, explain, plan, orphans, events, describe, rollout status;
+        /// `read`: get, list, watch, explain, plan, orphans, providers, events, describe, rollout status;
         /// `write`: those and apply, delete, pause, resume, rollout promote, abandon.
         #[arg(long, value_enum)]
         access: platform::token::Access,

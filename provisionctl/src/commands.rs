@@ -218,6 +218,7 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
             output,
         } => ctx.abandon(&run, &node, yes, output.output).await,
         Command::Orphans { output } => ctx.orphans(output.output).await,
+        Command::Providers { output } => ctx.providers(output.output).await,
         // Answered above, without a server.
         Command::Token(cmd) => super::token::run(cmd),
         Command::Config(_) => Ok(Exit::Success),
@@ -1142,6 +1143,52 @@ impl Ctx {
                 ])?;
             }
             _ => print_doc(&orphan_json(&orphan), output)?,
+        }
+        Ok(Exit::Success)
+    }
+
+    async fn providers(&self, output: Output) -> Result<Exit, CliError> {
+        let mut client = self.connect().await?;
+        let list = client
+            .list_providers(pb::ListProvidersRequest {})
+            .await
+            .map_err(|s| self.status_error(&s, Doing::Server("list providers")))?
+            .into_inner();
+        let yes_no = |b: bool| if b { "yes" } else { "no" }.to_owned();
+        match output {
+            Output::Table if !list.known => {
+                print_lines(&[
+                    "not known yet: the driver has not reached its executor since it started".to_owned(),
+                ])?;
+            }
+            Output::Table => {
+                let mut t = text::Table::new(&["NAME", "KIND", "AVAILABLE", "HEALTH", "LOSS", "DETAIL"]);
+                for p in &list.providers {
+                    t.row(vec![
+                        p.name.clone(),
+                        p.kind.clone(),
+                        yes_no(p.available),
+                        if p.reports_health { "reported" } else { "probed" }.to_owned(),
+                        if p.reports_loss { "reported" } else { "listed" }.to_owned(),
+                        or_dash(&p.detail),
+                    ]);
+                }
+                print_lines(&t.lines())?;
+            }
+            _ => print_doc(
+                &json!({
+                    "known": list.known,
+                    "providers": list.providers.iter().map(|p| json!({
+                        "name": p.name,
+                        "kind": p.kind,
+                        "available": p.available,
+                        "reports_health": p.reports_health,
+                        "reports_loss": p.reports_loss,
+                        "detail": p.detail,
+                    })).collect::<Vec<_>>(),
+                }),
+                output,
+            )?,
         }
         Ok(Exit::Success)
     }

@@ -80,6 +80,28 @@ async fn a_supervised_plugin_serves_its_provider_and_other_names_are_refused() {
     let p = &listed.providers[0];
     assert_eq!(p.kind, "plugin");
     assert!(p.available && p.reports_health && p.reports_loss, "{p:?}");
+    // `provisionctl providers` shows it.
+    let out = std::process::Command::new(bin_path("provisionctl").unwrap())
+        .args(["--server", &cluster.driver.url(), "providers"])
+        .envs(cluster.provisionctl_env())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("process"))
+        .unwrap_or_else(|| panic!("{text}"));
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(
+        cells[..5],
+        ["process", "plugin", "yes", "reported", "reported"],
+        "{text}"
+    );
 
     // A shape naming a provider nobody serves is refused, naming the field
     // and what is served, and creates nothing.
@@ -133,7 +155,6 @@ async fn a_supervised_plugin_serves_its_provider_and_other_names_are_refused() {
     // Delete: every agent goes, through the plugin's destroys.
     c.delete_run(pb::DeleteRunRequest {
         run_id: RUN.to_owned(),
-        ..Default::default()
     })
     .await
     .unwrap();

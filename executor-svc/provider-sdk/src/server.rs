@@ -2,12 +2,7 @@
 //! checked and decoded, every call guarded (deadline, panic), answers
 //! encoded, `Watch` fed from [`Events`].
 
-use std::{
-    panic::AssertUnwindSafe,
-    pin::Pin,
-    sync::Arc,
-    time::{Duration, SystemTime, UNIX_EPOCH},
-};
+use std::{panic::AssertUnwindSafe, pin::Pin, sync::Arc, time::Duration};
 
 use contract::{Endpoint, FieldError, LeaseId, SessionId, UnixMillis};
 use futures::{FutureExt as _, Stream, future::BoxFuture};
@@ -35,10 +30,11 @@ fn invalid(e: FieldError) -> Status {
     Status::invalid_argument(e.to_string())
 }
 
+/// The wall clock, as the deadlines on the wire are (milliseconds since the
+/// Unix epoch).
 fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    use contract::Clock as _;
+    contract::SystemClock.now().as_millis()
 }
 
 fn decode_call(call: Option<pb::Call>) -> Result<Call, Status> {
