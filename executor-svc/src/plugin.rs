@@ -208,7 +208,7 @@ pub fn channel(address: &str, transport: &Transport) -> Result<Channel, String> 
 
 async fn get_info(client: &mut Client, timeout: Duration) -> Result<PluginInfo, String> {
     let mut request = tonic::Request::new(pb::GetInfoRequest {});
-    request.set_timeout(timeout);
+    request.set_timeout(timeout.min(MAX_CALL_TIMEOUT));
     let info = tokio::time::timeout(timeout, client.get_info(request))
         .await
         .map_err(|_| "GetInfo timed out".to_owned())?
@@ -687,9 +687,15 @@ fn call(op: &Operation) -> pb::Call {
     }
 }
 
+/// The longest a single call to a plugin is given. A deadline further away
+/// (a driver may set one far off) is not sent as such: gRPC's timeout header
+/// cannot carry it, and tonic panics on it. The call then ends ambiguous at
+/// this bound, and is tried again.
+const MAX_CALL_TIMEOUT: Duration = Duration::from_secs(3600);
+
 fn request<T>(message: T, op: &Operation, timeout: Duration) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
-    request.set_timeout(timeout);
+    request.set_timeout(timeout.min(MAX_CALL_TIMEOUT));
     if !op.trace.traceparent.is_empty()
         && let Ok(v) = op.trace.traceparent.parse()
     {
@@ -904,5 +910,36 @@ impl Backend for PluginBackend {
             .cloned()
             .unwrap_or(Ok(()));
         Box::pin(async move { reported })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::Arc;
+
+    use contract::{AttemptId, Epoch, LogicalNodeId, OperationId, RunId, RunUid, TraceContext, UnixMillis};
+
+    use super::*;
+
+    /// A deadline far in the future (as a driver may set) gives a call a
+    /// bounded timeout instead of a panic in gRPC's header encoding.
+    #[test]
+    fn a_far_deadline_is_sent_bounded() {
+        let op = Operation {
+            run_uid: RunUid::from_u128(1),
+            run_id: RunId::parse("run_id", "r").unwrap(),
+            node: LogicalNodeId::parse("node", "w-0").unwrap(),
+            id: OperationId::new(AttemptId::new(1), 1),
+            epoch: Epoch::new(1),
+            deadline: UnixMillis::new(u64::MAX / 2),
+            provider: Arc::from("fake"),
+            input: OperationInput::DestroyLease { lease: None },
+            trace: TraceContext::default(),
+        };
+        let far = op.deadline.saturating_since(UnixMillis::new(0));
+        let r = request((), &op, far);
+        let header = r.metadata().get("grpc-timeout").unwrap().to_str().unwrap();
+        assert_eq!(header, "3600000m", "{header}");
     }
 }

@@ -243,3 +243,119 @@ async fn a_plugin_killed_mid_convergence_is_restarted_and_nothing_is_orphaned_or
     let listed = providers(&cluster).await;
     assert!(listed.providers.iter().all(|p| p.available), "{listed:?}");
 }
+
+/// Starts `builtin-provider` (the fake) on `sock` as the test's own child,
+/// and waits for its announcement.
+async fn start_fake_plugin(sock: &Path, state: &Path) -> tokio::process::Child {
+    use tokio::io::AsyncBufReadExt as _;
+    let mut child = tokio::process::Command::new(bin_path("builtin-provider").unwrap())
+        .args(["--backend", "fake", "--fake-stage-interval-ms", "5"])
+        .arg("--listen")
+        .arg(format!("unix:{}", sock.display()))
+        .arg("--fake-state-file")
+        .arg(state)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(line.starts_with("provider-listening unix:"), "{line}");
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    child
+}
+
+/// A plugin reached at an address that goes away: the driver lists it
+/// unavailable and the runs that use it say so in their Degraded condition;
+/// once it is back (the same state), the run goes on and converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_at_an_address_that_goes_away_shows_in_the_conditions_and_is_used_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("fake.sock");
+    let state = dir.path().join("fake-state.json");
+    let mut plugin = start_fake_plugin(&sock, &state).await;
+    let cluster = Cluster::start(
+        ClusterOptions::default()
+            .executor("--backend", "none")
+            .executor("--plugin", &format!("unix:{}", sock.display()))
+            .executor("--plugin-health-interval-ms", "100"),
+    )
+    .await
+    .unwrap();
+    let mut c = cluster.client().await.unwrap();
+    eventually(Duration::from_secs(20), "the provider list", || async {
+        providers(&cluster).await.known.then_some(())
+    })
+    .await
+    .unwrap();
+    cluster
+        .apply(&shape(RUN, 1, "fake", &[("workers", 2, "img:1")]))
+        .await
+        .unwrap();
+    watch_until(&mut c, RUN, CONVERGE, |s| s.converged).await.unwrap();
+
+    // The plugin goes away.
+    plugin.kill().await.unwrap();
+    let listed = eventually(
+        Duration::from_secs(20),
+        "the provider listed unavailable",
+        || async {
+            let p = providers(&cluster).await;
+            p.providers
+                .iter()
+                .any(|p| p.name == "fake" && !p.available)
+                .then_some(p)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(listed.providers.len(), 1, "{listed:?}");
+    let degraded = eventually(
+        Duration::from_secs(20),
+        "the run's Degraded condition",
+        || async {
+            let mut c = cluster.client().await.unwrap();
+            let s = c
+                .get_run(pb::GetRunRequest {
+                    run_id: RUN.to_owned(),
+                    include_nodes: false,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            s.conditions
+                .into_iter()
+                .find(|c| c.r#type == "Degraded" && c.status && c.reason == "ProviderUnavailable")
+        },
+    )
+    .await
+    .unwrap();
+    assert!(degraded.message.contains("fake"), "{degraded:?}");
+    // An apply naming it is still accepted: it is served, only down.
+    cluster
+        .apply(&shape(RUN, 2, "fake", &[("workers", 3, "img:1")]))
+        .await
+        .unwrap();
+
+    // Back, over the same state: the run converges at the new generation.
+    let _plugin = start_fake_plugin(&sock, &state).await;
+    let status = watch_until(&mut c, RUN, CONVERGE, |s| s.converged && s.generation == 2).await;
+    if status.is_err() {
+        cluster.dump_logs();
+    }
+    status.unwrap();
+    let listed = providers(&cluster).await;
+    assert!(listed.providers.iter().all(|p| p.available), "{listed:?}");
+    let events = provisioning_tests::procs::run_events(&mut c, RUN).await.unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.message.contains("provider fake is unavailable")),
+        "{events:?}"
+    );
+}

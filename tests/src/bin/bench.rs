@@ -19,7 +19,10 @@
 //!
 //! Rows: `decider` (the library's `decide`, per node), `rpc` (the `Decide`
 //! RPC against the library), `throughput` (executor round trips against a
-//! bare streaming echo), `e2e` (convergence in one process and as three
+//! bare streaming echo), `plugin` (round trips through a provider plugin,
+//! `builtin-provider` supervised by the executor, against the same backend
+//! built in: the fake at the throughput row's volume, and 200 process-backend
+//! creates and destroys of real agents), `e2e` (convergence in one process and as three
 //! processes, passes, driver memory) for each of `--sizes`, and `health`
 //! (about a minute at the default 100,000 nodes): a run of
 //! `--health-nodes` fake nodes probed every second, converged, then watched
@@ -865,6 +868,18 @@ impl Executor for Echo {
 }
 
 fn create_op(uid: RunUid, i: u64) -> pb::Operation {
+    provider_op(uid, i, "fake", false)
+}
+
+/// A create (or, with `destroy`, a destroy) of node `i` at `provider`.
+fn provider_op(uid: RunUid, i: u64, provider: &str, destroy: bool) -> pb::Operation {
+    let input = if destroy {
+        contract::OperationInput::DestroyLease { lease: None }
+    } else {
+        contract::OperationInput::CreateLease {
+            template: Arc::new(example_template(provider, "img:1")),
+        }
+    };
     let op = Operation {
         run_uid: uid,
         run_id: RunId::parse("r", "bench").unwrap_or_else(|_| unreachable!()),
@@ -872,13 +887,11 @@ fn create_op(uid: RunUid, i: u64) -> pb::Operation {
             GroupId::parse("g", "w").unwrap_or_else(|_| unreachable!()),
             i as u32,
         ),
-        id: contract::OperationId::new(AttemptId::new(i + 1), 1),
+        id: contract::OperationId::new(AttemptId::new(i + 1), if destroy { 2 } else { 1 }),
         epoch: Epoch::new(1),
         deadline: UnixMillis::new(u64::MAX / 2),
-        provider: "fake".into(),
-        input: contract::OperationInput::CreateLease {
-            template: Arc::new(example_template("fake", "img:1")),
-        },
+        provider: provider.into(),
+        input,
         trace: contract::TraceContext::default(),
     };
     pb::Operation::from(&op)
@@ -886,8 +899,20 @@ fn create_op(uid: RunUid, i: u64) -> pb::Operation {
 
 /// Operations per second through a link: submit `n`, read `n` results.
 async fn link_rate(url: String, n: u64, claim: bool) -> anyhow::Result<f64> {
-    let mut client = ExecutorClient::connect(url).await?;
     let uid = RunUid::from_u128(0xbe4c);
+    let ops: Vec<pb::Operation> = (0..n).map(|i| create_op(uid, i)).collect();
+    link_rate_ops(url, uid, ops, claim).await
+}
+
+/// Operations per second through a link: submit `ops`, read their results.
+async fn link_rate_ops(
+    url: String,
+    uid: RunUid,
+    ops: Vec<pb::Operation>,
+    claim: bool,
+) -> anyhow::Result<f64> {
+    let n = ops.len() as u64;
+    let mut client = ExecutorClient::connect(url).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(4096);
     let mut inbound = client.link(ReceiverStream::new(rx)).await?.into_inner();
     if claim {
@@ -901,7 +926,6 @@ async fn link_rate(url: String, n: u64, claim: bool) -> anyhow::Result<f64> {
         })
         .await?;
     }
-    let ops: Vec<pb::Operation> = (0..n).map(|i| create_op(uid, i)).collect();
     let start = Instant::now();
     let sender = tokio::spawn(async move {
         for op in ops {
@@ -978,6 +1002,82 @@ async fn bench_throughput(t: &mut Table, n: u64) -> anyhow::Result<()> {
         "ops/s",
         format!("{:.0}% of echo (target >= 50%)", 100.0 * real / bare),
     );
+    Ok(())
+}
+
+/// Round trips through a provider plugin against the same backend built
+/// in: the fake at volume (`n` creates; what the protocol costs), and the
+/// process backend (`agents` creates, then their destroys: real agents).
+async fn bench_plugin(t: &mut Table, n: u64, agents: u64) -> anyhow::Result<()> {
+    let builtin_provider = provisioning_tests::procs::bin_path("builtin-provider")?;
+    let dir = tempfile::tempdir()?;
+    for backend in ["fake", "process"] {
+        let state = dir.path().join(format!("{backend}-agents"));
+        let builtin = ClusterOptions::default()
+            .insecure()
+            .executor("--backend", backend)
+            .executor("--fake-latency-ms", "0,0")
+            .executor("--process-state-dir", &state.display().to_string());
+        let plugin_state = dir.path().join(format!("{backend}-plugin-agents"));
+        let command = format!(
+            "{} --backend {backend} --fake-latency-ms 0,0 --process-state-dir {} --listen unix:{}",
+            builtin_provider.display(),
+            plugin_state.display(),
+            dir.path().join(format!("{backend}.sock")).display()
+        );
+        let plugin = ClusterOptions::default()
+            .insecure()
+            .executor("--backend", "none")
+            .executor("--plugin-command", &command);
+        let count = if backend == "fake" { n } else { agents };
+        let mut rates = Vec::new();
+        for opts in [builtin, plugin] {
+            let cluster = Cluster::start(opts).await?;
+            let uid = RunUid::from_u128(0xbe4d);
+            let url = cluster.executor.url();
+            let creates: Vec<pb::Operation> =
+                (0..count).map(|i| provider_op(uid, i, backend, false)).collect();
+            let created = link_rate_ops(url.clone(), uid, creates, true).await?;
+            let rate = if backend == "process" {
+                // Every agent is destroyed again, and that is timed too.
+                let destroys: Vec<pb::Operation> =
+                    (0..count).map(|i| provider_op(uid, i, backend, true)).collect();
+                let destroyed = link_rate_ops(url, uid, destroys, true).await?;
+                2.0 / (1.0 / created + 1.0 / destroyed)
+            } else {
+                created
+            };
+            rates.push(rate);
+        }
+        for root in [&state, &plugin_state] {
+            for (pid, _, _) in provisioning_tests::procs::live_agent_pids(root) {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        }
+        let what = if backend == "fake" {
+            "creates"
+        } else {
+            "creates and destroys"
+        };
+        t.add(
+            "plugin",
+            count,
+            &format!("{backend} built in: {what}"),
+            rates[0],
+            "ops/s",
+            String::new(),
+        );
+        t.add(
+            "plugin",
+            count,
+            &format!("{backend} as a plugin: {what}"),
+            rates[1],
+            "ops/s",
+            format!("{:.0}% of built in", 100.0 * rates[1] / rates[0]),
+        );
+    }
     Ok(())
 }
 
@@ -1058,6 +1158,9 @@ async fn main() -> anyhow::Result<()> {
         for &n in &sizes {
             bench_e2e(&mut t, n).await?;
         }
+    }
+    if want("plugin") {
+        bench_plugin(&mut t, throughput_ops, 200).await?;
     }
     if want("health") {
         bench_health(&mut t, health_nodes, health_window).await?;
