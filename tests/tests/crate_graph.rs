@@ -72,6 +72,27 @@ fn provisionctl_links_nothing_of_the_driver() {
     assert!(deps.contains("provisioning-contract") && deps.contains("tonic"));
 }
 
+/// A provider plugin built on the SDK links the protocol and a server, and
+/// nothing of the services: an author depends on the SDK alone.
+#[test]
+fn the_provider_sdk_links_nothing_of_the_services() {
+    let deps = normal_deps("provider-sdk", &[]);
+    assert_none_of(
+        "provider-sdk",
+        &deps,
+        &[
+            "executor-svc",
+            "driver-svc",
+            "driver-core",
+            "decider",
+            "decider-svc",
+            "redb",
+            "etcd-client",
+        ],
+    );
+    assert!(deps.contains("provisioning-contract") && deps.contains("tonic"));
+}
+
 #[test]
 fn the_pure_cores_link_no_runtime_and_no_wire_stack() {
     let runtime = [

@@ -18,11 +18,37 @@ use crate::{
 pub(crate) struct ProviderService<P> {
     provider: Arc<P>,
     events: Events,
+    /// The provider names it serves (its `Info`), the first the default.
+    names: Arc<[String]>,
 }
 
-impl<P> ProviderService<P> {
+impl<P: Provider> ProviderService<P> {
     pub(crate) fn new(provider: Arc<P>, events: Events) -> Self {
-        Self { provider, events }
+        let names = provider.info().provider_names.into();
+        Self {
+            provider,
+            events,
+            names,
+        }
+    }
+
+    /// The call, with an empty provider name made the plugin's first; a
+    /// name it does not serve is answered `Failed {PERMANENT}` for it.
+    fn decode_call(&self, call: Option<pb::Call>) -> Result<Result<Call, Answer<()>>, Status> {
+        let mut call = decode_call(call)?;
+        if call.provider_name.is_empty()
+            && let Some(first) = self.names.first()
+        {
+            call.provider_name.clone_from(first);
+        }
+        if !self.names.iter().any(|n| *n == call.provider_name) {
+            return Ok(Err(Answer::Permanent(format!(
+                "provider name {:?} is not served by this plugin (it serves {})",
+                call.provider_name,
+                self.names.join(", ")
+            ))));
+        }
+        Ok(Ok(call))
     }
 }
 
@@ -158,7 +184,15 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         request: Request<pb::CreateLeaseRequest>,
     ) -> Result<Response<pb::CreateLeaseResponse>, Status> {
         let r = request.into_inner();
-        let call = decode_call(r.call)?;
+        let call = match self.decode_call(r.call)? {
+            Ok(call) => call,
+            Err(refused) => {
+                return Ok(Response::new(pb::CreateLeaseResponse {
+                    answer: Some(answer_to_wire(&refused)),
+                    ..Default::default()
+                }));
+            }
+        };
         let template = template_from_wire("template", r.template, &call.provider_name).map_err(invalid)?;
         let provider = Arc::clone(&self.provider);
         let c = call.clone();
@@ -177,7 +211,15 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         request: Request<pb::LookupEndpointRequest>,
     ) -> Result<Response<pb::LookupEndpointResponse>, Status> {
         let r = request.into_inner();
-        let call = decode_call(r.call)?;
+        let call = match self.decode_call(r.call)? {
+            Ok(call) => call,
+            Err(refused) => {
+                return Ok(Response::new(pb::LookupEndpointResponse {
+                    answer: Some(answer_to_wire(&refused)),
+                    ..Default::default()
+                }));
+            }
+        };
         let lease = LeaseId::new("lease_id", &r.lease_id).map_err(invalid)?;
         let provider = Arc::clone(&self.provider);
         let c = call.clone();
@@ -198,7 +240,15 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         request: Request<pb::StartBootstrapRequest>,
     ) -> Result<Response<pb::StartBootstrapResponse>, Status> {
         let r = request.into_inner();
-        let call = decode_call(r.call)?;
+        let call = match self.decode_call(r.call)? {
+            Ok(call) => call,
+            Err(refused) => {
+                return Ok(Response::new(pb::StartBootstrapResponse {
+                    answer: Some(answer_to_wire(&refused)),
+                    ..Default::default()
+                }));
+            }
+        };
         let bootstrap = Bootstrap {
             lease: LeaseId::new("lease_id", &r.lease_id).map_err(invalid)?,
             endpoint: Endpoint::new("endpoint", &r.endpoint).map_err(invalid)?,
@@ -224,7 +274,15 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         request: Request<pb::CancelBootstrapRequest>,
     ) -> Result<Response<pb::CancelBootstrapResponse>, Status> {
         let r = request.into_inner();
-        let call = decode_call(r.call)?;
+        let call = match self.decode_call(r.call)? {
+            Ok(call) => call,
+            Err(refused) => {
+                return Ok(Response::new(pb::CancelBootstrapResponse {
+                    answer: Some(answer_to_wire(&refused)),
+                    ..Default::default()
+                }));
+            }
+        };
         let session = optional("session_id", &r.session_id, SessionId::new)?;
         let provider = Arc::clone(&self.provider);
         let c = call.clone();
@@ -245,7 +303,15 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         request: Request<pb::DestroyLeaseRequest>,
     ) -> Result<Response<pb::DestroyLeaseResponse>, Status> {
         let r = request.into_inner();
-        let call = decode_call(r.call)?;
+        let call = match self.decode_call(r.call)? {
+            Ok(call) => call,
+            Err(refused) => {
+                return Ok(Response::new(pb::DestroyLeaseResponse {
+                    answer: Some(answer_to_wire(&refused)),
+                    ..Default::default()
+                }));
+            }
+        };
         let lease = optional("lease_id", &r.lease_id, LeaseId::new)?;
         let provider = Arc::clone(&self.provider);
         let c = call.clone();
@@ -310,5 +376,158 @@ impl pb::provider_testing_server::ProviderTesting for TestingService {
         let identity = identity_from_wire("identity", r.identity.as_ref()).map_err(invalid)?;
         let found = self.hooks.set_healthy(identity, r.healthy).await;
         Ok(Response::new(pb::SetHealthyResponse { found }))
+    }
+}
+
+// Tests panic on purpose when an expectation fails.
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
+mod tests {
+    use contract::{AttemptId, LogicalNodeId, RunId, RunUid, shape::example_template};
+    use pb::provider_server::Provider as _;
+
+    use super::*;
+    use crate::{Info, Resource, wire::template_to_wire};
+
+    /// Creates by node: `w-0` succeeds, `w-1` panics, `w-2` sleeps a minute.
+    struct Toy;
+
+    impl Provider for Toy {
+        fn info(&self) -> Info {
+            Info {
+                provider_names: vec!["toy".into(), "toy-2".into()],
+                reports_health: false,
+                reports_loss: false,
+                description: String::new(),
+            }
+        }
+
+        fn create_lease(
+            &self,
+            call: Call,
+            _t: contract::NodeTemplate,
+        ) -> BoxFuture<'static, Answer<LeaseId>> {
+            Box::pin(async move {
+                match call.identity.node.to_string().as_str() {
+                    "w-1" => panic!("the toy's create broke"),
+                    "w-2" => {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                        Answer::Retryable("too late".into())
+                    }
+                    _ => Answer::Succeeded(
+                        LeaseId::new("lease", &format!("l-{}", call.provider_name)).unwrap(),
+                    ),
+                }
+            })
+        }
+
+        fn lookup_endpoint(&self, _: Call, _: LeaseId) -> BoxFuture<'static, Answer<Endpoint>> {
+            Box::pin(async { Answer::NotReady("not yet".into()) })
+        }
+
+        fn start_bootstrap(&self, _: Call, _: Bootstrap) -> BoxFuture<'static, Answer<SessionId>> {
+            Box::pin(async { Answer::Retryable("no".into()) })
+        }
+
+        fn cancel_bootstrap(&self, _: Call, _: Option<SessionId>) -> BoxFuture<'static, Answer<()>> {
+            Box::pin(async { Answer::Succeeded(()) })
+        }
+
+        fn destroy_lease(&self, _: Call, _: Option<LeaseId>) -> BoxFuture<'static, Answer<()>> {
+            Box::pin(async { Answer::Succeeded(()) })
+        }
+
+        fn list(&self) -> BoxFuture<'static, Result<Vec<Resource>, String>> {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+    }
+
+    fn call(node: &str, provider: &str, deadline_in_ms: i64) -> pb::Call {
+        let identity = contract::ResourceIdentity {
+            run_uid: RunUid::from_u128(7),
+            run_id: RunId::parse("run_id", "r").unwrap(),
+            node: LogicalNodeId::parse("node", node).unwrap(),
+            attempt: AttemptId::new(1),
+        };
+        pb::Call {
+            identity: Some(identity_to_wire(&identity)),
+            operation_id: "a1.1".into(),
+            deadline_unix_ms: now_ms().saturating_add_signed(deadline_in_ms),
+            provider_name: provider.into(),
+        }
+    }
+
+    async fn create(
+        svc: &ProviderService<Toy>,
+        call: Option<pb::Call>,
+    ) -> Result<pb::CreateLeaseResponse, Status> {
+        svc.create_lease(Request::new(pb::CreateLeaseRequest {
+            call,
+            template: Some(template_to_wire(&example_template("toy", "img:1"))),
+        }))
+        .await
+        .map(Response::into_inner)
+    }
+
+    fn outcome(r: &pb::CreateLeaseResponse) -> &pb::answer::Outcome {
+        r.answer.as_ref().and_then(|a| a.outcome.as_ref()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn calls_are_guarded_and_checked_before_the_provider_sees_them() {
+        use pb::answer::Outcome;
+        let svc = ProviderService::new(Arc::new(Toy), Events::default());
+
+        // A plain create; an empty provider name is the plugin's first.
+        let ok = create(&svc, Some(call("w-0", "", 10_000))).await.unwrap();
+        assert!(matches!(outcome(&ok), Outcome::Succeeded(_)), "{ok:?}");
+        assert_eq!(ok.lease_id, "l-toy");
+        let second = create(&svc, Some(call("w-0", "toy-2", 10_000))).await.unwrap();
+        assert_eq!(second.lease_id, "l-toy-2");
+
+        // A panic in the provider is ambiguous, never a definite failure.
+        let panicked = create(&svc, Some(call("w-1", "toy", 10_000))).await.unwrap();
+        assert!(
+            matches!(outcome(&panicked), Outcome::Ambiguous(a) if a.reason.contains("panicked")),
+            "{panicked:?}"
+        );
+
+        // Still running at the deadline: ambiguous, at the deadline.
+        let slow = create(&svc, Some(call("w-2", "toy", 200))).await.unwrap();
+        assert!(
+            matches!(outcome(&slow), Outcome::Ambiguous(a) if a.reason.contains("deadline")),
+            "{slow:?}"
+        );
+
+        // Arrived after its deadline: ambiguous without running.
+        let late = create(&svc, Some(call("w-0", "toy", -5))).await.unwrap();
+        assert!(
+            matches!(outcome(&late), Outcome::Ambiguous(a) if a.reason.contains("had passed")),
+            "{late:?}"
+        );
+
+        // A name the plugin does not serve: a definite, permanent failure.
+        let other = create(&svc, Some(call("w-0", "other", 10_000))).await.unwrap();
+        assert!(
+            matches!(outcome(&other), Outcome::Failed(f) if f.kind == pb::FailureKind::Permanent as i32
+                && f.reason.contains("\"other\"")),
+            "{other:?}"
+        );
+
+        // Malformed: INVALID_ARGUMENT naming the field.
+        let missing = create(&svc, None).await.unwrap_err();
+        assert_eq!(missing.code(), tonic::Code::InvalidArgument);
+        assert!(missing.message().starts_with("call "), "{}", missing.message());
+        let mut no_identity = call("w-0", "toy", 10_000);
+        no_identity.identity = None;
+        let err = create(&svc, Some(no_identity)).await.unwrap_err();
+        assert!(err.message().starts_with("call.identity"), "{}", err.message());
+        let mut bad_node = call("w-0", "toy", 10_000);
+        if let Some(i) = bad_node.identity.as_mut() {
+            i.node_id = "Not A Node".into();
+        }
+        let err = create(&svc, Some(bad_node)).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("call.identity"), "{}", err.message());
     }
 }
