@@ -7,7 +7,8 @@
 #
 # Every node is a real node-agent process (the `process` backend) listening on
 # a loopback port and streaming its bootstrap; DEMO_BACKEND=fake uses the
-# in-memory provider instead.
+# in-memory provider instead (the shape's `provider: process` names become
+# `fake`, the name the executor serves it under).
 #
 # Everything talks TLS: `provisionctl certs` writes a development CA and a
 # certificate per service (and one for provisionctl) into the demo's temporary
@@ -136,6 +137,10 @@ driver=$(wait_ready "$work/driver.ready" driver-svc $!)
 
 echo "demo: decider $decider, executor $executor, driver $driver"
 ctl() { "$bin/provisionctl" --server "$driver" "${ctl_tls[@]}" "$@"; }
+if [ "$backend" = fake ]; then
+    sed 's/name: process\b/name: fake/' "$shape" >"$work/shape-fake.yaml"
+    shape="$work/shape-fake.yaml"
+fi
 ctl apply -f "$shape"
 run_id=$(sed -n 's/^run_id:[[:space:]]*//p' "$shape" | head -n 1)
 if ctl watch "$run_id" --timeout "${timeout}s"; then

@@ -141,12 +141,24 @@ impl Link {
         }
     }
 
+    /// The next message about the run. What the executor serves (its first
+    /// message on every link) must name the process backend, and is
+    /// otherwise not this test's subject.
     async fn next(&mut self) -> anyhow::Result<Kind> {
-        match tokio::time::timeout(PATIENCE, self.inbound.message()).await {
-            Err(_) => bail!("no message within {PATIENCE:?}"),
-            Ok(Err(status)) => bail!("the link failed: {status}"),
-            Ok(Ok(None)) => bail!("the link ended"),
-            Ok(Ok(Some(msg))) => msg.kind.context("a message without a kind"),
+        loop {
+            let kind = match tokio::time::timeout(PATIENCE, self.inbound.message()).await {
+                Err(_) => bail!("no message within {PATIENCE:?}"),
+                Ok(Err(status)) => bail!("the link failed: {status}"),
+                Ok(Ok(None)) => bail!("the link ended"),
+                Ok(Ok(Some(msg))) => msg.kind.context("a message without a kind")?,
+            };
+            match kind {
+                Kind::Providers(p) => {
+                    let names: Vec<&str> = p.providers.iter().map(|p| p.name.as_str()).collect();
+                    anyhow::ensure!(names == ["process"], "the executor serves {names:?}");
+                }
+                other => return Ok(other),
+            }
         }
     }
 

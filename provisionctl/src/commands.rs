@@ -305,9 +305,9 @@ impl Loaded {
         Ok(self.file.check(&self.name, &self.text, generation)?)
     }
 
-    /// The server rejected a field the local check let through (its limits
-    /// can be stricter than the defaults): said with the field's place in
-    /// the file, like a local error, but without claiming nothing was sent.
+    /// The server rejected a field the local check let through (a provider
+    /// its executor does not serve, or limits stricter than the defaults):
+    /// said with the field's place in the file, like a local error.
     fn server_rejection(&self, status: &tonic::Status) -> CliError {
         let msg = status.message();
         let msg = msg.strip_prefix("invalid shape: ").unwrap_or(msg);
@@ -320,8 +320,17 @@ impl Loaded {
             field: field.to_owned(),
             problem: problem.to_owned(),
         };
+        // Why this client let it through: the server knows what its
+        // executor serves, and its limits may be stricter than the defaults.
+        let why = if problem.contains("does not serve") {
+            " (`provisionctl providers` lists the providers the server's executor serves)"
+        } else if problem.contains("limit") {
+            " (the server's limits are stricter than the defaults checked here)"
+        } else {
+            ""
+        };
         CliError::refused(
-            format!("{located} (the server's limits are stricter than the defaults checked here)"),
+            format!("{located}{why}"),
             Some("the server rejected the shape; nothing was changed".to_owned()),
         )
     }

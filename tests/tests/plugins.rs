@@ -52,6 +52,23 @@ fn plugin_pid(executor: u32) -> Option<u32> {
         .map(|p| p.pid)
 }
 
+/// Deletes the run and waits until no agent under `root` lives.
+async fn delete_and_see_every_agent_gone(
+    c: &mut contract::pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>,
+    root: &Path,
+) {
+    c.delete_run(pb::DeleteRunRequest {
+        run_id: RUN.to_owned(),
+    })
+    .await
+    .unwrap();
+    eventually(Duration::from_secs(60), "every agent gone", || async {
+        live_agent_pids(root).is_empty().then_some(())
+    })
+    .await
+    .unwrap();
+}
+
 async fn providers(cluster: &Cluster) -> pb::ListProvidersResponse {
     let mut c = cluster.client().await.unwrap();
     c.list_providers(pb::ListProvidersRequest {})
@@ -153,16 +170,7 @@ async fn a_supervised_plugin_serves_its_provider_and_other_names_are_refused() {
     );
 
     // Delete: every agent goes, through the plugin's destroys.
-    c.delete_run(pb::DeleteRunRequest {
-        run_id: RUN.to_owned(),
-    })
-    .await
-    .unwrap();
-    eventually(Duration::from_secs(60), "every agent gone", || async {
-        live_agent_pids(&keep.root).is_empty().then_some(())
-    })
-    .await
-    .unwrap();
+    delete_and_see_every_agent_gone(&mut c, &keep.root).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -242,6 +250,9 @@ async fn a_plugin_killed_mid_convergence_is_restarted_and_nothing_is_orphaned_or
     // The provider is listed available again.
     let listed = providers(&cluster).await;
     assert!(listed.providers.iter().all(|p| p.available), "{listed:?}");
+    // Deleted, it leaves nothing: every agent, the adopted ones too, is
+    // destroyed through the restarted plugin.
+    delete_and_see_every_agent_gone(&mut c, &keep.root).await;
 }
 
 /// Starts `builtin-provider` (the fake) on `sock` as the test's own child,

@@ -1083,7 +1083,16 @@ async fn a_change_whose_answer_is_lost_has_an_unknown_outcome() {
 /// image and leaves everything else alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_change_plans_what_its_header_says() {
-    let (cluster, ctl) = start().await;
+    // The examples name the process backend: real agents, killed at the end.
+    let agents = provisioning_tests::procs::AgentsDir::new().unwrap();
+    let cluster = Cluster::start(
+        ClusterOptions::default()
+            .executor("--backend", "process")
+            .executor("--process-state-dir", &agents.root.display().to_string()),
+    )
+    .await
+    .unwrap();
+    let ctl = Ctl::new(&cluster);
     let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
     let v1 = examples.join("shape.yaml").display().to_string();
     let v2 = examples.join("shape-v2.yaml").display().to_string();
@@ -1232,4 +1241,40 @@ async fn a_context_reaches_the_driver_without_flags() {
     assert_eq!(code, Some(1), "{err}");
     let (code, out, _) = run(args(&["config", "current-context"]), false);
     assert_eq!((code, out.trim()), (Some(0), "test"));
+}
+
+/// A shape naming a provider the executor does not serve is refused by the
+/// server (this client cannot know what is served): the message points at
+/// the line in the file and at `provisionctl providers`, exit 1, nothing
+/// created; `providers` lists what is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unserved_provider_is_refused_at_its_line_and_providers_says_what_is_served() {
+    let (_cluster, ctl) = start().await;
+    let listed = ctl.run(&["providers", "-o", "json"]).await.expect(0).json();
+    // Known once the driver's link is up, which may be a moment after start.
+    let listed = if listed["known"] == true {
+        listed
+    } else {
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        ctl.run(&["providers", "-o", "json"]).await.expect(0).json()
+    };
+    assert_eq!(listed["providers"][0]["name"], "fake", "{listed}");
+    assert_eq!(listed["providers"][0]["kind"], "builtin", "{listed}");
+    let text = shape("elsewhere", 1, "img:1").replace(
+        "name: fake, machine_type: standard-2",
+        "name: gcp, machine_type: standard-2",
+    );
+    let file = ctl.write("elsewhere.yaml", &text);
+    let out = ctl.run(&["apply", "-f", &file]).await;
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("elsewhere.yaml:15:")
+            && out.stderr.contains("groups[1].template.provider.name")
+            && out.stderr.contains("\"gcp\"")
+            && out.stderr.contains("serves: fake")
+            && out.stderr.contains("provisionctl providers"),
+        "{}",
+        out.stderr
+    );
+    ctl.run(&["get", "elsewhere"]).await.expect(1);
 }
