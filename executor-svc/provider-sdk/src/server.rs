@@ -41,7 +41,7 @@ impl<P: Provider> ProviderService<P> {
         {
             call.provider_name.clone_from(first);
         }
-        if !self.names.iter().any(|n| *n == call.provider_name) {
+        if !self.names.contains(&call.provider_name) {
             return Ok(Err(Answer::Permanent(format!(
                 "provider name {:?} is not served by this plugin (it serves {})",
                 call.provider_name,
@@ -279,7 +279,6 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
             Err(refused) => {
                 return Ok(Response::new(pb::CancelBootstrapResponse {
                     answer: Some(answer_to_wire(&refused)),
-                    ..Default::default()
                 }));
             }
         };
@@ -308,7 +307,6 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
             Err(refused) => {
                 return Ok(Response::new(pb::DestroyLeaseResponse {
                     answer: Some(answer_to_wire(&refused)),
-                    ..Default::default()
                 }));
             }
         };
