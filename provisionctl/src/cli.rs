@@ -46,8 +46,10 @@ pub const DEFAULT_SERVER: &str = "127.0.0.1:7000";
 
 #[derive(Debug, Clone, Args)]
 pub struct OutputArg {
-    /// How to print the answer.
-    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+    /// How to print the answer: table, json, yaml, name (`run/NAME` per
+    /// run) or jsonpath=TEMPLATE (kubectl's form, e.g. `jsonpath='{.phase}'`
+    /// or `jsonpath='{.runs[*].run_id}'`).
+    #[arg(short = 'o', long = "output", value_name = "FORMAT", default_value = "table", value_parser = Output::parse)]
     pub output: Output,
 }
 

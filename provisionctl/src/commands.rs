@@ -257,7 +257,8 @@ fn print_lines(lines: &[String]) -> Result<(), CliError> {
 }
 
 fn print_doc(v: &serde_json::Value, output: Output) -> Result<(), CliError> {
-    write_bytes(render::document(v, output).as_bytes())
+    let text = render::render(v, output).map_err(CliError::Usage)?;
+    write_bytes(text.as_bytes())
 }
 
 /// A shape file's text, from a path or standard input.

@@ -16,12 +16,82 @@ use super::{
     text::{self, Table},
 };
 
-/// How a read command prints its answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// How a read command prints its answer: `-o table|json|yaml|name`, or
+/// `-o jsonpath=TEMPLATE` (kubectl's form: text with `{.field[0].other}`
+/// expressions, `[*]` for every element).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Output {
     Table,
     Json,
     Yaml,
+    /// `kind/name` of each thing the answer is about (`run/demo`).
+    Name,
+    /// The template; leaked once at parse time, so that `Output` stays a
+    /// copyable value (a command line parses one).
+    JsonPath(&'static str),
+}
+
+impl Output {
+    /// Parses `-o`'s value.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "table" => Ok(Output::Table),
+            "json" => Ok(Output::Json),
+            "yaml" => Ok(Output::Yaml),
+            "name" => Ok(Output::Name),
+            _ => match s.strip_prefix("jsonpath=") {
+                Some(t) => {
+                    jsonpath::parse(t)?;
+                    Ok(Output::JsonPath(Box::leak(t.to_owned().into_boxed_str())))
+                }
+                None => Err(format!(
+                    "{s:?} is not an output: table, json, yaml, name or jsonpath=TEMPLATE (e.g. jsonpath='{{.phase}}')"
+                )),
+            },
+        }
+    }
+}
+
+/// `kind/name` of each thing a document is about, or `None` when it names
+/// nothing `-o name` knows.
+fn names(value: &Value) -> Option<Vec<String>> {
+    let field = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
+    if let Some(runs) = value.get("runs").and_then(Value::as_array) {
+        return Some(
+            runs.iter()
+                .filter_map(|r| field(r, "run_id"))
+                .map(|r| format!("run/{r}"))
+                .collect(),
+        );
+    }
+    if let Some(providers) = value.get("providers").and_then(Value::as_array) {
+        return Some(
+            providers
+                .iter()
+                .filter_map(|p| field(p, "name"))
+                .map(|p| format!("provider/{p}"))
+                .collect(),
+        );
+    }
+    field(value, "run_id").map(|r| vec![format!("run/{r}")])
+}
+
+/// The document as `output` prints it; an error names what cannot be
+/// printed that way.
+pub fn render(value: &Value, output: Output) -> Result<String, String> {
+    match output {
+        Output::Name => names(value)
+            .map(|n| n.iter().map(|l| format!("{l}\n")).collect())
+            .ok_or_else(|| {
+                "-o name names runs and providers; this answer is neither (try -o json)".to_owned()
+            }),
+        Output::JsonPath(t) => {
+            let mut s = jsonpath::evaluate(&jsonpath::parse(t)?, value)?;
+            s.push('\n');
+            Ok(s)
+        }
+        _ => Ok(document(value, output)),
+    }
 }
 
 /// The document as JSON (pretty) or YAML text.
@@ -38,6 +108,125 @@ pub fn document(value: &Value, output: Output) -> String {
     }
 }
 
+/// kubectl's JSONPath templates, the part scripts use: literal text with
+/// `{...}` expressions of fields (`.a.b`), indices (`[0]`, `[-1]`) and every
+/// element (`[*]`, `.*`); several values are joined by a space.
+mod jsonpath {
+    use serde_json::Value;
+
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Part {
+        Text(String),
+        Path(Vec<Step>),
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Step {
+        Field(String),
+        Index(i64),
+        All,
+    }
+
+    pub fn parse(template: &str) -> Result<Vec<Part>, String> {
+        let mut parts = Vec::new();
+        let mut rest = template;
+        while let Some(open) = rest.find('{') {
+            if open > 0 {
+                parts.push(Part::Text(rest[..open].to_owned()));
+            }
+            let close = rest[open..]
+                .find('}')
+                .map(|c| open + c)
+                .ok_or_else(|| format!("jsonpath {template:?}: a `{{` without its `}}`"))?;
+            parts.push(Part::Path(path(&rest[open + 1..close], template)?));
+            rest = &rest[close + 1..];
+        }
+        if !rest.is_empty() {
+            parts.push(Part::Text(rest.to_owned()));
+        }
+        Ok(parts)
+    }
+
+    fn path(expr: &str, template: &str) -> Result<Vec<Step>, String> {
+        let bad = |why: &str| format!("jsonpath {template:?}: {why} in {{{expr}}}");
+        let mut steps = Vec::new();
+        let mut rest = expr.trim().strip_prefix('$').unwrap_or(expr.trim());
+        while !rest.is_empty() {
+            if let Some(r) = rest.strip_prefix('.') {
+                let end = r.find(['.', '[']).unwrap_or(r.len());
+                let name = &r[..end];
+                match name {
+                    "" if end == r.len() => break,
+                    "" => {}
+                    "*" => steps.push(Step::All),
+                    _ => steps.push(Step::Field(name.to_owned())),
+                }
+                rest = &r[end..];
+            } else if let Some(r) = rest.strip_prefix('[') {
+                let end = r.find(']').ok_or_else(|| bad("a `[` without its `]`"))?;
+                let inner = r[..end].trim();
+                steps.push(match inner {
+                    "*" => Step::All,
+                    _ => match inner.parse::<i64>() {
+                        Ok(i) => Step::Index(i),
+                        Err(_) => Step::Field(inner.trim_matches(['\'', '"']).to_owned()),
+                    },
+                });
+                rest = &r[end + 1..];
+            } else {
+                return Err(bad("expected `.field` or `[index]`"));
+            }
+        }
+        Ok(steps)
+    }
+
+    fn select<'a>(steps: &[Step], v: &'a Value, out: &mut Vec<&'a Value>) {
+        let Some((step, rest)) = steps.split_first() else {
+            out.push(v);
+            return;
+        };
+        match (step, v) {
+            (Step::Field(f), Value::Object(m)) => {
+                if let Some(x) = m.get(f) {
+                    select(rest, x, out);
+                }
+            }
+            (Step::Index(i), Value::Array(a)) => {
+                let at = if *i < 0 { a.len() as i64 + i } else { *i };
+                if let Some(x) = usize::try_from(at).ok().and_then(|at| a.get(at)) {
+                    select(rest, x, out);
+                }
+            }
+            (Step::All, Value::Array(a)) => a.iter().for_each(|x| select(rest, x, out)),
+            (Step::All, Value::Object(m)) => m.values().for_each(|x| select(rest, x, out)),
+            _ => {}
+        }
+    }
+
+    pub fn evaluate(parts: &[Part], value: &Value) -> Result<String, String> {
+        let mut s = String::new();
+        for part in parts {
+            match part {
+                Part::Text(t) => s.push_str(t),
+                Part::Path(steps) => {
+                    let mut found = Vec::new();
+                    select(steps, value, &mut found);
+                    let shown: Vec<String> = found
+                        .into_iter()
+                        .map(|v| match v {
+                            Value::String(x) => x.clone(),
+                            Value::Null => String::new(),
+                            other => other.to_string(),
+                        })
+                        .collect();
+                    s.push_str(&shown.join(" "));
+                }
+            }
+        }
+        Ok(s)
+    }
+}
+
 /// A document as `-o json` and `-o yaml` print it.
 pub type Document = Value;
 
@@ -47,7 +236,7 @@ pub fn parse_document(text: &str, output: Output) -> Result<Document, String> {
     match output {
         Output::Json => serde_json::from_str(text).map_err(|e| format!("not JSON: {e}")),
         Output::Yaml => serde_yaml::from_str(text).map_err(|e| format!("not YAML: {e}")),
-        Output::Table => Err("a table is not a document".to_owned()),
+        Output::Table | Output::Name | Output::JsonPath(_) => Err("not a document".to_owned()),
     }
 }
 
@@ -653,6 +842,53 @@ pub(crate) mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
     use super::*;
+
+    #[test]
+    fn outputs_parse_and_a_bad_one_says_what_there_is() {
+        assert_eq!(Output::parse("name"), Ok(Output::Name));
+        assert_eq!(Output::parse("yaml"), Ok(Output::Yaml));
+        assert_eq!(
+            Output::parse("jsonpath={.phase}"),
+            Ok(Output::JsonPath("{.phase}"))
+        );
+        let e = Output::parse("xml").unwrap_err();
+        assert!(e.contains("table, json, yaml, name or jsonpath=TEMPLATE"), "{e}");
+        let e = Output::parse("jsonpath={.phase").unwrap_err();
+        assert!(e.contains("without its"), "{e}");
+        let e = Output::parse("jsonpath={phase}").unwrap_err();
+        assert!(e.contains("expected `.field`"), "{e}");
+    }
+
+    #[test]
+    fn jsonpath_templates_select_fields_indices_and_every_element() {
+        let doc = json!({
+            "runs": [
+                { "run_id": "a", "phase": "converged", "groups": [{ "ready": 3 }] },
+                { "run_id": "b", "phase": "progressing", "groups": [{ "ready": 1 }, { "ready": 2 }] },
+            ],
+            "n": 2,
+            "none": null,
+        });
+        let out = |t: &str| render(&doc, Output::parse(&format!("jsonpath={t}")).unwrap()).unwrap();
+        assert_eq!(out("{.runs[*].run_id}"), "a b\n");
+        assert_eq!(out("{.runs[0].phase}"), "converged\n");
+        assert_eq!(out("{.runs[-1].groups[*].ready}"), "1 2\n");
+        assert_eq!(out("{$.n} runs, first {.runs[0]['run_id']}"), "2 runs, first a\n");
+        assert_eq!(out("{.missing}{.none}"), "\n");
+        assert_eq!(out("{.runs[*].groups[0].ready}"), "3 1\n");
+    }
+
+    #[test]
+    fn name_output_names_runs_and_providers() {
+        let list = json!({ "runs": [{ "run_id": "a" }, { "run_id": "b" }] });
+        assert_eq!(render(&list, Output::Name).unwrap(), "run/a\nrun/b\n");
+        let one = json!({ "run_id": "demo", "phase": "converged" });
+        assert_eq!(render(&one, Output::Name).unwrap(), "run/demo\n");
+        let providers = json!({ "known": true, "providers": [{ "name": "fake" }] });
+        assert_eq!(render(&providers, Output::Name).unwrap(), "provider/fake\n");
+        let e = render(&json!({ "events": [] }), Output::Name).unwrap_err();
+        assert!(e.contains("-o json"), "{e}");
+    }
 
     pub(crate) fn status() -> pb::RunStatus {
         pb::RunStatus {

@@ -1278,3 +1278,35 @@ async fn an_unserved_provider_is_refused_at_its_line_and_providers_says_what_is_
     );
     ctl.run(&["get", "elsewhere"]).await.expect(1);
 }
+
+/// `-o name` and `-o jsonpath=TEMPLATE` for scripts, through the real
+/// binary; a format that does not exist is a usage error (exit 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn name_and_jsonpath_outputs_for_scripts() {
+    let (_cluster, ctl) = start().await;
+    let a = ctl.write("a.yaml", &shape("alpha", 1, "img:1"));
+    let b = ctl.write("b.yaml", &shape("beta", 1, "img:1"));
+    ctl.run(&["apply", "-f", &a]).await.expect(0);
+    ctl.run(&["apply", "-f", &b]).await.expect(0);
+    let names = ctl.run(&["list", "-o", "name"]).await.expect(0);
+    let mut listed: Vec<&str> = names.stdout.lines().collect();
+    listed.sort_unstable();
+    assert_eq!(listed, ["run/alpha", "run/beta"], "{}", names.stdout);
+    let one = ctl.run(&["get", "alpha", "-o", "name"]).await.expect(0);
+    assert_eq!(one.stdout, "run/alpha\n");
+    let path = ctl
+        .run(&["get", "alpha", "-o", "jsonpath={.run_id} at {.generation}"])
+        .await
+        .expect(0);
+    assert_eq!(path.stdout, "alpha at 1\n");
+    let ids = ctl
+        .run(&["list", "-o", "jsonpath={.runs[*].run_id}"])
+        .await
+        .expect(0);
+    let mut ids: Vec<&str> = ids.stdout.split_whitespace().collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["alpha", "beta"]);
+    let bad = ctl.run(&["list", "-o", "xml"]).await.expect(2);
+    assert!(bad.stderr.contains("jsonpath=TEMPLATE"), "{}", bad.stderr);
+    no_secret(&path);
+}
