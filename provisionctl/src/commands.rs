@@ -256,6 +256,36 @@ fn print_lines(lines: &[String]) -> Result<(), CliError> {
     write_bytes(s.as_bytes())
 }
 
+/// Sends an idempotent read, again when the server shed it
+/// (`RESOURCE_EXHAUSTED`: after the pause its `grpc-retry-pushback-ms` asks
+/// for, at most 5 s) or was unavailable for a moment (after 200 ms, then
+/// 400 ms); at most four tries. Changes are never sent twice: an unknown
+/// outcome is the user's to check.
+async fn read<T, Fut>(mut call: impl FnMut() -> Fut) -> Result<T, tonic::Status>
+where
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let mut backoff = Duration::from_millis(200);
+    let mut tries = 1;
+    loop {
+        match call().await {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s) if tries < 4 && matches!(s.code(), Code::ResourceExhausted | Code::Unavailable) => {
+                let asked = s
+                    .metadata()
+                    .get("grpc-retry-pushback-ms")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .map(Duration::from_millis);
+                tokio::time::sleep(asked.unwrap_or(backoff).min(Duration::from_secs(5))).await;
+                backoff *= 2;
+                tries += 1;
+            }
+            Err(s) => return Err(s),
+        }
+    }
+}
+
 fn print_doc(v: &serde_json::Value, output: Output) -> Result<(), CliError> {
     let text = render::render(v, output).map_err(CliError::Usage)?;
     write_bytes(text.as_bytes())
@@ -758,15 +788,17 @@ impl Ctx {
 
     /// The run's status, as `get` reads it.
     async fn run_status(&self, run: &str, nodes: bool) -> Result<pb::RunStatus, CliError> {
-        let mut client = self.connect_run(run).await?;
-        Ok(client
-            .get_run(pb::GetRunRequest {
-                run_id: run.to_owned(),
-                include_nodes: nodes,
-            })
-            .await
-            .map_err(|s| self.status_error(&s, Doing::Run { verb: "get", run }))?
-            .into_inner())
+        let client = self.connect_run(run).await?;
+        let request = pb::GetRunRequest {
+            run_id: run.to_owned(),
+            include_nodes: nodes,
+        };
+        read(|| {
+            let (mut c, r) = (client.clone(), request.clone());
+            async move { c.get_run(r).await }
+        })
+        .await
+        .map_err(|s| self.status_error(&s, Doing::Run { verb: "get", run }))
     }
 
     async fn get(&self, run: &str, nodes: bool, output: Output) -> Result<Exit, CliError> {
@@ -779,13 +811,14 @@ impl Ctx {
     }
 
     async fn list(&self, output: Output) -> Result<Exit, CliError> {
-        let mut client = self.connect().await?;
-        let runs = client
-            .list_runs(pb::ListRunsRequest {})
-            .await
-            .map_err(|s| self.status_error(&s, Doing::Server("list runs")))?
-            .into_inner()
-            .runs;
+        let client = self.connect().await?;
+        let runs = read(|| {
+            let mut c = client.clone();
+            async move { c.list_runs(pb::ListRunsRequest {}).await }
+        })
+        .await
+        .map_err(|s| self.status_error(&s, Doing::Server("list runs")))?
+        .runs;
         match output {
             Output::Table => print_lines(&render::list_table(&runs))?,
             _ => print_doc(&render::list_json(&runs), output)?,
@@ -923,24 +956,26 @@ impl Ctx {
 
     async fn explain(&self, run: &str, node: &str, output: Output) -> Result<Exit, CliError> {
         check_node_id(run, node)?;
-        let mut client = self.connect_run(run).await?;
-        let e = client
-            .explain_node(pb::ExplainNodeRequest {
-                run_id: run.to_owned(),
-                node_id: node.to_owned(),
-            })
-            .await
-            .map_err(|s| {
-                self.status_error(
-                    &s,
-                    Doing::Node {
-                        verb: "explain",
-                        run,
-                        node,
-                    },
-                )
-            })?
-            .into_inner();
+        let client = self.connect_run(run).await?;
+        let request = pb::ExplainNodeRequest {
+            run_id: run.to_owned(),
+            node_id: node.to_owned(),
+        };
+        let e = read(|| {
+            let (mut c, r) = (client.clone(), request.clone());
+            async move { c.explain_node(r).await }
+        })
+        .await
+        .map_err(|s| {
+            self.status_error(
+                &s,
+                Doing::Node {
+                    verb: "explain",
+                    run,
+                    node,
+                },
+            )
+        })?;
         match output {
             Output::Table => print_lines(&explain::explain_text(run, &e))?,
             _ => print_doc(&explain::explain_json(run, &e), output)?,
@@ -1158,12 +1193,13 @@ impl Ctx {
     }
 
     async fn providers(&self, output: Output) -> Result<Exit, CliError> {
-        let mut client = self.connect().await?;
-        let list = client
-            .list_providers(pb::ListProvidersRequest {})
-            .await
-            .map_err(|s| self.status_error(&s, Doing::Server("list providers")))?
-            .into_inner();
+        let client = self.connect().await?;
+        let list = read(|| {
+            let mut c = client.clone();
+            async move { c.list_providers(pb::ListProvidersRequest {}).await }
+        })
+        .await
+        .map_err(|s| self.status_error(&s, Doing::Server("list providers")))?;
         let yes_no = |b: bool| if b { "yes" } else { "no" }.to_owned();
         match output {
             Output::Table if !list.known => {
@@ -1204,13 +1240,14 @@ impl Ctx {
     }
 
     async fn orphans(&self, output: Output) -> Result<Exit, CliError> {
-        let mut client = self.connect().await?;
-        let list = client
-            .list_orphans(pb::ListOrphansRequest {})
-            .await
-            .map_err(|s| self.status_error(&s, Doing::Server("list orphans")))?
-            .into_inner()
-            .orphans;
+        let client = self.connect().await?;
+        let list = read(|| {
+            let mut c = client.clone();
+            async move { c.list_orphans(pb::ListOrphansRequest {}).await }
+        })
+        .await
+        .map_err(|s| self.status_error(&s, Doing::Server("list orphans")))?
+        .orphans;
         match output {
             Output::Table => {
                 if list.is_empty() {

@@ -1310,3 +1310,32 @@ async fn name_and_jsonpath_outputs_for_scripts() {
     assert!(bad.stderr.contains("jsonpath=TEMPLATE"), "{}", bad.stderr);
     no_secret(&path);
 }
+
+/// A read the server sheds is sent again after the pause the server asks
+/// for (`grpc-retry-pushback-ms`); a change is never sent twice: shed, it
+/// fails at once and says when to try again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_shed_by_the_rate_limit_are_retried_and_changes_are_not() {
+    let cluster = Cluster::start(
+        ClusterOptions::default()
+            .driver("--rate-limit", "2")
+            .driver("--rate-limit-window-ms", "1500"),
+    )
+    .await
+    .unwrap();
+    let ctl = Ctl::new(&cluster);
+    // Two calls use the window up; the third is shed, waits, and succeeds.
+    for _ in 0..3 {
+        let out = ctl.run(&["list", "-o", "json"]).await.expect(0);
+        assert!(out.stderr.is_empty(), "{}", out.stderr);
+    }
+    // Changes are not retried: use the window up, then a pause is refused.
+    ctl.run(&["list"]).await.expect(0);
+    ctl.run(&["list"]).await.expect(0);
+    let out = ctl.run(&["pause", "nothing-here"]).await.expect(1);
+    assert!(
+        out.stderr.contains("too busy") && out.stderr.contains("try again in"),
+        "{}",
+        out.stderr
+    );
+}
