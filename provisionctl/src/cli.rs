@@ -113,6 +113,7 @@ pub enum Command {
     },
     /// Show a run: phase, groups, counts by stage (and every node with --nodes).
     Get {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         /// Also list every node with its stage, pending operation and last rule.
         #[arg(long)]
@@ -129,6 +130,7 @@ pub enum Command {
     /// a lost connection to the driver (a restart, a failover) is
     /// reconnected, with backoff, until --timeout.
     Watch {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         #[command(flatten)]
         follow: FollowArgs,
@@ -137,6 +139,7 @@ pub enum Command {
     /// replaced, remediation held, permanent failures, dependencies lost and
     /// back, takeovers.
     Events {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         /// Then print each new event as it is recorded (until the run is
         /// deleted, or Ctrl-C); with `-o json`, one JSON object per line.
@@ -150,6 +153,7 @@ pub enum Command {
     },
     /// Describe a run: its phase, conditions and groups, then its recent events.
     Describe {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         /// How many of the latest events to show.
         #[arg(long, value_name = "N", default_value_t = 20)]
@@ -159,14 +163,17 @@ pub enum Command {
     },
     /// Explain one node: its facts, what it waits for, and the rule that applies now.
     Explain {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         /// The node, `GROUP-INDEX` (e.g. `workers-3`).
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::nodes))]
         node: String,
         #[command(flatten)]
         output: OutputArg,
     },
     /// Delete a run: every node is cleaned up, then the run is gone.
     Delete {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         /// Wait until every node is cleaned up and the run is gone.
         #[arg(long)]
@@ -183,12 +190,14 @@ pub enum Command {
     },
     /// Pause a run: nothing new is dispatched; operations in flight finish.
     Pause {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         #[command(flatten)]
         output: OutputArg,
     },
     /// Resume a paused run.
     Resume {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         #[command(flatten)]
         output: OutputArg,
@@ -198,7 +207,9 @@ pub enum Command {
     Rollout(RolloutCommand),
     /// Forget a node whose cleanup fails for good; what it leaves behind is recorded as an orphan.
     Abandon {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::nodes))]
         node: String,
         /// Do not ask for confirmation.
         #[arg(long, short = 'y')]
@@ -266,12 +277,14 @@ pub enum RolloutCommand {
     /// Each group's rollout: nodes on the new template and the old, the
     /// budget in use, the canary, and whether (and why) it halted.
     Status {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         #[command(flatten)]
         output: OutputArg,
     },
     /// Let a group's rollout go on past its canary.
     Promote {
+        #[arg(add = clap_complete::engine::ArgValueCompleter::new(crate::complete::runs))]
         run: String,
         group: String,
         #[command(flatten)]

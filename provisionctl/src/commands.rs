@@ -120,27 +120,7 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
     if let Command::Config(cmd) = &cli.command {
         return config_command(cmd, &cli, config, config_path.as_deref());
     }
-    // Each setting from its flag or environment variable, else from the
-    // context, else the default.
-    let context = config
-        .active(cli.context.as_deref())?
-        .cloned()
-        .unwrap_or_default();
-    let server = cli
-        .server
-        .clone()
-        .or(context.server)
-        .unwrap_or_else(|| super::cli::DEFAULT_SERVER.to_owned());
-    let mut tls = cli.tls.clone();
-    tls.tls_ca = tls.tls_ca.or(context.tls_ca);
-    if tls.tls_cert.is_none() && tls.tls_key.is_none() {
-        tls.tls_cert = context.tls_cert;
-        tls.tls_key = context.tls_key;
-    }
-    tls.insecure = tls.insecure.or(context.insecure);
-    let token_file = cli.token_file.clone().or(context.token_file);
-    let token = BearerToken::from_args(token_file.as_deref())?;
-    let ctx = Ctx { server, token, tls };
+    let ctx = context(&cli, config)?;
     match cli.command {
         Command::Apply {
             file,
@@ -230,10 +210,29 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
             force,
         } => super::tls::write_certs(&out, &hosts, &also, days, force),
         Command::Completions { shell } => {
-            let mut cmd = <Cli as clap::CommandFactory>::command();
-            let mut buf = Vec::new();
-            clap_complete::generate(shell, &mut cmd, "provisionctl", &mut buf);
-            write_bytes(&buf)?;
+            // The script registers `provisionctl` itself as the completer
+            // (`COMPLETE=SHELL provisionctl`), which completes flags and
+            // subcommands, and run and node names from the driver.
+            let name = match shell {
+                clap_complete::Shell::Bash => "bash",
+                clap_complete::Shell::Zsh => "zsh",
+                clap_complete::Shell::Fish => "fish",
+                clap_complete::Shell::Elvish => "elvish",
+                clap_complete::Shell::PowerShell => "powershell",
+                _ => return Err(CliError::Usage(format!("no completion for {shell}"))),
+            };
+            let exe = std::env::current_exe().map_err(|e| CliError::Other(format!("where am I: {e}")))?;
+            let out = std::process::Command::new(&exe)
+                .env("COMPLETE", name)
+                .output()
+                .map_err(|e| CliError::Other(format!("writing the {name} completion: {e}")))?;
+            if !out.status.success() {
+                return Err(CliError::Other(format!(
+                    "writing the {name} completion: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )));
+            }
+            write_bytes(&out.stdout)?;
             Ok(Exit::Success)
         }
     }
@@ -254,6 +253,61 @@ fn print_lines(lines: &[String]) -> Result<(), CliError> {
     let mut s = lines.join("\n");
     s.push('\n');
     write_bytes(s.as_bytes())
+}
+
+/// How to reach the driver: each setting from its flag or environment
+/// variable, else from the configuration file's context, else the default.
+fn context(cli: &Cli, config: Config) -> Result<Ctx, CliError> {
+    let context = config
+        .active(cli.context.as_deref())?
+        .cloned()
+        .unwrap_or_default();
+    let server = cli
+        .server
+        .clone()
+        .or(context.server)
+        .unwrap_or_else(|| super::cli::DEFAULT_SERVER.to_owned());
+    let mut tls = cli.tls.clone();
+    tls.tls_ca = tls.tls_ca.or(context.tls_ca);
+    if tls.tls_cert.is_none() && tls.tls_key.is_none() {
+        tls.tls_cert = context.tls_cert;
+        tls.tls_key = context.tls_key;
+    }
+    tls.insecure = tls.insecure.or(context.insecure);
+    let token_file = cli.token_file.clone().or(context.token_file);
+    let token = BearerToken::from_args(token_file.as_deref())?;
+    Ok(Ctx { server, token, tls })
+}
+
+/// Shell completion: the runs the driver has (`None`: the node names of
+/// `run`), reached as `cli` says. Nothing is printed.
+pub async fn completion_names(cli: &Cli, run: Option<&str>) -> Result<Vec<String>, CliError> {
+    let config_path = cli.config.clone().or_else(config::default_path);
+    let config = match &config_path {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    let ctx = context(cli, config)?;
+    match run {
+        None => {
+            let client = ctx.connect().await?;
+            let runs = read(|| {
+                let mut c = client.clone();
+                async move { c.list_runs(pb::ListRunsRequest {}).await }
+            })
+            .await
+            .map_err(|s| ctx.status_error(&s, Doing::Server("list runs")))?
+            .runs;
+            Ok(runs.into_iter().map(|r| r.run_id).collect())
+        }
+        Some(run) => Ok(ctx
+            .run_status(run, true)
+            .await?
+            .nodes
+            .into_iter()
+            .filter_map(|n| n.state.map(|s| s.node_id))
+            .collect()),
+    }
 }
 
 /// Sends an idempotent read, again when the server shed it

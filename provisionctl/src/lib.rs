@@ -5,7 +5,7 @@
 //! driver.
 //!
 //! [`cli`] is the command line; [`commands`] runs each command against the
-//! driver's public API. What they print comes from pure renderers: [`render`]
+//! driver's public API; [`complete`] offers run and node names to a shell. What they print comes from pure renderers: [`render`]
 //! (runs, nodes, shapes; table, JSON, YAML), [`plan`], [`explain`],
 //! [`events`] (a run's event log) and [`watch`] (the live view and its plain
 //! form), with [`names`] for the
@@ -24,6 +24,7 @@
 
 pub mod cli;
 pub mod commands;
+pub mod complete;
 pub mod config;
 pub mod error;
 pub mod events;

@@ -14,6 +14,9 @@ use provisionctl::{
 };
 
 fn main() -> ExitCode {
+    // A shell asking for completions (`COMPLETE=bash provisionctl -- ...`):
+    // answered here, before anything else is printed.
+    clap_complete::CompleteEnv::with_factory(Cli::command).complete();
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,

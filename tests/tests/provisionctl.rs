@@ -70,6 +70,34 @@ impl Ctl {
         self.run_with(args, None).await
     }
 
+    /// What a shell asking `provisionctl` to complete `line` (its last word
+    /// the one being completed) is offered, one candidate per line.
+    async fn complete(&self, line: &str) -> Vec<String> {
+        let words: Vec<&str> = line.split(' ').collect();
+        let mut cmd = tokio::process::Command::new(&self.bin);
+        cmd.arg("--")
+            .args(&words)
+            .env("COMPLETE", "bash")
+            .env("_CLAP_COMPLETE_INDEX", (words.len() - 1).to_string())
+            .env("_CLAP_IFS", "\n")
+            .env("PROVISIONCTL_SERVER", &self.server)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(CALL_LIMIT, cmd.output())
+            .await
+            .unwrap_or_else(|_| panic!("completing {line:?} hung"))
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let mut got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .split(['\n', '\u{b}'])
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect();
+        got.sort();
+        got
+    }
+
     async fn run_with(&self, args: &[&str], stdin: Option<&str>) -> Out {
         let mut cmd = tokio::process::Command::new(&self.bin);
         cmd.args(args)
@@ -878,7 +906,7 @@ async fn completions_help_and_an_unreachable_server() {
     let (code, out, _) = run(&["completions", "bash"]);
     assert_eq!(code, 0);
     assert!(
-        out.contains("_provisionctl()") && out.contains("complete -F"),
+        out.contains("_clap_complete_provisionctl()") && out.contains("complete -o nospace"),
         "{out}"
     );
     for shell in ["zsh", "fish"] {
@@ -1338,4 +1366,44 @@ async fn reads_shed_by_the_rate_limit_are_retried_and_changes_are_not() {
         "{}",
         out.stderr
     );
+}
+
+/// Completion offers the driver's run names, and a run's node names, to a
+/// shell (`provisionctl completions bash` registers it); an unreachable
+/// driver offers nothing, at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_offers_run_and_node_names_from_the_driver() {
+    let (_cluster, ctl) = start().await;
+    for (name, count) in [("alpha", 1), ("alps", 2), ("beta", 1)] {
+        let file = ctl.write(&format!("{name}.yaml"), &shape(name, count, "img:1"));
+        ctl.run(&["apply", "-f", &file]).await.expect(0);
+    }
+    assert_eq!(ctl.complete("provisionctl get al").await, ["alpha", "alps"]);
+    assert_eq!(ctl.complete("provisionctl describe b").await, ["beta"]);
+    assert_eq!(
+        ctl.complete("provisionctl explain alps w").await,
+        ["workers-0", "workers-1"]
+    );
+    // An empty word is offered the flags too.
+    let offered = ctl.complete("provisionctl explain alps ").await;
+    let names: Vec<&String> = offered.iter().filter(|w| !w.starts_with('-')).collect();
+    assert_eq!(
+        names,
+        ["ctrl-0", "ctrl-1", "workers-0", "workers-1"],
+        "{offered:?}"
+    );
+    assert!(offered.iter().any(|w| w == "--output"), "{offered:?}");
+    // The script a shell sources names provisionctl as its own completer.
+    let script = ctl.run(&["completions", "bash"]).await.expect(0);
+    assert!(
+        script.stdout.contains("COMPLETE=\"bash\"") && script.stdout.contains("complete -o nospace"),
+        "{}",
+        script.stdout
+    );
+    // Nothing to offer from a driver that is not there.
+    let away = Ctl {
+        server: "http://127.0.0.1:1".to_owned(),
+        ..ctl
+    };
+    assert!(away.complete("provisionctl get al").await.is_empty());
 }
