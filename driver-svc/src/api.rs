@@ -155,8 +155,10 @@ impl Provisioning for Api {
         req: Request<pb::ListRunsRequest>,
     ) -> Result<Response<pb::ListRunsResponse>, Status> {
         let who = principal(&req, Access::Read, "ListRuns")?;
+        let selector = contract::labels::Selector::parse("label_selector", &req.get_ref().label_selector)
+            .map_err(|e| invalid(&e))?;
         let mut runs = self.driver.list().await.map_err(to_status)?;
-        runs.retain(|r| who.may_see(&r.run_id));
+        runs.retain(|r| who.may_see(&r.run_id) && selector.matches(|k| r.labels.get(k).map(String::as_str)));
         Ok(Response::new(pb::ListRunsResponse { runs }))
     }
 

@@ -650,6 +650,7 @@ mod tests {
         let mut s = ClusterShape {
             run_id: RunId::parse("r", "train").unwrap(),
             generation: Generation::new(generation),
+            labels: Default::default(),
             groups: vec![contract::NodeGroup {
                 id: contract::GroupId::parse("g", "workers").unwrap(),
                 count: 4,

@@ -131,6 +131,12 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
         // The run's actor adds them (`Conditions`): they need what it knows
         // of the decider and the link, and when each last changed.
         conditions: Vec::new(),
+        labels: meta
+            .shape
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
     }
 }
 

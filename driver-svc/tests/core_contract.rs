@@ -23,6 +23,7 @@ fn pb_shape(generation: u64) -> pb::ClusterShape {
     let s = contract::ClusterShape {
         run_id: RunId::parse("run_id", "train").unwrap(),
         generation: Generation::new(generation),
+        labels: Default::default(),
         groups: vec![
             contract::NodeGroup {
                 id: contract::GroupId::parse("id", "ctrl").unwrap(),
@@ -1150,6 +1151,7 @@ fn rolling_shape(generation: u64, count: u32, image: &str, rollout: contract::Ro
     ClusterShape {
         run_id: RunId::parse("run_id", "train").unwrap(),
         generation: Generation::new(generation),
+        labels: Default::default(),
         groups: vec![g],
     }
 }

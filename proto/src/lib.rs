@@ -23,6 +23,7 @@ pub mod error;
 pub mod events;
 pub mod health;
 pub mod ids;
+pub mod labels;
 pub mod ops;
 pub mod rollout;
 pub mod shape;

@@ -94,6 +94,41 @@ pub struct ClusterShape {
     pub run_id: RunId,
     pub generation: Generation,
     pub groups: Vec<NodeGroup>,
+    /// The run's labels: content (a change is a new generation), in no
+    /// node's template (nothing is replaced for them).
+    pub labels: BTreeMap<String, String>,
+}
+
+/// At most this many labels on a run.
+pub const MAX_LABELS: usize = 64;
+/// The longest label key or value.
+pub const MAX_LABEL_LEN: usize = 63;
+
+/// A label key (`name`: not empty) or value: at most [`MAX_LABEL_LEN`]
+/// letters, digits, `-`, `_`, `.` or `/`.
+fn check_label(field: &str, s: &str, key: bool) -> Result<(), FieldError> {
+    if key && s.is_empty() {
+        return Err(FieldError::new(field, Problem::Empty));
+    }
+    if s.len() > MAX_LABEL_LEN {
+        return Err(FieldError::new(
+            field,
+            Problem::TooLong {
+                len: s.len(),
+                max: MAX_LABEL_LEN,
+            },
+        ));
+    }
+    if !s
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'))
+    {
+        return Err(FieldError::new(
+            field,
+            Problem::Malformed("only letters, digits, '-', '_', '.' and '/'"),
+        ));
+    }
+    Ok(())
 }
 
 /// Configured limits a shape must fit.
@@ -139,7 +174,7 @@ impl ClusterShape {
 
     /// The same content, ignoring the generation: the revision contract's test.
     pub fn same_content(&self, other: &ClusterShape) -> bool {
-        self.run_id == other.run_id && self.groups == other.groups
+        self.run_id == other.run_id && self.groups == other.groups && self.labels == other.labels
     }
 
     /// Checks everything the type cannot: uniqueness, finiteness, signs and the
@@ -150,6 +185,19 @@ impl ClusterShape {
                 "generation",
                 Problem::Malformed("must be at least 1"),
             ));
+        }
+        if self.labels.len() > MAX_LABELS {
+            return Err(FieldError::new(
+                "labels",
+                Problem::OverLimit {
+                    value: self.labels.len() as u64,
+                    limit: MAX_LABELS as u64,
+                },
+            ));
+        }
+        for (k, v) in &self.labels {
+            check_label(&format!("labels[{k:?}]"), k, true)?;
+            check_label(&format!("labels[{k:?}]"), v, false)?;
         }
         if self.groups.len() > limits.max_groups {
             return Err(FieldError::new(
@@ -308,10 +356,39 @@ pub fn example_template(provider: &str, image: &str) -> NodeTemplate {
 mod tests {
     use super::*;
 
+    #[test]
+    fn labels_are_checked_and_are_content() {
+        let mut s = shape();
+        let before = s.clone();
+        s.labels.insert("team".into(), "ml".into());
+        assert!(s.validate(&ShapeLimits::default()).is_ok());
+        assert!(!s.same_content(&before), "a label change is a change");
+        for (k, v, field) in [
+            ("", "x", "labels[\"\"]"),
+            ("a b", "x", "labels[\"a b\"]"),
+            ("k", "v v", "labels[\"k\"]"),
+            ("k", &"v".repeat(64), "labels[\"k\"]"),
+        ] {
+            let mut bad = before.clone();
+            bad.labels.insert(k.to_owned(), v.to_owned());
+            let e = bad.validate(&ShapeLimits::default()).unwrap_err();
+            assert_eq!(e.field, field, "{k:?}={v:?}: {e}");
+        }
+        let mut many = before.clone();
+        for i in 0..65 {
+            many.labels.insert(format!("k{i}"), String::new());
+        }
+        assert_eq!(
+            many.validate(&ShapeLimits::default()).unwrap_err().field,
+            "labels"
+        );
+    }
+
     fn shape() -> ClusterShape {
         ClusterShape {
             run_id: RunId::parse("run_id", "r").unwrap(),
             generation: Generation::new(1),
+            labels: Default::default(),
             groups: vec![NodeGroup {
                 id: GroupId::parse("id", "workers").unwrap(),
                 count: 3,

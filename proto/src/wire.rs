@@ -632,6 +632,7 @@ fn decode_shape(
         run_id,
         generation: Generation::new(s.generation),
         groups,
+        labels: s.labels.into_iter().collect(),
     })
 }
 
@@ -651,6 +652,7 @@ impl From<&ClusterShape> for pb::ClusterShape {
             run_id: s.run_id.as_str().to_owned(),
             generation: s.generation.get(),
             groups: s.groups.iter().map(pb::NodeGroup::from).collect(),
+            labels: s.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         }
     }
 }
@@ -692,6 +694,7 @@ pub fn shape_to_wire_with_table(
                 }
             })
             .collect(),
+        labels: shape.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
     };
     (wire, refs)
 }
@@ -1795,6 +1798,10 @@ mod tests {
         Ok(ClusterShape {
             run_id: RunId::parse("run_id", "train-7")?,
             generation: Generation::new(3),
+            labels: BTreeMap::from([
+                ("team".to_owned(), "ml".to_owned()),
+                ("tier".to_owned(), String::new()),
+            ]),
             groups: vec![
                 NodeGroup {
                     id: GroupId::parse("id", "gpu")?,

@@ -123,6 +123,10 @@ pub enum Command {
     },
     /// List the runs.
     List {
+        /// Only the runs whose labels match: `key=value`, `key!=value`,
+        /// `key`, `!key`, comma-separated, all of which must hold.
+        #[arg(short = 'l', long = "selector", value_name = "SELECTOR")]
+        selector: Option<String>,
         #[command(flatten)]
         output: OutputArg,
     },

@@ -145,7 +145,7 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
             output,
         } => ctx.plan(&file.file, detailed_exitcode, output.output).await,
         Command::Get { run, nodes, output } => ctx.get(&run, nodes, output.output).await,
-        Command::List { output } => ctx.list(output.output).await,
+        Command::List { selector, output } => ctx.list(selector.as_deref(), output.output).await,
         Command::Watch { run, follow } => {
             let started = Instant::now();
             let mut client = ctx.connect().await?;
@@ -293,7 +293,7 @@ pub async fn completion_names(cli: &Cli, run: Option<&str>) -> Result<Vec<String
             let client = ctx.connect().await?;
             let runs = read(|| {
                 let mut c = client.clone();
-                async move { c.list_runs(pb::ListRunsRequest {}).await }
+                async move { c.list_runs(pb::ListRunsRequest::default()).await }
             })
             .await
             .map_err(|s| ctx.status_error(&s, Doing::Server("list runs")))?
@@ -864,11 +864,18 @@ impl Ctx {
         Ok(Exit::Success)
     }
 
-    async fn list(&self, output: Output) -> Result<Exit, CliError> {
+    async fn list(&self, selector: Option<&str>, output: Output) -> Result<Exit, CliError> {
+        // Checked here first: a malformed selector is a usage error, sent nowhere.
+        if let Some(s) = selector {
+            contract::labels::Selector::parse("--selector", s).map_err(|e| CliError::Usage(e.to_string()))?;
+        }
         let client = self.connect().await?;
+        let request = pb::ListRunsRequest {
+            label_selector: selector.unwrap_or_default().to_owned(),
+        };
         let runs = read(|| {
-            let mut c = client.clone();
-            async move { c.list_runs(pb::ListRunsRequest {}).await }
+            let (mut c, r) = (client.clone(), request.clone());
+            async move { c.list_runs(r).await }
         })
         .await
         .map_err(|s| self.status_error(&s, Doing::Server("list runs")))?

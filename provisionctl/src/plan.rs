@@ -689,6 +689,7 @@ mod tests {
         let mut s = pb::ClusterShape::from(&contract::ClusterShape {
             run_id: contract::RunId::parse("run_id", "demo").unwrap(),
             generation: contract::Generation::new(1),
+            labels: Default::default(),
             groups: vec![group],
         });
         s.groups[0].count = count;

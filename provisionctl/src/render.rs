@@ -557,6 +557,7 @@ pub fn status_json(s: &pb::RunStatus, with_shape: bool, with_nodes: bool) -> Val
         "phase": names::phase(s.phase),
         "converged": s.converged,
         "paused": s.paused,
+        "labels": s.labels.iter().collect::<std::collections::BTreeMap<_, _>>(),
         "desired_count": desired(s),
         "node_count": s.node_count,
         "ready_count": s.ready_count,
@@ -640,6 +641,9 @@ pub fn status_table(s: &pb::RunStatus) -> Vec<String> {
     let mut out = Vec::new();
     let mut head = Table::default();
     head.row(vec!["run".into(), format!("{} (uid {})", s.run_id, s.run_uid)]);
+    if !s.labels.is_empty() {
+        head.row(vec!["labels".into(), labels_text(s)]);
+    }
     head.row(vec![
         "phase".into(),
         format!(
@@ -777,6 +781,16 @@ fn health_cell(facts: &pb::NodeFacts, now_ms: u64) -> String {
 }
 
 /// `list` as a table.
+/// A run's labels as `key=value, ...`, sorted.
+fn labels_text(s: &pb::RunStatus) -> String {
+    let sorted: std::collections::BTreeMap<_, _> = s.labels.iter().collect();
+    sorted
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
     if runs.is_empty() {
         return vec!["no runs".to_owned()];
@@ -797,6 +811,10 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
     ];
     if replicas {
         columns.push("SERVED BY");
+    }
+    let labelled = runs.iter().any(|s| !s.labels.is_empty());
+    if labelled {
+        columns.push("LABELS");
     }
     let mut t = Table::new(&columns);
     for s in runs {
@@ -825,6 +843,13 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
                 (true, "", _) => "nobody (being taken over)".to_owned(),
                 (true, id, "") => id.to_owned(),
                 (true, id, at) => format!("{id} at {at}"),
+            });
+        }
+        if labelled {
+            row.push(if s.labels.is_empty() {
+                "-".to_owned()
+            } else {
+                labels_text(s)
             });
         }
         t.row(row);
@@ -939,6 +964,7 @@ pub(crate) mod tests {
             shape: Some(pb::ClusterShape {
                 run_id: "demo".into(),
                 generation: 2,
+                labels: Default::default(),
                 groups: vec![pb::NodeGroup {
                     id: "workers".into(),
                     count: 4,

@@ -12,6 +12,7 @@
 //! ```yaml
 //! run_id: demo             # required: lowercase letters, digits, '-'
 //! generation: 1            # optional: provisionctl fills in the next one
+//! labels: { team: ml, env: prod }  # optional: the run's, for `list -l team=ml`
 //! groups:
 //!   - id: workers          # required: slots are named workers-0, workers-1, ...
 //!     count: 8             # required: 0 or more
@@ -59,6 +60,9 @@ pub struct ShapeFile {
     pub run_id: String,
     #[serde(default)]
     pub generation: Option<u64>,
+    /// The run's labels (`list -l` selects by them).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
     #[serde(default)]
     pub groups: Vec<GroupFile>,
 }
@@ -578,6 +582,7 @@ impl ShapeFile {
         pb::ClusterShape {
             run_id: self.run_id.clone(),
             generation: self.generation.unwrap_or(generation),
+            labels: self.labels.clone().into_iter().collect(),
             groups: self
                 .groups
                 .iter()

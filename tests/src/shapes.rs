@@ -9,6 +9,7 @@ pub fn shape(run: &str, generation: u64, provider: &str, groups: &[(&str, u32, &
     ClusterShape {
         run_id: RunId::parse("run_id", run).unwrap_or_else(|e| panic!("bad run id in a test: {e}")),
         generation: Generation::new(generation),
+        labels: Default::default(),
         groups: groups
             .iter()
             .map(|(id, count, image)| NodeGroup {

@@ -172,7 +172,7 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
         &["no credentials", "bearer token"],
     );
     refused(
-        anonymous.list_runs(pb::ListRunsRequest {}).await,
+        anonymous.list_runs(pb::ListRunsRequest::default()).await,
         Code::Unauthenticated,
         &["no credentials"],
     );
@@ -207,7 +207,7 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
         .await
         .unwrap();
     let listed = viewer
-        .list_runs(pb::ListRunsRequest {})
+        .list_runs(pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner();
@@ -291,7 +291,7 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
         &scoped,
     );
     let listed = alpha_ops
-        .list_runs(pb::ListRunsRequest {})
+        .list_runs(pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner();

@@ -65,6 +65,7 @@ fn shape(count: u32, run_id: &str) -> ClusterShape {
     let mut s = ClusterShape {
         run_id: RunId::parse("r", run_id).unwrap(),
         generation: Generation::new(1),
+        labels: Default::default(),
         groups: vec![contract::NodeGroup {
             id: contract::GroupId::parse("g", "workers").unwrap(),
             count,

@@ -582,7 +582,7 @@ fn seeds() -> anyhow::Result<Vec<(&'static str, String, Vec<u8>)>> {
                 include_nodes: true,
             },
         ),
-        fuzzing::run_request_input(1, &pb::ListRunsRequest {}),
+        fuzzing::run_request_input(1, &pb::ListRunsRequest::default()),
         fuzzing::run_request_input(
             2,
             &pb::WatchRunRequest {

@@ -124,7 +124,7 @@ async fn each_token_has_its_own_rate_limit() {
     let mut b = client(&cluster, Some(tokens.token("b").unwrap())).await.unwrap();
     a.apply(apply_req("mine", 1, 1)).await.unwrap();
     for _ in 0..4 {
-        a.list_runs(pb::ListRunsRequest {}).await.unwrap();
+        a.list_runs(pb::ListRunsRequest::default()).await.unwrap();
     }
     let before = b.get_run(get_req("mine")).await.unwrap().into_inner();
     // The sixth call in the window: refused, with a hint, and not applied.
@@ -182,7 +182,7 @@ async fn a_peer_address_has_a_rate_limit_and_requests_have_a_size_limit() {
     // Refused before the handler: nothing was created.
     c.apply(apply_req("small", 1, 1)).await.unwrap();
     let runs = c
-        .list_runs(pb::ListRunsRequest {})
+        .list_runs(pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -438,7 +438,11 @@ async fn shapes_over_the_node_and_group_limits_are_refused() {
         let e = c.plan(pb::PlanRequest { shape: wire }).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     }
-    let runs = c.list_runs(pb::ListRunsRequest {}).await.unwrap().into_inner();
+    let runs = c
+        .list_runs(pb::ListRunsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert!(runs.runs.is_empty(), "{runs:?}");
     // At the limits exactly, it is accepted.
     c.apply(pb::ApplyRequest {

@@ -133,7 +133,7 @@ async fn run_client(mut c: AuthedClient, run: String, until: Instant) -> ClientR
                 }
                 (r, took)
             }
-            1 | 4 => timed(c.list_runs(pb::ListRunsRequest {})).await,
+            1 | 4 => timed(c.list_runs(pb::ListRunsRequest::default())).await,
             5 => {
                 timed(c.explain_node(pb::ExplainNodeRequest {
                     run_id: run.clone(),
@@ -326,7 +326,7 @@ async fn many_clients_applying_and_watching_get_served_or_resource_exhausted() {
         }
     }
     let listed = loop {
-        match check.list_runs(pb::ListRunsRequest {}).await {
+        match check.list_runs(pb::ListRunsRequest::default()).await {
             Ok(r) => break r.into_inner().runs.len(),
             Err(s) => {
                 assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");

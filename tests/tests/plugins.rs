@@ -135,7 +135,7 @@ async fn a_supervised_plugin_serves_its_provider_and_other_names_are_refused() {
     );
     let mut c = cluster.client().await.unwrap();
     let runs = c
-        .list_runs(pb::ListRunsRequest {})
+        .list_runs(pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner()

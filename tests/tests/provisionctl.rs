@@ -1407,3 +1407,91 @@ async fn completion_offers_run_and_node_names_from_the_driver() {
     };
     assert!(away.complete("provisionctl get al").await.is_empty());
 }
+
+/// Run labels: given in the shape file, shown by `get` and `list`,
+/// selected by `list -l`; a label change is a new generation that replaces
+/// no node; a malformed selector is a usage error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_carry_labels_and_list_selects_by_them() {
+    let (_cluster, ctl) = start().await;
+    let labelled = |run: &str, labels: &str| format!("labels: {labels}\n{}", shape(run, 1, "img:1"));
+    let ml = ctl.write("ml.yaml", &labelled("trainer", "{ team: ml, env: prod }"));
+    let web = ctl.write("web.yaml", &labelled("frontend", "{ team: web }"));
+    ctl.run(&["apply", "-f", &ml, "--wait", "--timeout", "60"])
+        .await
+        .expect(0);
+    ctl.run(&["apply", "-f", &web]).await.expect(0);
+    let plain = ctl.write("plain.yaml", &shape("plain", 1, "img:1"));
+    ctl.run(&["apply", "-f", &plain]).await.expect(0);
+
+    let names = |out: Out| {
+        let mut n: Vec<String> = out.stdout.lines().map(str::to_owned).collect();
+        n.sort();
+        n
+    };
+    assert_eq!(
+        names(ctl.run(&["list", "-l", "team=ml", "-o", "name"]).await.expect(0)),
+        ["run/trainer"]
+    );
+    assert_eq!(
+        names(ctl.run(&["list", "-l", "team", "-o", "name"]).await.expect(0)),
+        ["run/frontend", "run/trainer"]
+    );
+    assert_eq!(
+        names(ctl.run(&["list", "-l", "!team", "-o", "name"]).await.expect(0)),
+        ["run/plain"]
+    );
+    assert_eq!(
+        names(
+            ctl.run(&["list", "-l", "team!=ml,env!=dev", "-o", "name"])
+                .await
+                .expect(0)
+        ),
+        ["run/frontend", "run/plain"]
+    );
+    let table = ctl.run(&["list"]).await.expect(0);
+    assert!(
+        table.stdout.contains("LABELS") && table.stdout.contains("env=prod,team=ml"),
+        "{}",
+        table.stdout
+    );
+    let got = ctl.run(&["get", "trainer"]).await.expect(0);
+    assert!(got.stdout.contains("env=prod,team=ml"), "{}", got.stdout);
+    let bad = ctl.run(&["list", "-l", "team=m l"]).await.expect(2);
+    assert!(bad.stderr.contains("--selector"), "{}", bad.stderr);
+
+    // A label change: a new generation, the same nodes on the same attempts.
+    let before = ctl
+        .run(&["get", "trainer", "--nodes", "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    let relabelled = ctl.write("ml2.yaml", &labelled("trainer", "{ team: ml, env: staging }"));
+    ctl.run(&["apply", "-f", &relabelled, "--wait", "--timeout", "60"])
+        .await
+        .expect(0);
+    let after = ctl
+        .run(&["get", "trainer", "--nodes", "-o", "json"])
+        .await
+        .expect(0)
+        .json();
+    assert_eq!(after["generation"], 2, "{after}");
+    assert_eq!(after["labels"]["env"], "staging", "{after}");
+    let attempts = |v: &serde_json::Value| {
+        v["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| (n["node_id"].to_string(), n["attempt"].to_string()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        attempts(&before),
+        attempts(&after),
+        "a label change replaced nodes"
+    );
+    // A bad label is refused locally, naming the field, and sent nowhere.
+    let bad = ctl.write("bad.yaml", &labelled("trainer", "{ \"a b\": x }"));
+    let out = ctl.run(&["apply", "-f", &bad]).await.expect(1);
+    assert!(out.stderr.contains("labels[\"a b\"]"), "{}", out.stderr);
+}

@@ -510,7 +510,7 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
 
     // Listing on either survivor shows the run, and who serves it.
     let listed = c
-        .list_runs(pb::ListRunsRequest {})
+        .list_runs(pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -522,7 +522,7 @@ async fn the_owner_is_killed_mid_convergence_and_another_replica_takes_over() {
     assert_eq!(listed[0].node_count, 8, "{listed:?}");
     let mut on_taker = r.client_of(&taker).await;
     let listed = on_taker
-        .list_runs(pb::ListRunsRequest {})
+        .list_runs(pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner()

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 
-from . import _protos
+from . import __version__, _protos
 from .errors import (
     Conflict,
     InvalidArgument,
@@ -235,8 +235,6 @@ class Client:
         self._secure = tls is not None
         self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
         address = _address(target, self._secure)
-        from . import __version__
-
         options = [
             ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
             ("grpc.primary_user_agent", f"provisioning-client-python/{__version__}"),
@@ -263,8 +261,7 @@ class Client:
         return cls(**settings)
 
     def _build_calls(self) -> dict[str, Any]:
-        service = pb.DESCRIPTOR.services_by_name["Provisioning"]
-        assert service.full_name == SERVICE
+        service = pb.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]]
         calls = {}
         for method in service.methods:
             request = message_factory.GetMessageClass(method.input_type)
@@ -353,17 +350,18 @@ class Client:
             " (apply_file reads a file)"
         )
 
-    def _current(self, run_id: str):
+    def _current(self, run_id: str, verb: str):
         """The run's status, or ``None`` if the driver has no such run."""
+        request = pb.GetRunRequest(run_id=run_id)
         try:
-            return self.get(run_id)
+            return self._read("GetRun", request, f"{verb} run {run_id}: read its current generation")
         except NotFound:
             return None
         except InvalidArgument as e:
             field = f"shape.{e.field}" if e.field else None
             raise InvalidShape(e.status_code, e.message, field) from None
 
-    def _choose_generation(self, msg) -> int | None:
+    def _choose_generation(self, msg, verb: str) -> int | None:
         """Sets ``msg.generation`` when the shape names none, as provisionctl
         does: 1 for a new run; the run's own generation when the content is
         what the driver has (so that applying it again changes nothing);
@@ -372,7 +370,7 @@ class Client:
         cannot be compared here), else ``None``."""
         if msg.generation != 0:
             return None
-        current = self._current(msg.run_id)
+        current = self._current(msg.run_id, verb)
         if current is None:
             msg.generation = 1
             return None
@@ -398,7 +396,7 @@ class Client:
         """
         msg = self._shape_message(shape)
         secrets = secret_values(msg)
-        fallback = self._choose_generation(msg)
+        fallback = self._choose_generation(msg, "apply")
         try:
             return self._apply_once(msg, secrets)
         except Conflict:
@@ -422,7 +420,7 @@ class Client:
         chooses it."""
         msg = self._shape_message(shape)
         secrets = secret_values(msg)
-        fallback = self._choose_generation(msg)
+        fallback = self._choose_generation(msg, "plan")
         doing = f"plan run {msg.run_id}"
         try:
             return self._read("Plan", pb.PlanRequest(shape=msg), doing, shape_secrets=secrets)
@@ -441,9 +439,16 @@ class Client:
         Its shape's secret values read ``<redacted>``. Raises :class:`NotFound`."""
         return self._read("GetRun", pb.GetRunRequest(run_id=run_id, include_nodes=nodes), f"get run {run_id}")
 
-    def list(self) -> list:
-        """Every run's ``RunStatus`` the caller may see."""
-        return list(self._read("ListRuns", pb.ListRunsRequest(), "list runs").runs)
+    def list(self, label_selector: str = "") -> list:
+        """Every run's ``RunStatus`` the caller may see; with
+        ``label_selector`` (``team=ml,env!=dev,gpu,!legacy``: all must hold),
+        only the runs whose labels match."""
+        request = pb.ListRunsRequest()
+        if label_selector:
+            if "label_selector" not in pb.ListRunsRequest.DESCRIPTOR.fields_by_name:
+                raise ValueError("this client's proto has no ListRunsRequest.label_selector")
+            request.label_selector = label_selector
+        return list(self._read("ListRuns", request, "list runs").runs)
 
     def explain(self, run_id: str, node_id: str):
         """Why a node (``GROUP-INDEX``) is where it is: the ``NodeExplanation``."""
@@ -484,7 +489,8 @@ class Client:
     def promote(self, run_id: str, group_id: str):
         """Lets a group's rollout go on past its canary; returns the ``RunStatus``."""
         request = pb.PromoteRolloutRequest(run_id=run_id, group_id=group_id)
-        return self._change("PromoteRollout", request, f"promote the rollout of group {group_id} of run {run_id}", run_id)
+        doing = f"promote the rollout of group {group_id} of run {run_id}"
+        return self._change("PromoteRollout", request, doing, run_id)
 
     def watch(self, run_id: str, nodes: bool = False, timeout: float | None = None) -> Iterator:
         """The run's ``RunStatus`` now, then at every change, until the run is

@@ -6,6 +6,7 @@ A shape is a mapping::
     {
         "run_id": "demo",                  # required
         "generation": 3,                   # optional: the client picks one
+        "labels": {"team": "ml"},          # optional: the run's labels
         "groups": [{
             "id": "workers", "count": 2,   # required
             "template": {
@@ -57,6 +58,10 @@ from . import _protos
 from .errors import REDACTED, InvalidShape
 
 pb = _protos.load()
+
+#: Whether the contract has run labels (``ClusterShape.labels``); a shape
+#: with ``labels`` is refused by a client generated from a proto without them.
+HAS_LABELS = "labels" in pb.ClusterShape.DESCRIPTOR.fields_by_name
 
 def _fail(path: str, problem: str) -> InvalidShape:
     return InvalidShape(
@@ -204,7 +209,9 @@ def _param(value: Any, path: str):
     if isinstance(value, int):
         return pb.Param(value=str(int(value)))
     if isinstance(value, float):
-        raise _fail(path, "is a decimal number, which is not a valid parameter value; quote it to keep its exact text")
+        raise _fail(
+            path, "is a decimal number, which is not a valid parameter value; quote it to keep its exact text"
+        )
     if isinstance(value, str):
         return pb.Param(value=str(value))
     if not isinstance(value, Mapping):
@@ -325,7 +332,9 @@ def _rollout(value: Any, path: str):
 
 
 def _template(value: Any, path: str, msg) -> None:
-    t = _fields(value, path, "a node template", ("role", "image", "provider", "boot", "join"), ("image", "provider"))
+    t = _fields(
+        value, path, "a node template", ("role", "image", "provider", "boot", "join"), ("image", "provider")
+    )
     msg.role = _text(t.get("role"), f"{path}.role")
     msg.image = _text(t["image"], f"{path}.image")
     ppath = f"{path}.provider"
@@ -372,8 +381,16 @@ def shape_to_proto(shape: Mapping, generation: int | None = None):
     picks one). Field paths in errors start with ``shape.``, as the driver's
     do. The message carries secret values as they are: do not log it.
     """
-    s = _fields(shape, "shape", "a shape", ("run_id", "generation", "groups"), ("run_id",))
+    top = ("run_id", "generation", "labels", "groups") if HAS_LABELS else ("run_id", "generation", "groups")
+    s = _fields(shape, "shape", "a shape", top, ("run_id",))
     msg = pb.ClusterShape(run_id=_text(s["run_id"], "shape.run_id"))
+    labels = s.get("labels")
+    if labels is not None:
+        if not isinstance(labels, Mapping):
+            raise _fail("shape.labels", f"must be a map of text to text, not {_type_name(labels)}")
+        for k, v in labels.items():
+            key = _text(k, "shape.labels")
+            msg.labels[key] = _text(v, _key_path("shape.labels", key))
     if s.get("generation") is not None:
         msg.generation = _whole(s["generation"], "shape.generation", lo=_U64[0], hi=_U64[1])
     elif generation is not None:
@@ -487,6 +504,8 @@ def same_content(a, b) -> bool:
     """
     if a.run_id != b.run_id or len(a.groups) != len(b.groups):
         return False
+    if HAS_LABELS and dict(a.labels) != dict(b.labels):
+        return False
     return all(_group_key(x) == _group_key(y) for x, y in zip(a.groups, b.groups))
 
 
@@ -515,7 +534,10 @@ _Loader.add_implicit_resolver(
 )
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
     list("-+0123456789."),
 )
 
@@ -579,7 +601,9 @@ def parse_shape_text(text: str, source: str = "<text>") -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or "not valid YAML"
-        raise InvalidShape(grpc.StatusCode.INVALID_ARGUMENT, f"{source}{where}: not valid YAML: {problem}") from None
+        raise InvalidShape(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{source}{where}: not valid YAML: {problem}"
+        ) from None
     if not isinstance(data, Mapping):
         raise InvalidShape(
             grpc.StatusCode.INVALID_ARGUMENT, f"{source}: a shape file holds a map, not {_type_name(data)}"

@@ -53,6 +53,7 @@ fn shape(groups: Vec<NodeGroup>) -> ClusterShape {
     ClusterShape {
         run_id: RunId::parse("run_id", "run").unwrap(),
         generation: Generation::new(3),
+        labels: Default::default(),
         groups,
     }
 }

@@ -123,6 +123,7 @@ pub fn shape(groups: &[(&str, u32, &Arc<NodeTemplate>)]) -> ClusterShape {
     ClusterShape {
         run_id: RunId::parse("run_id", "train-7").unwrap(),
         generation: Generation::new(3),
+        labels: Default::default(),
         groups: groups
             .iter()
             .map(|(id, count, t)| NodeGroup {

@@ -1016,6 +1016,7 @@ impl RunState {
             shape: ClusterShape {
                 run_id: run_id.clone(),
                 generation: Generation::new(1),
+                labels: Default::default(),
                 groups: Vec::new(),
             },
             run_id,
@@ -3095,6 +3096,7 @@ mod tests {
         ClusterShape {
             run_id: RunId::parse("run_id", "orph").unwrap(),
             generation: Generation::new(1),
+            labels: Default::default(),
             groups: vec![contract::NodeGroup {
                 id: contract::GroupId::parse("id", "workers").unwrap(),
                 count: 2,

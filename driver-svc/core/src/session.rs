@@ -244,6 +244,7 @@ mod tests {
         let shape = ClusterShape {
             run_id: RunId::parse("run_id", "s").unwrap(),
             generation: Generation::new(1),
+            labels: Default::default(),
             groups: vec![contract::NodeGroup {
                 id: contract::GroupId::parse("id", "w").unwrap(),
                 count: 2,

@@ -1029,6 +1029,7 @@ impl Source<'_> {
         Ok(ClusterShape {
             run_id,
             generation: Generation::new(generation),
+            labels: Default::default(),
             groups,
         })
     }
@@ -1163,6 +1164,7 @@ mod tests {
         Ok(pb::ClusterShape::from(&ClusterShape {
             run_id: RunId::parse("run_id", "demo")?,
             generation: Generation::new(1),
+            labels: Default::default(),
             groups: vec![NodeGroup {
                 id: GroupId::parse("id", "workers")?,
                 count: 3,

@@ -105,6 +105,7 @@ fn valid_shape() -> impl Strategy<Value = ClusterShape> {
             Some(ClusterShape {
                 run_id: RunId::parse("run_id", &run).ok()?,
                 generation: Generation::new(generation),
+                labels: Default::default(),
                 groups: out,
             })
         })

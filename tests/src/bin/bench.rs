@@ -111,6 +111,7 @@ fn shape(n: u64) -> ClusterShape {
     ClusterShape {
         run_id: RunId::parse("run_id", "bench").unwrap_or_else(|_| unreachable!()),
         generation: Generation::new(1),
+        labels: Default::default(),
         groups: groups
             .iter()
             .enumerate()

@@ -197,6 +197,7 @@ impl World {
         let initial = ClusterShape {
             run_id: run_id(RUN_ID),
             generation: Generation::new(1),
+            labels: Default::default(),
             groups,
         };
         let faults = match rng.below(10) {
