@@ -87,7 +87,9 @@ class Unavailable(ProvisioningError):
 
 
 class ResourceExhausted(ProvisioningError):
-    """``RESOURCE_EXHAUSTED``: over one of the driver's limits. Nothing changed.
+    """``RESOURCE_EXHAUSTED``: over one of the driver's limits. Nothing changed
+    (the driver refuses before any handler runs), so a change refused this
+    way may be sent again once ``retry_after`` has passed.
 
     ``retry_after`` is the wait in seconds the driver suggested
     (``grpc-retry-pushback-ms``), or ``None``.

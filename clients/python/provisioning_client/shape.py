@@ -63,6 +63,7 @@ pb = _protos.load()
 #: with ``labels`` is refused by a client generated from a proto without them.
 HAS_LABELS = "labels" in pb.ClusterShape.DESCRIPTOR.fields_by_name
 
+
 def _fail(path: str, problem: str) -> InvalidShape:
     return InvalidShape(
         grpc.StatusCode.INVALID_ARGUMENT,
