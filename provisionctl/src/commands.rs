@@ -715,7 +715,7 @@ impl Ctx {
         };
         let nodes: i64 = loaded.file.groups.iter().map(|g| g.count).sum();
         match output {
-            Output::Table => {
+            Output::Table | Output::Wide => {
                 let what = if resp.created {
                     format!(
                         "run {run} created at generation {} ({} in {})",
@@ -830,7 +830,7 @@ impl Ctx {
             changed,
         };
         match output {
-            Output::Table => print_lines(&plan::plan_table(&input))?,
+            Output::Table | Output::Wide => print_lines(&plan::plan_table(&input))?,
             _ => print_doc(&plan::plan_json(&input), output)?,
         }
         Ok(if detailed_exitcode && changed {
@@ -858,7 +858,7 @@ impl Ctx {
     async fn get(&self, run: &str, nodes: bool, output: Output) -> Result<Exit, CliError> {
         let s = self.run_status(run, nodes).await?;
         match output {
-            Output::Table => print_lines(&render::status_table(&s))?,
+            Output::Table | Output::Wide => print_lines(&render::status_table(&s))?,
             _ => print_doc(&render::status_json(&s, true, nodes), output)?,
         }
         Ok(Exit::Success)
@@ -881,7 +881,8 @@ impl Ctx {
         .map_err(|s| self.status_error(&s, Doing::Server("list runs")))?
         .runs;
         match output {
-            Output::Table => print_lines(&render::list_table(&runs))?,
+            Output::Table => print_lines(&render::list_table(&runs, false))?,
+            Output::Wide => print_lines(&render::list_table(&runs, true))?,
             _ => print_doc(&render::list_json(&runs), output)?,
         }
         Ok(Exit::Success)
@@ -929,7 +930,7 @@ impl Ctx {
         let log = self.event_log(&mut client, run, tail).await?;
         if !follow {
             match output {
-                Output::Table => print_lines(&events::events_table(&log.events, log.now_ms))?,
+                Output::Table | Output::Wide => print_lines(&events::events_table(&log.events, log.now_ms))?,
                 _ => print_doc(&events::events_json(run, &log.events), output)?,
             }
             return Ok(Exit::Success);
@@ -937,7 +938,7 @@ impl Ctx {
         // Followed: one line (or one JSON object) per event, the ones kept
         // first, then each as it is recorded.
         let line = |e: &pb::Event| match output {
-            Output::Table => events::event_line(e),
+            Output::Table | Output::Wide => events::event_line(e),
             _ => events::event_json(e).to_string(),
         };
         print_lines(&log.events.iter().map(line).collect::<Vec<_>>())?;
@@ -992,7 +993,7 @@ impl Ctx {
             .into_inner();
         let log = self.event_log(&mut client, run, Some(tail)).await?;
         match output {
-            Output::Table => {
+            Output::Table | Output::Wide => {
                 let mut lines = render::status_table(&s);
                 lines.push(String::new());
                 lines.push(format!(
@@ -1038,7 +1039,7 @@ impl Ctx {
             )
         })?;
         match output {
-            Output::Table => print_lines(&explain::explain_text(run, &e))?,
+            Output::Table | Output::Wide => print_lines(&explain::explain_text(run, &e))?,
             _ => print_doc(&explain::explain_json(run, &e), output)?,
         }
         Ok(Exit::Success)
@@ -1064,7 +1065,9 @@ impl Ctx {
             && s.code() == Code::NotFound
         {
             match output {
-                Output::Table => print_lines(&[format!("run {run} does not exist: nothing to delete")])?,
+                Output::Table | Output::Wide => {
+                    print_lines(&[format!("run {run} does not exist: nothing to delete")])?
+                }
                 _ => print_doc(
                     &json!({ "run_id": run, "deleted": false, "found": false }),
                     output,
@@ -1101,7 +1104,7 @@ impl Ctx {
         };
         outcome?;
         match output {
-            Output::Table => print_lines(&[format!(
+            Output::Table | Output::Wide => print_lines(&[format!(
                 "run {run} deleted after {}: every node is cleaned up",
                 text::duration(started.elapsed())
             )])?,
@@ -1151,7 +1154,7 @@ impl Ctx {
     async fn rollout_status(&self, run: &str, output: Output) -> Result<Exit, CliError> {
         let s = self.run_status(run, false).await?;
         match output {
-            Output::Table => print_lines(&render::rollout_table(&s))?,
+            Output::Table | Output::Wide => print_lines(&render::rollout_table(&s))?,
             _ => print_doc(&render::rollouts_json(&s), output)?,
         }
         Ok(Exit::Success)
@@ -1169,7 +1172,7 @@ impl Ctx {
             .map_err(|s| self.change_error(&s, Doing::Run { verb: "promote", run }))?
             .into_inner();
         match output {
-            Output::Table => print_lines(&[format!(
+            Output::Table | Output::Wide => print_lines(&[format!(
                 "run {run}: the rollout of {group} goes on past its canary"
             )])?,
             _ => print_doc(&render::rollouts_json(&s), output)?,
@@ -1192,7 +1195,7 @@ impl Ctx {
             .map_err(|s| self.change_error(&s, Doing::Run { verb, run }))?
             .into_inner();
         match output {
-            Output::Table => print_lines(&[if paused {
+            Output::Table | Output::Wide => print_lines(&[if paused {
                 format!(
                     "run {run} paused: nothing new is dispatched; operations in flight finish and are \
                      folded. `provisionctl resume {run}` continues"
@@ -1230,7 +1233,7 @@ impl Ctx {
             .into_inner();
         let orphan = r.orphan.unwrap_or_default();
         match output {
-            Output::Table => {
+            Output::Table | Output::Wide => {
                 let res = orphan.resource.clone().unwrap_or_default();
                 print_lines(&[
                     format!("node {node} of run {run} abandoned: the driver no longer manages it"),
@@ -1263,12 +1266,12 @@ impl Ctx {
         .map_err(|s| self.status_error(&s, Doing::Server("list providers")))?;
         let yes_no = |b: bool| if b { "yes" } else { "no" }.to_owned();
         match output {
-            Output::Table if !list.known => {
+            Output::Table | Output::Wide if !list.known => {
                 print_lines(&[
                     "not known yet: the driver has not reached its executor since it started".to_owned(),
                 ])?;
             }
-            Output::Table => {
+            Output::Table | Output::Wide => {
                 let mut t = text::Table::new(&["NAME", "KIND", "AVAILABLE", "HEALTH", "LOSS", "DETAIL"]);
                 for p in &list.providers {
                     t.row(vec![
@@ -1310,7 +1313,7 @@ impl Ctx {
         .map_err(|s| self.status_error(&s, Doing::Server("list orphans")))?
         .orphans;
         match output {
-            Output::Table => {
+            Output::Table | Output::Wide => {
                 if list.is_empty() {
                     print_lines(&["no orphans".to_owned()])?;
                 } else {

@@ -16,12 +16,15 @@ use super::{
     text::{self, Table},
 };
 
-/// How a read command prints its answer: `-o table|json|yaml|name`, or
+/// How a read command prints its answer: `-o table|wide|json|yaml|name`, or
 /// `-o jsonpath=TEMPLATE` (kubectl's form: text with `{.field[0].other}`
 /// expressions, `[*]` for every element).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Output {
     Table,
+    /// The table with more columns where a command has them (`list`: the
+    /// run's uid, epoch, passes and labels); else the table.
+    Wide,
     Json,
     Yaml,
     /// `kind/name` of each thing the answer is about (`run/demo`).
@@ -36,6 +39,7 @@ impl Output {
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {
             "table" => Ok(Output::Table),
+            "wide" => Ok(Output::Wide),
             "json" => Ok(Output::Json),
             "yaml" => Ok(Output::Yaml),
             "name" => Ok(Output::Name),
@@ -45,7 +49,7 @@ impl Output {
                     Ok(Output::JsonPath(Box::leak(t.to_owned().into_boxed_str())))
                 }
                 None => Err(format!(
-                    "{s:?} is not an output: table, json, yaml, name or jsonpath=TEMPLATE (e.g. jsonpath='{{.phase}}')"
+                    "{s:?} is not an output: table, wide, json, yaml, name or jsonpath=TEMPLATE (e.g. jsonpath='{{.phase}}')"
                 )),
             },
         }
@@ -236,7 +240,7 @@ pub fn parse_document(text: &str, output: Output) -> Result<Document, String> {
     match output {
         Output::Json => serde_json::from_str(text).map_err(|e| format!("not JSON: {e}")),
         Output::Yaml => serde_yaml::from_str(text).map_err(|e| format!("not YAML: {e}")),
-        Output::Table | Output::Name | Output::JsonPath(_) => Err("not a document".to_owned()),
+        Output::Table | Output::Wide | Output::Name | Output::JsonPath(_) => Err("not a document".to_owned()),
     }
 }
 
@@ -791,7 +795,9 @@ fn labels_text(s: &pb::RunStatus) -> String {
         .join(",")
 }
 
-pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
+/// `list`'s table; `wide` adds each run's uid, epoch and passes, and its
+/// labels whether or not any run has some.
+pub fn list_table(runs: &[pb::RunStatus], wide: bool) -> Vec<String> {
     if runs.is_empty() {
         return vec!["no runs".to_owned()];
     }
@@ -812,7 +818,10 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
     if replicas {
         columns.push("SERVED BY");
     }
-    let labelled = runs.iter().any(|s| !s.labels.is_empty());
+    if wide {
+        columns.extend(["UID", "EPOCH", "PASSES"]);
+    }
+    let labelled = wide || runs.iter().any(|s| !s.labels.is_empty());
     if labelled {
         columns.push("LABELS");
     }
@@ -844,6 +853,9 @@ pub fn list_table(runs: &[pb::RunStatus]) -> Vec<String> {
                 (true, id, "") => id.to_owned(),
                 (true, id, at) => format!("{id} at {at}"),
             });
+        }
+        if wide {
+            row.extend([s.run_uid.clone(), s.epoch.to_string(), s.passes.to_string()]);
         }
         if labelled {
             row.push(if s.labels.is_empty() {
@@ -877,7 +889,11 @@ pub(crate) mod tests {
             Ok(Output::JsonPath("{.phase}"))
         );
         let e = Output::parse("xml").unwrap_err();
-        assert!(e.contains("table, json, yaml, name or jsonpath=TEMPLATE"), "{e}");
+        assert!(
+            e.contains("table, wide, json, yaml, name or jsonpath=TEMPLATE"),
+            "{e}"
+        );
+        assert_eq!(Output::parse("wide"), Ok(Output::Wide));
         let e = Output::parse("jsonpath={.phase").unwrap_err();
         assert!(e.contains("without its"), "{e}");
         let e = Output::parse("jsonpath={phase}").unwrap_err();
@@ -1110,11 +1126,14 @@ pub(crate) mod tests {
 
     #[test]
     fn list_has_a_row_per_run() {
-        let lines = list_table(&[status()]);
+        let lines = list_table(&[status()], false);
         assert_eq!(lines.len(), 2);
         assert!(lines[1].starts_with("demo"), "{lines:?}");
         assert!(lines[1].contains("4/6"), "{lines:?}");
-        assert_eq!(list_table(&[]), vec!["no runs"]);
+        assert_eq!(list_table(&[], false), vec!["no runs"]);
+        let wide = list_table(&[status()], true);
+        assert!(wide[0].contains("UID") && wide[0].contains("LABELS"), "{wide:?}");
+        assert!(wide[1].contains("00000000000000000000000000000001"), "{wide:?}");
         assert_eq!(list_json(&[status()])["runs"][0]["run_id"], "demo");
         assert!(!lines[0].contains("SERVED BY"), "{lines:?}");
     }
@@ -1131,7 +1150,7 @@ pub(crate) mod tests {
         moving.run_id = "moving".into();
         moving.served_by.clear();
         moving.served_at.clear();
-        let lines = list_table(&[here, there.clone(), moving]);
+        let lines = list_table(&[here, there.clone(), moving], false);
         assert!(lines[0].contains("SERVED BY"), "{lines:?}");
         assert!(lines[1].ends_with("this replica"), "{lines:?}");
         assert!(lines[2].ends_with("driver-1 at 10.0.0.2:7000"), "{lines:?}");

@@ -1337,6 +1337,20 @@ async fn name_and_jsonpath_outputs_for_scripts() {
     let bad = ctl.run(&["list", "-o", "xml"]).await.expect(2);
     assert!(bad.stderr.contains("jsonpath=TEMPLATE"), "{}", bad.stderr);
     no_secret(&path);
+    // `-o wide`: more columns for list, the table for the rest.
+    let wide = ctl.run(&["list", "-o", "wide"]).await.expect(0);
+    let header = wide.stdout.lines().next().unwrap_or_default();
+    assert!(
+        header.contains("UID") && header.contains("PASSES") && header.contains("LABELS"),
+        "{}",
+        wide.stdout
+    );
+    let get = ctl.run(&["get", "alpha", "-o", "wide"]).await.expect(0);
+    assert!(
+        get.stdout.starts_with("run        alpha (uid ") && get.stdout.contains("CONDITION"),
+        "{}",
+        get.stdout
+    );
 }
 
 /// A read the server sheds is sent again after the pause the server asks
