@@ -1440,7 +1440,11 @@ fn compose_and_its_collector_agree_with_the_kubernetes_ports() {
         "jaeger:4317"
     );
     assert!(!c["services"]["jaeger"].is_null() && !c["services"]["etcd"].is_null());
-    // The overlay only overrides what the base configuration defines.
+    // etcd only on request: nothing in the stack uses it by default.
+    assert_eq!(strings(&c["services"]["etcd"]["profiles"]), ["etcd"]);
+    // The overlay only overrides what the base configuration defines: the
+    // receivers' addresses, and the metrics pipeline's exporters (Jaeger
+    // takes traces only: metrics are logged, and Prometheus scrapes them).
     let base = yaml(&deploy("otel-collector.yaml"));
     for r in overlay["receivers"].as_mapping().expect("receivers").keys() {
         assert!(
@@ -1450,9 +1454,38 @@ fn compose_and_its_collector_agree_with_the_kubernetes_ports() {
     }
     assert_eq!(
         overlay.as_mapping().map(|m| m.len()),
-        Some(1),
-        "the overlay changes receivers only"
+        Some(2),
+        "the overlay changes receivers and one pipeline"
     );
+    assert_eq!(
+        overlay["service"]["pipelines"].as_mapping().map(|m| m.len()),
+        Some(1)
+    );
+    assert_eq!(
+        strings(&overlay["service"]["pipelines"]["metrics"]["exporters"]),
+        ["debug"]
+    );
+    assert!(!base["exporters"]["debug"].is_null());
+    // Prometheus scrapes every service where it serves metrics, with the
+    // alerting rules, and is reachable on the host's loopback only.
+    let prometheus = &c["services"]["prometheus"];
+    assert_eq!(
+        strings(&prometheus["volumes"]),
+        [
+            "./prometheus.compose.yml:/etc/prometheus/prometheus.yml:ro",
+            "./prometheus-rules.yml:/etc/prometheus/prometheus-rules.yml:ro"
+        ]
+    );
+    assert_eq!(strings(&prometheus["ports"]), ["127.0.0.1:9090:9090"]);
+    let config = yaml(&deploy("prometheus.compose.yml"));
+    let mut scraped = BTreeSet::new();
+    for job in seq(&config["scrape_configs"]) {
+        for sc in seq(&job["static_configs"]) {
+            scraped.extend(strings(&sc["targets"]));
+        }
+    }
+    assert_eq!(scraped, want, "compose's Prometheus scrapes the services");
+    assert_eq!(strings(&config["rule_files"]), ["prometheus-rules.yml"]);
 }
 
 #[test]

@@ -1622,12 +1622,13 @@ fn deploy_configs_point_at_the_demo_ports_and_are_consistent() {
         assert!(demo.contains(&format!("${key}")), "demo.sh uses {key}");
     }
 
-    // promtool, where installed (CI installs it), checks the Prometheus file
-    // and the rules it loads.
+    // promtool, where installed (CI installs it), checks the Prometheus files
+    // (the compose stack's too) and the rules they load.
     match std::process::Command::new("promtool")
         .arg("check")
         .arg("config")
         .arg(deploy("prometheus.yml"))
+        .arg(deploy("prometheus.compose.yml"))
         .output()
     {
         Ok(out) => assert!(
