@@ -18,6 +18,10 @@
 #                      `kubectl apply -f OUT/k8s-secrets.yaml`
 #
 # Usage: deploy/gen-secrets.sh OUT [DAYS]
+#
+# PROVISIONING_EXTRA_HOSTS (space-separated) adds names and addresses to every
+# certificate: the external name clients outside the cluster reach the driver
+# by, say (deploy/README.md, "Reaching the driver from outside").
 #   PROVISIONCTL  the provisionctl binary (default: provisionctl on PATH)
 #   NAMESPACE     the Kubernetes namespace (default: provisioning)
 #
@@ -46,6 +50,9 @@ done
 hosts+=(--host "*.driver-peers.$namespace.svc" --host "*.driver-peers.$namespace.svc.cluster.local")
 # The etcd members of deploy/k8s-replicated/10-etcd.yaml, by their own names.
 hosts+=(--host "*.etcd.$namespace.svc" --host "*.etcd.$namespace.svc.cluster.local")
+for h in ${PROVISIONING_EXTRA_HOSTS:-}; do
+    hosts+=(--host "$h")
+done
 "$ctl" certs --out "$out/tls" --days "$days" --also etcd "${hosts[@]}" >/dev/null
 
 "$ctl" token new admin --access write --save "$out/admin.token" >"$out/tokens.yaml" 2>/dev/null
