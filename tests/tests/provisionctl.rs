@@ -1347,7 +1347,9 @@ async fn name_and_jsonpath_outputs_for_scripts() {
     );
     let get = ctl.run(&["get", "alpha", "-o", "wide"]).await.expect(0);
     assert!(
-        get.stdout.starts_with("run        alpha (uid ") && get.stdout.contains("CONDITION"),
+        get.stdout.starts_with("run ")
+            && get.stdout.contains("alpha (uid ")
+            && get.stdout.contains("CONDITION"),
         "{}",
         get.stdout
     );
