@@ -529,6 +529,14 @@ impl ServiceSut {
                     &trace_paths.decider.display().to_string(),
                 );
             opts.executor_via = Some(format!("http://{}", proxy.addr));
+            // A plugin at a TCP address (the kit reaches it in plaintext) is
+            // reached by the executor with the cluster's transport: the
+            // cluster runs in plaintext then. A Unix socket needs no TLS.
+            if let Backend::Plugin { address, .. } = &backend
+                && !address.starts_with("unix:")
+            {
+                opts = opts.insecure();
+            }
             let cluster = Cluster::start_in(dir, opts).await?;
             proxy.set_target(cluster.executor.addr);
             let client = cluster.client().await?;
