@@ -136,6 +136,27 @@ impl Default for FaultRates {
     }
 }
 
+/// Parses a latency flag, `MIN,MAX` milliseconds (or a single `N` for a
+/// fixed latency), for the binaries that run the fake.
+pub fn parse_latency(s: &str) -> Result<(u64, u64), String> {
+    let number = |part: &str| {
+        part.trim()
+            .parse::<u64>()
+            .map_err(|e| format!("{part:?} is not a number of milliseconds: {e}"))
+    };
+    let (min, max) = match s.split_once(',') {
+        Some((min, max)) => (number(min)?, number(max)?),
+        None => {
+            let n = number(s)?;
+            (n, n)
+        }
+    };
+    if min > max {
+        return Err(format!("the minimum {min} is above the maximum {max}"));
+    }
+    Ok((min, max))
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FakeConfig {
     pub seed: u64,

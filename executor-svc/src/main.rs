@@ -10,7 +10,7 @@ use clap::{Parser, ValueEnum};
 use contract::{Clock, SystemClock};
 use executor_svc::{
     backend::Backend,
-    fake::{FakeConfig, FaultRates},
+    fake::{FakeConfig, FaultRates, parse_latency},
     fake_backend::FakeBackend,
     plugin::{PluginBackend, PluginConfig, PluginTarget},
     process::{ProcessBackend, ProcessConfig},
@@ -163,26 +163,6 @@ enum Faults {
     None,
     /// Frequent recoverable faults of every kind.
     Chaos,
-}
-
-/// Parses `MIN,MAX` (or a single `N` for a fixed latency).
-fn parse_latency(s: &str) -> Result<(u64, u64), String> {
-    let number = |part: &str| {
-        part.trim()
-            .parse::<u64>()
-            .map_err(|e| format!("{part:?} is not a number of milliseconds: {e}"))
-    };
-    let (min, max) = match s.split_once(',') {
-        Some((min, max)) => (number(min)?, number(max)?),
-        None => {
-            let n = number(s)?;
-            (n, n)
-        }
-    };
-    if min > max {
-        return Err(format!("the minimum {min} is above the maximum {max}"));
-    }
-    Ok((min, max))
 }
 
 #[tokio::main]

@@ -35,7 +35,7 @@ use contract::{
 use futures::future::BoxFuture;
 use platform::tls::Transport;
 use provider_sdk::{
-    ANNOUNCEMENT, Answer,
+    Answer, announced_address,
     wire::{
         answer_from_wire, at_from_wire, identity_from_wire, identity_to_wire, params, pb, stage_from_wire,
         template_to_wire,
@@ -456,13 +456,11 @@ async fn run_once(
         }
     };
     let address = match announced {
-        Ok(Ok(Some(line))) => match line.strip_prefix(ANNOUNCEMENT).map(str::trim) {
-            Some(address) if !address.is_empty() => address.to_owned(),
-            _ => {
+        Ok(Ok(Some(line))) => match announced_address(&line) {
+            Ok(address) => address.to_owned(),
+            Err(why) => {
                 end_child(&mut child, pid).await;
-                return RunEnd::Ended(format!(
-                    "its first line on standard output was {line:?}, not `{ANNOUNCEMENT} <address>`"
-                ));
+                return RunEnd::Ended(why);
             }
         },
         Ok(Ok(None)) => {

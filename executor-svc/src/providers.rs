@@ -249,23 +249,23 @@ impl Backend for Providers {
             );
             return Box::pin(async move { Outcome::Permanent { reason } });
         };
-        let run = self.entries[i].backend.execute(op.clone(), observations);
         if !self.several() {
-            return run;
+            return self.entries[i].backend.execute(op, observations);
         }
+        // Only what the holder map needs is kept, not the operation.
+        let identity = op.identity();
+        let destroy = matches!(op.input, OperationInput::DestroyLease { .. });
+        let run = self.entries[i].backend.execute(op, observations);
         let holders = Arc::clone(&self.holders);
         Box::pin(async move {
             let out = run.await;
-            let identity = op.identity();
-            let mut holders = holders.lock().unwrap_or_else(PoisonError::into_inner);
-            match (&op.input, &out) {
-                (OperationInput::DestroyLease { .. }, Outcome::Succeeded(_)) => {
+            if matches!(out, Outcome::Succeeded(_)) {
+                let mut holders = holders.lock().unwrap_or_else(PoisonError::into_inner);
+                if destroy {
                     holders.remove(&identity);
-                }
-                (_, Outcome::Succeeded(_)) => {
+                } else {
                     holders.insert(identity, i);
                 }
-                _ => {}
             }
             out
         })

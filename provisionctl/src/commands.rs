@@ -112,11 +112,7 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
     if let Command::Token(cmd) = cli.command {
         return super::token::run(cmd);
     }
-    let config_path = cli.config.clone().or_else(config::default_path);
-    let config = match &config_path {
-        Some(p) => Config::load(p)?,
-        None => Config::default(),
-    };
+    let (config, config_path) = load_config(&cli)?;
     if let Command::Config(cmd) = &cli.command {
         return config_command(cmd, &cli, config, config_path.as_deref());
     }
@@ -255,6 +251,17 @@ fn print_lines(lines: &[String]) -> Result<(), CliError> {
     write_bytes(s.as_bytes())
 }
 
+/// The configuration file `cli` names (or the default one, if any), and
+/// where it is.
+fn load_config(cli: &Cli) -> Result<(Config, Option<std::path::PathBuf>), CliError> {
+    let path = cli.config.clone().or_else(config::default_path);
+    let config = match &path {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    Ok((config, path))
+}
+
 /// How to reach the driver: each setting from its flag or environment
 /// variable, else from the configuration file's context, else the default.
 fn context(cli: &Cli, config: Config) -> Result<Ctx, CliError> {
@@ -282,24 +289,9 @@ fn context(cli: &Cli, config: Config) -> Result<Ctx, CliError> {
 /// Shell completion: the runs the driver has (`None`: the node names of
 /// `run`), reached as `cli` says. Nothing is printed.
 pub async fn completion_names(cli: &Cli, run: Option<&str>) -> Result<Vec<String>, CliError> {
-    let config_path = cli.config.clone().or_else(config::default_path);
-    let config = match &config_path {
-        Some(p) => Config::load(p)?,
-        None => Config::default(),
-    };
-    let ctx = context(cli, config)?;
+    let ctx = context(cli, load_config(cli)?.0)?;
     match run {
-        None => {
-            let client = ctx.connect().await?;
-            let runs = read(|| {
-                let mut c = client.clone();
-                async move { c.list_runs(pb::ListRunsRequest::default()).await }
-            })
-            .await
-            .map_err(|s| ctx.status_error(&s, Doing::Server("list runs")))?
-            .runs;
-            Ok(runs.into_iter().map(|r| r.run_id).collect())
-        }
+        None => Ok(ctx.runs("").await?.into_iter().map(|r| r.run_id).collect()),
         Some(run) => Ok(ctx
             .run_status(run, true)
             .await?
@@ -325,12 +317,7 @@ where
         match call().await {
             Ok(r) => return Ok(r.into_inner()),
             Err(s) if tries < 4 && matches!(s.code(), Code::ResourceExhausted | Code::Unavailable) => {
-                let asked = s
-                    .metadata()
-                    .get("grpc-retry-pushback-ms")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .map(Duration::from_millis);
+                let asked = super::error::retry_pushback(&s);
                 tokio::time::sleep(asked.unwrap_or(backoff).min(Duration::from_secs(5))).await;
                 backoff *= 2;
                 tries += 1;
@@ -864,22 +851,27 @@ impl Ctx {
         Ok(Exit::Success)
     }
 
-    async fn list(&self, selector: Option<&str>, output: Output) -> Result<Exit, CliError> {
-        // Checked here first: a malformed selector is a usage error, sent nowhere.
-        if let Some(s) = selector {
-            contract::labels::Selector::parse("--selector", s).map_err(|e| CliError::Usage(e.to_string()))?;
-        }
+    /// The runs whose labels match `selector` (empty: every run).
+    async fn runs(&self, selector: &str) -> Result<Vec<pb::RunStatus>, CliError> {
         let client = self.connect().await?;
         let request = pb::ListRunsRequest {
-            label_selector: selector.unwrap_or_default().to_owned(),
+            label_selector: selector.to_owned(),
         };
-        let runs = read(|| {
+        Ok(read(|| {
             let (mut c, r) = (client.clone(), request.clone());
             async move { c.list_runs(r).await }
         })
         .await
         .map_err(|s| self.status_error(&s, Doing::Server("list runs")))?
-        .runs;
+        .runs)
+    }
+
+    async fn list(&self, selector: Option<&str>, output: Output) -> Result<Exit, CliError> {
+        // Checked here first: a malformed selector is a usage error, sent nowhere.
+        if let Some(s) = selector {
+            contract::labels::Selector::parse("--selector", s).map_err(|e| CliError::Usage(e.to_string()))?;
+        }
+        let runs = self.runs(selector.unwrap_or_default()).await?;
         match output {
             Output::Table => print_lines(&render::list_table(&runs, false))?,
             Output::Wide => print_lines(&render::list_table(&runs, true))?,

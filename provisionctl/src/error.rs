@@ -239,17 +239,10 @@ pub fn from_status(status: &tonic::Status, doing: Doing<'_>, server: &str) -> Cl
         Code::FailedPrecondition => CliError::refused(format!("the server refused to {doing}: {msg}"), None),
         Code::ResourceExhausted => CliError::refused(
             format!("the server is too busy to {doing} right now: {msg}"),
-            Some(
-                match status
-                    .metadata()
-                    .get("grpc-retry-pushback-ms")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<u64>().ok())
-                {
-                    Some(ms) => format!("the server asks to try again in {ms} ms"),
-                    None => "try again in a little while".to_owned(),
-                },
-            ),
+            Some(match retry_pushback(status) {
+                Some(pause) => format!("the server asks to try again in {} ms", pause.as_millis()),
+                None => "try again in a little while".to_owned(),
+            }),
         ),
         Code::Unauthenticated => CliError::refused(
             format!("the server at {server} did not accept our credentials: {msg}"),
@@ -271,6 +264,17 @@ pub fn from_status(status: &tonic::Status, doing: Doing<'_>, server: &str) -> Cl
         },
         _ => CliError::Other(format!("could not {doing}: the server failed: {msg}")),
     }
+}
+
+/// The pause a shed call asks for before it is sent again
+/// (`grpc-retry-pushback-ms`), if it says.
+pub fn retry_pushback(status: &tonic::Status) -> Option<std::time::Duration> {
+    status
+        .metadata()
+        .get("grpc-retry-pushback-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(std::time::Duration::from_millis)
 }
 
 #[cfg(test)]

@@ -20,10 +20,7 @@ use std::{
 
 use anyhow::Context as _;
 use contract::{ResourceIdentity, RunUid, shape::example_template};
-use provider_sdk::{
-    ANNOUNCEMENT,
-    wire::{identity_to_wire, pb, template_to_wire},
-};
+use provider_sdk::wire::{identity_to_wire, pb, template_to_wire};
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tonic::transport::Channel;
 
@@ -179,11 +176,8 @@ async fn spawn(
         .await
         .context("the plugin announced no address within 30 s")??
         .context("the plugin exited before announcing its address")?;
-    let address = line
-        .strip_prefix(ANNOUNCEMENT)
-        .map(str::trim)
-        .filter(|a| !a.is_empty())
-        .with_context(|| format!("its first line was {line:?}, not `{ANNOUNCEMENT} <address>`"))?
+    let address = provider_sdk::announced_address(&line)
+        .map_err(anyhow::Error::msg)?
         .to_owned();
     // Later lines are not the protocol's: drained so it never blocks.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
@@ -196,6 +190,17 @@ pub enum Verdict {
     Pass,
     Fail(String),
     Skip(String),
+}
+
+impl Verdict {
+    /// A pass when nothing went wrong, else a failure saying all of it.
+    fn of(problems: Vec<String>) -> Self {
+        if problems.is_empty() {
+            Verdict::Pass
+        } else {
+            Verdict::Fail(problems.join("; "))
+        }
+    }
 }
 
 /// The contracts' verdicts, in the order they ran.
@@ -211,27 +216,18 @@ impl Report {
         self.verdicts.iter().any(|(_, v)| matches!(v, Verdict::Fail(_)))
     }
 
-    /// One line per contract: `PASS`, `FAIL` or `SKIP`, the contract, and
-    /// why.
-    pub fn lines(&self) -> Vec<String> {
-        self.verdicts
-            .iter()
-            .map(|(name, v)| match v {
-                Verdict::Pass => format!("PASS  {name}"),
-                Verdict::Fail(why) => format!("FAIL  {name}: {why}"),
-                Verdict::Skip(why) => format!("SKIP  {name}: {why}"),
-            })
-            .collect()
-    }
-
     fn record(&mut self, name: &'static str, v: Verdict) {
-        let line = match &v {
-            Verdict::Pass => format!("PASS  {name}"),
-            Verdict::Fail(why) => format!("FAIL  {name}: {why}"),
-            Verdict::Skip(why) => format!("SKIP  {name}: {why}"),
-        };
-        println!("{line}");
+        println!("{}", line(name, &v));
         self.verdicts.push((name, v));
+    }
+}
+
+/// A contract's line: `PASS`, `FAIL` or `SKIP`, the contract, and why.
+fn line(name: &str, v: &Verdict) -> String {
+    match v {
+        Verdict::Pass => format!("PASS  {name}"),
+        Verdict::Fail(why) => format!("FAIL  {name}: {why}"),
+        Verdict::Skip(why) => format!("SKIP  {name}: {why}"),
     }
 }
 
@@ -332,6 +328,48 @@ impl Kit {
         r
     }
 
+    /// A create of `identity` whose call and gRPC deadline are `deadline`.
+    fn create_request(
+        &mut self,
+        identity: &ResourceIdentity,
+        deadline: Duration,
+    ) -> tonic::Request<pb::CreateLeaseRequest> {
+        let template = template_to_wire(&example_template(&self.provider, "registry.local/provider-kit:1"));
+        let call = self.call(identity, deadline);
+        Self::request(
+            pb::CreateLeaseRequest {
+                call: Some(call),
+                template: Some(template),
+            },
+            deadline,
+        )
+    }
+
+    /// Destroys what `identity` holds; `Err` says how that answer broke the
+    /// contract (absent is success).
+    async fn destroy(&mut self, client: &mut Client, identity: &ResourceIdentity) -> Result<(), String> {
+        let call = self.call(identity, CALL_DEADLINE);
+        let r = client
+            .destroy_lease(Self::request(
+                pb::DestroyLeaseRequest {
+                    call: Some(call),
+                    lease_id: String::new(),
+                },
+                CALL_DEADLINE,
+            ))
+            .await;
+        match r {
+            Ok(r) => match class(r.get_ref().answer.as_ref()) {
+                ("succeeded", _) => Ok(()),
+                (c, reason) => Err(format!(
+                    "DestroyLease of {} answered {c}: {reason}",
+                    identity.node
+                )),
+            },
+            Err(s) => Err(format!("DestroyLease: {:?}: {}", s.code(), s.message())),
+        }
+    }
+
     /// The kit's resources the plugin lists, by node.
     async fn listed(&self, client: &mut Client) -> anyhow::Result<BTreeMap<String, Vec<pb::Resource>>> {
         let all = client
@@ -361,17 +399,8 @@ impl Kit {
         identity: &ResourceIdentity,
         concurrent: bool,
     ) -> anyhow::Result<(&'static str, String, String)> {
-        let template = template_to_wire(&example_template(&self.provider, "registry.local/provider-kit:1"));
-        let call = self.call(identity, CALL_DEADLINE);
-        let r = client
-            .create_lease(Self::request(
-                pb::CreateLeaseRequest {
-                    call: Some(call),
-                    template: Some(template),
-                },
-                CALL_DEADLINE,
-            ))
-            .await;
+        let request = self.create_request(identity, CALL_DEADLINE);
+        let r = client.create_lease(request).await;
         let (c, reason, lease) = match r {
             Ok(r) => {
                 let r = r.into_inner();
@@ -551,18 +580,8 @@ pub async fn run(plugin: &mut Plugin, provider: Option<&str>) -> anyhow::Result<
     let mut creates = Vec::new();
     for _ in 0..4 {
         let mut c = client.clone();
-        let call = kit.call(&b, CALL_DEADLINE);
-        let template = template_to_wire(&example_template(&kit.provider, "registry.local/provider-kit:1"));
-        creates.push(async move {
-            c.create_lease(Kit::request(
-                pb::CreateLeaseRequest {
-                    call: Some(call),
-                    template: Some(template),
-                },
-                CALL_DEADLINE,
-            ))
-            .await
-        });
+        let request = kit.create_request(&b, CALL_DEADLINE);
+        creates.push(async move { c.create_lease(request).await });
     }
     let answers = futures::future::join_all(creates).await;
     let leases: BTreeSet<String> = answers
@@ -590,17 +609,8 @@ pub async fn run(plugin: &mut Plugin, provider: Option<&str>) -> anyhow::Result<
 
     // An ambiguous create (the caller gave up at once), then a create.
     let c_id = kit.identity("kit-2");
-    let template = template_to_wire(&example_template(&kit.provider, "registry.local/provider-kit:1"));
-    let call = kit.call(&c_id, Duration::from_millis(1));
-    let _ = client
-        .create_lease(Kit::request(
-            pb::CreateLeaseRequest {
-                call: Some(call),
-                template: Some(template),
-            },
-            Duration::from_millis(1),
-        ))
-        .await;
+    let given_up = kit.create_request(&c_id, Duration::from_millis(1));
+    let _ = client.create_lease(given_up).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let verdict = match kit.create(&mut client, &c_id).await {
         Err(e) => Verdict::Fail(format!("the create after an ambiguous one: {e}")),
@@ -773,74 +783,26 @@ pub async fn run(plugin: &mut Plugin, provider: Option<&str>) -> anyhow::Result<
         Err(s) => problems.push(format!("CancelBootstrap: {:?}: {}", s.code(), s.message())),
     }
     for _ in 0..2 {
-        let call = kit.call(&never, CALL_DEADLINE);
-        match client
-            .destroy_lease(Kit::request(
-                pb::DestroyLeaseRequest {
-                    call: Some(call),
-                    lease_id: String::new(),
-                },
-                CALL_DEADLINE,
-            ))
-            .await
-        {
-            Ok(r) => {
-                let (c, reason) = class(r.get_ref().answer.as_ref());
-                if c != "succeeded" {
-                    problems.push(format!(
-                        "DestroyLease of an absent resource answered {c}: {reason}"
-                    ));
-                }
-            }
-            Err(s) => problems.push(format!("DestroyLease: {:?}: {}", s.code(), s.message())),
+        if let Err(e) = kit.destroy(&mut client, &never).await {
+            problems.push(format!("{e} (it holds nothing)"));
         }
     }
     if kit.listed(&mut client).await?.contains_key("kit-99") {
         problems.push("ListResources holds kit-99, which was never created".into());
     }
-    report.record(
-        ABSENT,
-        if problems.is_empty() {
-            Verdict::Pass
-        } else {
-            Verdict::Fail(problems.join("; "))
-        },
-    );
+    report.record(ABSENT, Verdict::of(problems));
 
     // Destroy, and again.
     let mut problems = Vec::new();
     for _ in 0..2 {
-        let call = kit.call(&c_id, CALL_DEADLINE);
-        match client
-            .destroy_lease(Kit::request(
-                pb::DestroyLeaseRequest {
-                    call: Some(call),
-                    lease_id: String::new(),
-                },
-                CALL_DEADLINE,
-            ))
-            .await
-        {
-            Ok(r) => {
-                let (c, reason) = class(r.get_ref().answer.as_ref());
-                if c != "succeeded" {
-                    problems.push(format!("DestroyLease of kit-2 answered {c}: {reason}"));
-                }
-            }
-            Err(s) => problems.push(format!("DestroyLease: {:?}: {}", s.code(), s.message())),
+        if let Err(e) = kit.destroy(&mut client, &c_id).await {
+            problems.push(e);
         }
     }
     if kit.listed(&mut client).await?.contains_key("kit-2") {
         problems.push("ListResources still holds kit-2 after its destroy".into());
     }
-    report.record(
-        DESTROY,
-        if problems.is_empty() {
-            Verdict::Pass
-        } else {
-            Verdict::Fail(problems.join("; "))
-        },
-    );
+    report.record(DESTROY, Verdict::of(problems));
 
     // List: exactly kit-0 and kit-1.
     let listed = kit.listed(&mut client).await?;
@@ -897,14 +859,7 @@ pub async fn run(plugin: &mut Plugin, provider: Option<&str>) -> anyhow::Result<
                 ));
             }
         }
-        report.record(
-            RESTART,
-            if problems.is_empty() {
-                Verdict::Pass
-            } else {
-                Verdict::Fail(problems.join("; "))
-            },
-        );
+        report.record(RESTART, Verdict::of(problems));
     }
 
     // Loss and health, through the testing hooks.
@@ -1004,16 +959,7 @@ pub async fn run(plugin: &mut Plugin, provider: Option<&str>) -> anyhow::Result<
     // Clean up: destroy whatever the kit still holds.
     for node in kit.listed(&mut client).await?.into_keys() {
         let id = kit.identity(&node);
-        let call = kit.call(&id, CALL_DEADLINE);
-        let _ = client
-            .destroy_lease(Kit::request(
-                pb::DestroyLeaseRequest {
-                    call: Some(call),
-                    lease_id: String::new(),
-                },
-                CALL_DEADLINE,
-            ))
-            .await;
+        let _ = kit.destroy(&mut client, &id).await;
     }
     if let Some(w) = kit.watch.take() {
         w.abort();

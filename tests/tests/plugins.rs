@@ -69,6 +69,27 @@ async fn delete_and_see_every_agent_gone(
     .unwrap();
 }
 
+/// The provider list once the driver knows it (its link to the executor is up).
+async fn known_providers(cluster: &Cluster) -> pb::ListProvidersResponse {
+    eventually(Duration::from_secs(20), "the provider list", || async {
+        let p = providers(cluster).await;
+        p.known.then_some(p)
+    })
+    .await
+    .unwrap()
+}
+
+async fn run_status(cluster: &Cluster) -> pb::RunStatus {
+    let mut c = cluster.client().await.unwrap();
+    c.get_run(pb::GetRunRequest {
+        run_id: RUN.to_owned(),
+        include_nodes: false,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
 async fn providers(cluster: &Cluster) -> pb::ListProvidersResponse {
     let mut c = cluster.client().await.unwrap();
     c.list_providers(pb::ListProvidersRequest {})
@@ -86,12 +107,7 @@ async fn a_supervised_plugin_serves_its_provider_and_other_names_are_refused() {
         .unwrap();
 
     // The driver knows what the executor serves once the link is up.
-    let listed = eventually(Duration::from_secs(20), "the provider list", || async {
-        let p = providers(&cluster).await;
-        p.known.then_some(p)
-    })
-    .await
-    .unwrap();
+    let listed = known_providers(&cluster).await;
     let names: Vec<&str> = listed.providers.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(names, ["process"], "{listed:?}");
     let p = &listed.providers[0];
@@ -181,11 +197,7 @@ async fn a_plugin_killed_mid_convergence_is_restarted_and_nothing_is_orphaned_or
         .await
         .unwrap();
     let executor = cluster.executor.pid().unwrap();
-    eventually(Duration::from_secs(20), "the provider list", || async {
-        providers(&cluster).await.known.then_some(())
-    })
-    .await
-    .unwrap();
+    known_providers(&cluster).await;
 
     // Slow stages, so the kill lands while bootstraps are running.
     let mut s = shape(RUN, 1, "process", &[("workers", 6, "img:1")]);
@@ -207,14 +219,7 @@ async fn a_plugin_killed_mid_convergence_is_restarted_and_nothing_is_orphaned_or
     .await
     .unwrap();
     let mut c = cluster.client().await.unwrap();
-    let before = c
-        .get_run(pb::GetRunRequest {
-            run_id: RUN.to_owned(),
-            include_nodes: false,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let before = run_status(&cluster).await;
     assert!(
         !before.converged,
         "the kill must land mid-convergence: {before:?}"
@@ -299,11 +304,7 @@ async fn a_plugin_at_an_address_that_goes_away_shows_in_the_conditions_and_is_us
     .await
     .unwrap();
     let mut c = cluster.client().await.unwrap();
-    eventually(Duration::from_secs(20), "the provider list", || async {
-        providers(&cluster).await.known.then_some(())
-    })
-    .await
-    .unwrap();
+    known_providers(&cluster).await;
     cluster
         .apply(&shape(RUN, 1, "fake", &[("workers", 2, "img:1")]))
         .await
@@ -330,16 +331,9 @@ async fn a_plugin_at_an_address_that_goes_away_shows_in_the_conditions_and_is_us
         Duration::from_secs(20),
         "the run's Degraded condition",
         || async {
-            let mut c = cluster.client().await.unwrap();
-            let s = c
-                .get_run(pb::GetRunRequest {
-                    run_id: RUN.to_owned(),
-                    include_nodes: false,
-                })
+            run_status(&cluster)
                 .await
-                .unwrap()
-                .into_inner();
-            s.conditions
+                .conditions
                 .into_iter()
                 .find(|c| c.r#type == "Degraded" && c.status && c.reason == "ProviderUnavailable")
         },

@@ -38,7 +38,7 @@ pub use contract::{
 };
 pub use events::Events;
 use futures::future::BoxFuture;
-pub use serve::{Listen, ServeArgs, ServeError, ServeOptions, announce_line, serve};
+pub use serve::{Listen, ServeArgs, ServeError, ServeOptions, announce_line, announced_address, serve};
 
 /// The protocol version this crate speaks.
 pub const PROTOCOL_VERSION: u32 = 1;

@@ -134,6 +134,18 @@ pub fn announce_line(address: &str) -> String {
     format!("{ANNOUNCEMENT} {address}")
 }
 
+/// The address an announcement line gives (the inverse of
+/// [`announce_line`]), for whoever starts a plugin; the error says what the
+/// line was instead.
+pub fn announced_address(line: &str) -> Result<&str, String> {
+    line.strip_prefix(ANNOUNCEMENT)
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .ok_or_else(|| {
+            format!("its first line on standard output was {line:?}, not `{ANNOUNCEMENT} <address>`")
+        })
+}
+
 fn announce(address: &str) -> Result<(), ServeError> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{}", announce_line(address))

@@ -14,7 +14,7 @@ use clap::{Parser, ValueEnum};
 use contract::{Clock, SystemClock};
 use executor_svc::{
     backend::Backend,
-    fake::{FakeConfig, FaultRates},
+    fake::{FakeConfig, FaultRates, parse_latency},
     fake_backend::FakeBackend,
     hosted::{BackendProvider, FakeTesting, ProcessTesting},
     process::{ProcessBackend, ProcessConfig},
@@ -66,18 +66,6 @@ struct Cli {
 enum Kind {
     Fake,
     Process,
-}
-
-fn parse_latency(s: &str) -> Result<(u64, u64), String> {
-    let number = |p: &str| p.trim().parse::<u64>().map_err(|e| format!("{p:?}: {e}"));
-    let (min, max) = match s.split_once(',') {
-        Some((a, b)) => (number(a)?, number(b)?),
-        None => (number(s)?, number(s)?),
-    };
-    if min > max {
-        return Err(format!("the minimum {min} is above the maximum {max}"));
-    }
-    Ok((min, max))
 }
 
 #[tokio::main]

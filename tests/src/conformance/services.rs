@@ -375,34 +375,29 @@ fn executor_args(
         "--event-trace".to_owned(),
         TracePaths::in_dir(dir).executor.display().to_string(),
     ];
-    if let Backend::Plugin { address, .. } = backend {
-        return [
-            "--backend",
-            "none",
-            "--plugin",
-            address,
-            "--plugin-health-interval-ms",
-            "200",
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .chain(durable)
-        .collect();
-    }
-    if let (Backend::ProcessPlugin, Some(agents)) = (backend, agents) {
-        let plugin = format!(
-            "{} --backend process --process-state-dir {} --listen unix:{} --health-interval-ms 200",
-            crate::procs::bin_path("builtin-provider")
-                .map(|p| p.display().to_string())
-                .unwrap_or_else(|_| "builtin-provider".to_owned()),
-            agents.display(),
-            dir.join("provider.sock").display(),
-        );
-        return [
-            "--backend",
-            "none",
+    // Through a plugin: one at an address, or the process backend as a plugin
+    // the executor starts.
+    let plugin = match (backend, agents) {
+        (Backend::Plugin { address, .. }, _) => Some(("--plugin", address.clone())),
+        (Backend::ProcessPlugin, Some(agents)) => Some((
             "--plugin-command",
-            &plugin,
+            format!(
+                "{} --backend process --process-state-dir {} --listen unix:{} --health-interval-ms 200",
+                crate::procs::bin_path("builtin-provider")
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|_| "builtin-provider".to_owned()),
+                agents.display(),
+                dir.join("provider.sock").display(),
+            ),
+        )),
+        _ => None,
+    };
+    if let Some((flag, value)) = plugin {
+        return [
+            "--backend",
+            "none",
+            flag,
+            &value,
             "--plugin-health-interval-ms",
             "200",
         ]
