@@ -1,4 +1,6 @@
-//! Compiles `provisioning/v1/*.proto` with the pure-Rust `protox` compiler, so no
+//! Compiles the public API (`provisioning/v1`), the services' internal
+//! protocols (`provisioning/internal/v1`) and the driver's records
+//! (`provisioning/store/v1`) with the pure-Rust `protox` compiler, so no
 //! system `protoc` is needed, and writes the descriptor set used by reflection;
 //! compiles the fake backend's control service
 //! (`provisioning/fake/v1/fake_control.proto`, a test double) and the provider
@@ -18,7 +20,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile(
         [
             "provisioning/v1/provisioning.proto",
-            "provisioning/v1/store.proto",
+            "provisioning/internal/v1/decider.proto",
+            "provisioning/internal/v1/executor.proto",
+            "provisioning/store/v1/store.proto",
         ],
         [&root],
     )?;

@@ -1,7 +1,7 @@
 //! The decider as a gRPC service: a stateless shell around the pure `decider`
 //! crate, plus the client the driver uses to call it.
 //!
-//! [`server`] answers `provisioning.v1.Decider/Decide`. A call is a bidirectional
+//! [`server`] answers `provisioning.internal.v1.Decider/Decide`. A call is a bidirectional
 //! stream: the driver sends a header (desired shape, `now`, template table), node
 //! batches, slot batches and `end`; the service decodes each node as it arrives,
 //! decides it at once with [`decider::decide_node`] and streams decision batches

@@ -50,7 +50,7 @@ async fn the_binary_serves_until_sigterm() {
     let mut health = HealthClient::new(channel);
     let status = health
         .check(HealthCheckRequest {
-            service: "provisioning.v1.Decider".to_owned(),
+            service: "provisioning.internal.v1.Decider".to_owned(),
         })
         .await
         .unwrap()

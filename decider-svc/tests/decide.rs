@@ -366,7 +366,7 @@ async fn health_reports_serving_for_the_decider() {
     let mut health = HealthClient::new(server.channel().await);
     let response = health
         .check(HealthCheckRequest {
-            service: "provisioning.v1.Decider".to_owned(),
+            service: "provisioning.internal.v1.Decider".to_owned(),
         })
         .await
         .unwrap()
@@ -374,7 +374,7 @@ async fn health_reports_serving_for_the_decider() {
     assert_eq!(response.status(), ServingStatus::Serving);
     let unknown = health
         .check(HealthCheckRequest {
-            service: "provisioning.v1.Nope".to_owned(),
+            service: "provisioning.internal.v1.Nope".to_owned(),
         })
         .await
         .unwrap_err();
@@ -404,7 +404,10 @@ async fn reflection_lists_the_decider() {
         panic!("unexpected reflection answer: {response:?}");
     };
     let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
-    assert!(names.iter().any(|n| n == "provisioning.v1.Decider"), "{names:?}");
+    assert!(
+        names.iter().any(|n| n == "provisioning.internal.v1.Decider"),
+        "{names:?}"
+    );
     assert!(names.iter().any(|n| n == "grpc.health.v1.Health"), "{names:?}");
     server.stop().await;
 }

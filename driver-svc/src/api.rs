@@ -245,7 +245,7 @@ impl Provisioning for Api {
         Ok(Response::new(self.driver.delete(&id).await.map_err(to_status)?))
     }
 
-    async fn pause_run(&self, req: Request<pb::RunRef>) -> Result<Response<pb::RunStatus>, Status> {
+    async fn pause_run(&self, req: Request<pb::PauseRunRequest>) -> Result<Response<pb::RunStatus>, Status> {
         let who = principal(&req, Access::Write, "PauseRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
@@ -269,7 +269,10 @@ impl Provisioning for Api {
         ))
     }
 
-    async fn resume_run(&self, req: Request<pb::RunRef>) -> Result<Response<pb::RunStatus>, Status> {
+    async fn resume_run(
+        &self,
+        req: Request<pb::ResumeRunRequest>,
+    ) -> Result<Response<pb::RunStatus>, Status> {
         let who = principal(&req, Access::Write, "ResumeRun")?;
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;

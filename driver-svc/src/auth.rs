@@ -90,7 +90,7 @@ impl TokenSet {
     /// Parses a tokens file's text; `path` only names it in errors.
     pub fn parse(path: &Path, text: &str) -> Result<Self, TokensFileError> {
         let entries: Option<Vec<TokenEntry>> =
-            serde_yaml::from_str(text).map_err(|e| TokensFileError::Syntax {
+            serde_yaml_ng::from_str(text).map_err(|e| TokensFileError::Syntax {
                 path: path.to_owned(),
                 reason: e.to_string(),
             })?;
@@ -623,7 +623,7 @@ mod tests {
     use super::*;
 
     fn file(entries: &[TokenEntry]) -> TokenSet {
-        TokenSet::parse(Path::new("t.yaml"), &serde_yaml::to_string(entries).unwrap()).unwrap()
+        TokenSet::parse(Path::new("t.yaml"), &serde_yaml_ng::to_string(entries).unwrap()).unwrap()
     }
 
     fn bearer(token: &str) -> http::HeaderMap {
@@ -692,7 +692,7 @@ mod tests {
         let entry = entry_for("ci", token, Access::Read, None);
         assert_eq!(entry.sha256, Some(to_hex(&hash_token(token))));
         assert!(
-            !serde_yaml::to_string(std::slice::from_ref(&entry))
+            !serde_yaml_ng::to_string(std::slice::from_ref(&entry))
                 .unwrap()
                 .contains(token)
         );
@@ -740,7 +740,7 @@ mod tests {
         let token = new_token().unwrap();
         let text = format!(
             "- {{name: ops, client_cert: ops, access: read, runs: [demo]}}\n- {}",
-            serde_yaml::to_string(&entry_for("ci", &token, Access::Write, None))
+            serde_yaml_ng::to_string(&entry_for("ci", &token, Access::Write, None))
                 .unwrap()
                 .replace('\n', "\n  ")
                 .trim_end()
@@ -795,7 +795,7 @@ mod tests {
         let (a, b) = (new_token().unwrap(), new_token().unwrap());
         std::fs::write(
             &path,
-            serde_yaml::to_string(&[entry_for("a", &a, Access::Read, None)]).unwrap(),
+            serde_yaml_ng::to_string(&[entry_for("a", &a, Access::Read, None)]).unwrap(),
         )
         .unwrap();
         let auth = Authenticator::from_file(&path).unwrap();
@@ -805,7 +805,7 @@ mod tests {
         assert!(auth.authenticate(&bearer(&a), &[]).is_ok());
         std::fs::write(
             &path,
-            serde_yaml::to_string(&[entry_for("b", &b, Access::Read, None)]).unwrap(),
+            serde_yaml_ng::to_string(&[entry_for("b", &b, Access::Read, None)]).unwrap(),
         )
         .unwrap();
         assert_eq!(auth.reload().unwrap(), 1);

@@ -4,10 +4,13 @@
 //!
 //! In the order a call meets them:
 //!
-//! 1. **Per-client rate limit**: at most `--rate-limit` calls per
+//! 1. **Per-client rate limit**: `--rate-limit` calls per
 //!    `--rate-limit-window-ms` per client, a client being a token (its name)
-//!    or, without authentication, a peer IP address. Each client has its own
-//!    `tower::limit::RateLimit`; a call over it is refused at once.
+//!    or, without authentication, a peer IP address. One keyed GCRA limiter
+//!    (`governor`) holds every client's budget: a burst of up to
+//!    `--rate-limit` calls, refilled evenly over the window; a call over it is
+//!    refused at once, with the exact time until the next call would pass as
+//!    its retry hint.
 //! 2. **Watch streams per client** (`--max-watches-per-client`) and in all
 //!    (`--max-watches`): a `WatchRun` or `WatchEvents` takes a slot for as long as its
 //!    response stream lives, and gives it back when the stream ends or the
@@ -31,6 +34,7 @@ use std::{
     convert::Infallible,
     fmt,
     net::IpAddr,
+    num::NonZeroU32,
     pin::Pin,
     sync::{Arc, Mutex, MutexGuard},
     task::{Context, Poll},
@@ -38,16 +42,19 @@ use std::{
 };
 
 use futures::future::{BoxFuture, FutureExt as _};
+use governor::{
+    DefaultKeyedRateLimiter, Quota,
+    clock::{Clock as _, Reference as _},
+};
 use http_body::Frame;
 use platform::{
     metrics::{Counter, Gauge, global},
     runtime::MessageLimits,
 };
-use tokio::time::Instant;
 use tonic::{Code, Status, body::Body, metadata::MetadataValue, server::NamedService};
 use tower::{
     Layer, Service, ServiceBuilder, ServiceExt as _,
-    limit::{ConcurrencyLimit, ConcurrencyLimitLayer, RateLimit, rate::Rate},
+    limit::{ConcurrencyLimit, ConcurrencyLimitLayer},
     load_shed::{LoadShed, LoadShedLayer, error::Overloaded},
     timeout::{Timeout, TimeoutLayer, error::Elapsed},
 };
@@ -169,7 +176,9 @@ impl ApiLimits {
         LimitsLayer {
             shared: Arc::new(Shared {
                 limits: self.clone(),
-                rates: Mutex::new(HashMap::new()),
+                rates: self
+                    .rate_limit
+                    .map(|per_window| Rates::new(per_window, self.rate_limit_window)),
                 watches: Mutex::new(Watches::default()),
                 refused: refusals(),
                 open_watches: global().gauge(
@@ -214,28 +223,58 @@ fn client_key(req: &http::Request<Body>) -> ClientKey {
     }
 }
 
-/// Admits one call per unit of a `RateLimit`'s budget.
-#[derive(Debug, Clone, Copy)]
-struct Admit;
+/// Every client's rate budget: one keyed GCRA limiter.
+struct Rates {
+    limiter: DefaultKeyedRateLimiter<ClientKey>,
+    per_window: u64,
+    window: Duration,
+    /// When clients with a full budget were last forgotten.
+    last_sweep: Mutex<governor::clock::QuantaInstant>,
+}
 
-impl Service<()> for Admit {
-    type Response = ();
-    type Error = Infallible;
-    type Future = std::future::Ready<Result<(), Infallible>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, (): ()) -> Self::Future {
-        std::future::ready(Ok(()))
+impl fmt::Debug for Rates {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rates")
+            .field("per_window", &self.per_window)
+            .field("window", &self.window)
+            .field("clients", &self.limiter.len())
+            .finish_non_exhaustive()
     }
 }
 
-#[derive(Debug)]
-struct ClientRate {
-    limiter: RateLimit<Admit>,
-    last_call: Instant,
+impl Rates {
+    fn new(per_window: u64, window: Duration) -> Self {
+        let burst = NonZeroU32::new(u32::try_from(per_window).unwrap_or(u32::MAX)).unwrap_or(NonZeroU32::MIN);
+        // One call's worth of budget comes back every window / per_window
+        // (at least a nanosecond, which `with_period` needs).
+        let period = (window / burst.get()).max(Duration::from_nanos(1));
+        let quota = Quota::with_period(period)
+            .unwrap_or_else(|| Quota::per_second(burst))
+            .allow_burst(burst);
+        let limiter = DefaultKeyedRateLimiter::keyed(quota);
+        let now = limiter.clock().now();
+        Self {
+            limiter,
+            per_window,
+            window,
+            last_sweep: Mutex::new(now),
+        }
+    }
+
+    /// Forgets clients whose budget is full again (they are the same as new
+    /// ones), at most once a window, once there are many.
+    fn sweep(&self) {
+        if self.limiter.len() < CLIENTS_SOFT_CAP {
+            return;
+        }
+        let now = self.limiter.clock().now();
+        let mut last = lock(&self.last_sweep);
+        if now.duration_since(*last) >= self.window.into() {
+            *last = now;
+            self.limiter.retain_recent();
+            self.limiter.shrink_to_fit();
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -247,7 +286,7 @@ struct Watches {
 #[derive(Debug)]
 struct Shared {
     limits: ApiLimits,
-    rates: Mutex<HashMap<ClientKey, ClientRate>>,
+    rates: Option<Rates>,
     watches: Mutex<Watches>,
     refused: Counter,
     open_watches: Gauge,
@@ -276,59 +315,40 @@ fn exhausted(reason: &'static str, message: String, retry: Option<Duration>) -> 
 impl Shared {
     /// Spends one call of `key`'s rate budget, or refuses.
     fn admit(&self, key: &ClientKey) -> Result<(), Refusal> {
-        let Some(per_window) = self.limits.rate_limit else {
+        let Some(rates) = &self.rates else {
             return Ok(());
         };
-        let window = self.limits.rate_limit_window;
-        // tower's `RateLimit` keeps its windows in tokio's time; the idle
-        // check compares with the same.
-        #[expect(
-            clippy::disallowed_methods,
-            reason = "the rate limiter's windows are tokio time (tower's RateLimit)"
-        )]
-        let now = Instant::now();
-        let mut rates = lock(&self.rates);
-        if !rates.contains_key(key) && rates.len() >= CLIENTS_SOFT_CAP {
-            // A client idle for two windows has a full budget again: its
-            // limiter can go.
-            rates.retain(|_, r| now.duration_since(r.last_call) < 2 * window);
-            if rates.len() >= CLIENTS_HARD_CAP {
-                return Err(exhausted(
-                    "overloaded",
-                    format!(
-                        "the driver is tracking {} clients, its limit; retry in {} ms",
-                        rates.len(),
-                        window.as_millis()
-                    ),
-                    Some(window),
-                ));
-            }
-        }
-        let client = rates.entry(key.clone()).or_insert_with(|| ClientRate {
-            limiter: RateLimit::new(Admit, Rate::new(per_window, window)),
-            last_call: now,
-        });
-        client.last_call = now;
-        // One poll, never a wait: `unconstrained` so that tokio's cooperative
-        // budget cannot make a limiter with budget look exhausted.
-        let ready = tokio::task::unconstrained(std::future::poll_fn(|cx| client.limiter.poll_ready(cx)))
-            .now_or_never();
-        match ready {
-            Some(Ok(())) => {
-                // Spends the budget; the answer (a ready unit) is not needed.
-                drop(client.limiter.call(()));
-                Ok(())
-            }
-            _ => Err(exhausted(
-                "rate_limited",
+        rates.sweep();
+        let tracked = rates.limiter.len();
+        if tracked >= CLIENTS_HARD_CAP {
+            return Err(exhausted(
+                "overloaded",
                 format!(
-                    "{key} is over its rate limit of {per_window} calls per {} ms (--rate-limit); retry \
-                     in at most {} ms",
-                    window.as_millis(),
-                    window.as_millis()
+                    "the driver is tracking {tracked} clients, its limit; retry in {} ms",
+                    rates.window.as_millis()
                 ),
-                Some(window),
-            )),
+                Some(rates.window),
+            ));
+        }
+        match rates.limiter.check_key(key) {
+            Ok(()) => Ok(()),
+            Err(not_until) => {
+                let wait = not_until.wait_time_from(rates.limiter.clock().now());
+                // Whole milliseconds, rounded up: a client that waits the hint
+                // is admitted.
+                let wait_ms = wait.as_nanos().div_ceil(1_000_000).max(1);
+                let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(u64::MAX));
+                Err(exhausted(
+                    "rate_limited",
+                    format!(
+                        "{key} is over its rate limit of {} calls per {} ms (--rate-limit); retry in \
+                         {wait_ms} ms",
+                        rates.per_window,
+                        rates.window.as_millis(),
+                    ),
+                    Some(wait),
+                ))
+            }
         }
     }
 
@@ -572,7 +592,23 @@ mod tests {
         }
         let r = s.admit(&a).err().unwrap();
         assert_eq!(r.status.code(), Code::ResourceExhausted);
-        assert_eq!(r.status.metadata().get(RETRY_PUSHBACK).unwrap(), "60000");
+        // Three calls a minute: one comes back every 20 s, and the hint says
+        // how long until then.
+        let hint: u64 = r
+            .status
+            .metadata()
+            .get(RETRY_PUSHBACK)
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((19_000..=20_000).contains(&hint), "{hint}");
+        assert!(
+            r.status.message().contains(&format!("retry in {hint} ms")),
+            "{}",
+            r.status.message()
+        );
         assert!(r.status.message().contains("token \"a\"") && r.status.message().contains("--rate-limit"));
         assert!(s.admit(&b).is_ok(), "another client's budget is its own");
     }

@@ -284,7 +284,7 @@ async fn serve_until_stopped() -> anyhow::Result<()> {
     let listener =
         runtime::bind_and_announce("driver-svc", cli.common.listen, cli.common.ready_file.as_deref())
             .await
-            .context("binding the listen address")?;
+            .with_context(|| format!("binding {}", cli.common.listen))?;
     let result = run(
         listener,
         runtime::shutdown_signal(),

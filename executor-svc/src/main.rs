@@ -253,7 +253,7 @@ async fn serve_until_stopped() -> anyhow::Result<()> {
         cli.common.ready_file.as_deref(),
     )
     .await
-    .context("binding the listen address")?;
+    .with_context(|| format!("binding {}", cli.common.listen))?;
     let secrets = match &cli.secrets_key_file {
         Some(path) => platform::secrets::Sealer::new(Some(
             platform::secrets::SecretKey::load(path).context("loading the secrets key")?,

@@ -621,14 +621,17 @@ async fn health_and_reflection_are_served() -> TestResult {
     let channel = h.channel().await?;
     let health = HealthClient::new(channel.clone())
         .check(HealthCheckRequest {
-            service: "provisioning.v1.Executor".to_owned(),
+            service: "provisioning.internal.v1.Executor".to_owned(),
         })
         .await?
         .into_inner();
     ensure!(health.status == ServingStatus::Serving as i32, "{health:?}");
 
     let names = reflected_services(channel).await?;
-    ensure!(names.iter().any(|n| n == "provisioning.v1.Executor"), "{names:?}");
+    ensure!(
+        names.iter().any(|n| n == "provisioning.internal.v1.Executor"),
+        "{names:?}"
+    );
     h.shutdown().await
 }
 

@@ -137,7 +137,19 @@ pub async fn bind_and_announce(
     listen: SocketAddr,
     ready_file: Option<&Path>,
 ) -> std::io::Result<TcpListener> {
-    let listener = TcpListener::bind(listen).await?;
+    let listener = TcpListener::bind(listen).await.map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AddrInUse {
+            std::io::Error::new(
+                e.kind(),
+                format!(
+                    "{e}: another process listens on {listen}; stop it, or give --listen \
+                     (PROVISIONING_LISTEN) another address (port 0 picks a free one)"
+                ),
+            )
+        } else {
+            e
+        }
+    })?;
     let addr = listener.local_addr()?;
     tracing::info!(service, %addr, "listening");
     if let Some(path) = ready_file {

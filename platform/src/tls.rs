@@ -101,6 +101,16 @@ pub enum TlsError {
     },
     #[error("{} holds no {what} in PEM form", path.display())]
     Pem { what: &'static str, path: PathBuf },
+    #[error(
+        "{} and {} are not a pair: {reason}; give the key that was issued with the certificate",
+        cert.display(),
+        key.display()
+    )]
+    KeyMismatch {
+        cert: PathBuf,
+        key: PathBuf,
+        reason: String,
+    },
     #[error("{url:?} is not an address to connect to: {reason}")]
     Url { url: String, reason: String },
     #[error("{url} is {scheme}:// but {mode}")]
@@ -163,6 +173,46 @@ fn certificates(
     Ok(certs)
 }
 
+/// An error and the errors under it, as one line.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Checks that `key` is the private key of the chain's first certificate, so
+/// that a mismatched pair is refused when it is read, naming both files,
+/// rather than failing every handshake later as a bare transport error.
+fn keys_match(
+    chain: &[CertificateDer<'static>],
+    key: &PrivateKeyDer<'_>,
+    cert_path: &Path,
+    key_path: &Path,
+) -> Result<(), TlsError> {
+    let mismatch = |reason: String| TlsError::KeyMismatch {
+        cert: cert_path.to_owned(),
+        key: key_path.to_owned(),
+        reason,
+    };
+    let signing = rustls::crypto::ring::sign::any_supported_type(key)
+        .map_err(|e| mismatch(format!("the key is of no supported type ({e})")))?;
+    match rustls::sign::CertifiedKey::new(chain.to_vec(), signing).keys_match() {
+        Ok(()) => Ok(()),
+        Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) => {
+            Err(mismatch("the key is not the certificate's".to_owned()))
+        }
+        // A key that cannot tell its public half is let through: the
+        // handshake is the check then.
+        Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => Ok(()),
+        Err(e) => Err(mismatch(e.to_string())),
+    }
+}
+
 impl TlsMaterial {
     /// Reads the CA bundle and, if given, a certificate chain with its key.
     pub fn load(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<Self, TlsError> {
@@ -175,12 +225,13 @@ impl TlsMaterial {
                 let cert_pem = read("the certificate", cert)?;
                 let key_pem = read("the private key", key)?;
                 let chain = certificates("certificate", cert, &cert_pem)?;
-                if PrivateKeyDer::from_pem_slice(&key_pem).is_err() {
+                let Ok(key_der) = PrivateKeyDer::from_pem_slice(&key_pem) else {
                     return Err(TlsError::Pem {
                         what: "private key",
                         path: key.to_owned(),
                     });
-                }
+                };
+                keys_match(&chain, &key_der, cert, key)?;
                 if let Some(leaf) = chain.first() {
                     names = identities_in(leaf);
                 }
@@ -244,6 +295,55 @@ impl TlsMaterial {
         };
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(config)
+    }
+
+    /// One TLS handshake with `host:port` as a client holding this
+    /// material, then a read: what ended it, if anything did within two
+    /// seconds (`None`: the server took the handshake and waits, as a server
+    /// that accepts this client does). For telling why a call failed with a
+    /// bare transport error: a server that refuses a client certificate says
+    /// so in an alert after the handshake, which a call, writing first, may
+    /// never read.
+    pub async fn handshake_error(&self, host: &str, port: u16) -> Option<String> {
+        use tokio::io::AsyncReadExt as _;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(&self.ca).filter_map(Result::ok) {
+            roots.add(cert).ok()?;
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .ok()?
+            .with_root_certificates(roots);
+        let mut config = match &self.identity {
+            Some((cert, key)) => {
+                let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert)
+                    .filter_map(Result::ok)
+                    .collect();
+                let key = PrivateKeyDer::from_pem_slice(key).ok()?;
+                builder.with_client_auth_cert(chain, key).ok()?
+            }
+            None => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let name = rustls_pki_types::ServerName::try_from(host.to_owned()).ok()?;
+        let probe = async {
+            let tcp = tokio::net::TcpStream::connect((host, port)).await.ok()?;
+            let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+            let mut stream = match connector.connect(name, tcp).await {
+                Ok(stream) => stream,
+                Err(e) => return Some(error_chain(&e)),
+            };
+            let mut byte = [0_u8; 1];
+            match stream.read(&mut byte).await {
+                Err(e) => Some(error_chain(&e)),
+                Ok(_) => None,
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(2), probe)
+            .await
+            .ok()
+            .flatten()
     }
 
     fn server_config(&self, auth: ClientAuth) -> Result<ServerTlsConfig, TlsError> {
@@ -689,6 +789,11 @@ pub struct PeerIdentity<S> {
 
 const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
 
+/// Words every refusal of the decider's and the executor's ports carries, so
+/// that a client pointed at one of them by mistake can say it is not the
+/// driver.
+pub const INTERNAL_PORT: &str = "the provisioning services' internal protocol";
+
 /// Whether the call may go on: the verdict for a request's path and the
 /// certificates its connection presented.
 fn admit(
@@ -701,7 +806,8 @@ fn admit(
     }
     let Some(leaf) = peer_certs.and_then(<[_]>::first) else {
         return Err(tonic::Status::unauthenticated(
-            "this service takes calls only from a client with a certificate; none was presented",
+            "this port serves the provisioning services' internal protocol, only to clients with a \
+             certificate; none was presented",
         ));
     };
     let presented = identities_in(leaf);
@@ -714,7 +820,8 @@ fn admit(
         presented.join(", ")
     };
     Err(tonic::Status::permission_denied(format!(
-        "{presented} may not call this service (allowed: {})",
+        "{presented} may not call this port: it serves the provisioning services' internal protocol, \
+         only to {}",
         allowed.join(", ")
     )))
 }
@@ -816,10 +923,14 @@ mod tests {
     fn health_is_open_and_everything_else_needs_a_certificate() {
         let allowed = vec![identity_of(DRIVER)];
         assert!(admit(&allowed, "/grpc.health.v1.Health/Check", None).is_ok());
-        let refused = admit(&allowed, "/provisioning.v1.Executor/Inventory", None);
+        let refused = admit(&allowed, "/provisioning.internal.v1.Executor/Inventory", None);
         assert!(matches!(refused, Err(s) if s.code() == tonic::Code::Unauthenticated));
         let garbage = [CertificateDer::from(vec![1u8, 2, 3])];
-        let refused = admit(&allowed, "/provisioning.v1.Executor/Inventory", Some(&garbage));
+        let refused = admit(
+            &allowed,
+            "/provisioning.internal.v1.Executor/Inventory",
+            Some(&garbage),
+        );
         assert!(matches!(refused, Err(s) if s.code() == tonic::Code::PermissionDenied));
     }
 }

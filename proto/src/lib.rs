@@ -6,7 +6,8 @@
 //! driver–executor link ([`ops`]), time as a value ([`time`]) and the one
 //! backoff function ([`backoff`]); they depend on nothing
 //! but `thiserror`. With the `wire` feature (on by default) the crate also
-//! carries the `provisioning.v1` protos' generated code ([`pb`]; the fake
+//! carries the protos' generated code ([`pb`]: the public `provisioning.v1`,
+//! the internal `provisioning.internal.v1` beside it; the fake
 //! backend's control service, a test double, in `pb::fake`) and the
 //! `TryFrom` conversions between wire and domain types ([`wire`]); the pure
 //! decider and the driver core use the crate without it, so they link neither
@@ -43,14 +44,25 @@ pub mod metadata {
     pub const OWNER_ID: &str = "provisioning-owner-id";
 }
 
-/// Generated code for `provisioning.v1`.
+/// Generated code: the public API (`provisioning.v1`) at the top, with the
+/// services' internal protocols (`provisioning.internal.v1`) re-exported
+/// beside it, so that the services name both as `pb::...`.
 #[cfg(feature = "wire")]
 #[allow(clippy::all, missing_debug_implementations, missing_docs)]
 pub mod pb {
     tonic::include_proto!("provisioning.v1");
 
-    /// The driver's durable records (`provisioning.store.v1`). The generated
-    /// code names `provisioning.v1` types as `super::super::v1`.
+    /// The decider's and the executor's protocols (`provisioning.internal.v1`):
+    /// no client calls them. The generated code names `provisioning.v1` types
+    /// as `super::super::v1`.
+    pub mod internal {
+        pub mod v1 {
+            tonic::include_proto!("provisioning.internal.v1");
+        }
+    }
+    pub use internal::v1::*;
+
+    /// The driver's durable records (`provisioning.store.v1`).
     pub mod store {
         pub mod v1 {
             tonic::include_proto!("provisioning.store.v1");

@@ -342,25 +342,15 @@ pub enum TokenCommand {
     Hash,
 }
 
-/// A duration: a number of seconds, or a number with `ms`, `s`, `m` or `h`.
+/// A duration: a number of seconds, or humantime's form (`1500ms`, `1.5s`,
+/// `5m`, `1h30m`, `2h 15m`).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60.0)
-    } else if let Some(n) = s.strip_suffix('h') {
-        (n, 3600.0)
-    } else {
-        (s, 1.0)
-    };
-    let v: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration (try 90, 90s, 1500ms, 5m)"))?;
-    Duration::try_from_secs_f64(v * scale).map_err(|_| format!("{s:?} is not a duration"))
+    if let Ok(secs) = s.parse::<u64>() {
+        return Ok(Duration::from_secs(secs));
+    }
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration: {e} (try 90, 90s, 1500ms, 5m, 1h30m)"))
 }
 
 /// A name for `certs --also`: a file stem and an identity's last segment.
@@ -398,6 +388,8 @@ mod tests {
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("2h 15m"), Ok(Duration::from_secs(8100)));
         assert!(parse_duration("-1").is_err());
         assert!(parse_duration("soon").is_err());
     }

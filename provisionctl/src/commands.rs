@@ -84,7 +84,7 @@ fn config_command(
             )])?;
         }
         C::View => {
-            let text = serde_yaml::to_string(&config)
+            let text = serde_yaml_ng::to_string(&config)
                 .map_err(|e| CliError::Other(format!("cannot print the configuration: {e}")))?;
             write_bytes(text.as_bytes())?;
         }
@@ -117,119 +117,156 @@ pub async fn run(cli: Cli) -> Result<Exit, CliError> {
         return config_command(cmd, &cli, config, config_path.as_deref());
     }
     let ctx = context(&cli, config)?;
-    match cli.command {
-        Command::Apply {
-            file,
-            expect_generation,
-            wait,
-            follow,
-            output,
-        } => {
-            if !wait && (follow.timeout.is_some() || follow.plain || follow.live) {
-                // A usage error (exit 2), like any other clap refuses: these
-                // flags shape the follow-up that only --wait starts.
-                return Err(CliError::Usage(
-                    "--timeout, --plain and --live apply to following the run: add --wait".to_owned(),
-                ));
+    match ctx.dispatch(cli.command).await {
+        Err(e) if e.may_be_a_refused_handshake() => Err(ctx.diagnose(e).await),
+        done => done,
+    }
+}
+
+impl Ctx {
+    /// Runs a command that calls the server.
+    async fn dispatch(&self, command: Command) -> Result<Exit, CliError> {
+        let ctx = self;
+        match command {
+            Command::Apply {
+                file,
+                expect_generation,
+                wait,
+                follow,
+                output,
+            } => {
+                if !wait && (follow.timeout.is_some() || follow.plain || follow.live) {
+                    // A usage error (exit 2), like any other clap refuses: these
+                    // flags shape the follow-up that only --wait starts.
+                    return Err(CliError::Usage(
+                        "--timeout, --plain and --live apply to following the run: add --wait".to_owned(),
+                    ));
+                }
+                ctx.apply(&file.file, expect_generation, wait, &follow, output.output)
+                    .await
             }
-            ctx.apply(&file.file, expect_generation, wait, &follow, output.output)
-                .await
-        }
-        Command::Plan {
-            file,
-            detailed_exitcode,
-            output,
-        } => ctx.plan(&file.file, detailed_exitcode, output.output).await,
-        Command::Get { run, nodes, output } => ctx.get(&run, nodes, output.output).await,
-        Command::List { selector, output } => ctx.list(selector.as_deref(), output.output).await,
-        Command::Watch { run, follow } => {
-            let started = Instant::now();
-            let mut client = ctx.connect().await?;
-            // Read through the run's actor first: the watch stream starts from
-            // the last published status, which can predate an apply that has
-            // just returned, and would then report the old shape converged.
-            let Some(now) = ctx.current(&mut client, &run).await? else {
-                let s = tonic::Status::not_found(format!("run {run} not found"));
-                return Err(ctx.status_error(
-                    &s,
-                    Doing::Run {
-                        verb: "watch",
-                        run: &run,
-                    },
-                ));
-            };
-            ctx.follow(&mut client, &run, &follow, now.generation, started)
-                .await
-        }
-        Command::Explain { run, node, output } => ctx.explain(&run, &node, output.output).await,
-        Command::Events {
-            run,
-            follow,
-            tail,
-            output,
-        } => ctx.events(&run, follow, tail, output.output).await,
-        Command::Describe { run, events, output } => ctx.describe(&run, events, output.output).await,
-        Command::Delete {
-            run,
-            wait,
-            timeout,
-            ignore_not_found,
-            output,
-        } => {
-            ctx.delete(&run, wait, timeout, ignore_not_found, output.output)
-                .await
-        }
-        Command::Pause { run, output } => ctx.set_paused(&run, true, output.output).await,
-        Command::Resume { run, output } => ctx.set_paused(&run, false, output.output).await,
-        Command::Rollout(RolloutCommand::Status { run, output }) => {
-            ctx.rollout_status(&run, output.output).await
-        }
-        Command::Rollout(RolloutCommand::Promote { run, group, output }) => {
-            ctx.promote(&run, &group, output.output).await
-        }
-        Command::Abandon {
-            run,
-            node,
-            yes,
-            output,
-        } => ctx.abandon(&run, &node, yes, output.output).await,
-        Command::Orphans { output } => ctx.orphans(output.output).await,
-        Command::Providers { output } => ctx.providers(output.output).await,
-        // Answered above, without a server.
-        Command::Token(cmd) => super::token::run(cmd),
-        Command::Config(_) => Ok(Exit::Success),
-        Command::Certs {
-            out,
-            hosts,
-            also,
-            days,
-            force,
-        } => super::tls::write_certs(&out, &hosts, &also, days, force),
-        Command::Completions { shell } => {
-            // The script registers `provisionctl` itself as the completer
-            // (`COMPLETE=SHELL provisionctl`), which completes flags and
-            // subcommands, and run and node names from the driver.
-            let name = match shell {
-                clap_complete::Shell::Bash => "bash",
-                clap_complete::Shell::Zsh => "zsh",
-                clap_complete::Shell::Fish => "fish",
-                clap_complete::Shell::Elvish => "elvish",
-                clap_complete::Shell::PowerShell => "powershell",
-                _ => return Err(CliError::Usage(format!("no completion for {shell}"))),
-            };
-            let exe = std::env::current_exe().map_err(|e| CliError::Other(format!("where am I: {e}")))?;
-            let out = std::process::Command::new(&exe)
-                .env("COMPLETE", name)
-                .output()
-                .map_err(|e| CliError::Other(format!("writing the {name} completion: {e}")))?;
-            if !out.status.success() {
-                return Err(CliError::Other(format!(
-                    "writing the {name} completion: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                )));
+            Command::Plan {
+                file,
+                detailed_exitcode,
+                output,
+            } => ctx.plan(&file.file, detailed_exitcode, output.output).await,
+            Command::Get { run, nodes, output } => ctx.get(&run, nodes, output.output).await,
+            Command::List { selector, output } => ctx.list(selector.as_deref(), output.output).await,
+            Command::Watch { run, follow } => {
+                let started = Instant::now();
+                let mut client = ctx.connect().await?;
+                // Read through the run's actor first: the watch stream starts from
+                // the last published status, which can predate an apply that has
+                // just returned, and would then report the old shape converged.
+                let Some(now) = ctx.current(&mut client, &run).await? else {
+                    let s = tonic::Status::not_found(format!("run {run} not found"));
+                    return Err(ctx.status_error(
+                        &s,
+                        Doing::Run {
+                            verb: "watch",
+                            run: &run,
+                        },
+                    ));
+                };
+                ctx.follow(&mut client, &run, &follow, now.generation, started)
+                    .await
             }
-            write_bytes(&out.stdout)?;
-            Ok(Exit::Success)
+            Command::Explain { run, node, output } => ctx.explain(&run, &node, output.output).await,
+            Command::Events {
+                run,
+                follow,
+                tail,
+                output,
+            } => ctx.events(&run, follow, tail, output.output).await,
+            Command::Describe { run, events, output } => ctx.describe(&run, events, output.output).await,
+            Command::Delete {
+                run,
+                wait,
+                timeout,
+                ignore_not_found,
+                output,
+            } => {
+                ctx.delete(&run, wait, timeout, ignore_not_found, output.output)
+                    .await
+            }
+            Command::Pause { run, output } => ctx.set_paused(&run, true, output.output).await,
+            Command::Resume { run, output } => ctx.set_paused(&run, false, output.output).await,
+            Command::Rollout(RolloutCommand::Status { run, output }) => {
+                ctx.rollout_status(&run, output.output).await
+            }
+            Command::Rollout(RolloutCommand::Promote { run, group, output }) => {
+                ctx.promote(&run, &group, output.output).await
+            }
+            Command::Abandon {
+                run,
+                node,
+                yes,
+                output,
+            } => ctx.abandon(&run, &node, yes, output.output).await,
+            Command::Orphans { output } => ctx.orphans(output.output).await,
+            Command::Providers { output } => ctx.providers(output.output).await,
+            // Answered above, without a server.
+            Command::Token(cmd) => super::token::run(cmd),
+            Command::Config(_) => Ok(Exit::Success),
+            Command::Certs {
+                out,
+                hosts,
+                also,
+                days,
+                force,
+            } => super::tls::write_certs(&out, &hosts, &also, days, force),
+            Command::Completions { shell } => {
+                // The script registers `provisionctl` itself as the completer
+                // (`COMPLETE=SHELL provisionctl`), which completes flags and
+                // subcommands, and run and node names from the driver.
+                let name = match shell {
+                    clap_complete::Shell::Bash => "bash",
+                    clap_complete::Shell::Zsh => "zsh",
+                    clap_complete::Shell::Fish => "fish",
+                    clap_complete::Shell::Elvish => "elvish",
+                    clap_complete::Shell::PowerShell => "powershell",
+                    _ => return Err(CliError::Usage(format!("no completion for {shell}"))),
+                };
+                let exe = std::env::current_exe().map_err(|e| CliError::Other(format!("where am I: {e}")))?;
+                let out = std::process::Command::new(&exe)
+                    .env("COMPLETE", name)
+                    .output()
+                    .map_err(|e| CliError::Other(format!("writing the {name} completion: {e}")))?;
+                if !out.status.success() {
+                    return Err(CliError::Other(format!(
+                        "writing the {name} completion: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    )));
+                }
+                write_bytes(&out.stdout)?;
+                Ok(Exit::Success)
+            }
+        }
+    }
+
+    /// A failure that a refused TLS handshake may be behind, told as what
+    /// the server refused when a second handshake shows it (see
+    /// `TlsMaterial::handshake_error`); else the failure as it was.
+    async fn diagnose(&self, failure: CliError) -> CliError {
+        let Ok(platform::tls::Transport::Tls(material)) = self.tls.transport() else {
+            return failure;
+        };
+        let Ok(endpoint) =
+            platform::tls::Transport::Tls(std::sync::Arc::clone(&material)).endpoint(&self.server)
+        else {
+            return failure;
+        };
+        let uri = endpoint.uri();
+        let Some(host) = uri.host() else {
+            return failure;
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        match material
+            .handshake_error(host, uri.port_u16().unwrap_or(443))
+            .await
+        {
+            Some(text) => super::error::connection_problem(&[text], &self.server).unwrap_or(failure),
+            None => failure,
         }
     }
 }
@@ -283,6 +320,11 @@ fn context(cli: &Cli, config: Config) -> Result<Ctx, CliError> {
     tls.insecure = tls.insecure.or(context.insecure);
     let token_file = cli.token_file.clone().or(context.token_file);
     let token = BearerToken::from_args(token_file.as_deref())?;
+    super::error::set_reach(super::error::Reach {
+        tls_ca: tls.tls_ca.as_ref().map(|p| p.display().to_string()),
+        tls_cert: tls.tls_cert.as_ref().map(|p| p.display().to_string()),
+        insecure: tls.insecure.unwrap_or(false),
+    });
     Ok(Ctx { server, token, tls })
 }
 
@@ -542,20 +584,29 @@ impl Ctx {
         };
         // `host:port` gets the transport's scheme (https, or http with
         // --insecure); a URL must carry the matching one.
-        let endpoint = self
-            .tls
-            .transport()?
+        let transport = self.tls.transport()?;
+        let endpoint = transport
             .endpoint(server)
             .map_err(super::tls::tls_error)?
             .connect_timeout(Duration::from_secs(5));
-        let channel = endpoint.connect().await.map_err(|e| {
-            let mut reason = e.to_string();
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                reason = s.to_string();
-                source = s.source();
+        if matches!(transport, platform::tls::Transport::Insecure)
+            && let Some(host) = endpoint.uri().host()
+            && super::error::speaks_tls(
+                host.trim_start_matches('[').trim_end_matches(']'),
+                endpoint.uri().port_u16().unwrap_or(80),
+            )
+            .await
+                == Some(true)
+        {
+            let texts = [super::error::SPEAKS_TLS.to_owned()];
+            if let Some(problem) = super::error::connection_problem(&texts, server) {
+                return Err(problem);
             }
-            unreachable(reason)
+        }
+        let channel = endpoint.connect().await.map_err(|e| {
+            let texts = super::error::chain(&e);
+            super::error::connection_problem(&texts, server)
+                .unwrap_or_else(|| unreachable(texts.last().cloned().unwrap_or_default()))
         })?;
         Ok(ProvisioningClient::with_interceptor(channel, self.token.clone()))
     }
@@ -1071,10 +1122,24 @@ impl Ctx {
             .map_err(|s| self.change_error(&s, Doing::Run { verb: "delete", run }))?
             .into_inner();
         if output == Output::Table {
-            print_lines(&[format!(
+            let mut lines = vec![format!(
                 "run {run} is being deleted: {} to clean up",
                 text::nodes(s.node_count as usize)
-            )])?;
+            )];
+            if s.paused {
+                lines.push(format!(
+                    "run {run} is paused: nothing is cleaned up until `provisionctl resume {run}`"
+                ));
+            }
+            print_lines(&lines)?;
+        }
+        if wait && s.paused {
+            return Err(CliError::Stalled {
+                message: format!(
+                    "run {run} is paused, so its cleanup waits: resume it (`provisionctl resume {run}`), then \
+                     `provisionctl delete {run} --wait` waits for it to be gone"
+                ),
+            });
         }
         if !wait {
             if output != Output::Table {
@@ -1088,7 +1153,7 @@ impl Ctx {
             r = gone => r,
             () = sleep_until(deadline) => Err(CliError::Timeout {
                 message: format!(
-                    "run {run} is not gone after {}; its cleanup goes on (`provisionctl watch {run}` follows it)",
+                    "run {run} is not gone after {} (`provisionctl watch {run}` follows its cleanup)",
                     text::duration(started.elapsed())
                 ),
             }),
@@ -1174,14 +1239,12 @@ impl Ctx {
 
     async fn set_paused(&self, run: &str, paused: bool, output: Output) -> Result<Exit, CliError> {
         let mut client = self.connect_run(run).await?;
-        let req = pb::RunRef {
-            run_id: run.to_owned(),
-        };
+        let run_id = run.to_owned();
         let verb = if paused { "pause" } else { "resume" };
         let r = if paused {
-            client.pause_run(req).await
+            client.pause_run(pb::PauseRunRequest { run_id }).await
         } else {
-            client.resume_run(req).await
+            client.resume_run(pb::ResumeRunRequest { run_id }).await
         };
         let s = r
             .map_err(|s| self.change_error(&s, Doing::Run { verb, run }))?

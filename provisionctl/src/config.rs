@@ -74,7 +74,7 @@ impl Config {
         if text.trim().is_empty() {
             return Ok(Self::default());
         }
-        let config: Config = serde_yaml::from_str(&text).map_err(|e| {
+        let config: Config = serde_yaml_ng::from_str(&text).map_err(|e| {
             CliError::Other(format!(
                 "the configuration file {} cannot be used: {e}",
                 path.display()
@@ -99,7 +99,7 @@ impl Config {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(fail)?;
         }
-        let text = serde_yaml::to_string(self)
+        let text = serde_yaml_ng::to_string(self)
             .map_err(|e| CliError::Other(format!("cannot write the configuration: {e}")))?;
         let tmp = path.with_extension(format!("yaml.tmp.{}", std::process::id()));
         let mut options = std::fs::OpenOptions::new();

@@ -53,7 +53,8 @@ Exit codes:
   2    bad command line (plan --detailed-exitcode: the file would change the run)
   3    --timeout expired (watch: not converged; delete --wait: not gone)
   4    the server is unreachable or a service behind it is unavailable
-  5    watch: the run is stalled (nothing more can happen without a change)
+  5    watch: the run is stalled (nothing more can happen without a change);
+       delete --wait: the run is paused, so its cleanup waits
   6    a change was sent but its answer was lost: it may or may not have
        taken effect (check with `provisionctl get`)
   130  interrupted (Ctrl-C)";
@@ -112,6 +113,20 @@ impl CliError {
             CliError::OutcomeUnknown { .. } => Exit::OutcomeUnknown,
             CliError::Interrupted => Exit::Interrupted,
             CliError::Usage(_) => Exit::Usage,
+        }
+    }
+
+    /// Whether this is a call that failed in the transport without saying
+    /// why (a server that refuses the client's certificate after the
+    /// handshake looks so to the call).
+    pub fn may_be_a_refused_handshake(&self) -> bool {
+        match self {
+            CliError::Other(m)
+            | CliError::Unavailable { message: m }
+            | CliError::OutcomeUnknown { message: m } => {
+                m.contains("transport error") || m.contains("broken pipe") || m.contains("connection reset")
+            }
+            _ => false,
         }
     }
 
@@ -190,6 +205,10 @@ pub fn outcome_unknown(status: &tonic::Status) -> bool {
 /// As [`from_status`], for a call that changes something: when the outcome
 /// cannot be known, the user is told so (exit 6), never that nothing changed.
 pub fn from_change_status(status: &tonic::Status, doing: Doing<'_>, server: &str) -> CliError {
+    // A failed handshake or first frame: the request was never processed.
+    if let Some(problem) = connection_problem(&chain(status), server) {
+        return problem;
+    }
     if outcome_unknown(status) {
         return CliError::OutcomeUnknown {
             message: format!(
@@ -207,12 +226,139 @@ pub fn from_change_status(status: &tonic::Status, doing: Doing<'_>, server: &str
     from_status(status, doing, server)
 }
 
+/// How this command reaches the server, for messages about the connection:
+/// the TLS files it was given, or plaintext.
+#[derive(Debug, Clone, Default)]
+pub struct Reach {
+    pub tls_ca: Option<String>,
+    pub tls_cert: Option<String>,
+    pub insecure: bool,
+}
+
+static REACH: std::sync::OnceLock<Reach> = std::sync::OnceLock::new();
+
+/// Records how this command reaches the server (once, when it first does).
+pub fn set_reach(reach: Reach) {
+    let _ = REACH.set(reach);
+}
+
+/// The texts of an error and every error under it, outermost first.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> Vec<String> {
+    let mut texts = vec![e.to_string()];
+    let mut source = e.source();
+    while let Some(s) = source {
+        texts.push(s.to_string());
+        source = s.source();
+    }
+    texts
+}
+
+/// What [`speaks_tls`] finds, as [`connection_problem`] reads it.
+pub const SPEAKS_TLS: &str = "answered plaintext HTTP/2 with TLS";
+
+/// Whether the server at `host:port` answers the start of a plaintext HTTP/2
+/// connection with a TLS record (a TLS server's alert), as a driver serving
+/// TLS does; asked before a plaintext (`--insecure`) command's first call, so
+/// that pointing it at a TLS driver is told as such rather than as the
+/// broken pipe or protocol error the call would end in. `None`: it could not
+/// tell (no answer, or not in time).
+pub async fn speaks_tls(host: &str, port: u16) -> Option<bool> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let probe = async {
+        let mut stream = tokio::net::TcpStream::connect((host, port)).await.ok()?;
+        // The connection preface and an empty SETTINGS frame.
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+        stream.write_all(&hello).await.ok()?;
+        let mut first = [0_u8; 5];
+        let n = stream.read(&mut first).await.ok()?;
+        // A TLS record: content type 21 (alert) or 22 (handshake), version 3.x.
+        Some(n >= 2 && matches!(first[0], 21 | 22) && first[1] == 3)
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(2), probe)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// A connection that failed for a reason the user can fix on the command
+/// line (the wrong CA, TLS against plaintext, a port that is not the
+/// driver's), told in those terms. Nothing was processed by the server in any
+/// of these cases: the handshake or the first frame failed.
+pub fn connection_problem(chain: &[String], server: &str) -> Option<CliError> {
+    let reach = REACH.get().cloned().unwrap_or_default();
+    let has = |needle: &str| chain.iter().any(|t| t.contains(needle));
+    let ca = reach.tls_ca.as_deref().unwrap_or("--tls-ca");
+    let unavailable = |message: String| Some(CliError::Unavailable { message });
+    if has("InvalidContentType") || has("corrupt message") {
+        return unavailable(format!(
+            "the server at {server} does not speak TLS (it answered in plaintext)\nif it is a driver \
+             started with --insecure, give --insecure (PROVISIONCTL_INSECURE=true) instead of --tls-ca; \
+             else check the address"
+        ));
+    }
+    if reach.insecure && has(SPEAKS_TLS) {
+        return unavailable(format!(
+            "the server at {server} {SPEAKS_TLS}, and --insecure is plaintext\ngive --tls-ca \
+             (PROVISIONCTL_TLS_CA) with the CA that issued the driver's certificate instead of --insecure"
+        ));
+    }
+    if has("UnknownIssuer") || has("BadSignature") {
+        return unavailable(format!(
+            "the server at {server} presented a certificate that the CA in {ca} did not issue\ngive \
+             --tls-ca the CA bundle that issued the driver's certificate (`provisionctl certs` writes it \
+             as ca.pem beside the certificates)"
+        ));
+    }
+    if let Some(t) = chain.iter().find(|t| t.contains("NotValidForName")) {
+        return unavailable(format!(
+            "the server at {server} presented a certificate that is not valid for that address ({t})\nuse \
+             a host name the certificate names, or issue one for this address (`provisionctl certs \
+             --host`)"
+        ));
+    }
+    if has("Expired") && has("certificate") {
+        return unavailable(format!(
+            "the server at {server} presented an expired certificate\nits operator must renew it"
+        ));
+    }
+    if has("CertificateRequired") {
+        return unavailable(format!(
+            "the server at {server} requires a client certificate, and this command gave none\nthe \
+             driver's public port does not require one: if {server} is the decider's or the executor's \
+             port, --server should name driver-svc's; else give --tls-cert and --tls-key"
+        ));
+    }
+    if has("UnknownCA") || has("BadCertificate") || has("DecryptError") {
+        let cert = reach.tls_cert.as_deref().unwrap_or("--tls-cert");
+        return unavailable(format!(
+            "the server at {server} refused this command's client certificate ({cert}): it was not \
+             issued by the CA the server trusts\ngive a certificate from the server's CA, or none (the \
+             driver's public port does not require one)"
+        ));
+    }
+    None
+}
+
 /// Translates a gRPC status into the user's words. Specific commands handle
 /// the statuses they can explain better (an apply's `FAILED_PRECONDITION`)
 /// before falling back to this.
 pub fn from_status(status: &tonic::Status, doing: Doing<'_>, server: &str) -> CliError {
     use tonic::Code;
+    if let Some(problem) = connection_problem(&chain(status), server) {
+        return problem;
+    }
     let msg = plain(status.message());
+    if matches!(status.code(), Code::PermissionDenied | Code::Unauthenticated)
+        && msg.contains(platform::tls::INTERNAL_PORT)
+    {
+        return CliError::Unavailable {
+            message: format!(
+                "the server at {server} is not the driver: {msg}\n--server (or PROVISIONCTL_SERVER) should \
+                 name driver-svc's public port"
+            ),
+        };
+    }
     match status.code() {
         Code::InvalidArgument => CliError::refused(format!("the server rejected the request: {msg}"), None),
         Code::NotFound => match doing {
@@ -256,8 +402,19 @@ pub fn from_status(status: &tonic::Status, doing: Doing<'_>, server: &str) -> Cl
             CliError::refused(format!("you are not allowed to {doing} on {server}: {msg}"), None)
         }
         Code::Unimplemented => CliError::refused(
-            format!("the server at {server} cannot {doing} yet: {msg}"),
-            Some("it runs an older or partial version of driver-svc".to_owned()),
+            format!(
+                "the server at {server} cannot {doing}: it does not serve that call{}",
+                if msg.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({msg})")
+                }
+            ),
+            Some(
+                "it is not driver-svc (is --server the decider's or the executor's port?), or it runs an \
+                 older version of driver-svc"
+                    .to_owned(),
+            ),
         ),
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => CliError::Unavailable {
             message: format!("could not {doing}: the server at {server} is unavailable ({msg})"),

@@ -102,7 +102,7 @@ pub fn render(value: &Value, output: Output) -> Result<String, String> {
 pub fn document(value: &Value, output: Output) -> String {
     match output {
         Output::Yaml => {
-            serde_yaml::to_string(value).unwrap_or_else(|e| format!("# cannot render YAML: {e}\n"))
+            serde_yaml_ng::to_string(value).unwrap_or_else(|e| format!("# cannot render YAML: {e}\n"))
         }
         _ => {
             let mut s = serde_json::to_string_pretty(value).unwrap_or_else(|e| format!("\"{e}\""));
@@ -239,7 +239,7 @@ pub type Document = Value;
 pub fn parse_document(text: &str, output: Output) -> Result<Document, String> {
     match output {
         Output::Json => serde_json::from_str(text).map_err(|e| format!("not JSON: {e}")),
-        Output::Yaml => serde_yaml::from_str(text).map_err(|e| format!("not YAML: {e}")),
+        Output::Yaml => serde_yaml_ng::from_str(text).map_err(|e| format!("not YAML: {e}")),
         Output::Table | Output::Wide | Output::Name | Output::JsonPath(_) => Err("not a document".to_owned()),
     }
 }
@@ -1047,7 +1047,7 @@ pub(crate) mod tests {
         let json_text = document(&v, Output::Json);
         let yaml_text = document(&v, Output::Yaml);
         let from_json: Value = serde_json::from_str(&json_text).unwrap();
-        let from_yaml: Value = serde_yaml::from_str(&yaml_text).unwrap();
+        let from_yaml: Value = serde_yaml_ng::from_str(&yaml_text).unwrap();
         assert_eq!(from_json, from_yaml);
         assert_eq!(from_json["phase"], "progressing");
         assert_eq!(from_json["desired_count"], 6);

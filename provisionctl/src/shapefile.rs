@@ -547,7 +547,7 @@ pub fn parse(source_name: &str, text: &str) -> Result<ShapeFile, ShapeFileError>
             });
             error(location, plain_message(&e.to_string()))
         }),
-        Format::Yaml => serde_yaml::from_str::<ShapeFile>(text).map_err(|e| {
+        Format::Yaml => serde_yaml_ng::from_str::<ShapeFile>(text).map_err(|e| {
             let location = e.location().map(|l| Location {
                 line: l.line(),
                 column: l.column(),
@@ -762,7 +762,7 @@ fn locate_exact(format: Format, text: &str, path: &[Segment]) -> Option<Location
             }
         }
         Format::Yaml => {
-            let de = serde_yaml::Deserializer::from_str(text);
+            let de = serde_yaml_ng::Deserializer::from_str(text);
             match (Find { path }).deserialize(de) {
                 Err(e) if e.to_string().contains(FOUND) => e.location().map(|l| Location {
                     line: l.line(),

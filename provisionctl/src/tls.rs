@@ -86,6 +86,9 @@ pub fn tls_error(e: TlsError) -> CliError {
             path: path.display().to_string(),
             reason: format!("{source} (it should hold {what})"),
         },
+        // The address or its scheme is what the command line said: a usage
+        // error, as a missing flag is.
+        e @ (TlsError::Url { .. } | TlsError::Scheme { .. }) => CliError::Usage(e.to_string()),
         other => CliError::Other(other.to_string()),
     }
 }

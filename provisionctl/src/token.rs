@@ -103,7 +103,7 @@ pub fn run(cmd: TokenCommand) -> Result<Exit, CliError> {
             let token = auth::new_token()
                 .map_err(|e| CliError::Other(format!("cannot get random bytes for a token: {e}")))?;
             let entry = auth::entry_for(&name, &token, access, runs);
-            let yaml = serde_yaml::to_string(&[entry])
+            let yaml = serde_yaml_ng::to_string(&[entry])
                 .map_err(|e| CliError::Other(format!("cannot write the entry: {e}")))?;
             match save {
                 Some(path) => {

@@ -104,7 +104,7 @@ async fn every_write_refused(c: &mut AuthedClient, run: &str, code: Code, says: 
         says,
     );
     refused(
-        c.pause_run(pb::RunRef {
+        c.pause_run(pb::PauseRunRequest {
             run_id: run.to_owned(),
         })
         .await,
@@ -112,7 +112,7 @@ async fn every_write_refused(c: &mut AuthedClient, run: &str, code: Code, says: 
         says,
     );
     refused(
-        c.resume_run(pb::RunRef {
+        c.resume_run(pb::ResumeRunRequest {
             run_id: run.to_owned(),
         })
         .await,
@@ -349,14 +349,14 @@ async fn refused_calls_change_nothing_and_granted_ones_work() {
 
     // Granted writes work: the scoped token on its own run, the admin on any.
     alpha_ops
-        .pause_run(pb::RunRef {
+        .pause_run(pb::PauseRunRequest {
             run_id: "alpha".into(),
         })
         .await
         .unwrap();
     assert!(admin.get_run(get_req("alpha")).await.unwrap().into_inner().paused);
     alpha_ops
-        .resume_run(pb::RunRef {
+        .resume_run(pb::ResumeRunRequest {
             run_id: "alpha".into(),
         })
         .await

@@ -33,7 +33,7 @@ use std::{
 
 use anyhow::{Context as _, ensure};
 use provisioning_tests::procs::{self, Service};
-use serde_yaml::Value;
+use serde_yaml_ng::Value;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
@@ -90,7 +90,7 @@ fn yaml_docs(path: &Path) -> Vec<Value> {
     let mut docs = Vec::new();
     let mut current = String::new();
     let mut push = |text: &str| {
-        let doc: Value = serde_yaml::from_str(text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let doc: Value = serde_yaml_ng::from_str(text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         if !doc.is_null() {
             docs.push(doc);
         }
@@ -109,7 +109,7 @@ fn yaml_docs(path: &Path) -> Vec<Value> {
 }
 
 fn yaml(path: &Path) -> Value {
-    serde_yaml::from_str(&read(path)).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    serde_yaml_ng::from_str(&read(path)).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn st(v: &Value) -> Option<&str> {
@@ -534,7 +534,7 @@ trait IntoMatchLabels {
 impl IntoMatchLabels for Value {
     /// A Service's selector is a bare label map; as `{matchLabels: ...}`.
     fn into_match_labels(self) -> Value {
-        let mut m = serde_yaml::Mapping::new();
+        let mut m = serde_yaml_ng::Mapping::new();
         m.insert(Value::String("matchLabels".into()), self);
         Value::Mapping(m)
     }
@@ -605,7 +605,7 @@ fn interpolate_value(v: &Value, vars: &BTreeMap<String, String>) -> anyhow::Resu
                 .collect::<anyhow::Result<_>>()?,
         ),
         Value::Mapping(m) => {
-            let mut out = serde_yaml::Mapping::new();
+            let mut out = serde_yaml_ng::Mapping::new();
             for (k, v) in m {
                 out.insert(k.clone(), interpolate_value(v, vars)?);
             }
@@ -872,7 +872,7 @@ fn dockerfile() -> BTreeMap<String, Stage> {
                 );
             }
             "ENTRYPOINT" => {
-                let v: Value = serde_yaml::from_str(rest).expect("ENTRYPOINT in exec form");
+                let v: Value = serde_yaml_ng::from_str(rest).expect("ENTRYPOINT in exec form");
                 stages.get_mut(&current).expect("a stage").entrypoint = strings(&v);
             }
             "EXPOSE" => {

@@ -506,8 +506,8 @@ async fn every_service_answers_health_and_reflection() {
     };
     let cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
     for (svc, name) in [
-        (&cluster.decider, "provisioning.v1.Decider"),
-        (&cluster.executor, "provisioning.v1.Executor"),
+        (&cluster.decider, "provisioning.internal.v1.Decider"),
+        (&cluster.executor, "provisioning.internal.v1.Executor"),
         (&cluster.driver, "provisioning.v1.Provisioning"),
     ] {
         // As the driver: the decider and the executor answer reflection

@@ -598,8 +598,8 @@ fn seeds() -> anyhow::Result<Vec<(&'static str, String, Vec<u8>)>> {
             },
         ),
         fuzzing::run_request_input(4, &pb::DeleteRunRequest { run_id: run() }),
-        fuzzing::run_request_input(5, &pb::RunRef { run_id: run() }),
-        fuzzing::run_request_input(6, &pb::RunRef { run_id: run() }),
+        fuzzing::run_request_input(5, &pb::PauseRunRequest { run_id: run() }),
+        fuzzing::run_request_input(6, &pb::ResumeRunRequest { run_id: run() }),
         fuzzing::run_request_input(
             7,
             &pb::AbandonNodeRequest {

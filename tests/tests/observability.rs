@@ -369,19 +369,19 @@ async fn one_trace_follows_each_operation_across_the_three_services() {
     // conventions; the server span is the child of the client span.
     let decide_server: Vec<&Received> = spans
         .iter()
-        .filter(|s| s.service == decider && s.name == "provisioning.v1.Decider/Decide")
+        .filter(|s| s.service == decider && s.name == "provisioning.internal.v1.Decider/Decide")
         .collect();
     assert!(!decide_server.is_empty(), "no Decide server span");
     for s in &decide_server {
         assert_eq!(s.kind, KIND_SERVER);
         assert_eq!(s.attr("rpc.system"), Some("grpc"));
-        assert_eq!(s.attr("rpc.service"), Some("provisioning.v1.Decider"));
+        assert_eq!(s.attr("rpc.service"), Some("provisioning.internal.v1.Decider"));
         assert_eq!(s.attr("rpc.method"), Some("Decide"));
         assert_eq!(s.attr("rpc.grpc.status_code"), Some("0"));
         assert_eq!(s.attr("provisioning.run.id"), Some("obs"));
         let client = by_id[s.parent.as_str()];
         assert_eq!((client.service.as_str(), client.kind), (driver, KIND_CLIENT));
-        assert_eq!(client.name, "provisioning.v1.Decider/Decide");
+        assert_eq!(client.name, "provisioning.internal.v1.Decider/Decide");
         assert_eq!(client.attr("rpc.grpc.status_code"), Some("0"));
         assert_eq!(
             by_id[client.parent.as_str()].name,
@@ -545,13 +545,13 @@ async fn one_trace_follows_each_operation_across_the_three_services() {
     assert!(
         clients
             .iter()
-            .any(|s| s.name.starts_with("provisioning.v1.Executor/")),
+            .any(|s| s.name.starts_with("provisioning.internal.v1.Executor/")),
         "no client span of a call to the executor"
     );
     for s in &clients {
-        let port = if s.name.starts_with("provisioning.v1.Decider/") {
+        let port = if s.name.starts_with("provisioning.internal.v1.Decider/") {
             decider_port
-        } else if s.name.starts_with("provisioning.v1.Executor/") {
+        } else if s.name.starts_with("provisioning.internal.v1.Executor/") {
             executor_port
         } else {
             panic!("a client span of an unknown call: {}", s.name)
@@ -943,7 +943,7 @@ async fn metrics_endpoints_serve_the_documented_metrics_and_they_move() {
 
     // RPC metrics on both sides of the Decide call.
     let decide = [
-        ("grpc_service", "provisioning.v1.Decider"),
+        ("grpc_service", "provisioning.internal.v1.Decider"),
         ("grpc_method", "Decide"),
     ];
     let served = sum(
@@ -1081,7 +1081,7 @@ async fn json_logs_carry_the_trace_and_span_ids_of_the_enclosing_span() {
     assert!(!decided.is_empty(), "no `decided` lines");
     for line in decided {
         let s = span(line["span_id"].as_str().expect("span_id")).expect("the line's span was exported");
-        assert_eq!(s.name, "provisioning.v1.Decider/Decide");
+        assert_eq!(s.name, "provisioning.internal.v1.Decider/Decide");
         assert_eq!(Some(s.trace_id.as_str()), line["trace_id"].as_str());
         let client = span(&s.parent).expect("the driver's client span");
         assert_eq!(client.service, "provisioning-driver");
@@ -1396,6 +1396,13 @@ async fn a_service_that_cannot_start_says_why_in_a_json_line() {
     );
     let error = last["fields"]["error"].as_str().unwrap_or_default();
     assert!(error.starts_with(&format!("binding {listen}")), "{error}");
+    assert!(
+        error.contains(&format!(
+            "another process listens on {listen}; stop it, or give --listen (PROVISIONING_LISTEN) another \
+             address"
+        )),
+        "{error}"
+    );
     drop(taken);
 }
 
@@ -1488,9 +1495,9 @@ fn deploy(file: &str) -> std::path::PathBuf {
         .join(file)
 }
 
-fn yaml(file: &str) -> serde_yaml::Value {
+fn yaml(file: &str) -> serde_yaml_ng::Value {
     let text = std::fs::read_to_string(deploy(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
-    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{file}: {e}"))
+    serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
 /// `deploy/telemetry.env`: the demo deployment's telemetry addresses.
@@ -1506,13 +1513,13 @@ fn telemetry_env() -> BTreeMap<String, String> {
         .collect()
 }
 
-fn strings(v: &serde_yaml::Value) -> Vec<String> {
+fn strings(v: &serde_yaml_ng::Value) -> Vec<String> {
     v.as_sequence()
         .map(|s| s.iter().filter_map(|x| x.as_str().map(str::to_owned)).collect())
         .unwrap_or_default()
 }
 
-fn keys(v: &serde_yaml::Value) -> BTreeSet<String> {
+fn keys(v: &serde_yaml_ng::Value) -> BTreeSet<String> {
     v.as_mapping()
         .map(|m| m.keys().filter_map(|k| k.as_str().map(str::to_owned)).collect())
         .unwrap_or_default()

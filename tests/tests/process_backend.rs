@@ -885,7 +885,7 @@ async fn a_mass_failure_over_max_unhealthy_replaces_nothing_and_heals() {
     // budget replaces the nodes still unhealthy past `unhealthy_after` (as
     // it should); the operator pauses the run while they come back, so the
     // probes heal with nothing replaced, then resumes it.
-    c.pause_run(pb::RunRef {
+    c.pause_run(pb::PauseRunRequest {
         run_id: "agents".into(),
     })
     .await
@@ -897,7 +897,7 @@ async fn a_mass_failure_over_max_unhealthy_replaces_nothing_and_heals() {
         c.r#type == "Degraded" && !c.status
     })
     .await;
-    c.resume_run(pb::RunRef {
+    c.resume_run(pb::ResumeRunRequest {
         run_id: "agents".into(),
     })
     .await

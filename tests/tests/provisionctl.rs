@@ -1516,3 +1516,31 @@ async fn runs_carry_labels_and_list_selects_by_them() {
     let out = ctl.run(&["apply", "-f", &bad]).await.expect(1);
     assert!(out.stderr.contains("labels[\"a b\"]"), "{}", out.stderr);
 }
+
+/// `delete --wait` of a paused run does not wait for a cleanup that cannot
+/// happen: it says the run is paused and how to go on (exit 5), and the
+/// delete itself stands; resumed, the run is cleaned up and gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_wait_of_a_paused_run_says_its_cleanup_waits() {
+    let (_cluster, ctl) = start().await;
+    // Two workers and two control-plane nodes.
+    let file = ctl.write("held.yaml", &shape("held", 2, "img:1"));
+    ctl.run(&["apply", "-f", &file, "--wait"]).await.expect(0);
+    ctl.run(&["pause", "held"]).await.expect(0);
+    let out = ctl.run(&["delete", "held", "--wait", "--timeout", "1m"]).await.expect(5);
+    assert_eq!(
+        out.stdout,
+        "run held is being deleted: 4 nodes to clean up\nrun held is paused: nothing is cleaned up until \
+         `provisionctl resume held`\n"
+    );
+    assert_eq!(
+        out.stderr,
+        "provisionctl: run held is paused, so its cleanup waits: resume it (`provisionctl resume held`), \
+         then `provisionctl delete held --wait` waits for it to be gone\n"
+    );
+    let v = ctl.run(&["get", "held", "-o", "json"]).await.expect(0).json();
+    assert_eq!(v["phase"], "deleting", "{v}");
+    ctl.run(&["resume", "held"]).await.expect(0);
+    let out = ctl.run(&["delete", "held", "--wait", "--timeout", "1m"]).await.expect(0);
+    assert!(out.stdout.contains("run held deleted after"), "{}", out.stdout);
+}

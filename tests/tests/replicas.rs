@@ -955,31 +955,31 @@ async fn a_replica_stopped_on_purpose_hands_its_runs_over_at_once() {
 /// container's arguments and environment (the variables set by value).
 struct ReplicatedManifest {
     path: PathBuf,
-    docs: Vec<serde_yaml::Value>,
+    docs: Vec<serde_yaml_ng::Value>,
     args: Vec<String>,
     env: Vec<(String, String)>,
 }
 
 /// A file of deploy/k8s-replicated/: its path and its documents.
-fn replicated_docs(file: &str) -> (PathBuf, Vec<serde_yaml::Value>) {
+fn replicated_docs(file: &str) -> (PathBuf, Vec<serde_yaml_ng::Value>) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../deploy/k8s-replicated")
         .join(file);
     let text = std::fs::read_to_string(&path).unwrap();
     let docs = text
         .split("\n---\n")
-        .map(|d| serde_yaml::from_str(d).unwrap())
+        .map(|d| serde_yaml_ng::from_str(d).unwrap())
         .collect();
     (path, docs)
 }
 
-fn kind_of(d: &serde_yaml::Value) -> &str {
+fn kind_of(d: &serde_yaml_ng::Value) -> &str {
     d["kind"].as_str().unwrap_or_default()
 }
 
 /// The element of a manifest's list (containers, volumes, mounts) with this
 /// `name`.
-fn named<'a>(list: &'a serde_yaml::Value, name: &str) -> &'a serde_yaml::Value {
+fn named<'a>(list: &'a serde_yaml_ng::Value, name: &str) -> &'a serde_yaml_ng::Value {
     list.as_sequence()
         .unwrap()
         .iter()
@@ -987,7 +987,7 @@ fn named<'a>(list: &'a serde_yaml::Value, name: &str) -> &'a serde_yaml::Value {
         .unwrap_or_else(|| panic!("no {name} in {list:?}"))
 }
 
-fn strings(v: &serde_yaml::Value) -> Vec<String> {
+fn strings(v: &serde_yaml_ng::Value) -> Vec<String> {
     v.as_sequence()
         .unwrap()
         .iter()
@@ -1058,7 +1058,7 @@ fn the_replicated_manifest_matches_the_binary_and_the_schema() {
         args,
         env,
     } = replicated_manifest();
-    let kind = |d: &serde_yaml::Value| d["kind"].as_str().unwrap_or_default().to_owned();
+    let kind = |d: &serde_yaml_ng::Value| d["kind"].as_str().unwrap_or_default().to_owned();
     let set = docs
         .iter()
         .find(|d| kind(d) == "StatefulSet")
@@ -1127,7 +1127,7 @@ fn the_replicated_manifest_matches_the_binary_and_the_schema() {
 /// container's arguments.
 struct EtcdManifest {
     path: PathBuf,
-    docs: Vec<serde_yaml::Value>,
+    docs: Vec<serde_yaml_ng::Value>,
     /// The StatefulSet's name: member `i` is the pod `<name>-<i>`.
     name: String,
     /// `<name>-<i>.<service>.<namespace>.svc`, for each member.
@@ -1171,7 +1171,7 @@ fn etcd_manifest() -> EtcdManifest {
             )
         })
         .collect();
-    let text = |v: &serde_yaml::Value| v.as_str().unwrap().to_owned();
+    let text = |v: &serde_yaml_ng::Value| v.as_str().unwrap().to_owned();
     let data_mount = text(&named(&container["volumeMounts"], "data")["mountPath"]);
     let tls_mount = text(&named(&container["volumeMounts"], "tls")["mountPath"]);
     let tls_secret = text(&named(&set["spec"]["template"]["spec"]["volumes"], "tls")["secret"]["secretName"]);

@@ -183,7 +183,10 @@ async fn the_executor_and_the_decider_take_calls_only_from_the_driver() {
     );
 
     // Health checks are open to any certificate from the CA, and to no other.
-    for (svc, name) in [(ex, "provisioning.v1.Executor"), (de, "provisioning.v1.Decider")] {
+    for (svc, name) in [
+        (ex, "provisioning.internal.v1.Executor"),
+        (de, "provisioning.internal.v1.Decider"),
+    ] {
         let ok = health(svc, &provisionctl, name).await;
         assert!(matches!(ok, Ok(ServingStatus::Serving)), "{name}: {ok:?}");
         refused_in_handshake(name, &health(svc, &no_cert, name).await);
@@ -218,8 +221,8 @@ async fn plaintext_does_not_reach_a_tls_service() {
     let cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
     let plaintext = Transport::Insecure;
     for (svc, name) in [
-        (&cluster.decider, "provisioning.v1.Decider"),
-        (&cluster.executor, "provisioning.v1.Executor"),
+        (&cluster.decider, "provisioning.internal.v1.Decider"),
+        (&cluster.executor, "provisioning.internal.v1.Executor"),
         (&cluster.driver, "provisioning.v1.Provisioning"),
     ] {
         let r = health(svc, &plaintext, name).await;
@@ -293,6 +296,27 @@ async fn a_service_without_tls_settings_or_insecure_refuses_to_start() {
         let (code, err) = run_to_exit(name, &partial).await;
         assert_ne!(code, Some(0), "{name} started with only --tls-ca");
         assert!(err.contains("--tls-cert is missing"), "{name}: {err}");
+
+        // A certificate with another holder's key: refused at start, naming
+        // both files, rather than failing every handshake later.
+        let (cert, _) = pki.cert_and_key(name);
+        let (_, other_key) = pki.cert_and_key("provisionctl");
+        let (cert, other_key) = (cert.display().to_string(), other_key.display().to_string());
+        let mut mismatched = args.clone();
+        mismatched.extend(["--tls-cert", &cert, "--tls-key", &other_key, "--tls-ca", &ca]);
+        let (code, err) = run_to_exit(name, &mismatched).await;
+        assert_ne!(
+            code,
+            Some(0),
+            "{name} started with a key that is not its certificate's"
+        );
+        assert!(
+            err.contains(&format!(
+                "{cert} and {other_key} are not a pair: the key is not the certificate's; give the key that \
+                 was issued with the certificate"
+            )),
+            "{name}: {err}"
+        );
     }
 
     // With --insecure it starts, and says loudly that it is in plaintext.
@@ -309,7 +333,7 @@ async fn a_service_without_tls_settings_or_insecure_refuses_to_start() {
         log.contains("WARN") && log.contains("--insecure: serving and calling in plaintext"),
         "{log}"
     );
-    let ok = health(&svc, &Transport::Insecure, "provisioning.v1.Decider").await;
+    let ok = health(&svc, &Transport::Insecure, "provisioning.internal.v1.Decider").await;
     assert!(matches!(ok, Ok(ServingStatus::Serving)), "{ok:?}");
 }
 
@@ -420,16 +444,14 @@ async fn provisionctl_talks_tls_and_plaintext_only_when_told() {
 
     // Plaintext to a TLS driver does not get through.
     let (code, out, err) = provisionctl(&["--server", &addr, "--insecure", "list"], &[]).await;
-    assert_ne!(code, 0, "{out}");
-    assert!(
-        out.is_empty() && err.contains("could not list runs"),
-        "{out}{err}"
-    );
+    assert_eq!(code, 4, "{out}{err}");
+    assert!(out.is_empty(), "{out}");
 
-    // An http:// URL with TLS on is refused rather than sent in plaintext.
+    // An http:// URL with TLS on is refused rather than sent in plaintext:
+    // the command line is wrong (exit 2).
     let url = format!("http://{addr}");
     let (code, _, err) = provisionctl(&["--server", &url, "list"], &env).await;
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, 2, "{err}");
     assert!(err.contains("use https://"), "{err}");
 
     // A CA that did not sign the driver's certificate: the server is not trusted.
@@ -547,5 +569,175 @@ async fn the_driver_reaches_only_the_service_it_names() {
             "the driver did not say why it cannot reach the executor: {text}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Each way of pointing provisionctl wrongly at a server is told as what is
+/// wrong and what to do, with its exit code: 4 when the server cannot be
+/// reached as asked, 2 for a command line that contradicts itself, 1 for
+/// files that do not go together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisionctl_says_what_is_wrong_with_a_connection_and_what_to_do() {
+    let cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
+    let pki = cluster.tls.clone().expect("a cluster runs with TLS by default");
+    let addr = cluster.driver.addr.to_string();
+    let decider = cluster.decider.addr.to_string();
+    let env = cluster.provisionctl_env();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let other = TestPki::create(elsewhere.path()).unwrap();
+    let plain_dir = tempfile::tempdir().unwrap();
+    let plaintext = Service::start(
+        "decider-svc",
+        plain_dir.path(),
+        "127.0.0.1:0",
+        &["--insecure".to_owned()],
+    )
+    .await
+    .unwrap();
+    let plain = plaintext.addr.to_string();
+    let ca = pki.ca().display().to_string();
+    let path = |p: std::path::PathBuf| p.display().to_string();
+    let (client_cert, client_key) = pki.cert_and_key("provisionctl");
+    let (client_cert, client_key) = (path(client_cert), path(client_key));
+    let (_, driver_key) = pki.cert_and_key("driver-svc");
+    let (other_cert, other_key) = other.cert_and_key("provisionctl");
+    let (other_cert, other_key) = (path(other_cert), path(other_key));
+    let with_ca = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec!["--tls-ca".to_owned(), ca.clone()];
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        args
+    };
+    // What is tried, the command line, its environment, the exit code and
+    // the whole standard error.
+    type Case = (&'static str, Vec<String>, Vec<(String, String)>, i32, String);
+    let cases: Vec<Case> = vec![
+        (
+            "a CA that did not issue the driver's certificate",
+            vec!["--server".into(), addr.clone(), "list".into()],
+            other.provisionctl_env(),
+            4,
+            format!(
+                "provisionctl: the server at {addr} presented a certificate that the CA in {} did not \
+                 issue\nprovisionctl: give --tls-ca the CA bundle that issued the driver's certificate \
+                 (`provisionctl certs` writes it as ca.pem beside the certificates)\n",
+                other.ca().display()
+            ),
+        ),
+        (
+            "TLS to a plaintext server",
+            [vec!["--server".to_owned(), plain.clone()], with_ca(&["list"])].concat(),
+            vec![],
+            4,
+            format!(
+                "provisionctl: the server at {plain} does not speak TLS (it answered in plaintext)\n\
+                 provisionctl: if it is a driver started with --insecure, give --insecure \
+                 (PROVISIONCTL_INSECURE=true) instead of --tls-ca; else check the address\n"
+            ),
+        ),
+        (
+            "plaintext to a TLS driver",
+            vec![
+                "--server".into(),
+                addr.clone(),
+                "--insecure".into(),
+                "list".into(),
+            ],
+            vec![],
+            4,
+            format!(
+                "provisionctl: the server at {addr} answered plaintext HTTP/2 with TLS, and --insecure is \
+                 plaintext\nprovisionctl: give --tls-ca (PROVISIONCTL_TLS_CA) with the CA that issued the \
+                 driver's certificate instead of --insecure\n"
+            ),
+        ),
+        (
+            "a certificate with another's key",
+            [
+                vec!["--server".to_owned(), addr.clone()],
+                with_ca(&[
+                    "--tls-cert",
+                    &client_cert,
+                    "--tls-key",
+                    &path(driver_key.clone()),
+                    "list",
+                ]),
+            ]
+            .concat(),
+            vec![],
+            1,
+            format!(
+                "provisionctl: {client_cert} and {} are not a pair: the key is not the certificate's; give \
+                 the key that was issued with the certificate\n",
+                driver_key.display()
+            ),
+        ),
+        (
+            "a client certificate from another CA",
+            [
+                vec!["--server".to_owned(), addr.clone()],
+                with_ca(&["--tls-cert", &other_cert, "--tls-key", &other_key, "list"]),
+            ]
+            .concat(),
+            vec![],
+            4,
+            format!(
+                "provisionctl: the server at {addr} refused this command's client certificate \
+                 ({other_cert}): it was not issued by the CA the server trusts\nprovisionctl: give a \
+                 certificate from the server's CA, or none (the driver's public port does not require \
+                 one)\n"
+            ),
+        ),
+        (
+            "the decider's port, with provisionctl's certificate",
+            [
+                vec!["--server".to_owned(), decider.clone()],
+                with_ca(&["--tls-cert", &client_cert, "--tls-key", &client_key, "list"]),
+            ]
+            .concat(),
+            vec![],
+            4,
+            format!(
+                "provisionctl: the server at {decider} is not the driver: spiffe://provisioning/provisionctl \
+                 may not call this port: it serves the provisioning services' internal protocol, only to \
+                 spiffe://provisioning/driver-svc\nprovisionctl: --server (or PROVISIONCTL_SERVER) should \
+                 name driver-svc's public port\n"
+            ),
+        ),
+        (
+            "the decider's port, without a certificate",
+            [vec!["--server".to_owned(), decider.clone()], with_ca(&["list"])].concat(),
+            vec![],
+            4,
+            format!(
+                "provisionctl: the server at {decider} requires a client certificate, and this command gave \
+                 none\nprovisionctl: the driver's public port does not require one: if {decider} is the \
+                 decider's or the executor's port, --server should name driver-svc's; else give \
+                 --tls-cert and --tls-key\n"
+            ),
+        ),
+        (
+            "a duration in hours and minutes",
+            vec![
+                "--server".into(),
+                addr.clone(),
+                "delete".into(),
+                "nothing-here".into(),
+                "--wait".into(),
+                "--timeout".into(),
+                "1h30m".into(),
+            ],
+            env.clone(),
+            1,
+            format!(
+                "provisionctl: run nothing-here does not exist on {addr}\nprovisionctl: `provisionctl list` \
+                 shows the runs there\n"
+            ),
+        ),
+    ];
+    for (what, args, env, code, stderr) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (got, out, err) = provisionctl(&args, &env).await;
+        assert_eq!((got, err.as_str()), (code, stderr.as_str()), "{what}: {out}");
+        assert!(out.is_empty(), "{what}: {out}");
     }
 }

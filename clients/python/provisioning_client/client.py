@@ -480,11 +480,11 @@ class Client:
 
     def pause(self, run_id: str):
         """Pauses the run (nothing new is dispatched); returns its ``RunStatus``."""
-        return self._change("PauseRun", pb.RunRef(run_id=run_id), f"pause run {run_id}", run_id)
+        return self._change("PauseRun", pb.PauseRunRequest(run_id=run_id), f"pause run {run_id}", run_id)
 
     def resume(self, run_id: str):
         """Resumes a paused run; returns its ``RunStatus``."""
-        return self._change("ResumeRun", pb.RunRef(run_id=run_id), f"resume run {run_id}", run_id)
+        return self._change("ResumeRun", pb.ResumeRunRequest(run_id=run_id), f"resume run {run_id}", run_id)
 
     def promote(self, run_id: str, group_id: str):
         """Lets a group's rollout go on past its canary; returns the ``RunStatus``."""

@@ -526,11 +526,11 @@ mod tests {
     #[test]
     fn paths_split_into_service_and_method() {
         assert_eq!(
-            service_and_method("/provisioning.v1.Decider/Decide"),
-            ("provisioning.v1.Decider".to_owned(), "Decide".to_owned())
+            service_and_method("/provisioning.internal.v1.Decider/Decide"),
+            ("provisioning.internal.v1.Decider".to_owned(), "Decide".to_owned())
         );
         assert!(is_probe("grpc.health.v1.Health"));
-        assert!(!is_probe("provisioning.v1.Executor"));
+        assert!(!is_probe("provisioning.internal.v1.Executor"));
     }
 
     #[test]
@@ -600,7 +600,7 @@ mod tests {
         });
         let mut client = ClientLayer::new(target).layer(service);
         let request = Request::builder()
-            .uri("/provisioning.v1.Decider/Decide")
+            .uri("/provisioning.internal.v1.Decider/Decide")
             .body(())
             .unwrap_or_else(|e| panic!("{e}"));
         tracing::subscriber::with_default(subscriber, || {

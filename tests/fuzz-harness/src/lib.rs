@@ -385,7 +385,11 @@ pub fn run_request(data: &[u8]) -> Result<Verdict, Violation> {
             Some(r) => (r.run_id, None),
             None => return Ok(Verdict::Undecodable),
         },
-        5 | 6 => match request::<pb::RunRef>(body)? {
+        5 => match request::<pb::PauseRunRequest>(body)? {
+            Some(r) => (r.run_id, None),
+            None => return Ok(Verdict::Undecodable),
+        },
+        6 => match request::<pb::ResumeRunRequest>(body)? {
             Some(r) => (r.run_id, None),
             None => return Ok(Verdict::Undecodable),
         },
