@@ -9,7 +9,7 @@ use std::{
 };
 
 use contract::{Clock, RunId, RunUid, pb::decider_client::DeciderClient};
-use platform::telemetry::grpc::TracedChannel;
+use platform::balance::Balanced;
 use tokio::sync::mpsc;
 
 use crate::{
@@ -31,7 +31,7 @@ pub(crate) struct RunContext {
     pub(crate) store: Arc<dyn RunStore>,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) link: Link,
-    pub(crate) decider: DeciderClient<TracedChannel>,
+    pub(crate) decider: DeciderClient<Balanced>,
     pub(crate) policy: Arc<Policy>,
     pub(crate) safety_tick: Duration,
     pub(crate) metrics: Metrics,

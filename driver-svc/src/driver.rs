@@ -12,7 +12,7 @@ use contract::{
     Clock, ClusterShape, Epoch, FieldError, GroupId, InventoryResource, LogicalNodeId, Problem, RunId,
     RunUid, pb, pb::decider_client::DeciderClient,
 };
-use platform::telemetry::grpc::TracedChannel;
+use platform::balance::Balanced;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::{
@@ -164,7 +164,7 @@ pub struct DriverConfig {
     pub clock: Arc<dyn Clock>,
     /// The decider, through the tracing layer: each pass's `Decide` call is
     /// a child of the pass's span.
-    pub decider: DeciderClient<TracedChannel>,
+    pub decider: DeciderClient<Balanced>,
     pub link: Link,
     pub policy: Policy,
     pub safety_tick: Duration,

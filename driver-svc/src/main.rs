@@ -22,8 +22,15 @@ struct Cli {
     common: runtime::CommonArgs,
     /// The decider's address: `host:port`, or a URL whose scheme matches the
     /// transport (https://127.0.0.1:7001 with TLS, http:// with --insecure).
+    /// Several deciders, comma-separated, or a name that resolves to several
+    /// addresses (a headless Service over several deciders), spread the calls
+    /// over all of them.
     #[arg(long, env = "DRIVER_DECIDER")]
     decider: String,
+    /// How often the decider's name is resolved again, to follow replicas
+    /// that come and go; 0 resolves it once, at start.
+    #[arg(long, env = "DRIVER_DECIDER_RESOLVE_INTERVAL_MS", default_value_t = 30_000)]
+    decider_resolve_interval_ms: u64,
     /// The executor's address, as --decider.
     #[arg(long, env = "DRIVER_EXECUTOR")]
     executor: String,
@@ -290,6 +297,7 @@ async fn serve_until_stopped() -> anyhow::Result<()> {
         runtime::shutdown_signal(),
         Config {
             decider: cli.decider,
+            decider_resolve_interval: Duration::from_millis(cli.decider_resolve_interval_ms),
             executor: cli.executor,
             decider_identity: cli.decider_identity,
             executor_identity: cli.executor_identity,

@@ -10,7 +10,7 @@ use contract::{
         provisioning_server::ProvisioningServer,
     },
 };
-use platform::{telemetry::grpc::ServerLayer, tls::ClientAuth};
+use platform::{balance::Balanced, telemetry::grpc::ServerLayer, tls::ClientAuth};
 use tokio::net::TcpListener;
 use tracing::Instrument as _;
 
@@ -30,8 +30,12 @@ const RUNS_STOP_WITHIN: Duration = Duration::from_secs(2);
 /// Everything `run` needs besides the listener.
 #[derive(Debug)]
 pub struct Config {
-    /// e.g. `http://127.0.0.1:7001`
+    /// e.g. `http://127.0.0.1:7001`, or several, comma-separated; every
+    /// address their hosts resolve to takes calls in turn
+    /// (`platform::balance`).
     pub decider: String,
+    /// How often the decider's host is resolved again (zero: only at start).
+    pub decider_resolve_interval: Duration,
     pub executor: String,
     /// Who the decider and the executor must be (names or URIs, see
     /// [`platform::tls::identity_of`]), checked in the TLS handshake.
@@ -97,14 +101,22 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     // With TLS each channel checks that its server is the service it wants
     // (the identity in its certificate), not only that the CA signed it.
-    let decider_endpoint = config
-        .transport
-        .peer_endpoint(&config.decider, &config.decider_identity)?
-        .map(|e| {
-            e.connect_timeout(Duration::from_secs(2))
-                .timeout(Duration::from_secs(30))
-        });
-    let decider = DeciderClient::new(decider_endpoint.traced_lazy())
+    // Every address of every decider named takes calls in turn.
+    let mut decider_endpoints = Vec::new();
+    for address in config.decider.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        decider_endpoints.push(
+            config
+                .transport
+                .peer_endpoint(address, &config.decider_identity)?
+                .map(|e| {
+                    e.connect_timeout(Duration::from_secs(2))
+                        .timeout(Duration::from_secs(30))
+                }),
+        );
+    }
+    let deciders = Balanced::start(decider_endpoints, config.decider_resolve_interval).await;
+    tracing::info!(decider = %config.decider, addresses = ?deciders.addresses(), "deciders");
+    let decider = DeciderClient::new(deciders)
         .max_decoding_message_size(16 << 20)
         .max_encoding_message_size(16 << 20);
     let executor_endpoint = config

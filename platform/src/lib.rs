@@ -5,7 +5,7 @@
 //! ([`telemetry`]); the Prometheus registry with its endpoint ([`metrics`]);
 //! the event trace tests read across processes ([`event_trace`]); TLS with the
 //! peer-identity rule ([`tls`], and with `certgen` a development CA in
-//! [`tls::dev`]). With `secrets`, sealing secret parameter values at rest
+//! [`tls::dev`]); calls spread over a name's replicas ([`balance`]). With `secrets`, sealing secret parameter values at rest
 //! ([`secrets`]); with `token`, the bearer-token format the driver and its
 //! clients share ([`token`]).
 //!
@@ -15,6 +15,7 @@
 #![forbid(unsafe_code)]
 
 pub mod announce;
+pub mod balance;
 pub mod event_trace;
 pub mod metrics;
 pub mod runtime;

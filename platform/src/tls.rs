@@ -453,6 +453,7 @@ impl Transport {
                     target,
                     connector: Some(PeerConnector {
                         config: Arc::new(material.peer_config(&identity_of(expect))?),
+                        dial: None,
                     }),
                 })
             }
@@ -506,6 +507,11 @@ impl PeerEndpoint {
         &self.target
     }
 
+    /// [`PeerEndpoint::connect_lazy_to`], in the client tracing layer.
+    pub fn traced_lazy_to(&self, addr: std::net::SocketAddr) -> TracedChannel {
+        crate::telemetry::grpc::traced(self.connect_lazy_to(addr), self.target.clone())
+    }
+
     /// [`PeerEndpoint::connect_lazy`], in the client tracing layer.
     pub fn traced_lazy(&self) -> TracedChannel {
         crate::telemetry::grpc::traced(self.connect_lazy(), self.target.clone())
@@ -524,12 +530,63 @@ impl PeerEndpoint {
             Some(c) => self.endpoint.connect_with_connector_lazy(c.clone()),
         }
     }
+
+    /// The host this endpoint names and its port (the scheme's default
+    /// when it names none), to resolve.
+    pub fn host_and_port(&self) -> (String, u16) {
+        (
+            self.target.address().to_owned(),
+            self.target.port().unwrap_or(443),
+        )
+    }
+
+    /// Like [`PeerEndpoint::connect_lazy`], to one of the addresses the
+    /// endpoint's host resolves to: the connection goes to `addr`, and TLS
+    /// still checks the certificate against the host name and the identity
+    /// (a replica behind a headless Service carries the Service's name).
+    pub fn connect_lazy_to(&self, addr: std::net::SocketAddr) -> Channel {
+        match &self.connector {
+            None => self.endpoint.connect_with_connector_lazy(PlainConnector { addr }),
+            Some(c) => self.endpoint.connect_with_connector_lazy(PeerConnector {
+                config: Arc::clone(&c.config),
+                dial: Some(addr),
+            }),
+        }
+    }
+}
+
+/// Dials one address in plaintext, whatever the URI's host.
+#[derive(Clone, Copy)]
+struct PlainConnector {
+    addr: std::net::SocketAddr,
+}
+
+impl Service<Uri> for PlainConnector {
+    type Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, std::io::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _uri: Uri) -> Self::Future {
+        let addr = self.addr;
+        Box::pin(async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await?;
+            tcp.set_nodelay(true)?;
+            Ok(hyper_util::rt::TokioIo::new(tcp))
+        })
+    }
 }
 
 /// Dials TCP and does TLS with a [`PeerVerifier`].
 #[derive(Clone)]
 struct PeerConnector {
     config: Arc<rustls::ClientConfig>,
+    /// The address to dial, when not the URI's host (a resolved replica);
+    /// the URI's host is still the name the certificate must carry.
+    dial: Option<std::net::SocketAddr>,
 }
 
 type PeerStream = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
@@ -545,6 +602,7 @@ impl Service<Uri> for PeerConnector {
 
     fn call(&mut self, uri: Uri) -> Self::Future {
         let config = Arc::clone(&self.config);
+        let dial = self.dial;
         Box::pin(async move {
             let invalid =
                 |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{uri}: {what}"));
@@ -555,7 +613,10 @@ impl Service<Uri> for PeerConnector {
                 .trim_end_matches(']')
                 .to_owned();
             let port = uri.port_u16().unwrap_or(443);
-            let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+            let tcp = match dial {
+                Some(addr) => tokio::net::TcpStream::connect(addr).await?,
+                None => tokio::net::TcpStream::connect((host.as_str(), port)).await?,
+            };
             tcp.set_nodelay(true)?;
             let name = rustls_pki_types::ServerName::try_from(host.clone())
                 .map_err(|_| invalid("not a server name"))?;

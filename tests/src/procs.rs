@@ -421,6 +421,9 @@ fn log_tail(name: &str, path: &Path, lines: usize) -> String {
 #[derive(Debug)]
 pub struct Cluster {
     pub decider: Service,
+    /// Deciders beyond the first ([`ClusterOptions::deciders`]): the
+    /// driver's `--decider` lists them all.
+    pub more_deciders: Vec<Service>,
     pub executor: Service,
     pub driver: Service,
     /// The cluster's PKI; `None` when it runs in plaintext.
@@ -448,6 +451,8 @@ pub struct ClusterOptions {
     /// TLS between everything (the default), or plaintext with `--insecure`
     /// everywhere ([`ClusterOptions::insecure`]).
     pub tls: bool,
+    /// How many deciders (one unless [`ClusterOptions::deciders`]).
+    pub deciders: usize,
 }
 
 impl Default for ClusterOptions {
@@ -478,6 +483,7 @@ impl Default for ClusterOptions {
             env: Vec::new(),
             service_env: Vec::new(),
             tls: true,
+            deciders: 1,
         }
     }
 }
@@ -498,6 +504,13 @@ impl ClusterOptions {
     /// Every service in plaintext (`--insecure`), clients too.
     pub fn insecure(mut self) -> Self {
         self.tls = false;
+        self
+    }
+
+    /// `n` deciders (at least one), each its own process; the driver's
+    /// `--decider` lists them all.
+    pub fn deciders(mut self, n: usize) -> Self {
+        self.deciders = n.max(1);
         self
     }
 
@@ -574,6 +587,21 @@ impl Cluster {
         let decider =
             Service::start_with_env("decider-svc", dir.path(), "127.0.0.1:0", &[], &env("decider-svc"))
                 .await?;
+        let mut more_deciders = Vec::new();
+        for i in 2..=opts.deciders {
+            // Each in a directory of its own (its log and ready file), with
+            // the cluster's certificate given outright.
+            let own = dir.path().join(format!("decider-{i}"));
+            std::fs::create_dir_all(&own)?;
+            let args = match &tls {
+                Some(pki) => pki.service_args("decider-svc"),
+                None => vec!["--insecure".to_owned()],
+            };
+            more_deciders.push(
+                Service::start_with_env("decider-svc", &own, "127.0.0.1:0", &args, &env("decider-svc"))
+                    .await?,
+            );
+        }
         // The executor keeps its fencing epochs and results in the cluster's
         // directory, so a restarted executor replays rather than re-runs.
         let mut executor_args = Vec::new();
@@ -598,9 +626,14 @@ impl Cluster {
             }
             None => executor.url(),
         };
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let deciders: Vec<String> = std::iter::once(&decider)
+            .chain(&more_deciders)
+            .map(|d| format!("{scheme}://{}", d.addr))
+            .collect();
         let mut args = vec![
             "--decider".into(),
-            decider.url(),
+            deciders.join(","),
             "--executor".into(),
             executor_url,
         ];
@@ -616,6 +649,7 @@ impl Cluster {
         Ok(Self {
             dir,
             decider,
+            more_deciders,
             executor,
             driver,
             tls,

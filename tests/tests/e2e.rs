@@ -207,6 +207,48 @@ async fn a_decider_outage_stops_decisions_until_it_returns() {
     assert_eq!(s.ready_count, 21);
 }
 
+/// Decide calls `service` answered, from its metrics.
+async fn decides_served(service: &provisioning_tests::procs::Service) -> f64 {
+    service
+        .scrape()
+        .await
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with("grpc_server_handled_total{") && l.contains("grpc_method=\"Decide\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Two deciders named to the driver (`--decider a,b`; a headless Service's
+/// name resolving to both is the same) share the Decide calls in turn; when
+/// one is gone, the other takes them and the run converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decide_calls_are_shared_by_the_deciders_and_outlive_one() {
+    let opts = ClusterOptions::default().deciders(2).service_env(
+        "decider-svc",
+        "PROVISIONING_METRICS_LISTEN",
+        "127.0.0.1:0",
+    );
+    let mut cluster = Cluster::start(opts).await.unwrap();
+    let mut c = cluster.client().await.unwrap();
+    apply(&mut c, &groups(12, 6, "img:1")).await;
+    let s = converged(&cluster, &mut c, 1).await;
+    let first = decides_served(&cluster.decider).await;
+    let second = decides_served(&cluster.more_deciders[0]).await;
+    // In turn: the two counts differ by at most the one call in flight.
+    assert!(
+        first >= 2.0 && second >= 2.0 && (first - second).abs() <= 1.0,
+        "{first} and {second} Decide calls over {} passes",
+        s.passes
+    );
+
+    cluster.more_deciders[0].kill().await.unwrap();
+    apply(&mut c, &at(groups(16, 6, "img:1"), 2)).await;
+    let s = converged(&cluster, &mut c, 2).await;
+    assert_eq!(s.ready_count, 25);
+    assert!(decides_served(&cluster.decider).await > first);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_restart_resubmits_and_adopts() {
     let dir = tempfile::tempdir().unwrap();

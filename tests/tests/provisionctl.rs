@@ -1527,7 +1527,10 @@ async fn delete_wait_of_a_paused_run_says_its_cleanup_waits() {
     let file = ctl.write("held.yaml", &shape("held", 2, "img:1"));
     ctl.run(&["apply", "-f", &file, "--wait"]).await.expect(0);
     ctl.run(&["pause", "held"]).await.expect(0);
-    let out = ctl.run(&["delete", "held", "--wait", "--timeout", "1m"]).await.expect(5);
+    let out = ctl
+        .run(&["delete", "held", "--wait", "--timeout", "1m"])
+        .await
+        .expect(5);
     assert_eq!(
         out.stdout,
         "run held is being deleted: 4 nodes to clean up\nrun held is paused: nothing is cleaned up until \
@@ -1541,6 +1544,9 @@ async fn delete_wait_of_a_paused_run_says_its_cleanup_waits() {
     let v = ctl.run(&["get", "held", "-o", "json"]).await.expect(0).json();
     assert_eq!(v["phase"], "deleting", "{v}");
     ctl.run(&["resume", "held"]).await.expect(0);
-    let out = ctl.run(&["delete", "held", "--wait", "--timeout", "1m"]).await.expect(0);
+    let out = ctl
+        .run(&["delete", "held", "--wait", "--timeout", "1m"])
+        .await
+        .expect(0);
     assert!(out.stdout.contains("run held deleted after"), "{}", out.stdout);
 }

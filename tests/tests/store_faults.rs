@@ -100,6 +100,7 @@ async fn start_driver(
         },
         Config {
             decider: cluster.decider.url(),
+            decider_resolve_interval: Duration::ZERO,
             executor: cluster.executor.url(),
             decider_identity: "decider-svc".to_owned(),
             executor_identity: "executor-svc".to_owned(),
