@@ -40,7 +40,7 @@ pub fn to_status(e: DriverError) -> Status {
         e @ DriverError::Exhausted(_) => Status::failed_precondition(e.to_string()),
         e @ DriverError::Internal(_) => Status::internal(e.to_string()),
         DriverError::Promote(e @ crate::core::PromoteError::NoSuchGroup(_)) => {
-            Status::invalid_argument(format!("group_id: {e}"))
+            Status::not_found(e.to_string())
         }
         DriverError::Promote(e @ crate::core::PromoteError::NoRollout(_)) => {
             Status::failed_precondition(e.to_string())

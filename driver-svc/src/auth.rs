@@ -496,8 +496,8 @@ impl Authenticator {
                 )
             };
             return Err(Status::unauthenticated(format!(
-                "no credentials: this server requires a bearer token (metadata `authorization: Bearer \
-                 <token>`; provisionctl takes --token-file or PROVISIONCTL_TOKEN){certificate}"
+                "no credentials: this server requires a bearer token in the metadata `authorization: \
+                 Bearer <token>` (its operator issues tokens){certificate}"
             )));
         };
         let token = value

@@ -289,6 +289,16 @@ pub struct Observed {
 /// At most this many nodes are named in a condition's message.
 const NAMED: usize = 5;
 
+/// What a run being deleted has left to do.
+fn deleting_message(left: usize, paused: bool) -> String {
+    let nodes = if left == 1 { "node" } else { "nodes" };
+    if paused {
+        format!("being deleted, paused: {left} {nodes} left to clean up once resumed")
+    } else {
+        format!("being deleted: {left} {nodes} left to clean up")
+    }
+}
+
 fn named(nodes: &[String]) -> String {
     let mut s = nodes.iter().take(NAMED).cloned().collect::<Vec<_>>().join(", ");
     if nodes.len() > NAMED {
@@ -400,11 +410,18 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             reason: "Converged",
             message: format!("{ready} of {ready} nodes ready at generation {generation}"),
         }
+    } else if meta.deleting {
+        Observed {
+            kind: "Ready",
+            status: false,
+            reason: "Deleting",
+            message: deleting_message(run.nodes().count(), meta.paused),
+        }
     } else {
         Observed {
             kind: "Ready",
             status: false,
-            reason: if meta.deleting { "Deleting" } else { "NotConverged" },
+            reason: "NotConverged",
             message: format!("{ready} of {} nodes ready", want + missing),
         }
     };
@@ -492,7 +509,11 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
             kind: "Progressing",
             status: true,
             reason: if meta.deleting { "Deleting" } else { "Reconciling" },
-            message: format!("{ready} of {} nodes ready", want + missing),
+            message: if meta.deleting {
+                deleting_message(run.nodes().count(), false)
+            } else {
+                format!("{ready} of {} nodes ready", want + missing)
+            },
         }
     };
     let degraded_c = if let Some(why) = &deps.halted {

@@ -362,6 +362,11 @@ pub fn from_status(status: &tonic::Status, doing: Doing<'_>, server: &str) -> Cl
     match status.code() {
         Code::InvalidArgument => CliError::refused(format!("the server rejected the request: {msg}"), None),
         Code::NotFound => match doing {
+            // The run is there; something named in it is not.
+            Doing::Run { run, .. } if msg.starts_with("the run has no ") => CliError::NotFound {
+                message: format!("run {run} {}", msg.trim_start_matches("the run ")),
+                hint: Some(format!("`provisionctl get {run}` shows its groups")),
+            },
             Doing::Run { run, .. } => CliError::NotFound {
                 message: format!("run {run} does not exist on {server}"),
                 hint: Some("`provisionctl list` shows the runs there".to_owned()),
@@ -437,6 +442,23 @@ pub fn retry_pushback(status: &tonic::Status) -> Option<std::time::Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_group_is_told_as_such_not_as_a_missing_run() {
+        let e = from_status(
+            &tonic::Status::not_found("the run has no group gpu"),
+            Doing::Run {
+                verb: "promote",
+                run: "x",
+            },
+            "s",
+        );
+        assert_eq!(e.exit(), Exit::Failed);
+        assert_eq!(
+            e.to_string(),
+            "run x has no group gpu\n`provisionctl get x` shows its groups"
+        );
+    }
 
     #[test]
     fn statuses_become_sentences_with_the_right_exit() {

@@ -1543,6 +1543,20 @@ async fn delete_wait_of_a_paused_run_says_its_cleanup_waits() {
     );
     let v = ctl.run(&["get", "held", "-o", "json"]).await.expect(0).json();
     assert_eq!(v["phase"], "deleting", "{v}");
+    let ready = v["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Ready")
+        .unwrap();
+    assert_eq!(
+        (&ready["reason"], &ready["message"]),
+        (
+            &serde_json::json!("Deleting"),
+            &serde_json::json!("being deleted, paused: 4 nodes left to clean up once resumed")
+        ),
+        "{v}"
+    );
     ctl.run(&["resume", "held"]).await.expect(0);
     let out = ctl
         .run(&["delete", "held", "--wait", "--timeout", "1m"])

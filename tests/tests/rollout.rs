@@ -323,8 +323,11 @@ async fn a_canary_waits_for_its_promotion() {
         })
         .await
         .unwrap_err();
-    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
-    assert!(e.message().contains("group_id"), "{e:?}");
+    assert_eq!(
+        (e.code(), e.message()),
+        (tonic::Code::NotFound, "the run has no group gpu"),
+        "{e:?}"
+    );
     c.promote_rollout(pb::PromoteRolloutRequest {
         run_id: RUN.to_owned(),
         group_id: "workers".to_owned(),
