@@ -19,8 +19,12 @@
 //! the runs a token may read.
 //!
 //! The tokens file (`--tokens-file`) is a YAML (or JSON) list of entries
-//! `{name, sha256 | client_cert, access, runs}`; it holds hashes, never
-//! tokens.
+//! `{name, sha256 | client_cert, access, runs, expires}`; it holds hashes,
+//! never tokens. An entry past its `expires` (RFC 3339) is answered
+//! `UNAUTHENTICATED` saying it expired; each entry's expiry is exported as
+//! `provisioning_api_token_expiry_timestamp_seconds{token}` (the alerting
+//! rules warn a week ahead), and a load logs a warning for an entry that
+//! expires within a week or has expired.
 //! `provisionctl token new` makes a token and its entry. SIGHUP reloads the
 //! file; a file that does not load keeps the tokens already loaded.
 //!
@@ -36,10 +40,11 @@ use std::{
     task::{Context, Poll},
 };
 
+use contract::{Clock as _, SystemClock, UnixMillis};
 use futures::future::{BoxFuture, FutureExt as _};
 pub use platform::token::{Access, TokenEntry, entry_for, hash_token, new_token, to_hex};
 use platform::{
-    metrics::{Counter, global},
+    metrics::{Counter, Gauge, global},
     token::parse_hash,
 };
 use tonic::{
@@ -76,6 +81,21 @@ pub struct TokenSet {
 struct Loaded {
     credential: Credential,
     principal: Principal,
+    /// When the entry stops being accepted, and as the file says it.
+    expires: Option<(UnixMillis, String)>,
+}
+
+/// How far ahead a load warns of an entry's expiry.
+const EXPIRY_WARNING: std::time::Duration = std::time::Duration::from_secs(7 * 86_400);
+
+/// Each entry's expiry, seconds since the epoch, by token name.
+fn expiry_gauge() -> Gauge {
+    global().gauge(
+        "provisioning_api_token_expiry_timestamp_seconds",
+        "When each tokens-file entry with an `expires` stops being accepted (Unix seconds), by token \
+         name.",
+        &["token"],
+    )
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -136,6 +156,17 @@ impl TokenSet {
                     ));
                 }
             };
+            let expires = match &e.expires {
+                None => None,
+                Some(text) => {
+                    let at = platform::token::parse_expiry(text).map_err(bad)?;
+                    let ms = at
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+                        .map_err(|_| bad(format!("expires {text:?} is before 1970")))?;
+                    Some((UnixMillis::new(ms), text.trim().to_owned()))
+                }
+            };
             let runs = match &e.runs {
                 None => None,
                 Some(runs) => {
@@ -154,6 +185,7 @@ impl TokenSet {
                     access: e.access,
                     runs,
                 },
+                expires,
             });
         }
         Ok(Self { entries: out })
@@ -172,33 +204,67 @@ impl TokenSet {
         self.entries.len()
     }
 
+    /// Exports each entry's expiry, and warns of those within a week of it
+    /// (or past it) at `now`: what a load does.
+    fn announce_expiries(&self, now: UnixMillis) {
+        expiry_gauge().replace_all(self.entries.iter().filter_map(|e| {
+            let (at, _) = e.expires.as_ref()?;
+            Some((vec![e.principal.name()?], at.as_millis() as f64 / 1000.0))
+        }));
+        for e in &self.entries {
+            let (Some((at, text)), Some(name)) = (&e.expires, e.principal.name()) else {
+                continue;
+            };
+            if *at <= now {
+                tracing::warn!(token = name, expires = %text, "a token in the tokens file has expired: calls with it are refused");
+            } else if at.saturating_since(now) <= EXPIRY_WARNING {
+                tracing::warn!(token = name, expires = %text, "a token in the tokens file expires within a week");
+            }
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 
-    /// The principal whose token is `token`. Every entry is compared, in
+    /// The entry whose token is `token`. Every entry is compared, in
     /// constant time, so the time taken says nothing about which (if any)
     /// matched.
-    pub fn find(&self, token: &str) -> Option<&Principal> {
+    fn find(&self, token: &str) -> Option<&Loaded> {
         let hash = hash_token(token);
         let mut found = None;
         for e in &self.entries {
             if let Credential::Token(h) = &e.credential
                 && constant_time_eq(h, &hash)
             {
-                found = Some(&e.principal);
+                found = Some(e);
             }
         }
         found
     }
 
-    /// The principal of the first entry naming one of a client
-    /// certificate's `identities`.
-    pub fn find_certificate(&self, identities: &[String]) -> Option<&Principal> {
-        self.entries.iter().find_map(|e| match &e.credential {
-            Credential::Certificate(id) if identities.contains(id) => Some(&e.principal),
-            _ => None,
-        })
+    /// The first entry naming one of a client certificate's `identities`.
+    fn find_certificate(&self, identities: &[String]) -> Option<&Loaded> {
+        self.entries
+            .iter()
+            .find(|e| matches!(&e.credential, Credential::Certificate(id) if identities.contains(id)))
+    }
+}
+
+impl Loaded {
+    /// The entry's principal, unless it has expired at `now`.
+    fn principal_at(&self, now: UnixMillis) -> Result<Principal, Status> {
+        match &self.expires {
+            Some((at, text)) if *at <= now => Err(Status::unauthenticated(format!(
+                "{} expired at {text}; its holder needs a new one from this server's operator",
+                match &self.credential {
+                    Credential::Token(_) =>
+                        format!("the token {:?}", self.principal.name().unwrap_or_default()),
+                    Credential::Certificate(id) => format!("the tokens-file entry for {id}"),
+                }
+            ))),
+            _ => Ok(self.principal.clone()),
+        }
     }
 }
 
@@ -399,6 +465,7 @@ impl Authenticator {
     /// Tokens from the file at `path`, loaded now (an unusable file is an error).
     pub fn from_file(path: &Path) -> Result<Arc<Self>, TokensFileError> {
         let set = TokenSet::load(path)?;
+        set.announce_expiries(SystemClock.now());
         warn_if_writable(path);
         if set.is_empty() {
             tracing::warn!(path = %path.display(), "the tokens file has no tokens: every API call will be refused");
@@ -414,6 +481,7 @@ impl Authenticator {
 
     /// Tokens from `set` (for tests and embedding); reloads read nothing.
     pub fn with_tokens(set: TokenSet) -> Arc<Self> {
+        set.announce_expiries(SystemClock.now());
         Arc::new(Self {
             mode: Mode::Tokens {
                 path: PathBuf::new(),
@@ -433,6 +501,7 @@ impl Authenticator {
             return Ok(0);
         };
         let fresh = TokenSet::load(path)?;
+        fresh.announce_expiries(SystemClock.now());
         let n = fresh.len();
         if let Ok(mut guard) = set.write() {
             *guard = Arc::new(fresh);
@@ -479,13 +548,24 @@ impl Authenticator {
         headers: &http::HeaderMap,
         peer_identities: &[String],
     ) -> Result<Principal, Status> {
+        self.authenticate_at(headers, peer_identities, SystemClock.now())
+    }
+
+    /// [`Authenticator::authenticate`] at `now` (an entry past its
+    /// `expires` then is refused).
+    pub fn authenticate_at(
+        &self,
+        headers: &http::HeaderMap,
+        peer_identities: &[String],
+        now: UnixMillis,
+    ) -> Result<Principal, Status> {
         let set = match &self.mode {
             Mode::Open => return Ok(Principal::anonymous()),
             Mode::Tokens { set, .. } => set.read().map(|s| Arc::clone(&s)).unwrap_or_default(),
         };
         let Some(value) = headers.get(http::header::AUTHORIZATION) else {
-            if let Some(p) = set.find_certificate(peer_identities) {
-                return Ok(p.clone());
+            if let Some(e) = set.find_certificate(peer_identities) {
+                return e.principal_at(now);
             }
             let certificate = if peer_identities.is_empty() {
                 String::new()
@@ -511,11 +591,14 @@ impl Authenticator {
             .ok_or_else(|| {
                 Status::unauthenticated("the authorization metadata is not of the form `Bearer <token>`")
             })?;
-        set.find(token).cloned().ok_or_else(|| {
-            Status::unauthenticated(
-                "the bearer token is not one this server accepts (mistyped, revoked, or for another server)",
-            )
-        })
+        set.find(token)
+            .ok_or_else(|| {
+                Status::unauthenticated(
+                    "the bearer token is not one this server accepts (mistyped, revoked, or for another \
+                     server)",
+                )
+            })?
+            .principal_at(now)
     }
 
     /// The layer that authenticates every call of the service it wraps.
@@ -633,6 +716,36 @@ mod tests {
             format!("Bearer {token}").parse().unwrap(),
         );
         h
+    }
+
+    #[test]
+    fn an_entry_is_accepted_until_its_expiry_and_refused_from_then_on() {
+        let token = new_token().unwrap();
+        let mut e = entry_for("ci", &token, Access::Read, None);
+        e.expires = Some("2030-01-01T00:00:00Z".to_owned());
+        let auth = Authenticator::with_tokens(file(&[e]));
+        let at = UnixMillis::new(1_893_456_000_000);
+        let before = UnixMillis::new(at.as_millis() - 1);
+        assert_eq!(
+            auth.authenticate_at(&bearer(&token), &[], before).unwrap().name(),
+            Some("ci")
+        );
+        let refused = auth.authenticate_at(&bearer(&token), &[], at).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+        assert!(
+            refused
+                .message()
+                .starts_with("the token \"ci\" expired at 2030-01-01T00:00:00Z")
+        );
+
+        let mut bad = entry_for("x", &new_token().unwrap(), Access::Read, None);
+        bad.expires = Some("next tuesday".to_owned());
+        let e = TokenSet::parse(Path::new("t.yaml"), &serde_yaml_ng::to_string(&[bad]).unwrap()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("expires \"next tuesday\" is not an RFC 3339 time"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -44,6 +44,21 @@ pub struct TokenEntry {
     /// Only these runs; absent: every run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runs: Option<Vec<String>>,
+    /// When the entry stops being accepted, RFC 3339 (`2027-01-31T00:00:00Z`);
+    /// absent: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<String>,
+}
+
+/// An entry's `expires` as the time it names, or why it names none.
+pub fn parse_expiry(text: &str) -> Result<std::time::SystemTime, String> {
+    humantime::parse_rfc3339_weak(text.trim())
+        .map_err(|e| format!("expires {text:?} is not an RFC 3339 time such as 2027-01-31T00:00:00Z ({e})"))
+}
+
+/// `t` as an entry's `expires` (RFC 3339, UTC, whole seconds).
+pub fn format_expiry(t: std::time::SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
 }
 
 /// SHA-256 of a token, as the tokens file keeps it.
@@ -85,5 +100,6 @@ pub fn entry_for(name: &str, token: &str, access: Access, runs: Option<Vec<Strin
         client_cert: None,
         access,
         runs,
+        expires: None,
     }
 }

@@ -336,6 +336,10 @@ pub enum TokenCommand {
         /// Write the token to this new file (mode 600; never overwritten).
         #[arg(long, value_name = "PATH")]
         save: Option<std::path::PathBuf>,
+        /// The token stops being accepted then: an RFC 3339 time
+        /// (`2027-01-31T00:00:00Z`), or a duration from now (`30d`, `12h`).
+        #[arg(long, value_name = "WHEN")]
+        expires: Option<String>,
     },
     /// Print the SHA-256 (hex) of the token on standard input, as the
     /// tokens file keeps it.

@@ -116,18 +116,15 @@ impl CliError {
         }
     }
 
-    /// Whether this is a call that failed in the transport without saying
-    /// why (a server that refuses the client's certificate after the
-    /// handshake looks so to the call).
+    /// Whether a server that refused the client's certificate could be
+    /// behind this failure: it refuses after the handshake, and the call
+    /// sees a broken connection, a cancelled stream or an unavailable
+    /// server, never the refusal itself.
     pub fn may_be_a_refused_handshake(&self) -> bool {
-        match self {
-            CliError::Other(m)
-            | CliError::Unavailable { message: m }
-            | CliError::OutcomeUnknown { message: m } => {
-                m.contains("transport error") || m.contains("broken pipe") || m.contains("connection reset")
-            }
-            _ => false,
-        }
+        matches!(
+            self,
+            CliError::Other(_) | CliError::Unavailable { .. } | CliError::OutcomeUnknown { .. }
+        )
     }
 
     pub fn refused(message: impl Into<String>, hint: impl Into<Option<String>>) -> Self {

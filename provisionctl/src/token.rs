@@ -85,6 +85,27 @@ impl Interceptor for BearerToken {
     }
 }
 
+/// `--expires`: an RFC 3339 time, or a duration from now, as the entry's
+/// `expires` (RFC 3339, UTC).
+fn expiry(when: &str) -> Result<String, CliError> {
+    let at = match platform::token::parse_expiry(when) {
+        Ok(at) => at,
+        Err(not_a_time) => {
+            let wait = humantime::parse_duration(when.trim()).map_err(|_| {
+                CliError::Usage(format!(
+                    "--expires {when:?} is neither a time nor a duration: give an RFC 3339 time \
+                     (2027-01-31T00:00:00Z) or a duration from now (30d, 12h); {not_a_time}"
+                ))
+            })?;
+            std::time::SystemTime::now() + wait
+        }
+    };
+    if at <= std::time::SystemTime::now() {
+        return Err(CliError::Usage(format!("--expires {when:?} is in the past")));
+    }
+    Ok(platform::token::format_expiry(at))
+}
+
 /// Runs a `token` command (no server involved).
 pub fn run(cmd: TokenCommand) -> Result<Exit, CliError> {
     match cmd {
@@ -93,7 +114,9 @@ pub fn run(cmd: TokenCommand) -> Result<Exit, CliError> {
             access,
             runs,
             save,
+            expires,
         } => {
+            let expires = expires.as_deref().map(expiry).transpose()?;
             let runs = (!runs.is_empty()).then_some(runs);
             if let Some(runs) = &runs {
                 for r in runs {
@@ -102,7 +125,8 @@ pub fn run(cmd: TokenCommand) -> Result<Exit, CliError> {
             }
             let token = auth::new_token()
                 .map_err(|e| CliError::Other(format!("cannot get random bytes for a token: {e}")))?;
-            let entry = auth::entry_for(&name, &token, access, runs);
+            let mut entry = auth::entry_for(&name, &token, access, runs);
+            entry.expires = expires;
             let yaml = serde_yaml_ng::to_string(&[entry])
                 .map_err(|e| CliError::Other(format!("cannot write the entry: {e}")))?;
             match save {

@@ -626,3 +626,109 @@ async fn a_listed_client_certificate_authenticates_without_a_token() {
     admin.apply(apply_req("alpha", 2, 2)).await.unwrap();
     converged(&mut admin, "alpha", 2).await;
 }
+
+/// A tokens-file entry past its `expires` is refused `UNAUTHENTICATED`
+/// saying so, one before it is served, each entry's expiry is a metric, and
+/// the load warns of the expired one. `provisionctl token new --expires`
+/// writes the entry's time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_token_is_refused_saying_so_and_expiries_are_exported() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fresh, stale) = (
+        driver_svc::auth::new_token().unwrap(),
+        driver_svc::auth::new_token().unwrap(),
+    );
+    let mut soon = driver_svc::auth::entry_for("fresh", &fresh, driver_svc::auth::Access::Read, None);
+    soon.expires = Some("2999-01-01T00:00:00Z".to_owned());
+    let mut old = driver_svc::auth::entry_for("stale", &stale, driver_svc::auth::Access::Write, None);
+    old.expires = Some("2020-01-01T00:00:00Z".to_owned());
+    let path = dir.path().join("tokens.yaml");
+    std::fs::write(&path, serde_yaml_ng::to_string(&[soon, old]).unwrap()).unwrap();
+    let opts = ClusterOptions::default().tokens_file(&path).service_env(
+        "driver-svc",
+        "PROVISIONING_METRICS_LISTEN",
+        "127.0.0.1:0",
+    );
+    let cluster = Cluster::start_in(dir, opts).await.unwrap();
+
+    let mut expired = client(&cluster, Some(&stale)).await.unwrap();
+    let e = expired.get_run(get_req("alpha")).await.unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (
+            Code::Unauthenticated,
+            "the token \"stale\" expired at 2020-01-01T00:00:00Z; its holder needs a new one from this \
+             server's operator"
+        )
+    );
+    let e = expired.apply(apply_req("alpha", 1, 1)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+    let mut valid = client(&cluster, Some(&fresh)).await.unwrap();
+    assert!(
+        valid
+            .list_runs(pb::ListRunsRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .runs
+            .is_empty()
+    );
+
+    let metrics = cluster.driver.scrape().await.unwrap();
+    for (token, seconds) in [("fresh", "32472144000"), ("stale", "1577836800")] {
+        let line = format!("provisioning_api_token_expiry_timestamp_seconds{{token=\"{token}\"}} {seconds}");
+        assert!(metrics.lines().any(|l| l == line), "{line} not in:\n{metrics}");
+    }
+    let log = std::fs::read_to_string(cluster.driver.log_file()).unwrap();
+    assert!(
+        log.contains("a token in the tokens file has expired") && log.contains("stale"),
+        "{log}"
+    );
+
+    // provisionctl writes the time an expiry names, and refuses one past.
+    let out = std::process::Command::new(bin_path("provisionctl").unwrap())
+        .args([
+            "token",
+            "new",
+            "ci",
+            "--access",
+            "read",
+            "--expires",
+            "2030-06-01T12:00:00Z",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let entries: Vec<driver_svc::auth::TokenEntry> = serde_yaml_ng::from_slice(&out.stdout).unwrap();
+    assert_eq!(entries[0].expires.as_deref(), Some("2030-06-01T12:00:00Z"));
+    let out = std::process::Command::new(bin_path("provisionctl").unwrap())
+        .args(["token", "new", "ci", "--access", "read", "--expires", "30d"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let entries: Vec<driver_svc::auth::TokenEntry> = serde_yaml_ng::from_slice(&out.stdout).unwrap();
+    let at = platform::token::parse_expiry(entries[0].expires.as_deref().unwrap()).unwrap();
+    let ahead = at.duration_since(std::time::SystemTime::now()).unwrap();
+    assert!(
+        ahead > Duration::from_secs(29 * 86_400) && ahead <= Duration::from_secs(30 * 86_400),
+        "{ahead:?}"
+    );
+    let out = std::process::Command::new(bin_path("provisionctl").unwrap())
+        .args([
+            "token",
+            "new",
+            "ci",
+            "--access",
+            "read",
+            "--expires",
+            "2020-01-01T00:00:00Z",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--expires \"2020-01-01T00:00:00Z\" is in the past"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
