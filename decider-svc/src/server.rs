@@ -501,6 +501,7 @@ pub async fn serve(
     config: Config,
     policy: &PeerPolicy,
 ) -> Result<(), ServerError> {
+    let incoming = policy.incoming(listener)?;
     let (reporter, health, reflection, reflection_alpha) =
         health_and_reflection::<DeciderServer<DeciderService>>().await?;
     let shutdown = async move {
@@ -508,8 +509,7 @@ pub async fn serve(
         // Health checkers see the decider leave before its port closes.
         reporter.set_not_serving::<DeciderServer<DeciderService>>().await;
     };
-    policy
-        .server()?
+    let router = tonic::transport::Server::builder()
         .layer(ServerLayer::new())
         .layer(policy.layer())
         .add_service(health)
@@ -519,8 +519,7 @@ pub async fn serve(
             DeciderServer::new(DeciderService::new(config))
                 .max_decoding_message_size(config.messages.recv_bytes())
                 .max_encoding_message_size(config.messages.send_bytes()),
-        )
-        .serve_with_incoming_shutdown(platform::runtime::incoming(listener), shutdown)
-        .await?;
+        );
+    platform::tls::serve(router, incoming, shutdown).await?;
     Ok(())
 }

@@ -210,24 +210,23 @@ pub async fn run(
     let stopping = driver.clone();
     // Client certificates are optional on the public API; one presented
     // must chain to the CA.
-    let served = config
-        .transport
-        .configure_server(tonic::transport::Server::builder(), ClientAuth::Optional)?
+    let incoming = config.transport.incoming(listener, ClientAuth::Optional)?;
+    let router = tonic::transport::Server::builder()
         .layer(ServerLayer::new())
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_alpha)
-        .add_service(api)
-        .serve_with_incoming_shutdown(platform::runtime::incoming(listener), async move {
-            tokio::select! {
-                () = shutdown => {}
-                _ = lost_rx.wait_for(|l| *l) => {}
-            }
-            // The runs stop first: their watch streams end with them, so a
-            // client still watching does not hold the graceful shutdown open.
-            stopping.shutdown(RUNS_STOP_WITHIN).await;
-            let _ = stop.wait_for(|_| true).await;
-        });
+        .add_service(api);
+    let served = platform::tls::serve(router, incoming, async move {
+        tokio::select! {
+            () = shutdown => {}
+            _ = lost_rx.wait_for(|l| *l) => {}
+        }
+        // The runs stop first: their watch streams end with them, so a
+        // client still watching does not hold the graceful shutdown open.
+        stopping.shutdown(RUNS_STOP_WITHIN).await;
+        let _ = stop.wait_for(|_| true).await;
+    });
     let result = served.await;
     // The runs stop before the executor link closes, so nothing they send on
     // the way out is lost, and before the process flushes its spans.

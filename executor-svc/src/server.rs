@@ -309,7 +309,8 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     // TLS is set up first: a certificate it cannot use stops the executor
     // before anything else starts.
-    let server = config.peers.server()?;
+    let incoming = config.peers.incoming(listener)?;
+    let server = tonic::transport::Server::builder();
     let (reporter, health, reflection, reflection_alpha) =
         health_and_reflection::<ExecutorServer<ExecutorService>>().await?;
 
@@ -372,7 +373,7 @@ pub async fn run(
         drain.send_replace(Lifecycle::Draining);
         let _ = drain_started.send(());
     };
-    let serve = server
+    let router = server
         .layer(ServerLayer::new())
         .layer(config.peers.layer())
         .add_service(health)
@@ -383,8 +384,8 @@ pub async fn run(
                 .max_decoding_message_size(config.messages.recv_bytes())
                 .max_encoding_message_size(config.messages.send_bytes()),
         )
-        .add_optional_service(config.fake_control.clone().map(crate::fake_control::server))
-        .serve_with_incoming_shutdown(platform::runtime::incoming(listener), signal);
+        .add_optional_service(config.fake_control.clone().map(crate::fake_control::server));
+    let serve = platform::tls::serve(router, incoming, signal);
     let grace = config.shutdown_grace;
     let grace_elapsed = async move {
         match drain_started_rx.await {

@@ -127,26 +127,63 @@ pub enum TlsError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// The PEM files of one side of a TLS connection, read and checked.
-#[derive(Clone)]
+/// The PEM files of one side of a TLS connection, read and checked, and
+/// read again as they change (see [`TlsMaterial::watch`]): servers and
+/// channels set up from it take the files in force at each new handshake,
+/// and connections already made keep theirs.
 pub struct TlsMaterial {
+    ca_path: PathBuf,
+    identity_paths: Option<(PathBuf, PathBuf)>,
+    current: std::sync::RwLock<Arc<Pems>>,
+    /// How often [`TlsMaterial::watch`] looks at the files (zero: only on
+    /// SIGHUP).
+    reload_every: Duration,
+    watching: std::sync::atomic::AtomicBool,
+}
+
+/// One reading of the files.
+struct Pems {
     /// The CA bundle peers are verified against.
     ca: Vec<u8>,
     /// This side's certificate chain and private key, when it has them.
     identity: Option<(Vec<u8>, Vec<u8>)>,
     /// The identities (SPIFFE URIs) this side's certificate carries.
     names: Vec<String>,
+    /// The CA as rustls roots.
+    roots: Arc<rustls::RootCertStore>,
+    /// This side's chain and key as rustls signs with them.
+    certified: Option<Arc<rustls::sign::CertifiedKey>>,
+    /// rustls's checks of a server's and of a client's chain to the CA.
+    server_verifier: Arc<rustls::client::WebPkiServerVerifier>,
+    client_verifier: Arc<dyn rustls::server::danger::ClientCertVerifier>,
 }
 
 impl std::fmt::Debug for TlsMaterial {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never the key.
+        let pems = self.pems();
         f.debug_struct("TlsMaterial")
-            .field("names", &self.names)
-            .field("has_identity", &self.identity.is_some())
+            .field("names", &pems.names)
+            .field("has_identity", &pems.identity.is_some())
             .finish_non_exhaustive()
     }
 }
+
+impl Clone for TlsMaterial {
+    /// The same files, as they are now (the clone watches nothing yet).
+    fn clone(&self) -> Self {
+        Self {
+            ca_path: self.ca_path.clone(),
+            identity_paths: self.identity_paths.clone(),
+            current: std::sync::RwLock::new(self.pems()),
+            reload_every: self.reload_every,
+            watching: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+}
+
+/// How often a service looks at its TLS files for a change, by default.
+pub const DEFAULT_TLS_RELOAD_INTERVAL: Duration = Duration::from_secs(5);
 
 fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|source| TlsError::Read {
@@ -213,48 +250,201 @@ fn keys_match(
     }
 }
 
+/// Reads and checks the files.
+fn read_pems(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<Pems, TlsError> {
+    let ca_pem = read("the CA bundle", ca)?;
+    let ca_certs = certificates("CA certificate", ca, &ca_pem)?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in ca_certs {
+        roots
+            .add(cert)
+            .map_err(|e| TlsError::Setup(format!("{}: {e}", ca.display())))?;
+    }
+    let mut names = Vec::new();
+    let mut certified = None;
+    let identity = match identity {
+        None => None,
+        Some((cert, key)) => {
+            let cert_pem = read("the certificate", cert)?;
+            let key_pem = read("the private key", key)?;
+            let chain = certificates("certificate", cert, &cert_pem)?;
+            let Ok(key_der) = PrivateKeyDer::from_pem_slice(&key_pem) else {
+                return Err(TlsError::Pem {
+                    what: "private key",
+                    path: key.to_owned(),
+                });
+            };
+            keys_match(&chain, &key_der, cert, key)?;
+            if let Some(leaf) = chain.first() {
+                names = identities_in(leaf);
+            }
+            let signing = rustls::crypto::ring::sign::any_supported_type(&key_der)
+                .map_err(|e| TlsError::Setup(format!("{}: {e}", key.display())))?;
+            certified = Some(Arc::new(rustls::sign::CertifiedKey::new(chain, signing)));
+            Some((cert_pem, key_pem))
+        }
+    };
+    let roots = Arc::new(roots);
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let setup = |e: &dyn std::fmt::Display| TlsError::Setup(format!("{}: {e}", ca.display()));
+    let server_verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        Arc::clone(&roots),
+        Arc::clone(&provider),
+    )
+    .build()
+    .map_err(|e| setup(&e))?;
+    let client_verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::clone(&roots), provider)
+            .build()
+            .map_err(|e| setup(&e))?;
+    Ok(Pems {
+        ca: ca_pem,
+        identity,
+        names,
+        roots,
+        certified,
+        server_verifier,
+        client_verifier,
+    })
+}
+
 impl TlsMaterial {
     /// Reads the CA bundle and, if given, a certificate chain with its key.
     pub fn load(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<Self, TlsError> {
-        let ca_pem = read("the CA bundle", ca)?;
-        certificates("CA certificate", ca, &ca_pem)?;
-        let mut names = Vec::new();
-        let identity = match identity {
-            None => None,
-            Some((cert, key)) => {
-                let cert_pem = read("the certificate", cert)?;
-                let key_pem = read("the private key", key)?;
-                let chain = certificates("certificate", cert, &cert_pem)?;
-                let Ok(key_der) = PrivateKeyDer::from_pem_slice(&key_pem) else {
-                    return Err(TlsError::Pem {
-                        what: "private key",
-                        path: key.to_owned(),
-                    });
-                };
-                keys_match(&chain, &key_der, cert, key)?;
-                if let Some(leaf) = chain.first() {
-                    names = identities_in(leaf);
-                }
-                Some((cert_pem, key_pem))
-            }
-        };
+        let pems = read_pems(ca, identity)?;
         Ok(Self {
-            ca: ca_pem,
-            identity,
-            names,
+            ca_path: ca.to_owned(),
+            identity_paths: identity.map(|(c, k)| (c.to_owned(), k.to_owned())),
+            current: std::sync::RwLock::new(Arc::new(pems)),
+            reload_every: DEFAULT_TLS_RELOAD_INTERVAL,
+            watching: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
+    /// How often [`TlsMaterial::watch`] looks at the files (zero: only on
+    /// SIGHUP).
+    pub fn with_reload_interval(mut self, every: Duration) -> Self {
+        self.reload_every = every;
+        self
+    }
+
+    fn pems(&self) -> Arc<Pems> {
+        Arc::clone(
+            &self
+                .current
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
     /// The identities this side's certificate carries (empty without one).
-    pub fn names(&self) -> &[String] {
-        &self.names
+    pub fn names(&self) -> Vec<String> {
+        self.pems().names.clone()
+    }
+
+    /// Reads the files again: `Ok(true)` if they changed and now serve new
+    /// handshakes, `Ok(false)` if they are as they were. Files that do not
+    /// load (unreadable, not PEM, a key that is not the certificate's) are
+    /// an error, and what was loaded before stays.
+    pub fn reload(&self) -> Result<bool, TlsError> {
+        let identity = self
+            .identity_paths
+            .as_ref()
+            .map(|(c, k)| (c.as_path(), k.as_path()));
+        let fresh = read_pems(&self.ca_path, identity)?;
+        let mut current = self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.ca == fresh.ca && current.identity == fresh.identity {
+            return Ok(false);
+        }
+        *current = Arc::new(fresh);
+        Ok(true)
+    }
+
+    /// Reloads the files on SIGHUP and whenever they change (looked at every
+    /// reload interval), as cert-manager and SPIFFE agents rotate them, for
+    /// as long as the material is in use; once per material. A change that
+    /// does not load keeps what was loaded before and logs why, once per
+    /// bad version. Call it inside the runtime.
+    pub fn watch(self: &Arc<Self>) {
+        if self.watching.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        let me = Arc::downgrade(self);
+        let every = self.reload_every;
+        tokio::spawn(async move {
+            #[cfg(unix)]
+            let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+            #[cfg(not(unix))]
+            let mut hup: Option<()> = None;
+            let mut reported: Option<String> = None;
+            loop {
+                let signalled = async {
+                    match &mut hup {
+                        #[cfg(unix)]
+                        Some(h) => {
+                            h.recv().await;
+                        }
+                        _ => std::future::pending::<()>().await,
+                    }
+                };
+                let looked = async {
+                    if every.is_zero() {
+                        std::future::pending::<()>().await;
+                    }
+                    tokio::time::sleep(every).await;
+                };
+                let on_signal = tokio::select! {
+                    () = signalled => true,
+                    () = looked => false,
+                };
+                let Some(material) = me.upgrade() else {
+                    return;
+                };
+                let mut reloaded = material.reload();
+                if matches!(reloaded, Err(TlsError::KeyMismatch { .. })) {
+                    // Caught between writing the certificate and its key:
+                    // look again once the other has landed.
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    reloaded = material.reload();
+                }
+                match reloaded {
+                    Ok(true) => {
+                        reported = None;
+                        tracing::info!(
+                            names = ?material.names(),
+                            ca = %material.ca_path.display(),
+                            "TLS files reloaded: new handshakes use the new certificate and CA"
+                        );
+                    }
+                    Ok(false) => {
+                        if on_signal {
+                            tracing::info!("SIGHUP: the TLS files are unchanged");
+                        }
+                    }
+                    Err(e) => {
+                        let why = e.to_string();
+                        if reported.as_deref() != Some(why.as_str()) {
+                            tracing::error!(
+                                error = %why,
+                                "the TLS files changed but do not load: the certificate and CA loaded before stay in use"
+                            );
+                            reported = Some(why);
+                        }
+                    }
+                }
+            }
+        });
     }
 
     fn client_config(&self) -> ClientTlsConfig {
+        let pems = self.pems();
         let config = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&self.ca))
+            .ca_certificate(Certificate::from_pem(&pems.ca))
             .timeout(HANDSHAKE_TIMEOUT);
-        match &self.identity {
+        match &pems.identity {
             Some((cert, key)) => config.identity(Identity::from_pem(cert, key)),
             None => config,
         }
@@ -263,19 +453,11 @@ impl TlsMaterial {
     /// A rustls client configuration that accepts only a server whose
     /// certificate chains to the CA, names the host dialed and carries the
     /// identity `expect` (a URI, see [`identity_of`]).
-    fn peer_config(&self, expect: &str) -> Result<rustls::ClientConfig, TlsError> {
+    fn peer_config(self: &Arc<Self>, expect: &str) -> Result<rustls::ClientConfig, TlsError> {
         let setup = |e: &dyn std::fmt::Display| TlsError::Setup(e.to_string());
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_slice_iter(&self.ca).filter_map(Result::ok) {
-            roots.add(cert).map_err(|e| setup(&e))?;
-        }
-        let inner =
-            rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-                .build()
-                .map_err(|e| setup(&e))?;
         let verifier = Arc::new(PeerVerifier {
-            inner,
+            material: Arc::clone(self),
             expect: expect.to_owned(),
         });
         let builder = rustls::ClientConfig::builder_with_provider(provider)
@@ -283,18 +465,35 @@ impl TlsMaterial {
             .map_err(|e| setup(&e))?
             .dangerous()
             .with_custom_certificate_verifier(verifier);
-        let mut config = match &self.identity {
-            Some((cert, key)) => {
-                let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert)
-                    .filter_map(Result::ok)
-                    .collect();
-                let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| setup(&e))?;
-                builder.with_client_auth_cert(chain, key).map_err(|e| setup(&e))?
-            }
-            None => builder.with_no_client_auth(),
+        let mut config = if self.identity_paths.is_some() {
+            builder.with_client_cert_resolver(Arc::new(Current(Arc::clone(self))))
+        } else {
+            builder.with_no_client_auth()
         };
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(config)
+    }
+
+    /// A rustls server configuration that takes the certificate and the CA
+    /// in force at each handshake, with `auth` for client certificates.
+    fn reloading_server_config(
+        self: &Arc<Self>,
+        auth: ClientAuth,
+    ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        if self.identity_paths.is_none() {
+            return Err(TlsError::NoIdentity);
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::Setup(e.to_string()))?
+            .with_client_cert_verifier(Arc::new(ClientVerifier {
+                material: Arc::clone(self),
+                auth,
+            }))
+            .with_cert_resolver(Arc::new(Current(Arc::clone(self))));
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Arc::new(config))
     }
 
     /// One TLS handshake with `host:port` as a client holding this
@@ -307,15 +506,12 @@ impl TlsMaterial {
     pub async fn handshake_error(&self, host: &str, port: u16) -> Option<String> {
         use tokio::io::AsyncReadExt as _;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_slice_iter(&self.ca).filter_map(Result::ok) {
-            roots.add(cert).ok()?;
-        }
+        let pems = self.pems();
         let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .ok()?
-            .with_root_certificates(roots);
-        let mut config = match &self.identity {
+            .with_root_certificates(Arc::clone(&pems.roots));
+        let mut config = match &pems.identity {
             Some((cert, key)) => {
                 let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert)
                     .filter_map(Result::ok)
@@ -347,10 +543,11 @@ impl TlsMaterial {
     }
 
     fn server_config(&self, auth: ClientAuth) -> Result<ServerTlsConfig, TlsError> {
-        let (cert, key) = self.identity.as_ref().ok_or(TlsError::NoIdentity)?;
+        let pems = self.pems();
+        let (cert, key) = pems.identity.as_ref().ok_or(TlsError::NoIdentity)?;
         Ok(ServerTlsConfig::new()
             .identity(Identity::from_pem(cert, key))
-            .client_ca_root(Certificate::from_pem(&self.ca))
+            .client_ca_root(Certificate::from_pem(&pems.ca))
             .client_auth_optional(auth == ClientAuth::Optional)
             .timeout(HANDSHAKE_TIMEOUT))
     }
@@ -460,13 +657,119 @@ impl Transport {
         }
     }
 
-    /// Sets up `server` to serve TLS (with `auth` for client certificates);
-    /// plaintext leaves it as it is.
+    /// The connections a server accepts on `listener`: plaintext, or TLS
+    /// with this side's certificate and `auth` for client certificates. The
+    /// TLS files are watched ([`TlsMaterial::watch`]): each handshake takes
+    /// the certificate and the CA in force then, and connections already
+    /// made keep theirs. Handshakes run apart from the accept loop, so a slow
+    /// one holds up no other. Call it inside the runtime.
+    pub fn incoming(
+        &self,
+        listener: tokio::net::TcpListener,
+        auth: ClientAuth,
+    ) -> Result<Incoming, TlsError> {
+        match self {
+            Self::Insecure => Ok(Incoming::Plain(crate::runtime::incoming(listener))),
+            Self::Tls(material) => {
+                let config = material.reloading_server_config(auth)?;
+                material.watch();
+                Ok(Incoming::Tls(TlsIncoming::spawn(listener, config)))
+            }
+        }
+    }
+
+    /// Sets up `server` to serve TLS with tonic's own acceptor, the
+    /// certificate as it is now (`auth` for client certificates);
+    /// plaintext leaves it as it is. The services use
+    /// [`Transport::incoming`], which follows rotations.
     pub fn configure_server<L>(&self, server: Server<L>, auth: ClientAuth) -> Result<Server<L>, TlsError> {
         match self {
             Self::Insecure => Ok(server),
             Self::Tls(material) => Ok(server.tls_config(material.server_config(auth)?)?),
         }
+    }
+}
+
+/// What [`Transport::incoming`] accepts: give it to [`serve`].
+#[derive(Debug)]
+pub enum Incoming {
+    Plain(crate::runtime::NoDelayIncoming),
+    Tls(TlsIncoming),
+}
+
+/// Serves `router` on `incoming` until `signal` resolves, then drains.
+pub async fn serve<L, ResBody>(
+    router: tonic::transport::server::Router<L>,
+    incoming: Incoming,
+    signal: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error>
+where
+    L: Layer<tonic::service::Routes>,
+    L::Service: Service<Request<tonic::body::Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    <L::Service as Service<Request<tonic::body::Body>>>::Future: Send,
+    <L::Service as Service<Request<tonic::body::Body>>>::Error:
+        Into<Box<dyn std::error::Error + Send + Sync>> + Send,
+    ResBody: http_body::Body<Data = prost::bytes::Bytes> + Send + 'static,
+    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    match incoming {
+        Incoming::Plain(i) => router.serve_with_incoming_shutdown(i, signal).await,
+        Incoming::Tls(i) => router.serve_with_incoming_shutdown(i, signal).await,
+    }
+}
+
+/// TLS connections whose handshakes are done: a task accepts TCP
+/// connections (`TCP_NODELAY` on each) and does each handshake in a task of
+/// its own, within the handshake timeout. It stops, closing the listener,
+/// once this stream is dropped (the server stopped).
+#[derive(Debug)]
+pub struct TlsIncoming {
+    accepted: tokio::sync::mpsc::Receiver<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+}
+
+impl TlsIncoming {
+    fn spawn(listener: tokio::net::TcpListener, config: Arc<rustls::ServerConfig>) -> Self {
+        let (tx, accepted) = tokio::sync::mpsc::channel(64);
+        let acceptor = tokio_rustls::TlsAcceptor::from(config);
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    next = listener.accept() => next,
+                    () = tx.closed() => return,
+                };
+                let tcp = match next {
+                    Ok((tcp, _)) => tcp,
+                    Err(e) => {
+                        // Out of descriptors, say: wait a little, go on.
+                        tracing::warn!(error = %e, "accepting a connection failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "TCP_NODELAY could not be set");
+                }
+                let (tx, acceptor) = (tx.clone(), acceptor.clone());
+                tokio::spawn(async move {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => {
+                            let _ = tx.send(tls).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(error = %e, "a TLS handshake failed"),
+                        Err(_) => tracing::debug!("a TLS handshake timed out"),
+                    }
+                });
+            }
+        });
+        Self { accepted }
+    }
+}
+
+impl tokio_stream::Stream for TlsIncoming {
+    type Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.accepted.poll_recv(cx).map(|next| next.map(Ok))
     }
 }
 
@@ -631,10 +934,11 @@ impl Service<Uri> for PeerConnector {
     }
 }
 
-/// The CA chain and host name checks of rustls, then the server's identity.
+/// The CA chain and host name checks of rustls against the CA in force,
+/// then the server's identity.
 #[derive(Debug)]
 struct PeerVerifier {
-    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    material: Arc<TlsMaterial>,
     expect: String,
 }
 
@@ -647,9 +951,13 @@ impl rustls::client::danger::ServerCertVerifier for PeerVerifier {
         ocsp_response: &[u8],
         now: rustls_pki_types::UnixTime,
     ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        let verified =
-            self.inner
-                .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)?;
+        let verified = self.material.pems().server_verifier.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        )?;
         let found = identities_in(end_entity);
         if found.contains(&self.expect) {
             Ok(verified)
@@ -672,7 +980,10 @@ impl rustls::client::danger::ServerCertVerifier for PeerVerifier {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
+        self.material
+            .pems()
+            .server_verifier
+            .verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -681,11 +992,101 @@ impl rustls::client::danger::ServerCertVerifier for PeerVerifier {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
+        self.material
+            .pems()
+            .server_verifier
+            .verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.inner.supported_verify_schemes()
+        self.material.pems().server_verifier.supported_verify_schemes()
+    }
+}
+
+/// A client's chain checked against the CA in force at its handshake.
+#[derive(Debug)]
+struct ClientVerifier {
+    material: Arc<TlsMaterial>,
+    auth: ClientAuth,
+}
+
+impl rustls::server::danger::ClientCertVerifier for ClientVerifier {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.auth == ClientAuth::Required
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        // No hints: a client offers its one certificate whatever they say.
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        self.material
+            .pems()
+            .client_verifier
+            .verify_client_cert(end_entity, intermediates, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.material
+            .pems()
+            .client_verifier
+            .verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.material
+            .pems()
+            .client_verifier
+            .verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.material.pems().client_verifier.supported_verify_schemes()
+    }
+}
+
+/// This side's certificate and key in force at each handshake, as a server
+/// presents them and as a client does.
+#[derive(Debug)]
+struct Current(Arc<TlsMaterial>);
+
+impl rustls::server::ResolvesServerCert for Current {
+    fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        self.0.pems().certified.clone()
+    }
+}
+
+impl rustls::client::ResolvesClientCert for Current {
+    fn resolve(
+        &self,
+        _root_hint_subjects: &[&[u8]],
+        _sigschemes: &[rustls::SignatureScheme],
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        self.0.pems().certified.clone()
+    }
+
+    fn has_certs(&self) -> bool {
+        self.0.identity_paths.is_some()
     }
 }
 
@@ -709,6 +1110,12 @@ pub struct TlsArgs {
     /// with neither this nor the three --tls-* files refuses to start.
     #[arg(long, env = "PROVISIONING_INSECURE", value_parser = clap::builder::BoolishValueParser::new(), default_value_t = false)]
     pub insecure: bool,
+    /// How often the three TLS files are looked at for a change; a changed
+    /// set that loads is used for new handshakes (connections already made
+    /// keep theirs), one that does not is logged and the old set stays.
+    /// SIGHUP reloads at once. 0: only on SIGHUP.
+    #[arg(long, env = "PROVISIONING_TLS_RELOAD_INTERVAL_MS", default_value_t = 5_000)]
+    pub tls_reload_interval_ms: u64,
 }
 
 impl TlsArgs {
@@ -731,7 +1138,8 @@ impl TlsArgs {
         }
         match given {
             [(_, Some(cert)), (_, Some(key)), (_, Some(ca))] => Ok(Transport::Tls(Arc::new(
-                TlsMaterial::load(ca, Some((cert, key)))?,
+                TlsMaterial::load(ca, Some((cert, key)))?
+                    .with_reload_interval(Duration::from_millis(self.tls_reload_interval_ms)),
             ))),
             _ => {
                 let missing = given
@@ -795,11 +1203,10 @@ impl PeerPolicy {
         }
     }
 
-    /// A server builder set up for this policy's transport, client
-    /// certificates required.
-    pub fn server(&self) -> Result<Server, TlsError> {
-        self.transport
-            .configure_server(Server::builder(), ClientAuth::Required)
+    /// The connections a server of this policy accepts on `listener`
+    /// ([`Transport::incoming`]), client certificates required.
+    pub fn incoming(&self, listener: tokio::net::TcpListener) -> Result<Incoming, TlsError> {
+        self.transport.incoming(listener, ClientAuth::Required)
     }
 
     /// The layer that checks the client's identity (it lets everything

@@ -741,3 +741,216 @@ async fn provisionctl_says_what_is_wrong_with_a_connection_and_what_to_do() {
         assert!(out.is_empty(), "{what}: {out}");
     }
 }
+
+/// Writes `bytes` to `path` the way a rotation does: whole, by a rename.
+fn replace(path: &Path, bytes: &[u8]) {
+    let fresh = path.with_extension("new");
+    std::fs::write(&fresh, bytes).unwrap();
+    std::fs::rename(&fresh, path).unwrap();
+}
+
+/// How many times each service's log says it reloaded its TLS files.
+fn reloads(cluster: &Cluster) -> Vec<usize> {
+    [&cluster.decider, &cluster.executor, &cluster.driver]
+        .iter()
+        .map(|s| {
+            std::fs::read_to_string(s.log_file())
+                .unwrap()
+                .matches("TLS files reloaded")
+                .count()
+        })
+        .collect()
+}
+
+/// Waits until every service has reloaded `n` times.
+async fn reloaded(cluster: &Cluster, n: usize) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while reloads(cluster).iter().any(|&r| r < n) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not every service reloaded {n} times: {:?}",
+            reloads(cluster)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Certificates rotate under a converging run the way cert-manager rotates
+/// them: the new CA trusted beside the old, every service's (and the
+/// client's) certificate replaced by one from the new CA valid for three
+/// minutes, then the old CA dropped. No call fails: not the client's, on a
+/// connection made before or made afresh, and not the driver's to the
+/// decider and the executor. Afterwards only the new CA gets in. A bad new
+/// file is logged and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificates_rotate_under_a_converging_run_without_a_failed_call() {
+    let opts = ClusterOptions::default()
+        .env("PROVISIONING_TLS_RELOAD_INTERVAL_MS", "100")
+        .executor("--fake-stage-interval-ms", "400")
+        .service_env("driver-svc", "PROVISIONING_METRICS_LISTEN", "127.0.0.1:0");
+    let cluster = Cluster::start(opts).await.unwrap();
+    let pki = cluster.tls.clone().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let next = TestPki::create(elsewhere.path()).unwrap();
+    let now = SystemTime::now();
+    let minutes = Validity {
+        not_before: now - Duration::from_secs(60),
+        not_after: now + Duration::from_secs(180),
+    };
+    let mut short = Vec::new();
+    for name in platform::tls::dev::SERVICES {
+        let leaf = Leaf::service(name, &TestPki::hosts(), minutes);
+        short.push((name, next.issue(&format!("{name}-short"), &leaf).unwrap()));
+    }
+    let client_leaf = Leaf::client("provisionctl", minutes);
+    short.push((
+        "provisionctl",
+        next.issue("provisionctl-short", &client_leaf).unwrap(),
+    ));
+
+    let mut c = cluster.client().await.unwrap();
+    c.apply(pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&shape(
+            "rotating",
+            1,
+            "fake",
+            &[("workers", 12, "img:1")],
+        ))),
+    })
+    .await
+    .unwrap();
+
+    // Two readers all along: one on the connection made before, one on a
+    // connection made afresh each time from the files as they are.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers = {
+        let (stop, mut kept, driver) = (Arc::clone(&stop), c.clone(), cluster.driver.addr);
+        let pki = pki.clone();
+        tokio::spawn(async move {
+            let (mut calls, mut failures) = (0usize, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let get = pb::GetRunRequest {
+                    run_id: "rotating".to_owned(),
+                    include_nodes: false,
+                };
+                if let Err(e) = kept.get_run(get.clone()).await {
+                    failures.push(format!("kept: {e}"));
+                }
+                // Between a rotation's two writes the files may not pair up;
+                // the call is made once they do.
+                if let Ok(transport) = pki.transport(Some("provisionctl"))
+                    && let Ok(endpoint) = transport.endpoint(&format!("https://{driver}"))
+                {
+                    match endpoint.connect().await {
+                        Ok(channel) => {
+                            if let Err(e) = pb::provisioning_client::ProvisioningClient::new(channel)
+                                .get_run(get)
+                                .await
+                            {
+                                failures.push(format!("fresh: {e}"));
+                            }
+                        }
+                        Err(e) => failures.push(format!("fresh connect: {e:?}")),
+                    }
+                }
+                calls += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            (calls, failures)
+        })
+    };
+
+    // 1. The new CA beside the old one.
+    let old_ca = std::fs::read(pki.ca()).unwrap();
+    let new_ca = std::fs::read(next.ca()).unwrap();
+    replace(&pki.ca(), &[old_ca.clone(), new_ca.clone()].concat());
+    reloaded(&cluster, 1).await;
+    // 2. Every certificate from the new CA, valid for minutes.
+    for (name, (cert, key)) in &short {
+        let (to_cert, to_key) = pki.cert_and_key(name);
+        replace(&to_cert, &std::fs::read(cert).unwrap());
+        replace(&to_key, &std::fs::read(key).unwrap());
+    }
+    reloaded(&cluster, 2).await;
+    // 3. The old CA dropped.
+    replace(&pki.ca(), &new_ca);
+    reloaded(&cluster, 3).await;
+    let midway = c
+        .get_run(pb::GetRunRequest {
+            run_id: "rotating".to_owned(),
+            include_nodes: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!midway.converged, "the run converged before the rotation was over");
+
+    let done = watch_until(&mut c, "rotating", Duration::from_secs(60), |s| s.converged)
+        .await
+        .unwrap();
+    assert_eq!(done.ready_count, 12);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (calls, failures) = readers.await.unwrap();
+    assert!(calls > 10, "{calls} reads");
+    assert!(
+        failures.is_empty(),
+        "{} of {calls} reads failed: {failures:?}",
+        failures.len()
+    );
+    let metrics = cluster.driver.scrape().await.unwrap();
+    let failed: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("grpc_client_handled_total{") && !l.contains("grpc_code=\"OK\""))
+        .filter(|l| {
+            l.rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+                > 0.0
+        })
+        .collect();
+    assert!(failed.is_empty(), "the driver's calls failed: {failed:?}");
+
+    // New handshakes present the new certificates: a client of the new CA
+    // alone reaches every service; one of the old CA alone reaches none.
+    let only_old = tempfile::tempdir().unwrap();
+    std::fs::write(only_old.path().join("ca.pem"), &old_ca).unwrap();
+    let (old_cert, old_key) = pki
+        .issue("old-client", &Leaf::client("provisionctl", minutes))
+        .unwrap();
+    let old_client = Transport::Tls(Arc::new(
+        TlsMaterial::load(&only_old.path().join("ca.pem"), Some((&old_cert, &old_key))).unwrap(),
+    ));
+    let new_client = next.transport(Some("provisionctl-short")).unwrap();
+    for (svc, name) in [
+        (&cluster.decider, "provisioning.internal.v1.Decider"),
+        (&cluster.executor, "provisioning.internal.v1.Executor"),
+        (&cluster.driver, "provisioning.v1.Provisioning"),
+    ] {
+        let on = health(svc, &new_client, name).await;
+        assert!(matches!(on, Ok(ServingStatus::Serving)), "{name}: {on:?}");
+        assert!(
+            health(svc, &old_client, name).await.is_err(),
+            "{name} still takes the old CA's certificates"
+        );
+    }
+
+    // A bad new file: logged, and the certificate in force stays.
+    let (decider_cert, _) = pki.cert_and_key("decider-svc");
+    let good = std::fs::read(&decider_cert).unwrap();
+    replace(&decider_cert, b"not a certificate");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_to_string(cluster.decider.log_file())
+        .unwrap()
+        .contains("the TLS files changed but do not load")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the bad file was not reported"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let still = health(&cluster.decider, &new_client, "provisioning.internal.v1.Decider").await;
+    assert!(matches!(still, Ok(ServingStatus::Serving)), "{still:?}");
+    replace(&decider_cert, &good);
+}
