@@ -883,7 +883,10 @@ async fn certificates_rotate_under_a_converging_run_without_a_failed_call() {
         .await
         .unwrap()
         .into_inner();
-    assert!(!midway.converged, "the run converged before the rotation was over");
+    assert!(
+        !midway.converged,
+        "the run converged before the rotation was over"
+    );
 
     let done = watch_until(&mut c, "rotating", Duration::from_secs(60), |s| s.converged)
         .await
