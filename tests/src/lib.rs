@@ -13,6 +13,7 @@ pub mod conformance;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod kit;
+pub mod netns;
 pub mod procs;
 pub mod shapes;
 pub mod sim;

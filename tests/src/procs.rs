@@ -171,6 +171,8 @@ pub struct Service {
     child: Child,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// What it was started through (see [`Service::start_wrapped`]).
+    wrapper: Vec<String>,
     ready_file: PathBuf,
     log_file: PathBuf,
 }
@@ -195,6 +197,20 @@ impl Service {
         args: &[String],
         env: &[(String, String)],
     ) -> anyhow::Result<Self> {
+        Self::start_wrapped(name, dir, listen, args, env, &[]).await
+    }
+
+    /// As [`Service::start_with_env`], run through `wrapper` (a command
+    /// that execs the rest of its line, such as `ip netns exec NS`), so the
+    /// process is still the service's.
+    pub async fn start_wrapped(
+        name: &str,
+        dir: &Path,
+        listen: &str,
+        args: &[String],
+        env: &[(String, String)],
+        wrapper: &[&str],
+    ) -> anyhow::Result<Self> {
         let ready_file = dir.join(format!("{name}.ready"));
         let metrics_file = platform::telemetry::metrics_ready_file(&ready_file);
         let _ = std::fs::remove_file(&metrics_file);
@@ -214,7 +230,14 @@ impl Service {
                 None => (None, vec!["--insecure".to_owned()]),
             }
         };
-        let mut cmd = Command::new(bin_path(name)?);
+        let mut cmd = match wrapper.split_first() {
+            None => Command::new(bin_path(name)?),
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(bin_path(name)?);
+                c
+            }
+        };
         cmd.arg("--listen")
             .arg(listen)
             .arg("--ready-file")
@@ -263,6 +286,7 @@ impl Service {
             child,
             args: args.to_vec(),
             env: env.to_vec(),
+            wrapper: wrapper.iter().map(|w| (*w).to_owned()).collect(),
             ready_file,
             log_file: dir.join(format!("{name}.log")),
         })
@@ -369,7 +393,8 @@ impl Service {
         // The port was just freed; retry briefly in case it lingers.
         let mut last = None;
         for _ in 0..50 {
-            match Service::start_with_env(&self.name, dir, &listen, &self.args, &self.env).await {
+            let wrapper: Vec<&str> = self.wrapper.iter().map(String::as_str).collect();
+            match Service::start_wrapped(&self.name, dir, &listen, &self.args, &self.env, &wrapper).await {
                 Ok(s) => {
                     *self = s;
                     return Ok(());

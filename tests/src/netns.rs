@@ -1,0 +1,339 @@
+//! Private test hosts for the three services: a network namespace each,
+//! joined by veth pairs with addresses of their own (10.91.0.0/16, never
+//! routed anywhere), so that a link between two services can be cut for
+//! real (`ip link set ... down`) and restored, instead of stopping a process
+//! to stand for a partition.
+//!
+//! ```text
+//!   test (this process) ──api── driver ──dec── decider
+//!        │                         └─────exe── executor
+//!        └──────────────inspect────────────────┘
+//! ```
+//!
+//! The inspect link lets the test read the executor's inventory as the
+//! driver would, apart from the link the test cuts.
+//!
+//! Made by the test as root with `ip` (iproute2) and torn down when
+//! dropped: the services first (by their child handles), then the
+//! namespaces, which takes their links with them. A machine where this
+//! cannot be done fails the test, naming the command that failed.
+//!
+//! The kernel here has no `netem` qdisc (`tc` answers "Specified qdisc kind
+//! is unknown"), so latency, jitter and loss are not simulated; links are
+//! cut and restored.
+
+use std::{
+    net::SocketAddr,
+    path::Path,
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::procs::{Service, TestPki};
+
+/// A link of the test network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    /// The driver and the decider.
+    Decider,
+    /// The driver and the executor.
+    Executor,
+    /// The test (this process, as the client) and the driver.
+    Api,
+    /// The test and the executor (to read its inventory).
+    Inspect,
+}
+
+/// The namespaces, their links and the services in them.
+#[derive(Debug)]
+pub struct NetCluster {
+    pub decider: Service,
+    pub executor: Service,
+    pub driver: Service,
+    net: Net,
+    /// Logs and ready files; declared last, so it goes after the services.
+    pub dir: tempfile::TempDir,
+}
+
+/// The namespaces and links alone (no processes).
+#[derive(Debug)]
+struct Net {
+    /// `<prefix>-d`, `-c`, `-e`: the driver's, the decider's, the executor's.
+    prefix: String,
+    /// The third octet of the first of the three /30 subnets.
+    octet: u32,
+}
+
+static NETS: AtomicU32 = AtomicU32::new(0);
+
+fn ip(args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .context("running ip (iproute2): install it, or run .ci/needs --install")?;
+    if !out.status.success() {
+        bail!(
+            "`ip {}` failed (the network tests need root, or CAP_NET_ADMIN): {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+impl Net {
+    fn ns(&self, who: char) -> String {
+        format!("{}-{who}", self.prefix)
+    }
+
+    /// The two ends of `link`: (namespace, interface, address) each, the
+    /// driver's (or, for the API link, the test's) first.
+    fn ends(&self, link: Link) -> [(Option<String>, String, String); 2] {
+        let (k, far, tag) = match link {
+            Link::Decider => (self.octet, Some(self.ns('c')), "c"),
+            Link::Executor => (self.octet + 1, Some(self.ns('e')), "e"),
+            Link::Api => (self.octet + 2, None, "a"),
+            Link::Inspect => (self.octet + 3, None, "i"),
+        };
+        let n = &self.prefix[self.prefix.len().saturating_sub(6)..];
+        match link {
+            Link::Api => [
+                (None, format!("{n}t{tag}"), format!("10.91.{k}.1")),
+                (Some(self.ns('d')), format!("{n}d{tag}"), format!("10.91.{k}.2")),
+            ],
+            Link::Inspect => [
+                (None, format!("{n}t{tag}"), format!("10.91.{k}.1")),
+                (Some(self.ns('e')), format!("{n}x{tag}"), format!("10.91.{k}.2")),
+            ],
+            _ => [
+                (Some(self.ns('d')), format!("{n}d{tag}"), format!("10.91.{k}.1")),
+                (far, format!("{n}x{tag}"), format!("10.91.{k}.2")),
+            ],
+        }
+    }
+
+    fn create() -> anyhow::Result<Self> {
+        let i = NETS.fetch_add(1, Ordering::SeqCst);
+        let net = Self {
+            prefix: format!("pv{}n{i}", std::process::id() % 100_000),
+            octet: (i * 4) % 240 + 4,
+        };
+        for who in ['d', 'c', 'e'] {
+            ip(&["netns", "add", &net.ns(who)])?;
+            ip(&["-n", &net.ns(who), "link", "set", "lo", "up"])?;
+        }
+        for link in [Link::Decider, Link::Executor, Link::Api, Link::Inspect] {
+            let [(ns_a, if_a, addr_a), (ns_b, if_b, addr_b)] = net.ends(link);
+            ip(&["link", "add", &if_a, "type", "veth", "peer", "name", &if_b])?;
+            for (ns, ifname, addr) in [(&ns_a, &if_a, &addr_a), (&ns_b, &if_b, &addr_b)] {
+                if let Some(ns) = ns {
+                    ip(&["link", "set", ifname, "netns", ns])?;
+                }
+                let mut at: Vec<&str> = Vec::new();
+                if let Some(ns) = ns {
+                    at.extend(["-n", ns]);
+                }
+                ip(&[
+                    at.as_slice(),
+                    &["addr", "add", &format!("{addr}/30"), "dev", ifname],
+                ]
+                .concat())?;
+                ip(&[at.as_slice(), &["link", "set", ifname, "up"]].concat())?;
+            }
+        }
+        Ok(net)
+    }
+
+    /// Takes `link` down (`up: false`) or brings it back.
+    fn set(&self, link: Link, up: bool) -> anyhow::Result<()> {
+        let [(ns, ifname, _), _] = self.ends(link);
+        let state = if up { "up" } else { "down" };
+        match ns {
+            Some(ns) => ip(&["-n", &ns, "link", "set", &ifname, state]),
+            None => ip(&["link", "set", &ifname, state]),
+        }
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes the veth ends in it, and with them
+        // their peers; the API link's end in this namespace goes too.
+        for who in ['d', 'c', 'e'] {
+            let _ = ip(&["netns", "del", &self.ns(who)]);
+        }
+    }
+}
+
+impl NetCluster {
+    /// The three services, each in its namespace, with TLS certificates
+    /// that name their addresses there; `driver_args` and `executor_args`
+    /// are added to each's flags.
+    pub async fn start(driver_args: &[&str], executor_args: &[&str]) -> anyhow::Result<Self> {
+        crate::procs::become_subreaper()?;
+        let dir = tempfile::tempdir()?;
+        let net = Net::create()?;
+        let pki = TestPki::create(dir.path())?;
+        let [(_, _, driver_dec), (_, _, decider_addr)] = net.ends(Link::Decider);
+        let [(_, _, driver_exe), (_, _, executor_addr)] = net.ends(Link::Executor);
+        let [_, (_, _, driver_api)] = net.ends(Link::Api);
+        let [_, (_, _, executor_inspect)] = net.ends(Link::Inspect);
+        // Certificates for the addresses the services are reached at.
+        for (name, addrs) in [
+            ("decider-svc", vec![decider_addr.clone()]),
+            (
+                "executor-svc",
+                vec![executor_addr.clone(), executor_inspect.clone()],
+            ),
+            (
+                "driver-svc",
+                vec![driver_dec.clone(), driver_exe.clone(), driver_api.clone()],
+            ),
+        ] {
+            let mut hosts = TestPki::hosts();
+            hosts.extend(addrs);
+            let now = std::time::SystemTime::now();
+            let validity = platform::tls::dev::Validity {
+                not_before: now - std::time::Duration::from_secs(3600),
+                not_after: now + std::time::Duration::from_secs(86_400),
+            };
+            pki.issue(name, &platform::tls::dev::Leaf::service(name, &hosts, validity))?;
+        }
+        let decider = Service::start_wrapped(
+            "decider-svc",
+            dir.path(),
+            &format!("{decider_addr}:0"),
+            &[],
+            &[],
+            &["ip", "netns", "exec", &net.ns('c')],
+        )
+        .await?;
+        let mut exe_args = vec![
+            "--state-dir".to_owned(),
+            dir.path().join("executor-state").display().to_string(),
+        ];
+        exe_args.extend(executor_args.iter().map(|a| (*a).to_owned()));
+        let executor = Service::start_wrapped(
+            "executor-svc",
+            dir.path(),
+            // Its address on the driver's link and on the inspect link.
+            "0.0.0.0:0",
+            &exe_args,
+            &[],
+            &["ip", "netns", "exec", &net.ns('e')],
+        )
+        .await?;
+        let mut args = vec![
+            "--decider".to_owned(),
+            decider.url(),
+            "--executor".to_owned(),
+            format!("https://{executor_addr}:{}", executor.addr.port()),
+            "--data-dir".to_owned(),
+            dir.path().join("driver-data").display().to_string(),
+            "--allow-unauthenticated".to_owned(),
+            "--metrics-listen".to_owned(),
+            "0.0.0.0:0".to_owned(),
+        ];
+        args.extend(driver_args.iter().map(|a| (*a).to_owned()));
+        let driver = Service::start_wrapped(
+            "driver-svc",
+            dir.path(),
+            // Every address of its namespace: the API link's, and the two
+            // links it calls out on.
+            "0.0.0.0:0",
+            &args,
+            &[],
+            &["ip", "netns", "exec", &net.ns('d')],
+        )
+        .await?;
+        Ok(Self {
+            decider,
+            executor,
+            driver,
+            net,
+            dir,
+        })
+    }
+
+    /// Where the test reaches the driver: its address on the API link.
+    pub fn driver_addr(&self) -> SocketAddr {
+        let [_, (_, _, addr)] = self.net.ends(Link::Api);
+        SocketAddr::new(
+            addr.parse().unwrap_or([10, 91, 0, 2].into()),
+            self.driver.addr.port(),
+        )
+    }
+
+    /// A client of the driver's API over the API link, as provisionctl
+    /// (its certificate).
+    pub async fn client(
+        &self,
+    ) -> anyhow::Result<contract::pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>>
+    {
+        let pki = TestPki::find(self.dir.path()).context("the cluster's PKI")?;
+        let endpoint = pki
+            .transport(Some(platform::tls::dev::CLIENT))?
+            .endpoint(&format!("https://{}", self.driver_addr()))?;
+        Ok(contract::pb::provisioning_client::ProvisioningClient::new(
+            endpoint.connect().await?,
+        ))
+    }
+
+    /// The executor's inventory, read over the inspect link with the
+    /// driver's certificate (the only one the executor answers).
+    pub async fn inventory(&self) -> anyhow::Result<Vec<contract::pb::Resource>> {
+        let pki = TestPki::find(self.dir.path()).context("the cluster's PKI")?;
+        let [_, (_, _, addr)] = self.net.ends(Link::Inspect);
+        let endpoint = pki
+            .transport(Some(platform::tls::DRIVER))?
+            .endpoint(&format!("https://{addr}:{}", self.executor.addr.port()))?;
+        let mut client = contract::pb::executor_client::ExecutorClient::new(endpoint.connect().await?);
+        Ok(client
+            .inventory(contract::pb::InventoryRequest::default())
+            .await?
+            .into_inner()
+            .resources)
+    }
+
+    /// The driver's metrics (Prometheus text), over the API link.
+    pub async fn driver_metrics(&self) -> anyhow::Result<String> {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let port = self
+            .driver
+            .metrics_addr
+            .context("the driver serves no metrics")?
+            .port();
+        let addr = SocketAddr::new(self.driver_addr().ip(), port);
+        let mut conn = tokio::net::TcpStream::connect(addr).await?;
+        conn.write_all(
+            format!("GET /metrics HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+        let mut response = String::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            conn.read_to_string(&mut response),
+        )
+        .await??;
+        Ok(response
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_owned())
+            .unwrap_or_default())
+    }
+
+    /// Cuts `link`: both directions, as a pulled cable does.
+    pub fn cut(&self, link: Link) -> anyhow::Result<()> {
+        self.net.set(link, false)
+    }
+
+    /// Brings `link` back.
+    pub fn restore(&self, link: Link) -> anyhow::Result<()> {
+        self.net.set(link, true)
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}

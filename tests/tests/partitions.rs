@@ -1,0 +1,161 @@
+//! The services on private test hosts joined by real links (network
+//! namespaces and veth pairs, `provisioning_tests::netns`), and those links
+//! cut for real while a run converges: not a stopped process standing for
+//! a partition, but packets that go nowhere.
+//!
+//! Needs root (or `CAP_NET_ADMIN`) and iproute2: without them the tests
+//! fail, naming the command that failed, rather than skip.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{collections::BTreeMap, time::Duration};
+
+use contract::pb;
+use provisioning_tests::{
+    netns::{Link, NetCluster},
+    procs::watch_until,
+    shapes::shape,
+};
+
+const CONVERGE: Duration = Duration::from_secs(120);
+
+fn apply_req(run: &str, workers: u32) -> pb::ApplyRequest {
+    pb::ApplyRequest {
+        shape: Some(pb::ClusterShape::from(&shape(
+            run,
+            1,
+            "fake",
+            &[("workers", workers, "img:1")],
+        ))),
+    }
+}
+
+fn get(run: &str) -> pb::GetRunRequest {
+    pb::GetRunRequest {
+        run_id: run.to_owned(),
+        include_nodes: true,
+    }
+}
+
+/// The driver's link to the executor is cut mid-convergence for longer
+/// than the operations' deadline: what was in flight goes ambiguous, and
+/// once the link is back it is sent again and adopted. The run converges
+/// with one resource per slot: nothing doubled, nothing left over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_executor_link_longer_than_the_deadlines_doubles_nothing() {
+    let cluster = NetCluster::start(
+        &[
+            "--operation-timeout-ms",
+            "1500",
+            "--result-grace-ms",
+            "500",
+            "--backoff-base-ms",
+            "50",
+            "--backoff-cap-ms",
+            "500",
+        ],
+        &[
+            "--backend",
+            "fake",
+            // Slow enough that creates are in flight when the link goes.
+            "--fake-latency-ms",
+            "300,900",
+            "--fake-stage-interval-ms",
+            "200",
+        ],
+    )
+    .await
+    .unwrap();
+    let mut c = cluster.client().await.unwrap();
+    c.apply(apply_req("cut", 16)).await.unwrap();
+    // Mid-way: some nodes are on their way, none is ready yet.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = c.get_run(get("cut")).await.unwrap().into_inner();
+        if s.pending_operations > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nothing was dispatched: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.cut(Link::Executor).unwrap();
+    // Longer than the operations' deadline and its grace (2 s): they end
+    // ambiguous.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let during = c.get_run(get("cut")).await.unwrap().into_inner();
+    assert!(!during.converged, "{during:?}");
+    cluster.restore(Link::Executor).unwrap();
+
+    let done = watch_until(&mut c, "cut", CONVERGE, |s| s.converged)
+        .await
+        .unwrap();
+    assert_eq!(done.ready_count, 16);
+    let nodes = c.get_run(get("cut")).await.unwrap().into_inner().nodes;
+    assert_eq!(nodes.len(), 16);
+    // One live resource per slot, from the executor's own inventory.
+    let inventory = cluster.inventory().await.unwrap();
+    let mut by_slot: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &inventory {
+        *by_slot.entry(r.node_id.clone()).or_default() += 1;
+    }
+    assert_eq!(by_slot.len(), 16, "{by_slot:?}");
+    assert!(
+        by_slot.values().all(|&n| n == 1),
+        "a slot holds two resources: {by_slot:?}"
+    );
+    // What was in flight when the link went ended ambiguous, by the
+    // driver's own count.
+    let metrics = cluster.driver_metrics().await.unwrap();
+    let ambiguous: f64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("provisioning_operation_duration_seconds_count{")
+                && l.contains("outcome=\"ambiguous\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(ambiguous >= 1.0, "no operation ended ambiguous:\n{metrics}");
+}
+
+/// The driver's link to the decider is cut: no pass is applied while it
+/// is, the folds go on, and once it is back the run converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_decider_link_stops_decisions_until_it_is_back() {
+    let cluster = NetCluster::start(
+        &["--backoff-base-ms", "50", "--backoff-cap-ms", "500"],
+        &[
+            "--backend",
+            "fake",
+            "--fake-latency-ms",
+            "20,80",
+            "--fake-stage-interval-ms",
+            "300",
+        ],
+    )
+    .await
+    .unwrap();
+    let mut c = cluster.client().await.unwrap();
+    c.apply(apply_req("held", 10)).await.unwrap();
+    watch_until(&mut c, "held", CONVERGE, |s| s.node_count == 10 && !s.converged)
+        .await
+        .unwrap();
+    cluster.cut(Link::Decider).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let during = c.get_run(get("held")).await.unwrap().into_inner();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let later = c.get_run(get("held")).await.unwrap().into_inner();
+    assert_eq!(
+        during.passes, later.passes,
+        "a pass was applied while the decider was cut off"
+    );
+    assert!(!later.converged);
+    cluster.restore(Link::Decider).unwrap();
+    let done = watch_until(&mut c, "held", CONVERGE, |s| s.converged)
+        .await
+        .unwrap();
+    assert_eq!(done.ready_count, 10);
+    assert!(done.passes > later.passes);
+}
