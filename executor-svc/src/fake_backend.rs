@@ -95,7 +95,24 @@ struct Shared {
     /// Wakes the emitter when a new session may have moved the next stage earlier.
     wake: Notify,
     clock: Arc<dyn Clock>,
+    /// The wall clock and the monotonic clock when the backend started: the
+    /// provider's own time runs from there on the monotonic clock
+    /// ([`Shared::provider_now`]).
+    origin: (UnixMillis, contract::Monotonic),
     state_file: Option<PathBuf>,
+}
+
+impl Shared {
+    /// The provider's time: the wall clock at start, moved on by the
+    /// monotonic clock. A step of the executor's wall clock (NTP, an
+    /// operator) does not move it, as it does not move a real provider's
+    /// machines: a stage due in 300 ms is still due in 300 ms after the
+    /// wall clock goes back an hour.
+    fn provider_now(&self) -> UnixMillis {
+        let (wall, mono) = self.origin;
+        wall.checked_add(self.clock.monotonic().saturating_since(mono))
+            .unwrap_or(UnixMillis::MAX)
+    }
 }
 
 #[derive(Debug)]
@@ -159,6 +176,7 @@ impl FakeBackend {
                 changes: None,
             }),
             wake: Notify::new(),
+            origin: (clock.now(), clock.monotonic()),
             clock,
             state_file,
         });
@@ -247,7 +265,7 @@ impl Shared {
     /// Applies an operation's effect now and returns when its outcome is due.
     fn apply(&self, op: &Operation, sink: ObservationSink) -> FakeCall {
         let mut state = self.lock();
-        let call = state.provider.execute(op, self.clock.now());
+        let call = state.provider.execute(op, self.provider_now());
         let identity = op.identity();
         if state.provider.is_emitting(&identity) {
             if matches!(op.input, OperationInput::StartBootstrap { .. }) {
@@ -283,7 +301,7 @@ impl Shared {
     /// or fault tick is due.
     fn emit_due(&self) -> Option<UnixMillis> {
         let mut state = self.lock();
-        let now = self.clock.now();
+        let now = self.provider_now();
         let next_change = if state.changes.is_some() {
             let changes = state.provider.due_changes(now);
             for c in &changes {
@@ -335,7 +353,7 @@ async fn emit_stages(shared: Arc<Shared>) {
         match shared.emit_due() {
             None => shared.wake.notified().await,
             Some(at) => {
-                let delay = at.saturating_since(shared.clock.now()).min(MAX_EMITTER_SLEEP);
+                let delay = at.saturating_since(shared.provider_now()).min(MAX_EMITTER_SLEEP);
                 tokio::select! {
                     () = shared.wake.notified() => {}
                     () = tokio::time::sleep(delay) => {}
@@ -355,7 +373,7 @@ impl Backend for FakeBackend {
         let mut state = self.shared.lock();
         state.changes = Some(changes);
         // Fault ticks count from the start of the watch.
-        state.provider.start_ticks(self.shared.clock.now());
+        state.provider.start_ticks(self.shared.provider_now());
         drop(state);
         self.shared.wake.notify_one();
     }
@@ -383,7 +401,7 @@ impl Backend for FakeBackend {
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
             let mut state = shared.lock();
-            state.provider.advance(shared.clock.now());
+            state.provider.advance(shared.provider_now());
             let items = state
                 .provider
                 .inventory()
