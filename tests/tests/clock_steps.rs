@@ -60,6 +60,15 @@ async fn status(
     .into_inner()
 }
 
+/// Waits until the run has operations pending.
+async fn until_pending(c: &mut pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while status(c).await.pending_operations == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "nothing was dispatched");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Resources per slot in the executor's inventory.
 async fn per_slot(cluster: &Cluster) -> BTreeMap<String, usize> {
     let mut slots = BTreeMap::new();
@@ -95,11 +104,7 @@ async fn an_hour_forward_and_an_hour_back_under_pending_operations() {
     let cluster = Cluster::start(opts).await.unwrap();
     let mut c = cluster.client().await.unwrap();
     c.apply(apply_req("stepped", 1, 16)).await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while status(&mut c).await.pending_operations == 0 {
-        assert!(tokio::time::Instant::now() < deadline, "nothing was dispatched");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_pending(&mut c).await;
 
     // An hour forward, with operations pending.
     let before = status(&mut c).await;
@@ -124,14 +129,7 @@ async fn an_hour_forward_and_an_hour_back_under_pending_operations() {
     // scale-up converges in seconds, not after the hour its deadlines now
     // seem to be away.
     c.apply(apply_req("stepped", 2, 24)).await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while status(&mut c).await.pending_operations == 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "nothing was dispatched for the scale-up"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_pending(&mut c).await;
     let before = status(&mut c).await;
     std::fs::write(&offset, "+0\n").unwrap();
     let done = match watch_until(&mut c, "stepped", Duration::from_secs(90), |s| {

@@ -754,6 +754,58 @@ fn by_label(samples: &[Sample], name: &str, label: &str) -> BTreeMap<String, f64
     out
 }
 
+/// `expr` without its label lists (`by (...)`, `without (...)`) and label
+/// matchers (`{...}`), which name labels, not metrics.
+fn without_labels(expr: &str) -> String {
+    let mut out = String::new();
+    let mut rest = expr;
+    while !rest.is_empty() {
+        let grouping = ["by (", "by(", "without (", "without("]
+            .iter()
+            .filter_map(|k| rest.find(k).map(|i| (i, k.len(), ')')))
+            .chain(rest.find('{').map(|i| (i, 1, '}')))
+            .min();
+        match grouping {
+            Some((at, len, close)) => {
+                out.push_str(&rest[..at]);
+                let after = &rest[at + len..];
+                rest = after.find(close).map_or("", |end| &after[end + 1..]);
+            }
+            None => {
+                out.push_str(rest);
+                rest = "";
+            }
+        }
+    }
+    out
+}
+
+/// The metric names in the Grafana dashboard's queries (every word of an
+/// `expr` that starts as the services' metrics do).
+fn dashboard_metrics() -> BTreeSet<String> {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/grafana/provisioning.json"
+    ))
+    .unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut names = BTreeSet::new();
+    let mut queries = 0;
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            let expr = without_labels(target["expr"].as_str().expect("expr"));
+            queries += 1;
+            for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if word.starts_with("provisioning_") || word.starts_with("grpc_") {
+                    names.insert(word.to_owned());
+                }
+            }
+        }
+    }
+    assert!(queries >= 10, "the dashboard has {queries} queries");
+    names
+}
+
 /// Every family each service must export (docs/observability.md, "Metrics").
 const DRIVER_FAMILIES: &[&str] = &[
     "provisioning_workqueue_depth",
@@ -833,6 +885,26 @@ async fn metrics_endpoints_serve_the_documented_metrics_and_they_move() {
         for f in want {
             assert!(families.contains(*f), "{service} does not export {f}");
         }
+    }
+
+    // The Grafana dashboard's queries name only metrics the binaries serve.
+    let served: BTreeSet<&String> = driver_families
+        .iter()
+        .chain(executor_families)
+        .chain(decider_families)
+        .collect();
+    for name in dashboard_metrics() {
+        let family = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|suffix| {
+                name.strip_suffix(suffix)
+                    .filter(|f| served.contains(&(*f).to_owned()))
+            })
+            .unwrap_or(&name);
+        assert!(
+            served.contains(&family.to_owned()),
+            "deploy/grafana/provisioning.json queries {name}, which no service serves"
+        );
     }
 
     // Every exported family is documented in the metrics catalogue.
