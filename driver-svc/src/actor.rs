@@ -179,6 +179,10 @@ pub struct RunHandle {
 }
 
 pub(crate) struct RunActor {
+    /// The wall clock's lead over the monotonic one when last looked at
+    /// (ms): a change of more than [`CLOCK_STEP`] is a step of the wall
+    /// clock, which the run's deadlines follow ([`RunActor::follow_clock_step`]).
+    wall_lead_ms: i64,
     run: RunState,
     shared: Arc<RunContext>,
     rx: mpsc::UnboundedReceiver<RunEvent>,
@@ -260,6 +264,20 @@ impl std::fmt::Debug for RunActor {
     }
 }
 
+/// How far the wall clock must move against the monotonic one at once to
+/// count as a step (NTP slews by far less).
+const CLOCK_STEP: Duration = Duration::from_secs(1);
+
+/// The wall clock's lead over the monotonic one, in milliseconds.
+fn wall_lead_ms(wall: UnixMillis, mono: contract::Monotonic) -> i64 {
+    let mono_ms = mono
+        .saturating_since(contract::Monotonic::from_origin(Duration::ZERO))
+        .as_millis();
+    i64::try_from(wall.as_millis())
+        .unwrap_or(i64::MAX)
+        .saturating_sub(i64::try_from(mono_ms).unwrap_or(i64::MAX))
+}
+
 impl RunActor {
     /// Spawns the actor for `run` and returns its handle. `origin` is the
     /// trace of the request that created the run, if one did.
@@ -294,6 +312,7 @@ impl RunActor {
         let deadline_folds_seen = run.counters().deadline_folds;
         let events = RunEvents::started(&run);
         let mut actor = RunActor {
+            wall_lead_ms: wall_lead_ms(now, shared.clock.monotonic()),
             next_safety_tick: shared.clock.monotonic().saturating_add(shared.safety_tick),
             run,
             shared: shared.clone(),
@@ -345,8 +364,31 @@ impl RunActor {
         self.shared.clock.now()
     }
 
+    /// Moves the run's deadlines with a step of the wall clock: the wall
+    /// clock moved against the monotonic one by [`CLOCK_STEP`] or more since
+    /// the last look (NTP stepping it, an operator setting it). Slewing moves
+    /// both together and is not a step.
+    fn follow_clock_step(&mut self) {
+        let lead = wall_lead_ms(self.now(), self.monotonic());
+        let by = lead.saturating_sub(self.wall_lead_ms);
+        self.wall_lead_ms = lead;
+        if by.unsigned_abs() >= CLOCK_STEP.as_millis() as u64 {
+            let moved = self.run.shift_deadlines(by);
+            tracing::warn!(
+                run = %self.run.run_id(),
+                step_ms = by,
+                nodes = moved,
+                "the wall clock stepped: the run's deadlines moved with it"
+            );
+            self.changed = true;
+            // A pass commits the moved records (and decides on them).
+            self.want();
+        }
+    }
+
     async fn run(mut self) {
         loop {
+            self.follow_clock_step();
             let sleep = self.next_wake().saturating_since(self.monotonic());
             tokio::select! {
                 ev = self.rx.recv() => {
@@ -427,6 +469,8 @@ impl RunActor {
     }
 
     fn on_timer(&mut self) {
+        // A step is followed before anything reads the stepped clock.
+        self.follow_clock_step();
         let now = self.now();
         let before = self.events.before(&self.run);
         match self.run.handle_timeout(now) {
@@ -484,6 +528,7 @@ impl RunActor {
     }
 
     async fn handle(&mut self, ev: RunEvent) {
+        self.follow_clock_step();
         let now = self.now();
         match ev {
             RunEvent::Apply { shape, trace, reply } => {

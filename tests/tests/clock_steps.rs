@@ -60,6 +60,22 @@ async fn status(
     .into_inner()
 }
 
+/// The highest attempt among the run's nodes.
+async fn max_attempt(c: &mut pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>) -> u64 {
+    c.get_run(pb::GetRunRequest {
+        run_id: "stepped".to_owned(),
+        include_nodes: true,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .nodes
+    .iter()
+    .filter_map(|n| n.state.as_ref().map(|s| s.attempt))
+    .max()
+    .unwrap_or(0)
+}
+
 /// Waits until the run has operations pending.
 async fn until_pending(c: &mut pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
@@ -109,9 +125,23 @@ async fn an_hour_forward_and_an_hour_back_under_pending_operations() {
     // An hour forward, with operations pending.
     let before = status(&mut c).await;
     std::fs::write(&offset, "+1h\n").unwrap();
-    let done = watch_until(&mut c, "stepped", Duration::from_secs(90), |s| s.converged)
-        .await
-        .unwrap();
+    let done = match watch_until(&mut c, "stepped", Duration::from_secs(90), |s| s.converged).await {
+        Ok(s) => s,
+        Err(e) => {
+            let s = c
+                .get_run(pb::GetRunRequest {
+                    run_id: "stepped".to_owned(),
+                    include_nodes: true,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            for n in &s.nodes {
+                eprintln!("{:?} last={:?}", n.state, n.last_decision);
+            }
+            panic!("not converged after the step forward: {e}");
+        }
+    };
     assert_eq!(done.ready_count, 16);
     let passes_forward = done.passes - before.passes;
     assert!(
@@ -123,6 +153,13 @@ async fn an_hour_forward_and_an_hour_back_under_pending_operations() {
     assert!(
         slots.values().all(|&n| n == 1),
         "a slot holds two resources: {slots:?}"
+    );
+    // The deadlines moved with the step: no stage timed out, no slot was
+    // replaced (attempts are numbered in order, one per slot so far).
+    assert_eq!(
+        max_attempt(&mut c).await,
+        16,
+        "slots were replaced after the step forward"
     );
 
     // An hour back (to the true time), with operations pending again: the
@@ -164,6 +201,13 @@ async fn an_hour_forward_and_an_hour_back_under_pending_operations() {
     assert!(
         slots.values().all(|&n| n == 1),
         "a slot holds two resources: {slots:?}"
+    );
+    // The deadlines moved with the step: no stage timed out, no slot was
+    // replaced (attempts are numbered in order, one per slot so far).
+    assert_eq!(
+        max_attempt(&mut c).await,
+        24,
+        "slots were replaced after the step back"
     );
     eprintln!(
         "clock steps: {passes_forward} passes after the step forward, {passes_back} after the step back"

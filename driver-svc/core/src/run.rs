@@ -1234,6 +1234,54 @@ impl RunState {
         count == self.meta.shape.total_nodes()
     }
 
+    /// Moves every deadline and wake-up the run keeps on the wall clock by
+    /// `by_ms` (later when positive), after the shell saw the wall clock
+    /// step by that much against the monotonic one: operation deadlines, stage
+    /// deadlines, backoff and restart times, decision wake-ups, and the
+    /// deadline an in-flight operation is resent with. A step then neither
+    /// makes every deadline pass at once (forward) nor holds one for the
+    /// step's length (back). The moved records go with the next commit.
+    /// Returns how many slots it moved.
+    pub fn shift_deadlines(&mut self, by_ms: i64) -> usize {
+        if by_ms == 0 {
+            return 0;
+        }
+        let shift = |t: UnixMillis| {
+            UnixMillis::new(if by_ms >= 0 {
+                t.as_millis().saturating_add(by_ms.unsigned_abs())
+            } else {
+                t.as_millis().saturating_sub(by_ms.unsigned_abs())
+            })
+        };
+        fn shift_record(rec: &mut NodeRecord, shift: &impl Fn(UnixMillis) -> UnixMillis) {
+            let n = &mut rec.node;
+            if let Some(p) = &mut n.pending {
+                p.deadline = shift(p.deadline);
+                p.dispatched_at = shift(p.dispatched_at);
+            }
+            n.stage_deadline = n.stage_deadline.map(shift);
+            n.retry.next_effect_at = n.retry.next_effect_at.map(shift);
+            n.retry.restart_at = n.retry.restart_at.map(shift);
+            if let Some(op) = &mut rec.inflight {
+                op.deadline = shift(op.deadline);
+            }
+            if let Some(s) = &mut rec.successor {
+                shift_record(s, shift);
+            }
+        }
+        let ids: Vec<LogicalNodeId> = self.nodes.keys().cloned().collect();
+        for id in &ids {
+            if let Some(e) = self.nodes.get_mut(id) {
+                shift_record(&mut e.rec, &shift);
+                e.wake_at = e.wake_at.map(shift);
+                e.version += 1;
+                self.changed.insert(id.clone());
+                self.reindex(id);
+            }
+        }
+        ids.len()
+    }
+
     /// When the run next needs attention on its own: a decision's wake time, an
     /// operation's deadline plus grace, or a stage deadline.
     pub fn poll_timeout(&self) -> Option<UnixMillis> {
