@@ -18,6 +18,9 @@
 //! namespaces, which takes their links with them. A machine where this
 //! cannot be done fails the test, naming the command that failed.
 //!
+//! A link can also be cut one way (`iptables-legacy` dropping what one end
+//! sends on it), so that packets go out and nothing comes back.
+//!
 //! The kernel here has no `netem` qdisc (`tc` answers "Specified qdisc kind
 //! is unknown"), so latency, jitter and loss are not simulated; links are
 //! cut and restored.
@@ -144,6 +147,40 @@ impl Net {
             }
         }
         Ok(net)
+    }
+
+    /// Drops (or stops dropping) what one end of `link` sends on it: the far
+    /// end's sending when `far`, else the driver's (or the test's).
+    fn drop_sent(&self, link: Link, far: bool, drop: bool) -> anyhow::Result<()> {
+        let [near, far_end] = self.ends(link);
+        let (ns, ifname, _) = if far { far_end } else { near };
+        let rule = if drop { "-A" } else { "-D" };
+        let mut args: Vec<String> = Vec::new();
+        if let Some(ns) = &ns {
+            args.extend(["netns".into(), "exec".into(), ns.clone()]);
+        }
+        args.extend(
+            ["iptables-legacy", rule, "OUTPUT", "-o", &ifname, "-j", "DROP"]
+                .iter()
+                .map(|s| (*s).to_owned()),
+        );
+        let (program, rest) = if ns.is_some() {
+            ("ip", &args[..])
+        } else {
+            ("iptables-legacy", &args[1..])
+        };
+        let out = Command::new(program)
+            .args(rest)
+            .output()
+            .context("running iptables-legacy (Debian's iptables): install it, or run .ci/needs --install")?;
+        if !out.status.success() {
+            bail!(
+                "`{program} {}` failed: {}",
+                rest.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
     }
 
     /// Takes `link` down (`up: false`) or brings it back.
@@ -331,6 +368,17 @@ impl NetCluster {
     /// Brings `link` back.
     pub fn restore(&self, link: Link) -> anyhow::Result<()> {
         self.net.set(link, true)
+    }
+
+    /// Cuts `link` one way: what the far end (the decider, the executor)
+    /// sends on it is dropped (`toward_driver`), or what the driver sends.
+    pub fn cut_one_way(&self, link: Link, toward_driver: bool) -> anyhow::Result<()> {
+        self.net.drop_sent(link, toward_driver, true)
+    }
+
+    /// Takes back [`NetCluster::cut_one_way`].
+    pub fn restore_one_way(&self, link: Link, toward_driver: bool) -> anyhow::Result<()> {
+        self.net.drop_sent(link, toward_driver, false)
     }
 
     pub fn path(&self) -> &Path {

@@ -159,3 +159,62 @@ async fn a_cut_decider_link_stops_decisions_until_it_is_back() {
     assert_eq!(done.ready_count, 10);
     assert!(done.passes > later.passes);
 }
+
+/// The executor's link cut one way for longer than the deadlines: the
+/// driver's operations reach the executor and run, but nothing the executor
+/// sends comes back. Every answer is lost, so each operation ends ambiguous,
+/// is sent again once the link is whole, and is answered from what the
+/// executor already did: one resource per slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_lost_one_way_are_sent_again_and_double_nothing() {
+    let cluster = NetCluster::start(
+        &[
+            "--operation-timeout-ms",
+            "1500",
+            "--result-grace-ms",
+            "500",
+            "--backoff-base-ms",
+            "50",
+            "--backoff-cap-ms",
+            "500",
+        ],
+        &[
+            "--backend",
+            "fake",
+            "--fake-latency-ms",
+            "300,900",
+            "--fake-stage-interval-ms",
+            "200",
+        ],
+    )
+    .await
+    .unwrap();
+    let mut c = cluster.client().await.unwrap();
+    // The answers stop before anything is sent: every create goes out, runs,
+    // and its result is lost.
+    cluster.cut_one_way(Link::Executor, true).unwrap();
+    c.apply(apply_req("oneway", 8)).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let during = c.get_run(get("oneway")).await.unwrap().into_inner();
+    assert_eq!(during.ready_count, 0, "{during:?}");
+    // The creates did run: the executor holds their leases, which the
+    // driver has not heard of.
+    let held = cluster.inventory().await.unwrap();
+    assert!(!held.is_empty(), "the creates never reached the executor");
+    cluster.restore_one_way(Link::Executor, true).unwrap();
+
+    let done = watch_until(&mut c, "oneway", CONVERGE, |s| s.converged)
+        .await
+        .unwrap();
+    assert_eq!(done.ready_count, 8);
+    let inventory = cluster.inventory().await.unwrap();
+    let mut by_slot: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &inventory {
+        *by_slot.entry(r.node_id.clone()).or_default() += 1;
+    }
+    assert_eq!(by_slot.len(), 8, "{by_slot:?}");
+    assert!(
+        by_slot.values().all(|&n| n == 1),
+        "a slot holds two resources: {by_slot:?}"
+    );
+}
