@@ -159,6 +159,17 @@ impl Registry {
 
     /// The gauge family `name`, registered on first use.
     pub fn gauge(&self, name: &str, help: &str, labels: &[&'static str]) -> Gauge {
+        self.float_family(name, help, labels, "gauge")
+    }
+
+    /// A counter whose value is not a whole number (CPU seconds), read from
+    /// elsewhere and set as it is: a [`Gauge`] exported with the counter
+    /// type. Its setter must only ever go up.
+    pub fn float_counter(&self, name: &str, help: &str) -> Gauge {
+        self.float_family(name, help, &[], "counter")
+    }
+
+    fn float_family(&self, name: &str, help: &str, labels: &[&'static str], kind: &'static str) -> Gauge {
         let mut families = lock(&self.families);
         for f in families.iter() {
             if let Family::Gauge(g) = f
@@ -170,6 +181,7 @@ impl Registry {
         let g = Gauge(Arc::new(GaugeInner {
             desc: Desc::new(name, help, labels),
             values: Mutex::new(unlabelled(labels, 0.0)),
+            kind,
         }));
         families.push(Family::Gauge(g.clone()));
         g
@@ -220,6 +232,123 @@ impl Registry {
         }
         out
     }
+}
+
+/// Registers the standard process metrics (the names every Prometheus client
+/// exports: `process_cpu_seconds_total`, `process_resident_memory_bytes`,
+/// `process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,
+/// `process_start_time_seconds`, and `process_threads`), read from `/proc`
+/// at each scrape, and `provisioning_build_info{service,version}` at 1.
+/// Where `/proc` is not there, the process families stay at zero.
+pub fn process_metrics(registry: &'static Registry, service: &str) {
+    let build = registry.gauge(
+        "provisioning_build_info",
+        "1, labelled with the service and its version (the crate version).",
+        &["service", "version"],
+    );
+    build.set(&[service, env!("CARGO_PKG_VERSION")], 1.0);
+    let cpu = registry.float_counter(
+        "process_cpu_seconds_total",
+        "User and system CPU time the process has used, in seconds.",
+    );
+    let gauges = [
+        ("process_resident_memory_bytes", "Resident memory size in bytes."),
+        ("process_virtual_memory_bytes", "Virtual memory size in bytes."),
+        ("process_open_fds", "Open file descriptors."),
+        (
+            "process_max_fds",
+            "The most file descriptors the process may open.",
+        ),
+        (
+            "process_start_time_seconds",
+            "When the process started, seconds since the Unix epoch.",
+        ),
+        ("process_threads", "Threads of the process."),
+    ]
+    .map(|(name, help)| (name, registry.gauge(name, help, &[])));
+    registry.on_scrape(move || {
+        if let Some(p) = read_process() {
+            for (name, g) in &gauges {
+                let v = match *name {
+                    "process_resident_memory_bytes" => p.rss_bytes,
+                    "process_virtual_memory_bytes" => p.vm_bytes,
+                    "process_open_fds" => p.open_fds,
+                    "process_max_fds" => p.max_fds,
+                    "process_start_time_seconds" => p.start_time_s,
+                    _ => p.threads,
+                };
+                g.set(&[], v);
+            }
+            // Clock ticks, 100 a second; the kernel's count only goes up.
+            cpu.set(&[], p.cpu_centis as f64 / 100.0);
+        }
+        true
+    });
+}
+
+/// What `/proc/self` says of this process.
+struct ProcessReading {
+    rss_bytes: f64,
+    vm_bytes: f64,
+    open_fds: f64,
+    max_fds: f64,
+    start_time_s: f64,
+    threads: f64,
+    cpu_centis: u64,
+}
+
+fn read_process() -> Option<ProcessReading> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = |name: &str| -> Option<f64> {
+        let v: f64 = status
+            .lines()
+            .find(|l| l.starts_with(name))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        Some(v * 1024.0)
+    };
+    let threads: f64 = status
+        .lines()
+        .find(|l| l.starts_with("Threads:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    // /proc/self/stat: fields after the command's closing parenthesis;
+    // utime and stime (14th and 15th) and starttime (22nd) are in clock
+    // ticks, 100 per second on Linux.
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let after = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let tick = |i: usize| -> Option<u64> { fields.get(i)?.parse().ok() };
+    let (utime, stime, start) = (tick(11)?, tick(12)?, tick(19)?);
+    let boot: f64 = std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("btime "))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    let max_fds: f64 = std::fs::read_to_string("/proc/self/limits")
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("Max open files"))?
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .unwrap_or(f64::INFINITY);
+    Some(ProcessReading {
+        rss_bytes: kib("VmRSS:")?,
+        vm_bytes: kib("VmSize:")?,
+        open_fds: std::fs::read_dir("/proc/self/fd").ok()?.count() as f64,
+        max_fds,
+        start_time_s: boot + start as f64 / 100.0,
+        threads,
+        cpu_centis: utime + stime,
+    })
 }
 
 /// The series of a new family: its one series, at `zero`, when it has no
@@ -343,6 +472,8 @@ impl Counter {
 struct GaugeInner {
     desc: Desc,
     values: Mutex<BTreeMap<Vec<String>, f64>>,
+    /// The exposition type: `gauge`, or `counter` ([`Registry::float_counter`]).
+    kind: &'static str,
 }
 
 /// A value that goes up and down, per label set.
@@ -391,7 +522,7 @@ impl Gauge {
     }
 
     fn render(&self, out: &mut String) {
-        header(out, &self.0.desc, "gauge");
+        header(out, &self.0.desc, self.0.kind);
         for (key, v) in lock(&self.0.values).iter() {
             let _ = writeln!(
                 out,
@@ -568,6 +699,24 @@ async fn respond(mut conn: TcpStream, registry: &Registry) -> std::io::Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_float_counter_is_a_counter_and_the_process_is_read() {
+        let r = Registry::default();
+        r.float_counter("cpu_seconds_total", "CPU.").set(&[], 1.25);
+        let text = r.render();
+        assert!(
+            text.contains("# TYPE cpu_seconds_total counter\ncpu_seconds_total 1.25\n"),
+            "{text}"
+        );
+        let p = read_process().expect("/proc/self on Linux");
+        assert!(
+            p.rss_bytes > 0.0 && p.threads >= 1.0 && p.open_fds >= 1.0,
+            "{}",
+            p.rss_bytes
+        );
+        assert!(p.start_time_s > 1.5e9, "{}", p.start_time_s);
+    }
 
     #[test]
     fn the_exposition_follows_the_text_format() {

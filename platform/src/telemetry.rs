@@ -352,6 +352,7 @@ fn serve_metrics(
         crate::announce::write_ready_file(&path, bound)
             .map_err(|source| TelemetryError::MetricsReadyFile { path, source })?;
     }
+    crate::metrics::process_metrics(crate::metrics::global(), service);
     let task = tokio::spawn(crate::metrics::serve(listener, crate::metrics::global()));
     Ok((bound, task))
 }

@@ -887,6 +887,39 @@ async fn metrics_endpoints_serve_the_documented_metrics_and_they_move() {
         }
     }
 
+    // Every service has the process metrics and its build info, read live.
+    for (service, samples, families) in [
+        ("driver-svc", driver, driver_families),
+        ("executor-svc", executor, executor_families),
+        ("decider-svc", decider, decider_families),
+    ] {
+        for family in [
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_threads",
+            "process_start_time_seconds",
+        ] {
+            assert!(
+                sum(samples, family, &[]) > 0.0,
+                "{service}: {family} is zero or missing"
+            );
+        }
+        // An idle decider may not have used a hundredth of a second yet.
+        assert!(
+            families.contains("process_cpu_seconds_total"),
+            "{service}: no CPU time"
+        );
+        assert_eq!(
+            sum(
+                samples,
+                "provisioning_build_info",
+                &[("service", service), ("version", env!("CARGO_PKG_VERSION"))]
+            ),
+            1.0,
+            "{service}'s build info"
+        );
+    }
+
     // The Grafana dashboard's queries name only metrics the binaries serve.
     let served: BTreeSet<&String> = driver_families
         .iter()
