@@ -489,6 +489,48 @@ fn an_operation_past_its_deadline_and_grace_folds_as_ambiguous() {
     );
 }
 
+/// A step of the wall clock, followed by the shell: the deadlines move with
+/// it, so an hour forward expires nothing that was not due, an hour back
+/// holds nothing for the hour, and the moved records go with the next
+/// commit.
+#[test]
+fn deadlines_move_with_a_step_of_the_wall_clock() {
+    let hour: i64 = 3_600_000;
+    let (mut run, store) = run_with_nodes();
+    let p = run.node(&node("ctrl-0")).unwrap().pending.unwrap();
+    let due = run.poll_timeout().unwrap();
+    let _ = run.take_commit();
+
+    // An hour forward: nothing is due at the stepped time that was not due
+    // an hour earlier.
+    let moved = run.shift_deadlines(hour);
+    assert!(moved >= 2, "{moved} slots moved");
+    assert_eq!(
+        run.poll_timeout().unwrap().as_millis(),
+        due.as_millis() + 3_600_000
+    );
+    let n = run.node(&node("ctrl-0")).unwrap().pending.unwrap();
+    assert_eq!(n.deadline.as_millis(), p.deadline.as_millis() + 3_600_000);
+    assert_eq!(n.id, p.id, "the operation is the same one");
+    let stepped_now = UnixMillis::new(T0.as_millis() + 3_600_000);
+    assert_eq!(
+        run.handle_timeout(stepped_now).unwrap(),
+        0,
+        "nothing expired on the step"
+    );
+    assert!(run.uncommitted(), "the moved records wait for a commit");
+    let _ = pass(&mut run, &store, stepped_now);
+
+    // Back again: the deadline is where it was, not an hour away.
+    run.shift_deadlines(-hour);
+    assert_eq!(run.poll_timeout(), Some(due));
+    assert!(
+        run.handle_timeout(due).unwrap() >= 1,
+        "the deadline still fires on time"
+    );
+    assert_eq!(run.shift_deadlines(0), 0);
+}
+
 #[test]
 fn a_stage_deadline_fails_the_attempt() {
     let policy = Arc::new(Policy {
