@@ -5,7 +5,9 @@
 //! first quarter) they must stay flat, and at the end every run there is
 //! converges and every deleted one is gone.
 //!
-//! `SOAK_SEED` picks the churn; a failure prints it.
+//! `SOAK_SEED` picks the churn; a failure prints it. `SOAK_KILL_EVERY_SECS`
+//! (5 by default) is the least time between two kills: a large value lets
+//! each process live long, so a slow leak within one process's life shows.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -99,9 +101,13 @@ fn service(cluster: &mut Cluster, which: u64) -> &mut Service {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churn_with_kills_keeps_every_service_flat_and_every_run_converging() {
     let secs = env_u64("SOAK_SECS", 120);
+    let kill_every = Duration::from_secs(env_u64("SOAK_KILL_EVERY_SECS", 5));
     let seed = env_u64("SOAK_SEED", 0x50a4);
     let mut rng = Rng(seed);
-    eprintln!("soak: {secs} s, seed {seed} (SOAK_SECS, SOAK_SEED)");
+    eprintln!(
+        "soak: {secs} s, seed {seed}, a kill at most every {} s (SOAK_SECS, SOAK_SEED, SOAK_KILL_EVERY_SECS)",
+        kill_every.as_secs()
+    );
     let mut cluster = Cluster::start(ClusterOptions::default().executor("--fake-stage-interval-ms", "20"))
         .await
         .unwrap();
@@ -114,6 +120,7 @@ async fn churn_with_kills_keeps_every_service_flat_and_every_run_converging() {
     let mut samples: Vec<(f64, &'static str, Reading)> = Vec::new();
     let mut last_sample = Instant::now() - Duration::from_secs(10);
     let mut kills = 0;
+    let mut last_kill = Instant::now();
     let (mut changes, mut refused) = (0, 0);
 
     while Instant::now() < end {
@@ -136,7 +143,8 @@ async fn churn_with_kills_keeps_every_service_flat_and_every_run_converging() {
         };
         match rng.below(20) {
             // A kill now and then: a seeded service, SIGKILL, restarted.
-            0 => {
+            0 if last_kill.elapsed() >= kill_every => {
+                last_kill = Instant::now();
                 let which = rng.below(3);
                 let dir = cluster.dir.path().to_owned();
                 service(&mut cluster, which).restart(&dir).await.unwrap();
