@@ -60,6 +60,63 @@ async fn status(
     .into_inner()
 }
 
+/// Steps the clock to `offset_to` with operations pending, waits for the
+/// run to converge at `generation` with `nodes` ready, checks that nothing
+/// stormed, doubled or was replaced, and returns the passes it took.
+async fn step_and_settle(
+    c: &mut pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>,
+    cluster: &Cluster,
+    offset: &std::path::Path,
+    offset_to: &str,
+    generation: u64,
+    nodes: usize,
+    way: &str,
+) -> u64 {
+    let before = status(c).await;
+    std::fs::write(offset, format!("{offset_to}\n")).unwrap();
+    let done = match watch_until(c, "stepped", Duration::from_secs(90), |s| {
+        s.converged && s.generation == generation
+    })
+    .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            let s = c
+                .get_run(pb::GetRunRequest {
+                    run_id: "stepped".to_owned(),
+                    include_nodes: true,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            for n in &s.nodes {
+                eprintln!("{:?} last={:?}", n.state, n.last_decision);
+            }
+            panic!("not converged after the step {way}: {e}");
+        }
+    };
+    assert_eq!(done.ready_count as usize, nodes);
+    let passes = done.passes - before.passes;
+    assert!(
+        passes < 200,
+        "{passes} passes to converge after the step {way}: a storm"
+    );
+    let slots = per_slot(cluster).await;
+    assert_eq!(slots.len(), nodes, "{slots:?}");
+    assert!(
+        slots.values().all(|&n| n == 1),
+        "a slot holds two resources: {slots:?}"
+    );
+    // The deadlines moved with the step: no stage timed out, no slot was
+    // replaced (attempts are numbered in order, one per slot so far).
+    assert_eq!(
+        max_attempt(c).await,
+        nodes as u64,
+        "slots were replaced after the step {way}"
+    );
+    passes
+}
+
 /// The highest attempt among the run's nodes.
 async fn max_attempt(c: &mut pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>) -> u64 {
     c.get_run(pb::GetRunRequest {
@@ -123,92 +180,14 @@ async fn an_hour_forward_and_an_hour_back_under_pending_operations() {
     until_pending(&mut c).await;
 
     // An hour forward, with operations pending.
-    let before = status(&mut c).await;
-    std::fs::write(&offset, "+1h\n").unwrap();
-    let done = match watch_until(&mut c, "stepped", Duration::from_secs(90), |s| s.converged).await {
-        Ok(s) => s,
-        Err(e) => {
-            let s = c
-                .get_run(pb::GetRunRequest {
-                    run_id: "stepped".to_owned(),
-                    include_nodes: true,
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            for n in &s.nodes {
-                eprintln!("{:?} last={:?}", n.state, n.last_decision);
-            }
-            panic!("not converged after the step forward: {e}");
-        }
-    };
-    assert_eq!(done.ready_count, 16);
-    let passes_forward = done.passes - before.passes;
-    assert!(
-        passes_forward < 200,
-        "{passes_forward} passes to converge after the step forward: a storm"
-    );
-    let slots = per_slot(&cluster).await;
-    assert_eq!(slots.len(), 16, "{slots:?}");
-    assert!(
-        slots.values().all(|&n| n == 1),
-        "a slot holds two resources: {slots:?}"
-    );
-    // The deadlines moved with the step: no stage timed out, no slot was
-    // replaced (attempts are numbered in order, one per slot so far).
-    assert_eq!(
-        max_attempt(&mut c).await,
-        16,
-        "slots were replaced after the step forward"
-    );
+    let passes_forward = step_and_settle(&mut c, &cluster, &offset, "+1h", 1, 16, "forward").await;
 
     // An hour back (to the true time), with operations pending again: the
     // scale-up converges in seconds, not after the hour its deadlines now
     // seem to be away.
     c.apply(apply_req("stepped", 2, 24)).await.unwrap();
     until_pending(&mut c).await;
-    let before = status(&mut c).await;
-    std::fs::write(&offset, "+0\n").unwrap();
-    let done = match watch_until(&mut c, "stepped", Duration::from_secs(90), |s| {
-        s.converged && s.generation == 2
-    })
-    .await
-    {
-        Ok(s) => s,
-        Err(e) => {
-            let s = c
-                .get_run(pb::GetRunRequest {
-                    run_id: "stepped".to_owned(),
-                    include_nodes: true,
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            for n in &s.nodes {
-                eprintln!("{:?} last={:?}", n.state, n.last_decision);
-            }
-            panic!("not converged after the step back: {e}");
-        }
-    };
-    assert_eq!(done.ready_count, 24);
-    let passes_back = done.passes - before.passes;
-    assert!(
-        passes_back < 200,
-        "{passes_back} passes to converge after the step back: a storm"
-    );
-    let slots = per_slot(&cluster).await;
-    assert_eq!(slots.len(), 24, "{slots:?}");
-    assert!(
-        slots.values().all(|&n| n == 1),
-        "a slot holds two resources: {slots:?}"
-    );
-    // The deadlines moved with the step: no stage timed out, no slot was
-    // replaced (attempts are numbered in order, one per slot so far).
-    assert_eq!(
-        max_attempt(&mut c).await,
-        24,
-        "slots were replaced after the step back"
-    );
+    let passes_back = step_and_settle(&mut c, &cluster, &offset, "+0", 2, 24, "back").await;
     eprintln!(
         "clock steps: {passes_forward} passes after the step forward, {passes_back} after the step back"
     );

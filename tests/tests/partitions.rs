@@ -37,13 +37,11 @@ fn get(run: &str) -> pb::GetRunRequest {
     }
 }
 
-/// The driver's link to the executor is cut mid-convergence for longer
-/// than the operations' deadline: what was in flight goes ambiguous, and
-/// once the link is back it is sent again and adopted. The run converges
-/// with one resource per slot: nothing doubled, nothing left over.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cut_executor_link_longer_than_the_deadlines_doubles_nothing() {
-    let cluster = NetCluster::start(
+/// The three services with operation deadlines of 1.5 s (and 0.5 s of
+/// grace), and a fake provider slow enough that creates are in flight when
+/// a link goes.
+async fn short_deadlines() -> NetCluster {
+    NetCluster::start(
         &[
             "--operation-timeout-ms",
             "1500",
@@ -57,7 +55,6 @@ async fn a_cut_executor_link_longer_than_the_deadlines_doubles_nothing() {
         &[
             "--backend",
             "fake",
-            // Slow enough that creates are in flight when the link goes.
             "--fake-latency-ms",
             "300,900",
             "--fake-stage-interval-ms",
@@ -65,7 +62,31 @@ async fn a_cut_executor_link_longer_than_the_deadlines_doubles_nothing() {
         ],
     )
     .await
-    .unwrap();
+    .unwrap()
+}
+
+/// Asserts the executor's inventory holds one resource for each of `slots`
+/// slots, read over the test's own link.
+async fn one_resource_per_slot(cluster: &NetCluster, slots: usize) {
+    let inventory = cluster.inventory().await.unwrap();
+    let mut by_slot: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &inventory {
+        *by_slot.entry(r.node_id.clone()).or_default() += 1;
+    }
+    assert_eq!(by_slot.len(), slots, "{by_slot:?}");
+    assert!(
+        by_slot.values().all(|&n| n == 1),
+        "a slot holds two resources: {by_slot:?}"
+    );
+}
+
+/// The driver's link to the executor is cut mid-convergence for longer
+/// than the operations' deadline: what was in flight goes ambiguous, and
+/// once the link is back it is sent again and adopted. The run converges
+/// with one resource per slot: nothing doubled, nothing left over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_executor_link_longer_than_the_deadlines_doubles_nothing() {
+    let cluster = short_deadlines().await;
     let mut c = cluster.client().await.unwrap();
     c.apply(apply_req("cut", 16)).await.unwrap();
     // Mid-way: some nodes are on their way, none is ready yet.
@@ -96,16 +117,7 @@ async fn a_cut_executor_link_longer_than_the_deadlines_doubles_nothing() {
     let nodes = c.get_run(get("cut")).await.unwrap().into_inner().nodes;
     assert_eq!(nodes.len(), 16);
     // One live resource per slot, from the executor's own inventory.
-    let inventory = cluster.inventory().await.unwrap();
-    let mut by_slot: BTreeMap<String, usize> = BTreeMap::new();
-    for r in &inventory {
-        *by_slot.entry(r.node_id.clone()).or_default() += 1;
-    }
-    assert_eq!(by_slot.len(), 16, "{by_slot:?}");
-    assert!(
-        by_slot.values().all(|&n| n == 1),
-        "a slot holds two resources: {by_slot:?}"
-    );
+    one_resource_per_slot(&cluster, 16).await;
     // What was in flight when the link went ended ambiguous, by the
     // driver's own count.
     let metrics = cluster.driver_metrics().await.unwrap();
@@ -167,28 +179,7 @@ async fn a_cut_decider_link_stops_decisions_until_it_is_back() {
 /// executor already did: one resource per slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_lost_one_way_are_sent_again_and_double_nothing() {
-    let cluster = NetCluster::start(
-        &[
-            "--operation-timeout-ms",
-            "1500",
-            "--result-grace-ms",
-            "500",
-            "--backoff-base-ms",
-            "50",
-            "--backoff-cap-ms",
-            "500",
-        ],
-        &[
-            "--backend",
-            "fake",
-            "--fake-latency-ms",
-            "300,900",
-            "--fake-stage-interval-ms",
-            "200",
-        ],
-    )
-    .await
-    .unwrap();
+    let cluster = short_deadlines().await;
     let mut c = cluster.client().await.unwrap();
     // The answers stop before anything is sent: every create goes out, runs,
     // and its result is lost.
@@ -207,14 +198,5 @@ async fn answers_lost_one_way_are_sent_again_and_double_nothing() {
         .await
         .unwrap();
     assert_eq!(done.ready_count, 8);
-    let inventory = cluster.inventory().await.unwrap();
-    let mut by_slot: BTreeMap<String, usize> = BTreeMap::new();
-    for r in &inventory {
-        *by_slot.entry(r.node_id.clone()).or_default() += 1;
-    }
-    assert_eq!(by_slot.len(), 8, "{by_slot:?}");
-    assert!(
-        by_slot.values().all(|&n| n == 1),
-        "a slot holds two resources: {by_slot:?}"
-    );
+    one_resource_per_slot(&cluster, 8).await;
 }
