@@ -179,10 +179,9 @@ pub struct RunHandle {
 }
 
 pub(crate) struct RunActor {
-    /// The wall clock's lead over the monotonic one when last looked at
-    /// (ms): a change of more than [`CLOCK_STEP`] is a step of the wall
-    /// clock, which the run's deadlines follow ([`RunActor::follow_clock_step`]).
-    wall_lead_ms: i64,
+    /// Notices steps of the wall clock, which the run's deadlines follow
+    /// ([`RunActor::follow_clock_step`]).
+    steps: contract::StepWatch,
     run: RunState,
     shared: Arc<RunContext>,
     rx: mpsc::UnboundedReceiver<RunEvent>,
@@ -264,20 +263,6 @@ impl std::fmt::Debug for RunActor {
     }
 }
 
-/// How far the wall clock must move against the monotonic one at once to
-/// count as a step (NTP slews by far less).
-const CLOCK_STEP: Duration = Duration::from_secs(1);
-
-/// The wall clock's lead over the monotonic one, in milliseconds.
-fn wall_lead_ms(wall: UnixMillis, mono: contract::Monotonic) -> i64 {
-    let mono_ms = mono
-        .saturating_since(contract::Monotonic::from_origin(Duration::ZERO))
-        .as_millis();
-    i64::try_from(wall.as_millis())
-        .unwrap_or(i64::MAX)
-        .saturating_sub(i64::try_from(mono_ms).unwrap_or(i64::MAX))
-}
-
 impl RunActor {
     /// Spawns the actor for `run` and returns its handle. `origin` is the
     /// trace of the request that created the run, if one did.
@@ -312,7 +297,7 @@ impl RunActor {
         let deadline_folds_seen = run.counters().deadline_folds;
         let events = RunEvents::started(&run);
         let mut actor = RunActor {
-            wall_lead_ms: wall_lead_ms(now, shared.clock.monotonic()),
+            steps: contract::StepWatch::new(shared.clock.as_ref()),
             next_safety_tick: shared.clock.monotonic().saturating_add(shared.safety_tick),
             run,
             shared: shared.clone(),
@@ -365,14 +350,11 @@ impl RunActor {
     }
 
     /// Moves the run's deadlines with a step of the wall clock: the wall
-    /// clock moved against the monotonic one by [`CLOCK_STEP`] or more since
+    /// clock moved against the monotonic one by [`contract::StepWatch::STEP`] or more since
     /// the last look (NTP stepping it, an operator setting it). Slewing moves
     /// both together and is not a step.
     fn follow_clock_step(&mut self) {
-        let lead = wall_lead_ms(self.now(), self.monotonic());
-        let by = lead.saturating_sub(self.wall_lead_ms);
-        self.wall_lead_ms = lead;
-        if by.unsigned_abs() >= CLOCK_STEP.as_millis() as u64 {
+        if let Some(by) = self.steps.stepped(self.shared.clock.as_ref()) {
             let moved = self.run.shift_deadlines(by);
             tracing::warn!(
                 run = %self.run.run_id(),

@@ -684,6 +684,29 @@ impl ExecutorCore {
             .min()
     }
 
+    /// Moves the deadline of every queued and running operation by `by_ms`
+    /// (later when positive), after the shell saw the wall clock step by
+    /// that much against the monotonic one. A step forward then abandons
+    /// nothing that still had time, and a step back leaves no operation
+    /// waiting for the step's length: each keeps the time it had left.
+    /// Completed operations keep theirs (nothing reads it again). Returns
+    /// how many operations moved.
+    pub fn shift_deadlines(&mut self, by_ms: i64) -> usize {
+        let mut moved = 0;
+        for run in self.runs.values_mut() {
+            let before = std::mem::take(&mut run.deadlines);
+            for (deadline, id) in before {
+                let at = deadline.shifted(by_ms);
+                if let Some(entry) = run.ops.get_mut(&id) {
+                    entry.op.deadline = at;
+                }
+                run.deadlines.insert((at, id));
+                moved += 1;
+            }
+        }
+        moved
+    }
+
     /// Abandons every running operation whose deadline has passed (reported
     /// `Ambiguous`, with an `Abort` for the shell) and completes every queued one
     /// past its deadline as `Retryable`; freed attempts start their next operation.
@@ -1442,6 +1465,31 @@ mod tests {
         assert!(starts(&out).is_empty());
         assert!(matches!(results(&out)[0].outcome, Outcome::Retryable { .. }));
         assert_eq!(core.running_count(), 0);
+    }
+
+    #[test]
+    fn deadlines_follow_a_step_of_the_wall_clock() {
+        let mut core = claimed();
+        let _ = core.submit(op(1, 0, 1, 500, create()), t(0));
+        let lookup = OperationInput::LookupEndpoint {
+            lease: lease("lease-1"),
+        };
+        let _ = core.submit(op(1, 1, 1, 600, lookup), t(0));
+        let hour = 3_600_000;
+
+        // An hour forward: the running operation keeps the 400 ms it had.
+        assert_eq!(core.shift_deadlines(hour), 2);
+        assert_eq!(core.poll_timeout(), Some(t(500 + 3_600_000)));
+        assert!(core.handle_timeout(t(100 + 3_600_000)).is_empty());
+        let out = core.handle_timeout(t(500 + 3_600_000));
+        assert!(matches!(results(&out)[0].outcome, Outcome::Ambiguous { .. }));
+
+        // Back by the hour: the queued one, started meanwhile, is not left
+        // waiting for an hour.
+        assert_eq!(core.shift_deadlines(-hour), 1);
+        assert_eq!(core.poll_timeout(), Some(t(600)));
+        assert_eq!(core.shift_deadlines(0), 1);
+        assert_eq!(core.poll_timeout(), Some(t(600)));
     }
 
     #[test]

@@ -664,6 +664,9 @@ struct Actor {
     /// What the executor serves, told first on every link (`None`: nothing
     /// is told).
     served: Option<Vec<contract::ServedProvider>>,
+    /// Notices steps of the wall clock, which the operations' deadlines
+    /// follow ([`Actor::follow_clock_step`]).
+    steps: contract::StepWatch,
 }
 
 /// The message that tells a driver what the executor serves.
@@ -693,7 +696,6 @@ impl Actor {
         Self {
             core: ExecutorCore::new(),
             backend,
-            clock,
             events,
             observations,
             links: HashMap::new(),
@@ -711,6 +713,23 @@ impl Actor {
             budget: Budget::new(BudgetConfig::default(), Monotonic::default()),
             told_waiting: HashSet::new(),
             served: None,
+            steps: contract::StepWatch::new(clock.as_ref()),
+            clock,
+        }
+    }
+
+    /// Moves the operations' deadlines with a step of the wall clock (NTP
+    /// stepping it, an operator setting it), before anything compares them
+    /// with the new time: the driver moves its own deadlines for them by
+    /// the same step, and an operation keeps the time it had left.
+    fn follow_clock_step(&mut self) {
+        if let Some(by) = self.steps.stepped(self.clock.as_ref()) {
+            let moved = self.core.shift_deadlines(by);
+            tracing::warn!(
+                step_ms = by,
+                operations = moved,
+                "the wall clock stepped: the operations' deadlines moved with it"
+            );
         }
     }
 
@@ -722,6 +741,7 @@ impl Actor {
         mut lifecycle: watch::Receiver<Lifecycle>,
     ) {
         loop {
+            self.follow_clock_step();
             // Armed afresh after every event: any event can move the earliest
             // deadline.
             let timer = self
@@ -787,6 +807,7 @@ impl Actor {
 
     /// Folds one event into the core and carries out what the core asks.
     fn fold(&mut self, event: Event) {
+        self.follow_clock_step();
         match event {
             Event::LinkOpened { link, tx, closer } => {
                 if self.draining {

@@ -124,4 +124,4 @@ pub use state::{
     BootstrapProgress, BootstrapStage, Effect, Failure, Intent, ManagedNode, NodeFacts, NodeStage, PendingOp,
     PermanentFailure, RetryState, Surge,
 };
-pub use time::{Clock, ClockSaturated, ManualClock, Monotonic, SystemClock, UnixMillis};
+pub use time::{Clock, ClockSaturated, ManualClock, Monotonic, StepWatch, SystemClock, UnixMillis};

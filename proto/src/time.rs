@@ -50,6 +50,17 @@ impl UnixMillis {
         Duration::from_millis(self.0.saturating_sub(earlier.0))
     }
 
+    /// `self` moved by a step of the wall clock: later by `by_ms` when
+    /// positive, earlier when negative, saturating at either end (a deadline
+    /// that follows a step keeps its distance from the new time).
+    pub fn shifted(self, by_ms: i64) -> Self {
+        Self(if by_ms >= 0 {
+            self.0.saturating_add(by_ms.unsigned_abs())
+        } else {
+            self.0.saturating_sub(by_ms.unsigned_abs())
+        })
+    }
+
     /// Converts the wire's "0 means unset" convention.
     pub fn from_wire(ms: u64) -> Option<Self> {
         (ms != 0).then_some(Self(ms))
@@ -93,6 +104,44 @@ impl Monotonic {
     /// `self + d`, held at the end of the timeline rather than wrapping.
     pub fn saturating_add(self, d: Duration) -> Self {
         Self(self.0.saturating_add(d))
+    }
+}
+
+/// Notices steps of the wall clock: it keeps the wall clock's lead over the
+/// monotonic one, and a change of that lead by [`StepWatch::STEP`] or more
+/// at once is a step (NTP slews by far less). Deadlines kept on the wall
+/// clock follow a step by the amount it returns, so that a step forward does
+/// not make them all pass at once, nor a step back hold one for the step's
+/// length.
+#[derive(Debug, Clone, Copy)]
+pub struct StepWatch {
+    lead_ms: i64,
+}
+
+impl StepWatch {
+    /// How far the wall clock must move against the monotonic one at once
+    /// to count as a step.
+    pub const STEP: Duration = Duration::from_secs(1);
+
+    pub fn new(clock: &dyn Clock) -> Self {
+        Self {
+            lead_ms: Self::lead_ms(clock),
+        }
+    }
+
+    fn lead_ms(clock: &dyn Clock) -> i64 {
+        let wall = i64::try_from(clock.now().as_millis()).unwrap_or(i64::MAX);
+        let mono = i64::try_from(clock.monotonic().0.as_millis()).unwrap_or(i64::MAX);
+        wall.saturating_sub(mono)
+    }
+
+    /// The step since the last look (ms, positive forward), if the wall
+    /// clock stepped; the new lead is kept either way.
+    pub fn stepped(&mut self, clock: &dyn Clock) -> Option<i64> {
+        let lead = Self::lead_ms(clock);
+        let by = lead.saturating_sub(self.lead_ms);
+        self.lead_ms = lead;
+        (u128::from(by.unsigned_abs()) >= Self::STEP.as_millis()).then_some(by)
     }
 }
 

@@ -52,6 +52,13 @@ pub fn free_port() -> anyhow::Result<u16> {
 
 impl Etcd {
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_on("127.0.0.1")
+    }
+
+    /// A member that serves its clients on `listen_host` (`0.0.0.0`: also
+    /// to private test hosts, at this namespace's address on their links);
+    /// [`Etcd::endpoint`] is on loopback either way.
+    pub fn start_on(listen_host: &str) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let (client, peer) = (free_port()?, free_port()?);
         let client_url = format!("http://127.0.0.1:{client}");
@@ -59,7 +66,7 @@ impl Etcd {
         let child = Command::new("etcd")
             .args(["--name", "test", "--data-dir"])
             .arg(dir.path().join("data"))
-            .args(["--listen-client-urls", &client_url])
+            .args(["--listen-client-urls", &format!("http://{listen_host}:{client}")])
             .args(["--advertise-client-urls", &client_url])
             .args(["--listen-peer-urls", &peer_url])
             .args(["--initial-advertise-peer-urls", &peer_url])
@@ -85,6 +92,14 @@ impl Etcd {
     pub fn kill(&mut self) -> std::io::Result<()> {
         self.child.kill()?;
         self.child.wait().map(|_| ())
+    }
+
+    /// The port it serves its clients on.
+    pub fn port(&self) -> u16 {
+        self.endpoint
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap_or_default()
     }
 
     /// The member's process id (to pause it, as a stalled etcd).

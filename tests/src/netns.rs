@@ -21,9 +21,11 @@
 //! A link can also be cut one way (`iptables-legacy` dropping what one end
 //! sends on it), so that packets go out and nothing comes back.
 //!
-//! The kernel here has no `netem` qdisc (`tc` answers "Specified qdisc kind
-//! is unknown"), so latency, jitter and loss are not simulated; links are
-//! cut and restored.
+//! Links can be made slow and lossy ([`NetCluster::impair`]): the kernel
+//! here has no `netem` qdisc (`tc` answers "Specified qdisc kind is
+//! unknown"), so each service's namespace sends what leaves it through a
+//! netfilter queue, where `netdelay` (this crate's) holds each packet for
+//! the delay and its jitter, or drops it.
 
 use std::{
     net::SocketAddr,
@@ -55,9 +57,38 @@ pub struct NetCluster {
     pub decider: Service,
     pub executor: Service,
     pub driver: Service,
+    /// The `netdelay`s of an impaired network (stopped before it goes).
+    delayers: Delayers,
     net: Net,
     /// Logs and ready files; declared last, so it goes after the services.
     pub dir: tempfile::TempDir,
+}
+
+/// The `netdelay` processes and the namespaces whose packets go through
+/// them. When dropped (after the services), the namespaces stop queueing
+/// first, so that the services' last packets (their connections closing)
+/// still go out, and then each `netdelay` is ended by its child handle. A
+/// queue with no one reading it loses every packet, and a closing socket
+/// that can send nothing keeps its namespace, and that namespace's
+/// addresses, alive for minutes.
+#[derive(Debug, Default)]
+struct Delayers {
+    children: Vec<std::process::Child>,
+    namespaces: Vec<String>,
+}
+
+impl Drop for Delayers {
+    fn drop(&mut self) {
+        for ns in &self.namespaces {
+            let _ = Command::new("ip")
+                .args(["netns", "exec", ns, "iptables-legacy", "-F", "OUTPUT"])
+                .output();
+        }
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// The namespaces and links alone (no processes).
@@ -70,6 +101,31 @@ struct Net {
 }
 
 static NETS: AtomicU32 = AtomicU32::new(0);
+
+/// The first of four free /24s of 10.91.0.0/16 (third octets `k..k+4`),
+/// none of them on a link of this namespace now: a test network the kernel
+/// is still tearing down (its sockets closing) keeps its addresses a while,
+/// and a new one on the same subnets would route into it.
+fn free_octets() -> anyhow::Result<u32> {
+    let out = Command::new("ip")
+        .args(["-4", "-o", "addr", "show"])
+        .output()
+        .context("running ip (iproute2): install it, or run .ci/needs --install")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let used: std::collections::BTreeSet<u32> = text
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("10.91."))
+        .filter_map(|rest| rest.split('.').next()?.parse().ok())
+        .collect();
+    let start = NETS.fetch_add(1, Ordering::SeqCst);
+    for step in 0..60 {
+        let k = ((start + step) * 4) % 240 + 4;
+        if (k..k + 4).all(|o| !used.contains(&o)) {
+            return Ok(k);
+        }
+    }
+    bail!("no free subnets left in 10.91.0.0/16 (in use: {used:?})")
+}
 
 fn ip(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new("ip")
@@ -118,10 +174,10 @@ impl Net {
     }
 
     fn create() -> anyhow::Result<Self> {
-        let i = NETS.fetch_add(1, Ordering::SeqCst);
+        let octet = free_octets()?;
         let net = Self {
-            prefix: format!("pv{}n{i}", std::process::id() % 100_000),
-            octet: (i * 4) % 240 + 4,
+            prefix: format!("pv{}n{octet}", std::process::id() % 100_000),
+            octet,
         };
         for who in ['d', 'c', 'e'] {
             ip(&["netns", "add", &net.ns(who)])?;
@@ -289,6 +345,7 @@ impl NetCluster {
             decider,
             executor,
             driver,
+            delayers: Delayers::default(),
             net,
             dir,
         })
@@ -381,7 +438,182 @@ impl NetCluster {
         self.net.drop_sent(link, toward_driver, false)
     }
 
+    /// Makes every link slow and lossy: what each service's namespace sends
+    /// on its links is held for `delay_ms` ± `jitter_ms` and dropped with
+    /// probability `loss`, so each direction of every link has them (the
+    /// test's own sending on the API and inspect links excepted). For the
+    /// rest of the cluster's life.
+    pub fn impair(&mut self, delay_ms: u64, jitter_ms: u64, loss: f64, seed: u64) -> anyhow::Result<()> {
+        use std::io::BufRead as _;
+        let netdelay = crate::procs::bin_path("netdelay")?;
+        for (i, who) in ['d', 'c', 'e'].into_iter().enumerate() {
+            let ns = self.net.ns(who);
+            let mut child = Command::new("ip")
+                .args(["netns", "exec", &ns])
+                .arg(&netdelay)
+                .args([
+                    "--delay-ms",
+                    &delay_ms.to_string(),
+                    "--jitter-ms",
+                    &jitter_ms.to_string(),
+                    "--loss",
+                    &loss.to_string(),
+                    "--seed",
+                    &(seed + i as u64).to_string(),
+                    "--stats",
+                    &self
+                        .dir
+                        .path()
+                        .join(format!("netdelay-{who}.stats"))
+                        .display()
+                        .to_string(),
+                ])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .context("starting netdelay")?;
+            let stdout = child.stdout.take().context("netdelay's output")?;
+            self.delayers.children.push(child);
+            let mut line = String::new();
+            std::io::BufReader::new(stdout).read_line(&mut line)?;
+            if line.trim() != "bound" {
+                bail!("netdelay in {ns} did not bind its queue (said {line:?})");
+            }
+            let out = Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &ns,
+                    "iptables-legacy",
+                    "-A",
+                    "OUTPUT",
+                    "!",
+                    "-o",
+                    "lo",
+                ])
+                .args(["-j", "NFQUEUE", "--queue-num", "0"])
+                .output()
+                .context(
+                    "running iptables-legacy (Debian's iptables): install it, or run .ci/needs --install",
+                )?;
+            self.delayers.namespaces.push(ns.clone());
+            if !out.status.success() {
+                bail!(
+                    "queueing {ns}'s packets to netdelay failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// What the `netdelay`s of [`NetCluster::impair`] have let through and
+    /// dropped so far, summed: (passed, dropped).
+    pub fn impaired_packets(&self) -> (u64, u64) {
+        let mut sum = (0, 0);
+        for who in ['d', 'c', 'e'] {
+            let path = self.dir.path().join(format!("netdelay-{who}.stats"));
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            let words: Vec<&str> = text.split_whitespace().collect();
+            if let ["passed", p, "dropped", d] = words[..] {
+                sum.0 += p.parse::<u64>().unwrap_or(0);
+                sum.1 += d.parse::<u64>().unwrap_or(0);
+            }
+        }
+        sum
+    }
+
     pub fn path(&self) -> &Path {
         self.dir.path()
+    }
+}
+
+/// One private test host: a network namespace joined to this one by a veth
+/// pair (this end `near`, the host's end `far`, a /30 of 10.91.0.0/16), for
+/// one process that must be cut off from some of what it talks to and not
+/// from the rest. Deleted, with its link, when dropped; the processes in it
+/// must be ended first.
+#[derive(Debug)]
+pub struct Host {
+    ns: String,
+    /// This namespace's address on the link (what the host reaches us at).
+    pub near: String,
+    /// The host's address on the link.
+    pub far: String,
+}
+
+/// Which way [`Host::drop_port`] loses packets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// What the host sends to the port.
+    Out,
+    /// What comes back to the host from it.
+    In,
+}
+
+impl Host {
+    pub fn create() -> anyhow::Result<Self> {
+        let octet = free_octets()?;
+        let name = format!("pv{}h{octet}", std::process::id() % 100_000);
+        let host = Self {
+            ns: name.clone(),
+            near: format!("10.91.{octet}.1"),
+            far: format!("10.91.{octet}.2"),
+        };
+        ip(&["netns", "add", &host.ns])?;
+        ip(&["-n", &host.ns, "link", "set", "lo", "up"])?;
+        let (near_if, far_if) = (format!("{name}a"), format!("{name}b"));
+        ip(&["link", "add", &near_if, "type", "veth", "peer", "name", &far_if])?;
+        ip(&["link", "set", &far_if, "netns", &host.ns])?;
+        ip(&["addr", "add", &format!("{}/30", host.near), "dev", &near_if])?;
+        ip(&["link", "set", &near_if, "up"])?;
+        ip(&[
+            "-n",
+            &host.ns,
+            "addr",
+            "add",
+            &format!("{}/30", host.far),
+            "dev",
+            &far_if,
+        ])?;
+        ip(&["-n", &host.ns, "link", "set", &far_if, "up"])?;
+        Ok(host)
+    }
+
+    /// The command prefix that runs a program on the host.
+    pub fn wrapper(&self) -> [&str; 4] {
+        ["ip", "netns", "exec", &self.ns]
+    }
+
+    /// Loses (or, with `on: false`, stops losing) the TCP packets between
+    /// the host and `port` on this side that go `direction`: a partition
+    /// from that one peer, one way or (called for both) both ways, while
+    /// every other peer is reached as before.
+    pub fn drop_port(&self, port: u16, direction: Direction, on: bool) -> anyhow::Result<()> {
+        let port = port.to_string();
+        let (chain, peer, match_port) = match direction {
+            Direction::Out => ("OUTPUT", "-d", "--dport"),
+            Direction::In => ("INPUT", "-s", "--sport"),
+        };
+        let rule = if on { "-A" } else { "-D" };
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns, "iptables-legacy", rule, chain])
+            .args(["-p", "tcp", peer, &self.near, match_port, &port, "-j", "DROP"])
+            .output()
+            .context("running iptables-legacy (Debian's iptables): install it, or run .ci/needs --install")?;
+        if !out.status.success() {
+            bail!(
+                "dropping {direction:?} packets for port {port} in {} failed: {}",
+                self.ns,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        // Takes the veth pair with it.
+        let _ = ip(&["netns", "del", &self.ns]);
     }
 }

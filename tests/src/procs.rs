@@ -478,6 +478,9 @@ pub struct ClusterOptions {
     pub tls: bool,
     /// How many deciders (one unless [`ClusterOptions::deciders`]).
     pub deciders: usize,
+    /// Where the decider and the executor listen: loopback, or every
+    /// address ([`ClusterOptions::reachable_from_hosts`]).
+    pub services_listen: &'static str,
 }
 
 impl Default for ClusterOptions {
@@ -509,6 +512,7 @@ impl Default for ClusterOptions {
             service_env: Vec::new(),
             tls: true,
             deciders: 1,
+            services_listen: "127.0.0.1:0",
         }
     }
 }
@@ -536,6 +540,14 @@ impl ClusterOptions {
     /// `--decider` lists them all.
     pub fn deciders(mut self, n: usize) -> Self {
         self.deciders = n.max(1);
+        self
+    }
+
+    /// The decider and the executor listen on every address, so that a
+    /// process on a private test host ([`crate::netns::Host`]) reaches them
+    /// at this namespace's address on its link.
+    pub fn reachable_from_hosts(mut self) -> Self {
+        self.services_listen = "0.0.0.0:0";
         self
     }
 
@@ -609,9 +621,14 @@ impl Cluster {
             None
         };
         let env = |service: &str| opts.env_of(service);
-        let decider =
-            Service::start_with_env("decider-svc", dir.path(), "127.0.0.1:0", &[], &env("decider-svc"))
-                .await?;
+        let decider = Service::start_with_env(
+            "decider-svc",
+            dir.path(),
+            opts.services_listen,
+            &[],
+            &env("decider-svc"),
+        )
+        .await?;
         let mut more_deciders = Vec::new();
         for i in 2..=opts.deciders {
             // Each in a directory of its own (its log and ready file), with
@@ -623,8 +640,14 @@ impl Cluster {
                 None => vec!["--insecure".to_owned()],
             };
             more_deciders.push(
-                Service::start_with_env("decider-svc", &own, "127.0.0.1:0", &args, &env("decider-svc"))
-                    .await?,
+                Service::start_with_env(
+                    "decider-svc",
+                    &own,
+                    opts.services_listen,
+                    &args,
+                    &env("decider-svc"),
+                )
+                .await?,
             );
         }
         // The executor keeps its fencing epochs and results in the cluster's
@@ -638,7 +661,7 @@ impl Cluster {
         let executor = Service::start_with_env(
             "executor-svc",
             dir.path(),
-            "127.0.0.1:0",
+            opts.services_listen,
             &executor_args,
             &env("executor-svc"),
         )

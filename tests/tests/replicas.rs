@@ -43,6 +43,7 @@ use contract::{ClusterShape, Param, pb, pb::provisioning_client::ProvisioningCli
 use platform::event_trace::{TraceEvent, TraceLine, parse_line};
 use provisioning_tests::{
     etcd::{self, Etcd, EtcdMembers, MembersStart, PREFIX},
+    netns::{Direction, Host},
     procs::{
         self, AgentsDir, Cluster, ClusterOptions, Sampler, Service, bin_path, live_agent_pids, run_events,
         watch_until,
@@ -191,9 +192,24 @@ impl Replicated {
 
     /// As [`Replicated::start`], the replicas' leases `lease_s` seconds long.
     async fn start_with_lease(lease_s: &str) -> Self {
+        Self::start_with(lease_s, false).await
+    }
+
+    /// As [`Replicated::start`], with etcd, the decider and the executor
+    /// listening on every address, for replicas on private test hosts
+    /// ([`Replicated::add_on_host`]).
+    async fn start_reachable() -> Self {
+        Self::start_with(LEASE_TTL_S, true).await
+    }
+
+    async fn start_with(lease_s: &str, reachable: bool) -> Self {
         require_etcd_driver();
         let agents = AgentsDir::new().unwrap();
-        let etcd = Etcd::start().unwrap();
+        let etcd = if reachable {
+            Etcd::start_on("0.0.0.0").unwrap()
+        } else {
+            Etcd::start().unwrap()
+        };
         let dir = tempfile::tempdir().unwrap();
         let trace = |name: &str| dir.path().join(format!("{name}.trace")).display().to_string();
         let opts = ClusterOptions::default()
@@ -211,6 +227,11 @@ impl Replicated {
             .driver("--etcd-endpoints", &etcd.endpoint)
             .driver("--etcd-lease-ttl-s", lease_s)
             .driver("--metrics-listen", "127.0.0.1:0");
+        let opts = if reachable {
+            opts.reachable_from_hosts()
+        } else {
+            opts
+        };
         let driver_args = opts.driver_args.clone();
         let opts = opts
             .driver("--etcd-owner-id", "d1")
@@ -280,6 +301,29 @@ impl Replicated {
         for (id, s) in ids.iter().zip(starts) {
             self.extra.push(((*id).to_owned(), s.await.unwrap()));
         }
+    }
+
+    /// Starts replica `id` on `host`, reaching etcd, the decider and the
+    /// executor over the host's link, so that it can be cut off from one
+    /// of them alone. Its address is its end of the link.
+    async fn add_on_host(&mut self, id: &str, host: &Host) {
+        let (dir, mut args) = self.replica_args(id);
+        let near = |port: u16| format!("{}:{port}", host.near);
+        for i in 0..args.len().saturating_sub(1) {
+            let value = match args[i].as_str() {
+                "--decider" => format!("http://{}", near(self.cluster.decider.addr.port())),
+                "--executor" => format!("http://{}", near(self.cluster.executor.addr.port())),
+                "--store" => format!("etcd://{}", near(self.etcd.port())),
+                _ => continue,
+            };
+            args[i + 1] = value;
+        }
+        let mut service =
+            Service::start_wrapped("driver-svc", &dir, "0.0.0.0:0", &args, &[], &host.wrapper())
+                .await
+                .unwrap();
+        service.addr = std::net::SocketAddr::new(host.far.parse().unwrap(), service.addr.port());
+        self.extra.push((id.to_owned(), service));
     }
 
     fn replica(&mut self, id: &str) -> &mut Service {
@@ -709,6 +753,101 @@ async fn a_paused_owner_resumed_after_a_takeover_writes_and_dispatches_nothing()
          {fenced} operations fenced; {} trace lines from d1 after resuming; {samples} samples",
         d1.len()
     );
+}
+
+/// The run's owner, on a private test host, is cut off from etcd by a real
+/// partition (the kernel loses its packets to etcd, `directions` of them)
+/// mid-convergence, while it still reaches the decider and the executor.
+/// Another replica takes the run over once the owner's lease lapses; the
+/// cut-off owner, finding its lease gone by its own clock, stops and exits.
+/// etcd takes no write of it after the takeover, the executor starts
+/// nothing under its epoch after the new claim, no slot ever has two live
+/// agents, and the run converges under the new owner.
+async fn owner_partitioned_from_etcd(directions: &[Direction]) {
+    let mut r = Replicated::start_reachable().await;
+    let sampler = Sampler::start(&r.agents.root);
+    let host = Host::create().unwrap();
+    r.add_on_host("p1", &host).await;
+    let mut etcd = r.etcd.client().await.unwrap();
+
+    let uid = r.apply("p1", &workers(1, 8)).await.unwrap();
+    assert_eq!(owner(&mut etcd, &uid).await.as_deref(), Some("p1"));
+    r.mid_convergence("p1").await;
+    let cut_at = now_us();
+    for d in directions {
+        host.drop_port(r.etcd.port(), *d, true).unwrap();
+    }
+    // The owner still reaches the rest: its API answers from the host.
+    let mut c = r.client_of("p1").await;
+    get_run(&mut c).await.unwrap();
+
+    let (_, failover) = r.new_owner(&mut etcd, &uid, &["d1"]).await;
+    let done = r.until("d1", |s| s.converged && s.generation == 1).await;
+    assert_eq!(done.ready_count, 8);
+    assert_eq!(live_agent_pids(&r.agents.root).len(), 8);
+
+    // The cut-off owner gave up the run by its own clock, and exited for
+    // its supervisor to start it afresh.
+    let p1 = r.replica("p1");
+    let exited = p1
+        .wait_exit(Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("the replica cut off from etcd kept running");
+    assert!(!exited.success(), "{exited}");
+    let log = std::fs::read_to_string(p1.log_file()).unwrap();
+    assert!(log.contains("lost its etcd lease"), "{log}");
+    for d in directions {
+        host.drop_port(r.etcd.port(), *d, false).unwrap();
+    }
+
+    // Order from etcd's history: nothing of p1's was written after d1 took
+    // the run; and from the executor's trace: nothing started under p1's
+    // epoch after d1's claim.
+    let owners = history(&mut etcd, &format!("{PREFIX}owners/{uid}")).await;
+    let writers = history(&mut etcd, &format!("{PREFIX}runs/{uid}/writer")).await;
+    let taken = claimed_at(&owners, "d1", 0);
+    assert!(
+        writes_by(&writers, "p1").iter().all(|w| *w < taken),
+        "{writers:?} {owners:?}"
+    );
+    let (claims, fenced) = r.check_executor_fencing(&uid);
+    assert!(claims.len() >= 2, "claims accepted at the executor: {claims:?}");
+    // And from p1's own trace: no operation sent once the cut was a second
+    // old (one recorded just before it may still go out: its record is in
+    // etcd; none recorded after it can be).
+    let sent_after: Vec<TraceLine> = read_trace(&r.trace_path("p1"))
+        .into_iter()
+        .filter(|l| {
+            l.t_us >= cut_at + 1_000_000 && matches!(l.event, TraceEvent::Dispatched { sent: true, .. })
+        })
+        .collect();
+    assert!(
+        sent_after.is_empty(),
+        "p1 dispatched while cut off: {sent_after:?}"
+    );
+    r.delete_and_clean("d1").await;
+    let samples = sampler.finish();
+    println!(
+        "etcd partition ({directions:?}): d1 owned the run {} ms after the cut (lease {LEASE_TTL_S} s), \
+         claimed at revision {taken}; p1 wrote nothing after; executor epochs {claims:?}, \
+         {fenced} operations fenced; {samples} samples",
+        failover.as_millis()
+    );
+    drop(r);
+    drop(host);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_partitioned_from_etcd_both_ways_hands_over_and_writes_nothing() {
+    owner_partitioned_from_etcd(&[Direction::Out, Direction::In]).await;
+}
+
+/// The asymmetric case: what the owner sends reaches etcd, but nothing
+/// etcd answers comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_hears_nothing_from_etcd_hands_over_and_writes_nothing() {
+    owner_partitioned_from_etcd(&[Direction::In]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

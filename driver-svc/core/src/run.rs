@@ -1246,13 +1246,7 @@ impl RunState {
         if by_ms == 0 {
             return 0;
         }
-        let shift = |t: UnixMillis| {
-            UnixMillis::new(if by_ms >= 0 {
-                t.as_millis().saturating_add(by_ms.unsigned_abs())
-            } else {
-                t.as_millis().saturating_sub(by_ms.unsigned_abs())
-            })
-        };
+        let shift = |t: UnixMillis| t.shifted(by_ms);
         fn shift_record(rec: &mut NodeRecord, shift: &impl Fn(UnixMillis) -> UnixMillis) {
             let n = &mut rec.node;
             if let Some(p) = &mut n.pending {
