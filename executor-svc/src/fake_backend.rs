@@ -328,6 +328,7 @@ impl Shared {
             return next_change;
         }
         let due = state.provider.due_observations(now);
+        let mut done = Vec::new();
         for o in due {
             if let Some(sink) = state.sinks.get(&o.identity).or(state.resumed.as_ref()) {
                 let raw = RawObservation::new(o.identity.clone(), o.session, o.stage, o.detail, o.at);
@@ -336,7 +337,16 @@ impl Shared {
                 let _ = sink.send(raw);
             }
             if !state.provider.is_emitting(&o.identity) {
-                state.sinks.remove(&o.identity);
+                done.push(o.identity);
+            }
+        }
+        // A finished session's sink goes once all its due stages are out:
+        // several can fall due at once (an emitter that ran late), and
+        // each goes to its session's sink, with the trace of the call that
+        // started it, never to the sink of restored sessions.
+        for identity in done {
+            if !state.provider.is_emitting(&identity) {
+                state.sinks.remove(&identity);
             }
         }
         [state.provider.next_observation_at(), next_change]
@@ -684,6 +694,48 @@ mod tests {
         assert_eq!(stages.len(), 5, "{stages:?}");
         // The finished session no longer holds a sink.
         assert!(backend.shared.lock().sinks.is_empty());
+    }
+
+    /// Every stage of a session falls due at once (the emitter ran late):
+    /// each still goes to the sink of the call that started the session,
+    /// with its trace, not to the sink of restored sessions.
+    #[tokio::test]
+    async fn stages_due_together_keep_the_trace_of_their_start() {
+        let clock = contract::ManualClock::new(UnixMillis::new(1_000_000));
+        let backend = FakeBackend::start(quick(), None, Arc::new(clock.clone())).unwrap();
+        let (restored_tx, mut restored) = mpsc::unbounded_channel();
+        backend.resume(ObservationSink::new(restored_tx, TraceContext::default()));
+        let (s, mut rx) = sink();
+        let lease = facts(backend.execute(create(), s.clone()).await).lease.unwrap();
+        let start = op(
+            1,
+            1,
+            OperationInput::StartBootstrap {
+                lease,
+                endpoint: Endpoint::new("endpoint", "10.0.0.1:22").unwrap(),
+                boot: Params::new(),
+                join: Params::new(),
+            },
+        );
+        let _ = facts(backend.execute(start, s).await);
+        clock.advance(60_000);
+        backend.shared.wake.notify_one();
+        let mut stages = Vec::new();
+        while let Some(o) = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .unwrap()
+        {
+            assert_eq!(o.trace, create().trace);
+            stages.push(o.stage);
+            if o.stage == BootstrapStage::Converged {
+                break;
+            }
+        }
+        assert_eq!(stages.len(), 5, "{stages:?}");
+        assert!(
+            restored.try_recv().is_err(),
+            "a stage went to the restored sessions' sink"
+        );
     }
 
     #[tokio::test]
