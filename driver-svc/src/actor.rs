@@ -225,6 +225,14 @@ pub(crate) struct RunActor {
     origin: Option<TraceContext>,
     /// The folds since the last pass started; the next pass links to them.
     causes: Vec<TraceContext>,
+    /// The latest client request that changed the run, numbered: the
+    /// operations it causes link to it (see [`RunActor::dispatch`]).
+    request: Option<(u64, telemetry::Cause)>,
+    requests: u64,
+    /// Each node's latest fold that changed it, with the number of the
+    /// latest request then: its next operation links to it, so that a
+    /// node's life is one path of links however many passes it spans.
+    node_causes: HashMap<LogicalNodeId, (u64, telemetry::Cause)>,
     /// Causes past [`MAX_CAUSES`] since the last pass began.
     causes_dropped: u64,
     /// Since when the run has wanted a pass that has not started (the work
@@ -268,6 +276,7 @@ impl RunActor {
     /// trace of the request that created the run, if one did.
     pub(crate) fn spawn(run: RunState, shared: Arc<RunContext>, origin: TraceContext) -> RunHandle {
         let (tx, rx) = mpsc::unbounded_channel();
+        let request = telemetry::Cause::from_trace(&origin).map(|c| (1, c));
         let now = shared.clock.now();
         let (status, status_rx) = watch::channel(Arc::new(run_status(&run, false, now)));
         let (event_mark, events_rx) = watch::channel(run.event_mark());
@@ -322,6 +331,9 @@ impl RunActor {
             speculative: false,
             origin: (!origin.traceparent.is_empty()).then_some(origin),
             causes: Vec::new(),
+            request,
+            requests: 1,
+            node_causes: HashMap::new(),
             causes_dropped: 0,
             wanted_since: None,
             in_flight,
@@ -799,6 +811,10 @@ impl RunActor {
     /// A client request changed the run: the pass that carries the change out
     /// is the request's child (the latest request's, if several arrive).
     fn request_changed(&mut self, trace: TraceContext) {
+        if let Some(cause) = telemetry::Cause::from_trace(&trace) {
+            self.requests += 1;
+            self.request = Some((self.requests, cause));
+        }
         if !trace.traceparent.is_empty() {
             self.origin = Some(trace);
         }
@@ -874,7 +890,7 @@ impl RunActor {
                     Ok(Fold::Folded) => {
                         self.shared.metrics.exported.folds.inc(&["result"]);
                         self.close_operation(r.id, r.outcome.class_name(), now);
-                        self.caused_by(&span);
+                        self.caused_by(&span, &r.node);
                     }
                     Ok(Fold::Discarded(why)) => self.discarded(&span, "result", why.name()),
                     Err(_) => {}
@@ -907,7 +923,7 @@ impl RunActor {
                 match &folded {
                     Ok(Fold::Folded) => {
                         self.shared.metrics.exported.folds.inc(&["observation"]);
-                        self.caused_by(&span);
+                        self.caused_by(&span, &o.node);
                     }
                     Ok(Fold::Discarded(why)) => self.discarded(&span, "observation", why.name()),
                     Err(_) => {}
@@ -949,7 +965,7 @@ impl RunActor {
                             }
                         }
                         self.shared.metrics.exported.folds.inc(&["change"]);
-                        self.caused_by(&span);
+                        self.caused_by(&span, &c.node);
                     }
                     Ok(Fold::Discarded(why)) => self.discarded(&span, "change", why.name()),
                     Err(_) => {}
@@ -1009,8 +1025,12 @@ impl RunActor {
         }
     }
 
-    /// A fold changed the run: the next pass links to the fold's span.
-    fn caused_by(&mut self, fold: &tracing::Span) {
+    /// A fold changed `node`: the next pass links to the fold's span, and
+    /// so does the node's next operation.
+    fn caused_by(&mut self, fold: &tracing::Span, node: &LogicalNodeId) {
+        if let Some(cause) = telemetry::Cause::of(fold) {
+            self.node_causes.insert(node.clone(), (self.requests, cause));
+        }
         let cx = telemetry::context_of(fold);
         if !cx.traceparent.is_empty() {
             if self.causes.len() < MAX_CAUSES {
@@ -1211,14 +1231,22 @@ impl RunActor {
                         }
                         self.shared.metrics.dispatched(&ops);
                         let count = ops.len();
+                        let pass = telemetry::Cause::of(&span);
                         for (i, op) in ops.into_iter().enumerate() {
-                            self.dispatch(op, now);
+                            self.dispatch(op, now, pass.as_ref());
                             if i == 0 && count > 1 {
                                 crash::hit(crash::Point::PassDispatchedOne);
                             }
                         }
                         if count > 0 {
                             crash::hit(crash::Point::PassDispatched);
+                        }
+                        // The causes of nodes the run no longer has (scaled
+                        // down, deleted) go, in one sweep when they could
+                        // have doubled the map.
+                        if self.node_causes.len() > 2 * self.run.node_count() + 64 {
+                            let run = &self.run;
+                            self.node_causes.retain(|node, _| run.node(node).is_some());
                         }
                         self.changed = true;
                     }
@@ -1322,12 +1350,38 @@ impl RunActor {
         span
     }
 
-    /// Opens the span of an operation the current pass dispatched (a child
-    /// of the pass's span, which is entered) and submits the operation under
-    /// it. The span ends when the operation's outcome is folded.
-    fn dispatch(&mut self, op: Operation, now: UnixMillis) {
+    /// Opens the span of an operation the current pass dispatched and
+    /// submits the operation under it. The span ends when the operation's
+    /// outcome is folded.
+    ///
+    /// Each operation is the root of a trace of its own (its call at the
+    /// executor, the fold of its result, a bootstrap's stages), so that no
+    /// trace grows with the run. It links to what caused it: the pass that
+    /// decided it (`pass`), the node's latest fold (so a node's operations
+    /// form one chain of links from its insert to its readiness and on to
+    /// its destruction), and the latest client request when that came after
+    /// the node's latest fold (so an `Apply` or a `DeleteRun` reaches every
+    /// operation it caused, in whichever pass). At most three links.
+    fn dispatch(&mut self, op: Operation, now: UnixMillis, pass: Option<&telemetry::Cause>) {
         let effect = op.input.effect();
-        let span = platform::operation_span!("operation", format_args!("operation {}", effect.name()), &op);
+        let span = platform::operation_span!(
+            parent: None,
+            "operation",
+            format_args!("operation {}", effect.name()),
+            &op
+        );
+        if let Some(pass) = pass {
+            pass.link(&span);
+        }
+        let node_cause = self.node_causes.get(&op.node);
+        if let Some((_, cause)) = node_cause {
+            cause.link(&span);
+        }
+        if let Some((at, request)) = &self.request
+            && node_cause.is_none_or(|(seen, _)| seen < at)
+        {
+            request.link(&span);
+        }
         self.shared.metrics.exported.in_flight.add(&[effect.name()], 1.0);
         self.in_flight.insert(
             op.id,

@@ -444,6 +444,34 @@ pub fn add_link(span: &tracing::Span, trace: &TraceContext) {
     span.add_link(span_context(trace));
 }
 
+/// What caused a piece of work, kept so that the work's span can link to it
+/// later: a recorded span's ids (no strings), cheap enough to keep one for
+/// every node of a large run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cause(SpanContext);
+
+impl Cause {
+    /// `span` as a cause, if it is recorded (a span nobody samples is no
+    /// use to link to).
+    pub fn of(span: &tracing::Span) -> Option<Self> {
+        let cx = span.context();
+        let sc = cx.span().span_context().clone();
+        (sc.is_valid() && sc.is_sampled()).then_some(Self(sc))
+    }
+
+    /// The span a message's trace context names, as a cause.
+    pub fn from_trace(trace: &TraceContext) -> Option<Self> {
+        let sc = span_context(trace);
+        (sc.is_valid() && sc.is_sampled()).then_some(Self(sc))
+    }
+
+    /// Links `span` to this cause (an OpenTelemetry span link). Must be
+    /// called before the span has ended.
+    pub fn link(&self, span: &tracing::Span) {
+        span.add_link(self.0.clone());
+    }
+}
+
 /// Makes `span` the root of a trace that is not sampled: neither it nor
 /// anything under it, here or in the services it calls, is recorded (with the
 /// default parent-based sampler). For work that is recorded only if it turns

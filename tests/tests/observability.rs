@@ -470,8 +470,9 @@ async fn one_trace_follows_each_operation_across_the_three_services() {
         );
     }
 
-    // For every node: one trace holds its create-lease from the driver's
-    // pass through the decider and the executor and back to the fold.
+    // For every node: one trace holds its create-lease from the driver
+    // through the executor and back to the fold, and links to the pass that
+    // decided it, whose trace holds the Decide call.
     for node in [
         "ctrl-0",
         "ctrl-1",
@@ -487,10 +488,11 @@ async fn one_trace_follows_each_operation_across_the_three_services() {
         let in_trace: Vec<&Received> = spans.iter().filter(|s| s.trace_id == op.trace_id).collect();
         let services: BTreeSet<&str> = in_trace.iter().map(|s| s.service.as_str()).collect();
         assert_eq!(
-            services.len(),
-            3,
-            "{node}'s create-lease trace spans {services:?}"
+            services,
+            BTreeSet::from([driver, executor]),
+            "{node}'s create-lease trace"
         );
+        assert!(op.parent.is_empty(), "{node}'s create-lease is a root");
         let execute = in_trace
             .iter()
             .find(|s| s.parent == op.span_id && s.service == executor)
@@ -501,9 +503,16 @@ async fn one_trace_follows_each_operation_across_the_three_services() {
                 .any(|s| s.parent == execute.span_id && s.service == driver && s.name == "fold result"),
             "{node}'s result is folded under the executor's span"
         );
+        let pass = op
+            .links
+            .iter()
+            .find_map(|(_, id)| by_id.get(id.as_str()).filter(|s| s.name == "pass"))
+            .unwrap_or_else(|| panic!("{node}'s create-lease links to no pass"));
         assert!(
-            in_trace.iter().any(|s| s.service == decider),
-            "{node}'s trace holds the Decide call"
+            spans
+                .iter()
+                .any(|s| s.trace_id == pass.trace_id && s.service == decider),
+            "the trace of {node}'s pass holds the Decide call"
         );
     }
 
@@ -642,6 +651,210 @@ async fn a_pass_with_more_causes_than_links_counts_the_rest() {
         passes.iter().any(|p| p.links.len() == 16) && counted > 0,
         "no pass had more causes than links: {:?}",
         passes.iter().map(|p| p.links.len()).collect::<Vec<_>>()
+    );
+}
+
+/// The most spans one trace may hold (ARCHITECTURE.md, "Tracing"): a
+/// request and its pass with the Decide call, or one operation with its
+/// call at the executor, its fold and a bootstrap's stages. Traces do not
+/// grow with the run.
+const TRACE_SPAN_BOUND: usize = 64;
+
+/// The spans reachable from `from` by walking to children and to the spans
+/// that link to what was reached (what it caused).
+fn reachable<'a>(spans: &'a [Received], from: &Received) -> BTreeSet<&'a str> {
+    let mut caused: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for s in spans {
+        if !s.parent.is_empty() {
+            caused.entry(s.parent.as_str()).or_default().push(&s.span_id);
+        }
+        for (_, linked) in &s.links {
+            caused.entry(linked.as_str()).or_default().push(&s.span_id);
+        }
+    }
+    let mut seen: BTreeSet<&str> = BTreeSet::new();
+    let start = spans
+        .iter()
+        .find(|s| s.span_id == from.span_id)
+        .map(|s| s.span_id.as_str())
+        .unwrap();
+    let mut next = vec![start];
+    while let Some(id) = next.pop() {
+        if seen.insert(id) {
+            next.extend(caused.get(id).into_iter().flatten().copied());
+        }
+    }
+    seen
+}
+
+/// A node's life, followed from outside as an on-call engineer would: a
+/// 200-node run is applied, then scaled down and given a new image, then
+/// deleted. From each request's span, walking to children and to the spans
+/// that link back (what each caused), every node it changed is reached: to
+/// the fold of its `converged` stage after each apply, and to the fold of
+/// its lease's destruction after the scale-down and the delete, through
+/// however many passes. Every span's parent was received, no trace holds
+/// more than [`TRACE_SPAN_BOUND`] spans, and the causes passes could not
+/// link are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_node_s_life_is_reached_from_the_request_that_changed_it() {
+    let (receiver, otlp) = start_receiver().await;
+    let mut cluster = Cluster::start(
+        traced(otlp)
+            .env("OTEL_BSP_MAX_QUEUE_SIZE", "500000")
+            .executor("--fake-stage-interval-ms", "1"),
+    )
+    .await
+    .unwrap();
+    let mut c = cluster.client().await.unwrap();
+    let run = "life";
+    for (generation, groups) in [
+        (1, [("ctrl", 20, "img:1"), ("workers", 180, "img:1")]),
+        (2, [("ctrl", 20, "img:2"), ("workers", 150, "img:2")]),
+    ] {
+        let s = shape(run, generation, "fake", &groups);
+        c.apply(pb::ApplyRequest {
+            shape: Some(pb::ClusterShape::from(&s)),
+        })
+        .await
+        .unwrap();
+        if let Err(e) = watch_until(&mut c, run, CONVERGE, |s| {
+            s.converged && s.generation == generation
+        })
+        .await
+        {
+            cluster.dump_logs();
+            panic!("{e}");
+        }
+    }
+    c.delete_run(pb::DeleteRunRequest { run_id: run.into() })
+        .await
+        .unwrap();
+    eventually(CONVERGE, "the run is gone", || {
+        let mut c = c.clone();
+        async move {
+            let got = c
+                .get_run(pb::GetRunRequest {
+                    run_id: run.into(),
+                    include_nodes: false,
+                })
+                .await;
+            matches!(got, Err(s) if s.code() == tonic::Code::NotFound).then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    drop(c);
+    stop(&mut cluster).await;
+    let spans = receiver.spans.lock().unwrap().clone();
+
+    // Every parent was received.
+    let ids: BTreeSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    let orphans: Vec<(&str, &str)> = spans
+        .iter()
+        .filter(|s| !s.parent.is_empty() && !ids.contains(s.parent.as_str()))
+        .map(|s| (s.service.as_str(), s.name.as_str()))
+        .collect();
+    assert!(orphans.is_empty(), "spans whose parent never came: {orphans:?}");
+    // No trace grows with the run.
+    let mut per_trace: BTreeMap<&str, usize> = BTreeMap::new();
+    for s in &spans {
+        *per_trace.entry(s.trace_id.as_str()).or_default() += 1;
+    }
+    let largest = per_trace.values().copied().max().unwrap_or(0);
+    assert!(
+        largest <= TRACE_SPAN_BOUND,
+        "a trace of {largest} spans (bound {TRACE_SPAN_BOUND})"
+    );
+
+    let requests = |name: &str| -> Vec<&Received> {
+        let mut r: Vec<&Received> = spans
+            .iter()
+            .filter(|s| s.name == format!("provisioning.v1.Provisioning/{name}"))
+            .collect();
+        r.sort_by_key(|s| s.start_ns);
+        r
+    };
+    let applies = requests("Apply");
+    let deletes = requests("DeleteRun");
+    assert_eq!((applies.len(), deletes.len()), (2, 1));
+    let node_of = |s: &Received| s.attr("provisioning.node.id").unwrap_or_default().to_owned();
+    let converged_after = |at: u64| -> Vec<&Received> {
+        spans
+            .iter()
+            .filter(|s| {
+                s.name == "fold observation"
+                    && s.attr("provisioning.bootstrap.stage") == Some("converged")
+                    && s.start_ns > at
+            })
+            .collect()
+    };
+    let destroyed_after = |at: u64| -> Vec<&Received> {
+        spans
+            .iter()
+            .filter(|s| {
+                s.name == "fold result"
+                    && s.attr("provisioning.operation.effect") == Some("destroy-lease")
+                    && s.attr("provisioning.operation.outcome") == Some("succeeded")
+                    && s.start_ns > at
+            })
+            .collect()
+    };
+    // Which nodes `ends` of them `request` reaches.
+    let reached = |request: &Received, ends: &[&Received]| -> BTreeSet<String> {
+        let from = reachable(&spans, request);
+        ends.iter()
+            .filter(|s| from.contains(s.span_id.as_str()))
+            .map(|s| node_of(s))
+            .collect()
+    };
+    let names =
+        |group: &str, n: usize| -> BTreeSet<String> { (0..n).map(|i| format!("{group}-{i}")).collect() };
+    let all = |groups: &[(&str, usize)]| -> BTreeSet<String> {
+        groups.iter().flat_map(|(g, n)| names(g, *n)).collect()
+    };
+
+    let gen1 = all(&[("ctrl", 20), ("workers", 180)]);
+    let ready1 = reached(applies[0], &converged_after(applies[0].start_ns));
+    assert_eq!(
+        gen1.difference(&ready1).collect::<Vec<_>>(),
+        Vec::<&String>::new(),
+        "nodes whose readiness the first Apply does not reach"
+    );
+    let gen2 = all(&[("ctrl", 20), ("workers", 150)]);
+    let ready2 = reached(applies[1], &converged_after(applies[1].start_ns));
+    assert_eq!(
+        gen2.difference(&ready2).collect::<Vec<_>>(),
+        Vec::<&String>::new(),
+        "replaced nodes whose readiness the second Apply does not reach"
+    );
+    let removed: BTreeSet<String> = (150..180).map(|i| format!("workers-{i}")).collect();
+    let gone2 = reached(applies[1], &destroyed_after(applies[1].start_ns));
+    assert_eq!(
+        removed.difference(&gone2).collect::<Vec<_>>(),
+        Vec::<&String>::new(),
+        "removed nodes whose destruction the second Apply does not reach"
+    );
+    let gone = reached(deletes[0], &destroyed_after(deletes[0].start_ns));
+    assert_eq!(
+        gen2.difference(&gone).collect::<Vec<_>>(),
+        Vec::<&String>::new(),
+        "nodes whose destruction the DeleteRun does not reach"
+    );
+
+    let passes: Vec<&Received> = spans.iter().filter(|s| s.name == "pass").collect();
+    let dropped: u64 = passes
+        .iter()
+        .filter_map(|p| p.attr("provisioning.pass.links_dropped")?.parse::<u64>().ok())
+        .sum();
+    let ops = spans.iter().filter(|s| s.name.starts_with("operation ")).count();
+    let most_links = spans.iter().map(|s| s.links.len()).max().unwrap_or(0);
+    println!(
+        "node lives: {} spans in {} traces (largest {largest}); {} passes, {ops} operations; \
+         the most links on a span {most_links}; {dropped} pass causes counted, not linked",
+        spans.len(),
+        per_trace.len(),
+        passes.len(),
     );
 }
 
