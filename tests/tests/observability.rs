@@ -858,6 +858,58 @@ async fn every_node_s_life_is_reached_from_the_request_that_changed_it() {
     );
 }
 
+/// SIGTERM right after a delete has finished: the last pass (the one that
+/// saw the run gone) and its calls are exported whole. No span's parent is
+/// missing; in particular every Decide call the decider served has its
+/// client span and its pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_right_after_a_delete_exports_the_last_pass_whole() {
+    for round in 0..3 {
+        let (receiver, otlp) = start_receiver().await;
+        let mut cluster = Cluster::start(traced(otlp)).await.unwrap();
+        let (mut c, _) = converge(&cluster, "final").await;
+        c.delete_run(pb::DeleteRunRequest {
+            run_id: "final".into(),
+        })
+        .await
+        .unwrap();
+        eventually(CONVERGE, "the run is gone", || {
+            let mut c = c.clone();
+            async move {
+                let got = c
+                    .get_run(pb::GetRunRequest {
+                        run_id: "final".into(),
+                        include_nodes: false,
+                    })
+                    .await;
+                matches!(got, Err(s) if s.code() == tonic::Code::NotFound).then_some(())
+            }
+        })
+        .await
+        .unwrap();
+        drop(c);
+        stop(&mut cluster).await;
+        let spans = receiver.spans.lock().unwrap().clone();
+        let ids: BTreeSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+        let orphans: Vec<(&str, &str)> = spans
+            .iter()
+            .filter(|s| !s.parent.is_empty() && !ids.contains(s.parent.as_str()))
+            .map(|s| (s.service.as_str(), s.name.as_str()))
+            .collect();
+        assert!(orphans.is_empty(), "round {round}: spans whose parent never came: {orphans:?}");
+        let deleted_pass = spans.iter().any(|s| {
+            s.name == "pass"
+                && s.attr("provisioning.run.id") == Some("final")
+                && s.start_ns
+                    > spans
+                        .iter()
+                        .find(|d| d.name == "provisioning.v1.Provisioning/DeleteRun")
+                        .map_or(u64::MAX, |d| d.start_ns)
+        });
+        assert!(deleted_pass, "round {round}: no pass after the DeleteRun was exported");
+    }
+}
+
 fn assert_counts_are_integers(spans: &[Received]) {
     let mut seen = BTreeSet::new();
     for s in spans {
