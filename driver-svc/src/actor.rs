@@ -40,7 +40,7 @@ use crate::{
     error::DriverError,
     events::{In, RunEvents, Verdict},
     link::{self, FromExecutor, LinkEvent},
-    metrics::QUEUE,
+    metrics::{CONTROLLER, QUEUE},
     status::{self, run_status},
 };
 
@@ -1205,7 +1205,7 @@ impl RunActor {
                             "success"
                         };
                         record_pass(&span, &outcome, result);
-                        e.reconcile.inc(&[result]);
+                        e.reconcile.inc(&[CONTROLLER, result]);
                         if outcome.follow_up {
                             // The follow-up pass is work queued by this one.
                             self.want();
@@ -1255,8 +1255,8 @@ impl RunActor {
                             .pass_failed(|| format!("applying the decisions failed: {err}"));
                         span.record("provisioning.pass.result", "error");
                         span.record("otel.status_code", "error");
-                        e.reconcile.inc(&["error"]);
-                        e.reconcile_errors.inc(&["apply"]);
+                        e.reconcile.inc(&[CONTROLLER, "error"]);
+                        e.reconcile_errors.inc(&[CONTROLLER, "apply"]);
                         tracing::error!(run = %self.run.run_id(), error = %err, "applying decisions failed");
                         if let PassError::Store(store) = &err {
                             // The decisions are applied in memory and not
@@ -1298,8 +1298,8 @@ impl RunActor {
                 };
                 span.record("provisioning.pass.result", "error");
                 span.record("otel.status_code", "error");
-                e.reconcile.inc(&["error"]);
-                e.reconcile_errors.inc(&[reason]);
+                e.reconcile.inc(&[CONTROLLER, "error"]);
+                e.reconcile_errors.inc(&[CONTROLLER, reason]);
                 e.queue_retries.inc(&[QUEUE]);
                 // The retry is queued work: the run stays wanted until it runs.
                 self.want();
@@ -1308,8 +1308,9 @@ impl RunActor {
             }
         }
         if let Some(started) = started {
-            e.pass_duration
-                .observe_duration(&[], self.monotonic().saturating_since(started));
+            let took = self.monotonic().saturating_since(started);
+            e.pass_duration.observe_duration(&[CONTROLLER], took);
+            e.work_duration.observe_duration(&[QUEUE], took);
         }
     }
 

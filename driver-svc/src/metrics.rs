@@ -41,6 +41,10 @@ impl Default for Metrics {
 /// label theirs: one key per run.
 pub(crate) const QUEUE: &str = "runs";
 
+/// The controller's name in the `controller` label, as controller-runtime
+/// labels its reconcile metrics: the driver reconciles runs.
+pub(crate) const CONTROLLER: &str = "run";
+
 /// The driver's metric families, in the controller-runtime / client-go work
 /// queue conventions where one applies.
 #[derive(Debug, Clone)]
@@ -49,6 +53,7 @@ pub(crate) struct Exported {
     pub(crate) queue_adds: Counter,
     pub(crate) queue_duration: Histogram,
     pub(crate) queue_retries: Counter,
+    pub(crate) work_duration: Histogram,
     pub(crate) reconcile: Counter,
     pub(crate) reconcile_errors: Counter,
     pub(crate) pass_duration: Histogram,
@@ -105,10 +110,10 @@ impl Exported {
         self.queue_adds.init(&[QUEUE]);
         self.queue_retries.init(&[QUEUE]);
         for result in RECONCILE_RESULTS {
-            self.reconcile.init(&[result]);
+            self.reconcile.init(&[CONTROLLER, result]);
         }
         for reason in RECONCILE_ERRORS {
-            self.reconcile_errors.init(&[reason]);
+            self.reconcile_errors.init(&[CONTROLLER, reason]);
         }
         for rule in contract::Rule::ALL {
             self.actions.init(&[&rule.number().to_string(), rule_name(rule)]);
@@ -150,22 +155,29 @@ impl Exported {
                 "Passes put back with backoff because the decider could not be reached.",
                 &["name"],
             ),
+            work_duration: r.histogram(
+                "provisioning_workqueue_work_duration_seconds",
+                "How long processing a run's turn from the queue took: a pass from its start to \
+                 its decisions committed.",
+                &["name"],
+                LATENCY_BUCKETS,
+            ),
             reconcile: r.counter(
                 "provisioning_reconcile_total",
                 "Passes, by result: success (nothing more to do), requeue (another pass at once), \
                  requeue_after (a deadline will wake the run), error.",
-                &["result"],
+                &["controller", "result"],
             ),
             reconcile_errors: r.counter(
                 "provisioning_reconcile_errors_total",
                 "Passes that failed, by reason.",
-                &["reason"],
+                &["controller", "reason"],
             ),
             pass_duration: r.histogram(
                 "provisioning_pass_duration_seconds",
                 "Time from the start of a pass to its decisions being applied and committed (the \
                  Decide call included).",
-                &[],
+                &["controller"],
                 LATENCY_BUCKETS,
             ),
             actions: r.counter(

@@ -896,7 +896,10 @@ async fn sigterm_right_after_a_delete_exports_the_last_pass_whole() {
             .filter(|s| !s.parent.is_empty() && !ids.contains(s.parent.as_str()))
             .map(|s| (s.service.as_str(), s.name.as_str()))
             .collect();
-        assert!(orphans.is_empty(), "round {round}: spans whose parent never came: {orphans:?}");
+        assert!(
+            orphans.is_empty(),
+            "round {round}: spans whose parent never came: {orphans:?}"
+        );
         let deleted_pass = spans.iter().any(|s| {
             s.name == "pass"
                 && s.attr("provisioning.run.id") == Some("final")
@@ -906,7 +909,10 @@ async fn sigterm_right_after_a_delete_exports_the_last_pass_whole() {
                         .find(|d| d.name == "provisioning.v1.Provisioning/DeleteRun")
                         .map_or(u64::MAX, |d| d.start_ns)
         });
-        assert!(deleted_pass, "round {round}: no pass after the DeleteRun was exported");
+        assert!(
+            deleted_pass,
+            "round {round}: no pass after the DeleteRun was exported"
+        );
     }
 }
 
@@ -1077,6 +1083,7 @@ const DRIVER_FAMILIES: &[&str] = &[
     "provisioning_workqueue_adds_total",
     "provisioning_workqueue_queue_duration_seconds",
     "provisioning_workqueue_retries_total",
+    "provisioning_workqueue_work_duration_seconds",
     "provisioning_reconcile_total",
     "provisioning_reconcile_errors_total",
     "provisioning_pass_duration_seconds",
@@ -1098,6 +1105,10 @@ const DRIVER_FAMILIES: &[&str] = &[
     "grpc_client_started_total",
     "grpc_client_handled_total",
     "grpc_client_handling_seconds",
+    "grpc_server_msg_received_total",
+    "grpc_server_msg_sent_total",
+    "grpc_client_msg_sent_total",
+    "grpc_client_msg_received_total",
 ];
 const EXECUTOR_FAMILIES: &[&str] = &[
     "provisioning_executor_operations_started_total",
@@ -1274,9 +1285,24 @@ async fn metrics_endpoints_serve_the_documented_metrics_and_they_move() {
         sum(driver, "provisioning_workqueue_depth", &[("name", "runs")]),
         0.0
     );
-    let passes = sum(driver, "provisioning_pass_duration_seconds_count", &[]);
+    let passes = sum(
+        driver,
+        "provisioning_pass_duration_seconds_count",
+        &[("controller", "run")],
+    );
     assert!(passes >= 3.0, "{passes} passes");
-    assert_eq!(sum(driver, "provisioning_reconcile_total", &[]), passes);
+    assert_eq!(
+        sum(driver, "provisioning_reconcile_total", &[("controller", "run")]),
+        passes
+    );
+    assert_eq!(
+        sum(
+            driver,
+            "provisioning_workqueue_work_duration_seconds_count",
+            &[("name", "runs")]
+        ),
+        passes
+    );
     assert_eq!(
         sum(driver, "provisioning_reconcile_total", &[("result", "error")]),
         0.0
@@ -1331,6 +1357,15 @@ async fn metrics_endpoints_serve_the_documented_metrics_and_they_move() {
         "{served} Decide calls served for {passes} passes"
     );
     assert_eq!(served, called, "Decide calls: decider served vs driver made");
+    // The Decide stream is bidirectional, and each message the driver sent
+    // the decider received (and back).
+    let bidi = [decide[0], decide[1], ("grpc_type", "bidi_stream")];
+    let sent = sum(driver, "grpc_client_msg_sent_total", &bidi);
+    assert!(sent >= served, "{sent} Decide messages sent for {served} calls");
+    assert_eq!(sum(decider, "grpc_server_msg_received_total", &bidi), sent);
+    let answers = sum(decider, "grpc_server_msg_sent_total", &bidi);
+    assert!(answers >= served, "{answers} Decide answers for {served} calls");
+    assert_eq!(sum(driver, "grpc_client_msg_received_total", &bidi), answers);
     let apply = [
         ("grpc_service", "provisioning.v1.Provisioning"),
         ("grpc_method", "Apply"),
@@ -1339,10 +1374,13 @@ async fn metrics_endpoints_serve_the_documented_metrics_and_they_move() {
         sum(
             driver,
             "grpc_server_handled_total",
-            &[apply[0], apply[1], ("grpc_code", "OK")]
+            &[apply[0], apply[1], ("grpc_code", "OK"), ("grpc_type", "unary")]
         ),
         1.0
     );
+    for name in ["grpc_server_msg_received_total", "grpc_server_msg_sent_total"] {
+        assert_eq!(sum(driver, name, &[apply[0], apply[1]]), 1.0, "{name} of Apply");
+    }
     assert!(sum(decider, "provisioning_decider_nodes_total", &[]) >= nodes);
     assert_eq!(
         sum(
@@ -1480,6 +1518,10 @@ const LEARNT_COUNTERS: &[&str] = &[
     "grpc_server_handled_total",
     "grpc_client_started_total",
     "grpc_client_handled_total",
+    "grpc_server_msg_received_total",
+    "grpc_server_msg_sent_total",
+    "grpc_client_msg_sent_total",
+    "grpc_client_msg_received_total",
     "provisioning_stale_results_discarded_total",
     "provisioning_decider_decisions_total",
 ];

@@ -73,6 +73,78 @@ fn service_and_method(path: &str) -> (String, String) {
     }
 }
 
+/// The streaming methods of the services here and of the gRPC services
+/// they serve beside them, with their `grpc_type` (go-grpc-prometheus's
+/// label); every other method is `unary`. Checked against the proto files
+/// by a test.
+const STREAMING: &[(&str, &str, &str)] = &[
+    ("provisioning.v1.Provisioning", "WatchRun", "server_stream"),
+    ("provisioning.v1.Provisioning", "WatchEvents", "server_stream"),
+    ("provisioning.internal.v1.Decider", "Decide", "bidi_stream"),
+    ("provisioning.internal.v1.Executor", "Link", "bidi_stream"),
+    ("provisioning.provider.v1.Provider", "Watch", "server_stream"),
+    ("grpc.health.v1.Health", "Watch", "server_stream"),
+    (
+        "grpc.reflection.v1.ServerReflection",
+        "ServerReflectionInfo",
+        "bidi_stream",
+    ),
+    (
+        "grpc.reflection.v1alpha.ServerReflection",
+        "ServerReflectionInfo",
+        "bidi_stream",
+    ),
+];
+
+/// A method's `grpc_type`: `unary`, `client_stream`, `server_stream` or
+/// `bidi_stream`.
+fn grpc_type(service: &str, method: &str) -> &'static str {
+    STREAMING
+        .iter()
+        .find(|(s, m, _)| *s == service && *m == method)
+        .map_or("unary", |(_, _, t)| t)
+}
+
+/// Counts the gRPC messages in a body as its data goes by: each message is
+/// a 5-byte prefix (a compression flag and a big-endian length) and then
+/// that many bytes, and data frames split them anywhere.
+#[derive(Debug, Default)]
+struct MessageCounter {
+    prefix: [u8; 5],
+    /// Bytes of the current prefix seen so far.
+    have: usize,
+    /// Bytes of the current message still to come.
+    remaining: u64,
+}
+
+impl MessageCounter {
+    /// Feeds `data`; returns how many messages began in it.
+    fn feed(&mut self, mut data: &[u8]) -> u64 {
+        let mut began = 0;
+        while !data.is_empty() {
+            if self.remaining > 0 {
+                let skip = usize::try_from(self.remaining)
+                    .unwrap_or(usize::MAX)
+                    .min(data.len());
+                self.remaining -= skip as u64;
+                data = &data[skip..];
+                continue;
+            }
+            let take = (5 - self.have).min(data.len());
+            self.prefix[self.have..self.have + take].copy_from_slice(&data[..take]);
+            self.have += take;
+            data = &data[take..];
+            if self.have == 5 {
+                self.have = 0;
+                began += 1;
+                let [_, a, b, c, d] = self.prefix;
+                self.remaining = u64::from(u32::from_be_bytes([a, b, c, d]));
+            }
+        }
+        began
+    }
+}
+
 fn is_probe(service: &str) -> bool {
     service.starts_with("grpc.health.") || service.starts_with("grpc.reflection.")
 }
@@ -123,49 +195,64 @@ enum Kind {
     Client,
 }
 
-/// The call counters of one side, registered in the global registry.
+/// The call counters of one side, registered in the global registry, in
+/// go-grpc-prometheus's names and labels.
 #[derive(Debug, Clone)]
 struct CallMetrics {
     started: Counter,
     handled: Counter,
     handling: Histogram,
+    /// Messages the caller sent: received on the server, sent by the client.
+    requests: Counter,
+    /// Messages the callee sent: sent by the server, received by the client.
+    responses: Counter,
 }
 
 impl CallMetrics {
     fn new(kind: Kind) -> Self {
         let r = global();
-        let labels = &["grpc_service", "grpc_method"];
-        match kind {
-            Kind::Server => Self {
-                started: r.counter("grpc_server_started_total", "RPCs started on the server.", labels),
-                handled: r.counter(
-                    "grpc_server_handled_total",
-                    "RPCs completed on the server, by status code.",
-                    &["grpc_service", "grpc_method", "grpc_code"],
+        let labels = &["grpc_type", "grpc_service", "grpc_method"];
+        let with_code = &["grpc_type", "grpc_service", "grpc_method", "grpc_code"];
+        let side = match kind {
+            Kind::Server => "server",
+            Kind::Client => "client",
+        };
+        let (requests, responses) = match kind {
+            Kind::Server => (
+                (
+                    "grpc_server_msg_received_total",
+                    "Messages received on the server.",
                 ),
-                handling: r.histogram(
-                    "grpc_server_handling_seconds",
-                    "Time from the start of an RPC to the end of its response (a whole stream for \
-                     streaming RPCs).",
-                    labels,
-                    LATENCY_BUCKETS,
+                ("grpc_server_msg_sent_total", "Messages sent by the server."),
+            ),
+            Kind::Client => (
+                ("grpc_client_msg_sent_total", "Messages sent by the client."),
+                (
+                    "grpc_client_msg_received_total",
+                    "Messages received by the client.",
                 ),
-            },
-            Kind::Client => Self {
-                started: r.counter("grpc_client_started_total", "RPCs started by the client.", labels),
-                handled: r.counter(
-                    "grpc_client_handled_total",
-                    "RPCs completed by the client, by status code.",
-                    &["grpc_service", "grpc_method", "grpc_code"],
-                ),
-                handling: r.histogram(
-                    "grpc_client_handling_seconds",
-                    "Time from the start of an RPC to the end of its response (a whole stream for \
-                     streaming RPCs).",
-                    labels,
-                    LATENCY_BUCKETS,
-                ),
-            },
+            ),
+        };
+        Self {
+            started: r.counter(
+                &format!("grpc_{side}_started_total"),
+                &format!("RPCs started ({side})."),
+                labels,
+            ),
+            handled: r.counter(
+                &format!("grpc_{side}_handled_total"),
+                &format!("RPCs completed ({side}), by status code."),
+                with_code,
+            ),
+            handling: r.histogram(
+                &format!("grpc_{side}_handling_seconds"),
+                "Time from the start of an RPC to the end of its response (a whole stream for \
+                 streaming RPCs).",
+                labels,
+                LATENCY_BUCKETS,
+            ),
+            requests: r.counter(requests.0, requests.1, labels),
+            responses: r.counter(responses.0, responses.1, labels),
         }
     }
 }
@@ -174,21 +261,41 @@ impl CallMetrics {
 struct Call {
     kind: Kind,
     span: tracing::Span,
-    service: String,
-    method: String,
+    labels: CallLabels,
     started: Instant,
     status: Option<i32>,
     metrics: CallMetrics,
 }
 
+/// A call's `grpc_type`, `grpc_service` and `grpc_method`.
+#[derive(Debug, Clone)]
+struct CallLabels {
+    kind: &'static str,
+    service: Arc<str>,
+    method: Arc<str>,
+}
+
+impl CallLabels {
+    fn new(service: &str, method: &str) -> Self {
+        Self {
+            kind: grpc_type(service, method),
+            service: Arc::from(service),
+            method: Arc::from(method),
+        }
+    }
+
+    fn values(&self) -> [&str; 3] {
+        [self.kind, &self.service, &self.method]
+    }
+}
+
 impl Call {
-    fn start(kind: Kind, span: tracing::Span, service: String, method: String, metrics: CallMetrics) -> Self {
-        metrics.started.inc(&[&service, &method]);
+    fn start(kind: Kind, span: tracing::Span, labels: CallLabels, metrics: CallMetrics) -> Self {
+        metrics.started.inc(&labels.values());
         Self {
             kind,
             span,
-            service,
-            method,
+            labels,
             started: Instant::now(),
             status: None,
             metrics,
@@ -203,12 +310,13 @@ impl Call {
         if is_error(self.kind, code) {
             self.span.record("otel.status_code", "error");
         }
+        let [kind, service, method] = self.labels.values();
         self.metrics
             .handled
-            .inc(&[&self.service, &self.method, code_name(code)]);
+            .inc(&[kind, service, method, code_name(code)]);
         self.metrics
             .handling
-            .observe_duration(&[&self.service, &self.method], self.started.elapsed());
+            .observe_duration(&self.labels.values(), self.started.elapsed());
     }
 }
 
@@ -218,6 +326,99 @@ impl Call {
 pub struct TracedBody<B> {
     inner: B,
     call: Option<Call>,
+    /// The messages of the response, counted as they go by.
+    messages: Counted,
+}
+
+/// A body's message count and the counter it adds to.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Counted {
+    counter: MessageCounter,
+    into: Counter,
+    labels: CallLabels,
+}
+
+impl Counted {
+    fn new(into: &Counter, labels: &CallLabels) -> Self {
+        Self {
+            counter: MessageCounter::default(),
+            into: into.clone(),
+            labels: labels.clone(),
+        }
+    }
+
+    fn feed(&mut self, data: &[u8]) {
+        let n = self.counter.feed(data);
+        if n > 0 {
+            self.into.add(&self.labels.values(), n);
+        }
+    }
+}
+
+/// A request body that can have its messages counted and stay the type its
+/// service takes: tonic's services and channels take `tonic::body::Body`,
+/// which the counting body is boxed back into.
+pub trait CountMessages: Sized {
+    #[doc(hidden)]
+    fn counted(self, messages: Counted) -> Self;
+}
+
+impl CountMessages for tonic::body::Body {
+    fn counted(self, messages: Counted) -> Self {
+        tonic::body::Body::new(CountedBody {
+            inner: self,
+            messages,
+        })
+    }
+}
+
+/// A body with nothing in it (tests' requests) has nothing to count.
+impl CountMessages for () {
+    fn counted(self, _messages: Counted) -> Self {}
+}
+
+/// A request body whose messages are counted as they go by.
+pub struct CountedBody<B> {
+    inner: B,
+    messages: Counted,
+}
+
+impl<B> std::fmt::Debug for CountedBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CountedBody").finish_non_exhaustive()
+    }
+}
+
+impl<B> Body for CountedBody<B>
+where
+    B: Body + Unpin,
+    B::Data: AsRef<[u8]>,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+        {
+            let bytes = data.as_ref();
+            self.messages.feed(bytes);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 impl<B> std::fmt::Debug for TracedBody<B> {
@@ -237,6 +438,7 @@ impl<B> Drop for TracedBody<B> {
 impl<B> Body for TracedBody<B>
 where
     B: Body + Unpin,
+    B::Data: AsRef<[u8]>,
 {
     type Data = B::Data;
     type Error = B::Error;
@@ -248,6 +450,10 @@ where
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    let bytes = data.as_ref();
+                    self.messages.feed(bytes);
+                }
                 if let Some(status) = frame.trailers_ref().and_then(grpc_status)
                     && let Some(call) = self.call.as_mut()
                 {
@@ -314,6 +520,7 @@ pub struct Server<S> {
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Server<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    ReqBody: CountMessages,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ResBody: Body + Unpin + Send + 'static,
@@ -350,7 +557,10 @@ where
             }
             span
         };
-        let call = Call::start(Kind::Server, span.clone(), service, method, self.metrics.clone());
+        let labels = CallLabels::new(&service, &method);
+        let req = req.map(|b| b.counted(Counted::new(&self.metrics.requests, &labels)));
+        let responses = Counted::new(&self.metrics.responses, &labels);
+        let call = Call::start(Kind::Server, span.clone(), labels, self.metrics.clone());
         // The service that was polled ready is the one called; the clone
         // takes its place for the next call (tower's usual swap).
         let clone = self.inner.clone();
@@ -365,6 +575,7 @@ where
                         Ok(response.map(|inner| TracedBody {
                             inner,
                             call: Some(call),
+                            messages: responses,
                         }))
                     }
                     Err(e) => {
@@ -463,6 +674,7 @@ pub fn traced(channel: tonic::transport::Channel, target: Target) -> TracedChann
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Client<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    ReqBody: CountMessages,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ResBody: Body + Unpin + Send + 'static,
@@ -491,7 +703,10 @@ where
         );
         let cx = span.context();
         super::propagator().inject_context(&cx, &mut HeaderInjector(req.headers_mut()));
-        let call = Call::start(Kind::Client, span.clone(), service, method, self.metrics.clone());
+        let labels = CallLabels::new(&service, &method);
+        let req = req.map(|b| b.counted(Counted::new(&self.metrics.requests, &labels)));
+        let responses = Counted::new(&self.metrics.responses, &labels);
+        let call = Call::start(Kind::Client, span.clone(), labels, self.metrics.clone());
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let future = span.in_scope(|| inner.call(req));
@@ -504,6 +719,7 @@ where
                         Ok(response.map(|inner| TracedBody {
                             inner,
                             call: Some(call),
+                            messages: responses,
                         }))
                     }
                     Err(e) => {
@@ -531,6 +747,86 @@ mod tests {
         );
         assert!(is_probe("grpc.health.v1.Health"));
         assert!(!is_probe("provisioning.internal.v1.Executor"));
+    }
+
+    /// Messages are counted however the data frames split them.
+    #[test]
+    fn messages_are_counted_across_any_split() {
+        let mut wire = Vec::new();
+        for len in [0u32, 3, 70_000, 1] {
+            wire.push(0);
+            wire.extend_from_slice(&len.to_be_bytes());
+            wire.extend(std::iter::repeat_n(7u8, len as usize));
+        }
+        for chunk in [1, 2, 4, 5, 6, 1000, wire.len()] {
+            let mut counter = MessageCounter::default();
+            let counted: u64 = wire.chunks(chunk).map(|c| counter.feed(c)).sum();
+            assert_eq!(counted, 4, "in chunks of {chunk}");
+            assert_eq!((counter.have, counter.remaining), (0, 0));
+        }
+    }
+
+    /// Every streaming method in the proto files has its `grpc_type` in
+    /// [`STREAMING`], and every entry there for these packages is one.
+    #[test]
+    fn the_streaming_table_matches_the_protos() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto");
+        let mut found = Vec::new();
+        let mut dirs = vec![root];
+        while let Some(dir) = dirs.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let path = e.path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else if path.extension().is_some_and(|x| x == "proto") {
+                    let text = std::fs::read_to_string(&path).unwrap_or_default();
+                    let package = text
+                        .lines()
+                        .find_map(|l| l.trim().strip_prefix("package "))
+                        .map(|p| p.trim_end_matches(';').to_owned())
+                        .unwrap_or_default();
+                    let mut service = String::new();
+                    for line in text.lines().map(str::trim) {
+                        if let Some(rest) = line.strip_prefix("service ") {
+                            service = rest.split_whitespace().next().unwrap_or_default().to_owned();
+                        }
+                        let Some(rest) = line.strip_prefix("rpc ") else {
+                            continue;
+                        };
+                        let Some((method, sig)) = rest.split_once('(') else {
+                            continue;
+                        };
+                        let (request, response) = sig.split_once("returns").unwrap_or((sig, ""));
+                        let kind = match (request.contains("stream "), response.contains("stream ")) {
+                            (false, false) => "unary",
+                            (true, false) => "client_stream",
+                            (false, true) => "server_stream",
+                            (true, true) => "bidi_stream",
+                        };
+                        let full = format!("{package}.{service}");
+                        assert_eq!(grpc_type(&full, method.trim()), kind, "{full}/{method}");
+                        if kind != "unary" {
+                            found.push((full, method.trim().to_owned()));
+                        }
+                    }
+                }
+            }
+        }
+        let ours: Vec<(String, String)> = STREAMING
+            .iter()
+            .filter(|(s, _, _)| s.starts_with("provisioning."))
+            .map(|(s, m, _)| ((*s).to_owned(), (*m).to_owned()))
+            .collect();
+        for entry in &ours {
+            assert!(
+                found.contains(entry),
+                "{entry:?} is not a streaming method of the protos"
+            );
+        }
+        assert_eq!(found.len(), ours.len(), "{found:?}");
     }
 
     #[test]
