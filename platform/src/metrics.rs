@@ -1,30 +1,45 @@
-//! A small Prometheus registry and the HTTP endpoint that serves it.
+//! The services' Prometheus metrics: a registry on the Prometheus
+//! project's Rust client (`prometheus-client`) and the HTTP endpoint that
+//! serves it.
 //!
 //! Three kinds of metric families, each with a fixed list of label names:
-//! [`Counter`], [`Gauge`] and [`Histogram`]. [`Registry::render`] writes them in
-//! the Prometheus text exposition format (version 0.0.4), and [`serve`] answers
-//! `GET /metrics` with it over a minimal HTTP/1.1 responder, so the services
-//! need no HTTP framework for one read-only page.
+//! [`Counter`], [`Gauge`] and [`Histogram`]. [`Registry::render`] writes
+//! them in the Prometheus text format (version 0.0.4), and
+//! [`Registry::render_openmetrics`] in OpenMetrics 1.0; [`serve`] answers
+//! `GET /metrics` with the one the scraper's `Accept` header asks for over a
+//! minimal HTTP/1.1 responder, so the services need no HTTP framework for
+//! one read-only page.
 //!
-//! A family is exported from its registration: one without labels has its
-//! series at zero from the start, and one whose label values are a closed set
-//! known when it is registered declares them ([`Counter::init`]), so a rate
-//! over it starts from a sample rather than from its first event.
-//!
-//! Registration is get-or-create by name: several services started in one
-//! process (tests do that) share the process-wide [`global`] registry and
-//! their series add up, as they would in one scrape of that process. Values
-//! that are cheaper to read than to maintain (nodes by stage, runs by phase)
-//! are filled in by callbacks registered with [`Registry::on_scrape`], which
-//! run just before each render.
+//! What this module adds to the client: families registered by name on
+//! first use and shared after (several services started in one process,
+//! as tests do, share the process-wide [`global`] registry and their series
+//! add up, as they would in one scrape of that process); label values
+//! passed as a slice in the family's label order, each series' handle
+//! cached so that counting a known series allocates nothing; series
+//! exported from registration (a family without labels at zero, a closed
+//! set of label values declared with [`Counter::init`]), so a rate over it
+//! starts from a sample rather than from its first event; and scrape hooks
+//! ([`Registry::on_scrape`]) that fill in values cheaper to read than to
+//! maintain (nodes by stage, runs by phase) just before each render.
 
 use std::{
     collections::BTreeMap,
-    fmt::Write as _,
     sync::{Arc, Mutex, MutexGuard, OnceLock},
     time::Duration,
 };
 
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric as _},
+    metrics::{
+        counter::{ConstCounter, Counter as ClientCounter},
+        family::{Family as ClientFamily, MetricConstructor},
+        gauge::{ConstGauge, Gauge as ClientGauge},
+        histogram::Histogram as ClientHistogram,
+        info::Info,
+    },
+    registry::Registry as ClientRegistry,
+};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream},
@@ -53,9 +68,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// reads is gone, and is then dropped.
 type ScrapeHook = Box<dyn Fn() -> bool + Send + Sync>;
 
+/// A series' labels as the client encodes them: (name, value) in the
+/// family's label order.
+type Labels = Vec<(&'static str, String)>;
+
 /// A set of metric families.
 #[derive(Default)]
 pub struct Registry {
+    client: Mutex<ClientRegistry>,
     families: Mutex<Vec<Family>>,
     hooks: Mutex<Vec<ScrapeHook>>,
 }
@@ -89,57 +109,80 @@ impl Family {
 #[derive(Debug)]
 struct Desc {
     name: String,
-    help: String,
     labels: Vec<&'static str>,
 }
 
 impl Desc {
-    fn new(name: &str, help: &str, labels: &[&'static str]) -> Self {
+    fn new(name: &str, labels: &[&'static str]) -> Self {
         Self {
             name: name.to_owned(),
-            help: help.to_owned(),
             labels: labels.to_vec(),
         }
     }
 
-    /// The values as a series key. A call with the wrong number of values is a
-    /// bug in the caller; it is dropped rather than exported under a wrong name.
-    fn key(&self, values: &[&str]) -> Option<Vec<String>> {
-        self.fits(values)
-            .then(|| values.iter().map(|v| (*v).to_owned()).collect())
-    }
-
-    /// Whether `values` has one value per label (see [`Desc::key`]).
+    /// Whether `values` has one value per label. A call with the wrong
+    /// number of values is a bug in the caller; it is dropped rather than
+    /// exported under a wrong name.
     fn fits(&self, values: &[&str]) -> bool {
         debug_assert_eq!(values.len(), self.labels.len(), "label values of {}", self.name);
         values.len() == self.labels.len()
     }
 
-    /// The series for `values`, created with `init` if it is new; `None` for
-    /// the wrong number of values. A series seen before is found without
-    /// allocating its key, which matters on paths counted once per operation.
-    fn series<'m, V>(
+    fn labels(&self, values: &[&str]) -> Labels {
+        self.labels
+            .iter()
+            .zip(values)
+            .map(|(n, v)| (*n, (*v).to_owned()))
+            .collect()
+    }
+
+    /// The cached handle of the series for `values`, made in `family` if it
+    /// is new; `None` for the wrong number of values. A series seen before
+    /// is found without allocating its key, which matters on paths counted
+    /// once per operation.
+    fn series<M: Clone, C: MetricConstructor<M>>(
         &self,
-        map: &'m mut BTreeMap<Vec<String>, V>,
+        cache: &Mutex<BTreeMap<Vec<String>, M>>,
+        family: &ClientFamily<Labels, M, C>,
         values: &[&str],
-        init: impl FnOnce() -> V,
-    ) -> Option<&'m mut V> {
+    ) -> Option<M> {
         /// Families are small (a label set per effect, outcome or reason); a
         /// larger one is searched by its allocated key.
         const SCAN: usize = 64;
         if !self.fits(values) {
             return None;
         }
+        let mut cache = lock(cache);
         let same = |k: &Vec<String>| k.iter().map(String::as_str).eq(values.iter().copied());
-        if map.len() <= SCAN && map.keys().any(same) {
-            return map.iter_mut().find(|(k, _)| same(k)).map(|(_, v)| v);
+        if cache.len() <= SCAN {
+            if let Some((_, m)) = cache.iter().find(|(k, _)| same(k)) {
+                return Some(m.clone());
+            }
         }
-        self.key(values).map(|key| map.entry(key).or_insert_with(init))
+        let key: Vec<String> = values.iter().map(|v| (*v).to_owned()).collect();
+        let m = cache
+            .entry(key)
+            .or_insert_with(|| family.get_or_create_owned(&self.labels(values)));
+        Some(m.clone())
     }
 }
 
+impl Desc {
+    /// The cached handle of the series for `values`, if it was made.
+    fn cached<M: Clone>(&self, cache: &Mutex<BTreeMap<Vec<String>, M>>, values: &[&str]) -> Option<M> {
+        let same = |k: &Vec<String>| k.iter().map(String::as_str).eq(values.iter().copied());
+        lock(cache).iter().find(|(k, _)| same(k)).map(|(_, m)| m.clone())
+    }
+}
+
+/// The client appends the period itself.
+fn help_text(help: &str) -> &str {
+    help.strip_suffix('.').unwrap_or(help)
+}
+
 impl Registry {
-    /// The counter family `name`, registered on first use.
+    /// The counter family `name` (ending in `_total`), registered on first
+    /// use.
     pub fn counter(&self, name: &str, help: &str, labels: &[&'static str]) -> Counter {
         let mut families = lock(&self.families);
         for f in families.iter() {
@@ -150,26 +193,22 @@ impl Registry {
             }
         }
         let c = Counter(Arc::new(CounterInner {
-            desc: Desc::new(name, help, labels),
-            values: Mutex::new(unlabelled(labels, 0)),
+            desc: Desc::new(name, labels),
+            family: ClientFamily::default(),
+            cache: Mutex::default(),
         }));
+        // The client names a counter's samples `<family>_total`.
+        let family = name.strip_suffix("_total").unwrap_or(name);
+        lock(&self.client).register(family, help_text(help), c.0.family.clone());
+        if labels.is_empty() {
+            c.init(&[]);
+        }
         families.push(Family::Counter(c.clone()));
         c
     }
 
     /// The gauge family `name`, registered on first use.
     pub fn gauge(&self, name: &str, help: &str, labels: &[&'static str]) -> Gauge {
-        self.float_family(name, help, labels, "gauge")
-    }
-
-    /// A counter whose value is not a whole number (CPU seconds), read from
-    /// elsewhere and set as it is: a [`Gauge`] exported with the counter
-    /// type. Its setter must only ever go up.
-    pub fn float_counter(&self, name: &str, help: &str) -> Gauge {
-        self.float_family(name, help, &[], "counter")
-    }
-
-    fn float_family(&self, name: &str, help: &str, labels: &[&'static str], kind: &'static str) -> Gauge {
         let mut families = lock(&self.families);
         for f in families.iter() {
             if let Family::Gauge(g) = f
@@ -179,10 +218,14 @@ impl Registry {
             }
         }
         let g = Gauge(Arc::new(GaugeInner {
-            desc: Desc::new(name, help, labels),
-            values: Mutex::new(unlabelled(labels, 0.0)),
-            kind,
+            desc: Desc::new(name, labels),
+            family: ClientFamily::default(),
+            cache: Mutex::default(),
         }));
+        lock(&self.client).register(name, help_text(help), g.0.family.clone());
+        if labels.is_empty() {
+            g.add(&[], 0.0);
+        }
         families.push(Family::Gauge(g.clone()));
         g
     }
@@ -199,16 +242,14 @@ impl Registry {
             }
         }
         let h = Histogram(Arc::new(HistogramInner {
-            desc: Desc::new(name, help, labels),
-            buckets: buckets.to_vec(),
-            values: Mutex::new(unlabelled(
-                labels,
-                HistogramState {
-                    counts: vec![0; buckets.len()],
-                    ..HistogramState::default()
-                },
-            )),
+            desc: Desc::new(name, labels),
+            family: ClientFamily::new_with_constructor(Buckets(buckets.into())),
+            cache: Mutex::default(),
         }));
+        lock(&self.client).register(name, help_text(help), h.0.family.clone());
+        if labels.is_empty() {
+            let _ = h.0.desc.series(&h.0.cache, &h.0.family, &[]);
+        }
         families.push(Family::Histogram(h.clone()));
         h
     }
@@ -218,19 +259,32 @@ impl Registry {
         lock(&self.hooks).push(Box::new(hook));
     }
 
-    /// Every family in the text exposition format, in registration order.
+    /// Every family in the Prometheus text format (version 0.0.4), in
+    /// registration order.
     pub fn render(&self) -> String {
         lock(&self.hooks).retain(|hook| hook());
-        let families: Vec<Family> = lock(&self.families).clone();
         let mut out = String::new();
-        for f in &families {
-            match f {
-                Family::Counter(c) => c.render(&mut out),
-                Family::Gauge(g) => g.render(&mut out),
-                Family::Histogram(h) => h.render(&mut out),
-            }
-        }
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &lock(&self.client));
         out
+    }
+
+    /// Every family in OpenMetrics 1.0 text, ending with `# EOF`.
+    pub fn render_openmetrics(&self) -> String {
+        lock(&self.hooks).retain(|hook| hook());
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &lock(&self.client));
+        out
+    }
+}
+
+/// A histogram family's bucket bounds, which each new series gets.
+#[derive(Debug, Clone)]
+struct Buckets(Arc<[f64]>);
+
+impl MetricConstructor<ClientHistogram> for Buckets {
+    fn new_metric(&self) -> ClientHistogram {
+        ClientHistogram::new(self.0.iter().copied())
     }
 }
 
@@ -238,52 +292,70 @@ impl Registry {
 /// exports: `process_cpu_seconds_total`, `process_resident_memory_bytes`,
 /// `process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,
 /// `process_start_time_seconds`, and `process_threads`), read from `/proc`
-/// at each scrape, and `provisioning_build_info{service,version}` at 1.
-/// Where `/proc` is not there, the process families stay at zero.
+/// at each scrape by a collector, and `provisioning_build_info{service,version}`
+/// at 1 (an info metric). Where `/proc` is not there, the process families
+/// are left out.
 pub fn process_metrics(registry: &'static Registry, service: &str) {
-    let build = registry.gauge(
-        "provisioning_build_info",
-        "1, labelled with the service and its version (the crate version).",
-        &["service", "version"],
+    let mut client = lock(&registry.client);
+    client.register(
+        "provisioning_build",
+        "1, labelled with the service and its version (the crate version)",
+        Info::new(vec![
+            ("service", service.to_owned()),
+            ("version", env!("CARGO_PKG_VERSION").to_owned()),
+        ]),
     );
-    build.set(&[service, env!("CARGO_PKG_VERSION")], 1.0);
-    let cpu = registry.float_counter(
-        "process_cpu_seconds_total",
-        "User and system CPU time the process has used, in seconds.",
-    );
-    let gauges = [
-        ("process_resident_memory_bytes", "Resident memory size in bytes."),
-        ("process_virtual_memory_bytes", "Virtual memory size in bytes."),
-        ("process_open_fds", "Open file descriptors."),
-        (
-            "process_max_fds",
-            "The most file descriptors the process may open.",
-        ),
-        (
-            "process_start_time_seconds",
-            "When the process started, seconds since the Unix epoch.",
-        ),
-        ("process_threads", "Threads of the process."),
-    ]
-    .map(|(name, help)| (name, registry.gauge(name, help, &[])));
-    registry.on_scrape(move || {
-        if let Some(p) = read_process() {
-            for (name, g) in &gauges {
-                let v = match *name {
-                    "process_resident_memory_bytes" => p.rss_bytes,
-                    "process_virtual_memory_bytes" => p.vm_bytes,
-                    "process_open_fds" => p.open_fds,
-                    "process_max_fds" => p.max_fds,
-                    "process_start_time_seconds" => p.start_time_s,
-                    _ => p.threads,
-                };
-                g.set(&[], v);
-            }
-            // Clock ticks, 100 a second; the kernel's count only goes up.
-            cpu.set(&[], p.cpu_centis as f64 / 100.0);
+    client.register_collector(Box::new(ProcessCollector));
+}
+
+/// The process metrics, read from `/proc/self` at each scrape. (The client
+/// has no process collector of its own; the one published for it pulls in
+/// `procfs` and a second `rustix` for these seven numbers.)
+#[derive(Debug)]
+struct ProcessCollector;
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(p) = read_process() else {
+            return Ok(());
+        };
+        // Clock ticks, 100 a second; the kernel's count only goes up.
+        let cpu = ConstCounter::new(p.cpu_centis as f64 / 100.0);
+        cpu.encode(encoder.encode_descriptor(
+            "process_cpu_seconds",
+            "User and system CPU time the process has used, in seconds.",
+            None,
+            cpu.metric_type(),
+        )?)?;
+        for (name, help, v) in [
+            (
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes.",
+                p.rss_bytes,
+            ),
+            (
+                "process_virtual_memory_bytes",
+                "Virtual memory size in bytes.",
+                p.vm_bytes,
+            ),
+            ("process_open_fds", "Open file descriptors.", p.open_fds),
+            (
+                "process_max_fds",
+                "The most file descriptors the process may open.",
+                p.max_fds,
+            ),
+            (
+                "process_start_time_seconds",
+                "When the process started, seconds since the Unix epoch.",
+                p.start_time_s,
+            ),
+            ("process_threads", "Threads of the process.", p.threads),
+        ] {
+            let g = ConstGauge::new(v);
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
-        true
-    });
+        Ok(())
+    }
 }
 
 /// What `/proc/self` says of this process.
@@ -351,61 +423,10 @@ fn read_process() -> Option<ProcessReading> {
     })
 }
 
-/// The series of a new family: its one series, at `zero`, when it has no
-/// labels (there is nothing to wait for), else none yet.
-fn unlabelled<V>(labels: &[&'static str], zero: V) -> BTreeMap<Vec<String>, V> {
-    let mut values = BTreeMap::new();
-    if labels.is_empty() {
-        values.insert(Vec::new(), zero);
-    }
-    values
-}
-
-fn header(out: &mut String, desc: &Desc, kind: &str) {
-    let help = desc.help.replace('\\', "\\\\").replace('\n', "\\n");
-    let _ = writeln!(out, "# HELP {} {help}", desc.name);
-    let _ = writeln!(out, "# TYPE {} {kind}", desc.name);
-}
-
-/// `{a="x",b="y"}` with `extra` appended (the histogram's `le`), or nothing
-/// when there are no labels at all.
-fn label_set(names: &[&'static str], values: &[String], extra: Option<(&str, &str)>) -> String {
-    let mut pairs: Vec<String> = names
-        .iter()
-        .zip(values)
-        .map(|(n, v)| format!("{n}=\"{}\"", escape_label(v)))
-        .collect();
-    if let Some((n, v)) = extra {
-        pairs.push(format!("{n}=\"{v}\""));
-    }
-    if pairs.is_empty() {
-        String::new()
-    } else {
-        format!("{{{}}}", pairs.join(","))
-    }
-}
-
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
-}
-
-fn number(v: f64) -> String {
-    if v.is_nan() {
-        "NaN".to_owned()
-    } else if v.is_infinite() {
-        if v > 0.0 {
-            "+Inf".to_owned()
-        } else {
-            "-Inf".to_owned()
-        }
-    } else {
-        format!("{v}")
-    }
-}
-
 struct CounterInner {
     desc: Desc,
-    values: Mutex<BTreeMap<Vec<String>, u64>>,
+    family: ClientFamily<Labels, ClientCounter>,
+    cache: Mutex<BTreeMap<Vec<String>, ClientCounter>>,
 }
 
 /// A monotonically increasing count per label set.
@@ -419,61 +440,45 @@ impl std::fmt::Debug for Counter {
 }
 
 impl Counter {
+    fn series(&self, labels: &[&str]) -> Option<ClientCounter> {
+        self.0.desc.series(&self.0.cache, &self.0.family, labels)
+    }
+
     pub fn inc(&self, labels: &[&str]) {
         self.add(labels, 1);
     }
 
     pub fn add(&self, labels: &[&str], n: u64) {
-        let mut values = lock(&self.0.values);
-        if let Some(v) = self.0.desc.series(&mut values, labels, u64::default) {
-            *v = v.saturating_add(n);
+        if let Some(c) = self.series(labels) {
+            c.inc_by(n);
         }
     }
 
     /// Exports the series for `labels` at zero until it is counted: for
     /// label values known when the family is registered.
     pub fn init(&self, labels: &[&str]) {
-        let mut values = lock(&self.0.values);
-        let _ = self.0.desc.series(&mut values, labels, u64::default);
+        let _ = self.series(labels);
     }
 
     /// Sets the total of a count kept elsewhere (copied in by a scrape
     /// hook). A total below the one already shown is ignored, so the series
     /// never goes down.
     pub fn mirror(&self, labels: &[&str], total: u64) {
-        let mut values = lock(&self.0.values);
-        if let Some(v) = self.0.desc.series(&mut values, labels, u64::default) {
-            *v = (*v).max(total);
+        if let Some(c) = self.series(labels) {
+            c.inner().fetch_max(total, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
     /// The current value for `labels` (0 if never counted).
     pub fn get(&self, labels: &[&str]) -> u64 {
-        self.0
-            .desc
-            .key(labels)
-            .and_then(|k| lock(&self.0.values).get(&k).copied())
-            .unwrap_or(0)
-    }
-
-    fn render(&self, out: &mut String) {
-        header(out, &self.0.desc, "counter");
-        for (key, v) in lock(&self.0.values).iter() {
-            let _ = writeln!(
-                out,
-                "{}{} {v}",
-                self.0.desc.name,
-                label_set(&self.0.desc.labels, key, None)
-            );
-        }
+        self.0.desc.cached(&self.0.cache, labels).map_or(0, |c| c.get())
     }
 }
 
 struct GaugeInner {
     desc: Desc,
-    values: Mutex<BTreeMap<Vec<String>, f64>>,
-    /// The exposition type: `gauge`, or `counter` ([`Registry::float_counter`]).
-    kind: &'static str,
+    family: ClientFamily<Labels, ClientGauge<f64, std::sync::atomic::AtomicU64>>,
+    cache: Mutex<BTreeMap<Vec<String>, ClientGauge<f64, std::sync::atomic::AtomicU64>>>,
 }
 
 /// A value that goes up and down, per label set.
@@ -487,66 +492,52 @@ impl std::fmt::Debug for Gauge {
 }
 
 impl Gauge {
+    fn series(&self, labels: &[&str]) -> Option<ClientGauge<f64, std::sync::atomic::AtomicU64>> {
+        self.0.desc.series(&self.0.cache, &self.0.family, labels)
+    }
+
     pub fn set(&self, labels: &[&str], v: f64) {
-        let mut values = lock(&self.0.values);
-        if let Some(slot) = self.0.desc.series(&mut values, labels, f64::default) {
-            *slot = v;
+        if let Some(g) = self.series(labels) {
+            g.set(v);
         }
     }
 
     pub fn add(&self, labels: &[&str], v: f64) {
-        let mut values = lock(&self.0.values);
-        if let Some(slot) = self.0.desc.series(&mut values, labels, f64::default) {
-            *slot += v;
+        if let Some(g) = self.series(labels) {
+            g.inc_by(v);
         }
     }
 
     /// Replaces every series at once, so a label set that no longer occurs
     /// (a stage no node is in) disappears instead of keeping its last value.
     pub fn replace_all<'a>(&self, series: impl IntoIterator<Item = (Vec<&'a str>, f64)>) {
-        let mut fresh = BTreeMap::new();
+        let mut fresh: BTreeMap<Vec<&'a str>, f64> = BTreeMap::new();
         for (labels, v) in series {
-            if let Some(key) = self.0.desc.key(&labels) {
-                *fresh.entry(key).or_default() += v;
+            if self.0.desc.fits(&labels) {
+                *fresh.entry(labels).or_default() += v;
             }
         }
-        *lock(&self.0.values) = fresh;
+        // The cache and the family go together, under the cache's lock, so
+        // no handle outlives its series.
+        let mut cache = lock(&self.0.cache);
+        cache.clear();
+        self.0.family.clear();
+        for (labels, v) in fresh {
+            let g = self.0.family.get_or_create_owned(&self.0.desc.labels(&labels));
+            g.set(v);
+            cache.insert(labels.iter().map(|l| (*l).to_owned()).collect(), g);
+        }
     }
 
     pub fn get(&self, labels: &[&str]) -> f64 {
-        self.0
-            .desc
-            .key(labels)
-            .and_then(|k| lock(&self.0.values).get(&k).copied())
-            .unwrap_or(0.0)
+        self.0.desc.cached(&self.0.cache, labels).map_or(0.0, |g| g.get())
     }
-
-    fn render(&self, out: &mut String) {
-        header(out, &self.0.desc, self.0.kind);
-        for (key, v) in lock(&self.0.values).iter() {
-            let _ = writeln!(
-                out,
-                "{}{} {}",
-                self.0.desc.name,
-                label_set(&self.0.desc.labels, key, None),
-                number(*v)
-            );
-        }
-    }
-}
-
-#[derive(Debug, Clone, Default)]
-struct HistogramState {
-    /// Per bucket, not cumulative; the exposition accumulates.
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
 }
 
 struct HistogramInner {
     desc: Desc,
-    buckets: Vec<f64>,
-    values: Mutex<BTreeMap<Vec<String>, HistogramState>>,
+    family: ClientFamily<Labels, ClientHistogram, Buckets>,
+    cache: Mutex<BTreeMap<Vec<String>, ClientHistogram>>,
 }
 
 /// Observations counted into buckets, per label set.
@@ -561,60 +552,13 @@ impl std::fmt::Debug for Histogram {
 
 impl Histogram {
     pub fn observe(&self, labels: &[&str], v: f64) {
-        let bucket = self.0.buckets.iter().position(|b| v <= *b);
-        let mut values = lock(&self.0.values);
-        let Some(state) = self.0.desc.series(&mut values, labels, || HistogramState {
-            counts: vec![0; self.0.buckets.len()],
-            ..HistogramState::default()
-        }) else {
-            return;
-        };
-        if let Some(i) = bucket {
-            state.counts[i] += 1;
+        if let Some(h) = self.0.desc.series(&self.0.cache, &self.0.family, labels) {
+            h.observe(v);
         }
-        state.sum += v;
-        state.count += 1;
     }
 
     pub fn observe_duration(&self, labels: &[&str], d: Duration) {
         self.observe(labels, d.as_secs_f64());
-    }
-
-    /// How many observations `labels` has had.
-    pub fn count(&self, labels: &[&str]) -> u64 {
-        self.0
-            .desc
-            .key(labels)
-            .and_then(|k| lock(&self.0.values).get(&k).map(|s| s.count))
-            .unwrap_or(0)
-    }
-
-    fn render(&self, out: &mut String) {
-        let desc = &self.0.desc;
-        header(out, desc, "histogram");
-        for (key, state) in lock(&self.0.values).iter() {
-            let mut cumulative = 0;
-            for (bound, n) in self.0.buckets.iter().zip(&state.counts) {
-                cumulative += n;
-                let le = number(*bound);
-                let _ = writeln!(
-                    out,
-                    "{}_bucket{} {cumulative}",
-                    desc.name,
-                    label_set(&desc.labels, key, Some(("le", &le)))
-                );
-            }
-            let _ = writeln!(
-                out,
-                "{}_bucket{} {}",
-                desc.name,
-                label_set(&desc.labels, key, Some(("le", "+Inf"))),
-                state.count
-            );
-            let labels = label_set(&desc.labels, key, None);
-            let _ = writeln!(out, "{}_sum{labels} {}", desc.name, number(state.sum));
-            let _ = writeln!(out, "{}_count{labels} {}", desc.name, state.count);
-        }
     }
 }
 
@@ -668,7 +612,18 @@ async fn respond(mut conn: TcpStream, registry: &Registry) -> std::io::Result<()
     let mut parts = line.split_whitespace();
     let (method, target) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
     let path = target.split('?').next().unwrap_or_default();
+    // OpenMetrics when the scraper asks for it (Prometheus does, first),
+    // else the text format every scraper reads.
+    let openmetrics = String::from_utf8_lossy(&head)
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .any(|(k, v)| k.eq_ignore_ascii_case("accept") && v.contains("application/openmetrics-text"));
     let (status, content_type, body) = match (method, path) {
+        ("GET" | "HEAD", "/metrics") if openmetrics => (
+            "200 OK",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            registry.render_openmetrics(),
+        ),
         ("GET" | "HEAD", "/metrics") => (
             "200 OK",
             "text/plain; version=0.0.4; charset=utf-8",
@@ -701,14 +656,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_float_counter_is_a_counter_and_the_process_is_read() {
-        let r = Registry::default();
-        r.float_counter("cpu_seconds_total", "CPU.").set(&[], 1.25);
-        let text = r.render();
-        assert!(
-            text.contains("# TYPE cpu_seconds_total counter\ncpu_seconds_total 1.25\n"),
-            "{text}"
-        );
+    fn the_process_is_read_and_exported_with_the_build() {
         let p = read_process().expect("/proc/self on Linux");
         assert!(
             p.rss_bytes > 0.0 && p.threads >= 1.0 && p.open_fds >= 1.0,
@@ -716,6 +664,21 @@ mod tests {
             p.rss_bytes
         );
         assert!(p.start_time_s > 1.5e9, "{}", p.start_time_s);
+        static REGISTRY: OnceLock<Registry> = OnceLock::new();
+        let r = REGISTRY.get_or_init(Registry::default);
+        process_metrics(r, "test-svc");
+        let text = r.render();
+        for line in [
+            "# TYPE process_cpu_seconds_total counter\n",
+            "# TYPE process_resident_memory_bytes gauge\n",
+            "# TYPE process_threads gauge\n",
+            "provisioning_build_info{service=\"test-svc\",version=\"",
+        ] {
+            assert!(text.contains(line), "{line:?} missing from:\n{text}");
+        }
+        let open = r.render_openmetrics();
+        assert!(open.contains("# TYPE provisioning_build info\n"), "{open}");
+        assert!(open.ends_with("# EOF\n"), "{open}");
     }
 
     #[test]
@@ -724,7 +687,7 @@ mod tests {
         let c = r.counter("jobs_total", "Jobs done.", &["kind"]);
         c.inc(&["a\"b"]);
         c.add(&["a\"b"], 2);
-        let g = r.gauge("depth", "Queue depth.\nSecond line.", &[]);
+        let g = r.gauge("depth", "Queue depth.", &[]);
         g.set(&[], 4.0);
         let h = r.histogram("latency_seconds", "Latency.", &["op"], &[0.1, 1.0]);
         h.observe(&["x"], 0.05);
@@ -735,9 +698,9 @@ mod tests {
 # HELP jobs_total Jobs done.
 # TYPE jobs_total counter
 jobs_total{kind=\"a\\\"b\"} 3
-# HELP depth Queue depth.\\nSecond line.
+# HELP depth Queue depth.
 # TYPE depth gauge
-depth 4
+depth 4.0
 # HELP latency_seconds Latency.
 # TYPE latency_seconds histogram
 latency_seconds_bucket{op=\"x\",le=\"0.1\"} 1
@@ -747,6 +710,11 @@ latency_seconds_sum{op=\"x\"} 5.55
 latency_seconds_count{op=\"x\"} 3
 ";
         assert_eq!(text, expected);
+        // The same families in OpenMetrics: a counter's family is named
+        // without its `_total`, and the exposition ends with `# EOF`.
+        let open = r.render_openmetrics();
+        assert!(open.contains("# TYPE jobs counter\njobs_total{kind="), "{open}");
+        assert!(open.ends_with("# EOF\n"), "{open}");
     }
 
     #[test]
@@ -771,7 +739,8 @@ latency_seconds_count{op=\"x\"} 3
                 assert_eq!(c.get(&[&a, &b]), 3 * (i + 1), "counter {a}");
                 assert_eq!(c.get(&[&a, &((i + 1) % 2).to_string()]), 0, "counter {a} other b");
                 assert_eq!(g.get(&[&a]), (i * 10 + 3) as f64 + 0.5, "gauge {a}");
-                assert_eq!(h.count(&[&a]), 3, "histogram {a}");
+                let line = format!("h_seconds_count{{a=\"{a}\"}} 3\n");
+                assert!(r.render().contains(&line), "histogram {a}");
             }
             let text = r.render();
             let series = text.lines().filter(|l| l.starts_with("c_total{")).count();
@@ -795,7 +764,7 @@ latency_seconds_count{op=\"x\"} 3
             "plain_total 0\n",
             "known_total{reason=\"a\"} 0\n",
             "known_total{reason=\"b\"} 0\n",
-            "level 0\n",
+            "level 0.0\n",
             "took_seconds_bucket{le=\"+Inf\"} 0\n",
             "took_seconds_count 0\n",
         ] {
@@ -828,7 +797,7 @@ latency_seconds_count{op=\"x\"} 3
             true
         });
         let text = r.render();
-        assert!(text.contains("nodes{stage=\"ready\"} 3\n"), "{text}");
+        assert!(text.contains("nodes{stage=\"ready\"} 3.0\n"), "{text}");
         assert!(!text.contains("stage=\"new\""), "{text}");
     }
 
@@ -842,9 +811,9 @@ latency_seconds_count{op=\"x\"} 3
             .unwrap_or_else(|e| panic!("{e}"));
         let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
         let server = tokio::spawn(serve(listener, registry));
-        let get = |path: &'static str| async move {
+        let get = |path: &'static str, extra: &'static str| async move {
             let mut conn = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
-            conn.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+            conn.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n{extra}\r\n").as_bytes())
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
             let mut out = String::new();
@@ -853,11 +822,22 @@ latency_seconds_count{op=\"x\"} 3
                 .unwrap_or_else(|e| panic!("{e}"));
             out
         };
-        let ok = get("/metrics").await;
+        let ok = get("/metrics", "").await;
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
         assert!(ok.contains("text/plain; version=0.0.4"), "{ok}");
         assert!(ok.ends_with("served_total 1\n"), "{ok}");
-        let missing = get("/nope").await;
+        // What Prometheus sends: OpenMetrics first.
+        let open = get(
+            "/metrics",
+            "accept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n",
+        )
+        .await;
+        assert!(
+            open.contains("application/openmetrics-text; version=1.0.0"),
+            "{open}"
+        );
+        assert!(open.ends_with("served_total 1\n# EOF\n"), "{open}");
+        let missing = get("/nope", "").await;
         assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
         server.abort();
     }

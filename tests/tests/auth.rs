@@ -675,9 +675,12 @@ async fn an_expired_token_is_refused_saying_so_and_expiries_are_exported() {
     );
 
     let metrics = cluster.driver.scrape().await.unwrap();
-    for (token, seconds) in [("fresh", "32472144000"), ("stale", "1577836800")] {
-        let line = format!("provisioning_api_token_expiry_timestamp_seconds{{token=\"{token}\"}} {seconds}");
-        assert!(metrics.lines().any(|l| l == line), "{line} not in:\n{metrics}");
+    for (token, seconds) in [("fresh", 32_472_144_000.0), ("stale", 1_577_836_800.0)] {
+        let series = format!("provisioning_api_token_expiry_timestamp_seconds{{token=\"{token}\"}}");
+        let value = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok());
+        assert_eq!(value, Some(seconds), "{series} in:\n{metrics}");
     }
     let log = std::fs::read_to_string(cluster.driver.log_file()).unwrap();
     assert!(

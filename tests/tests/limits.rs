@@ -288,7 +288,12 @@ async fn watch_streams_are_capped_per_client_and_given_back_when_closed() {
             .unwrap_or_else(|| panic!("no {name} in\n{metrics}"))
             .to_owned()
     };
-    assert_eq!(line("provisioning_api_watches "), "provisioning_api_watches 4");
+    let watches: f64 = line("provisioning_api_watches ")
+        .rsplit(' ')
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert_eq!(watches, 4.0);
     let refused: u64 = line("provisioning_api_refused_total{reason=\"watch_limit\"}")
         .rsplit(' ')
         .next()
@@ -298,20 +303,16 @@ async fn watch_streams_are_capped_per_client_and_given_back_when_closed() {
 
     // Every stream closed: none is left open on the driver.
     drop((reopened, _second, _b1, _b2));
-    let mut open = String::new();
+    let mut open = None;
     for _ in 0..100 {
         let metrics = cluster.driver.scrape().await.unwrap();
-        open = metrics
-            .lines()
-            .find(|l| l.starts_with("provisioning_api_watches "))
-            .unwrap_or_default()
-            .to_owned();
-        if open == "provisioning_api_watches 0" {
+        open = provisioning_tests::procs::sample(&metrics, "provisioning_api_watches");
+        if open == Some(0.0) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(open, "provisioning_api_watches 0");
+    assert_eq!(open, Some(0.0));
 }
 
 /// The executor and the decider refuse a message over their

@@ -341,15 +341,11 @@ async fn many_clients_applying_and_watching_get_served_or_resource_exhausted() {
         w.abort();
     }
     drop(watchers);
-    let mut open_watches = String::new();
+    let mut open_watches = None;
     for _ in 0..100 {
         let m = cluster.driver.scrape().await.unwrap();
-        open_watches = m
-            .lines()
-            .find(|l| l.starts_with("provisioning_api_watches "))
-            .unwrap_or_default()
-            .to_owned();
-        if open_watches == "provisioning_api_watches 0" {
+        open_watches = provisioning_tests::procs::sample(&m, "provisioning_api_watches");
+        if open_watches == Some(0.0) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -406,10 +402,7 @@ async fn many_clients_applying_and_watching_get_served_or_resource_exhausted() {
         count(Outcome::Shed) + count(Outcome::RateLimited) > 0,
         "the load never reached a limit: {by_outcome:?}"
     );
-    assert_eq!(
-        open_watches, "provisioning_api_watches 0",
-        "watches left open on the driver"
-    );
+    assert_eq!(open_watches, Some(0.0), "watches left open on the driver");
     assert!(
         rss_after.saturating_sub(rss_before) < RSS_GROWTH_LIMIT_KIB,
         "the driver's RSS grew from {rss_before} KiB to {rss_after} KiB"

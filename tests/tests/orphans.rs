@@ -204,15 +204,10 @@ async fn abandoned_node_is_listed_reprovisioned_and_found_by_the_sweep() {
     let listed = orphans(&mut c).await;
     assert_eq!(listed.len(), 2, "{listed:?}");
     let m = cluster.driver.scrape().await.unwrap();
-    let lines: Vec<&str> = m
-        .lines()
-        .filter(|l| l.starts_with("provisioning_orphan"))
-        .collect();
-    assert!(
-        lines.contains(&"provisioning_orphans{source=\"sweep\"} 1")
-            && lines.contains(&"provisioning_orphans{source=\"abandoned\"} 1"),
-        "{lines:?}"
-    );
+    for source in ["sweep", "abandoned"] {
+        let series = format!("provisioning_orphans{{source=\"{source}\"}}");
+        assert_eq!(provisioning_tests::procs::sample(&m, &series), Some(1.0), "{m}");
+    }
     assert!(
         swept.reason.contains("holds node workers-1 at attempt"),
         "an older attempt of a held slot waits for the slot: {}",
@@ -251,7 +246,7 @@ async fn abandoned_node_is_listed_reprovisioned_and_found_by_the_sweep() {
         .unwrap();
     let m = cluster.driver.scrape().await.unwrap();
     assert!(
-        m.lines().any(|l| l == "provisioning_orphans_destroyed_total 1"),
+        provisioning_tests::procs::sample(&m, "provisioning_orphans_destroyed_total") == Some(1.0),
         "{}",
         m.lines()
             .filter(|l| l.starts_with("provisioning_orphan"))
