@@ -154,10 +154,10 @@ impl Desc {
         }
         let mut cache = lock(cache);
         let same = |k: &Vec<String>| k.iter().map(String::as_str).eq(values.iter().copied());
-        if cache.len() <= SCAN {
-            if let Some((_, m)) = cache.iter().find(|(k, _)| same(k)) {
-                return Some(m.clone());
-            }
+        if cache.len() <= SCAN
+            && let Some((_, m)) = cache.iter().find(|(k, _)| same(k))
+        {
+            return Some(m.clone());
         }
         let key: Vec<String> = values.iter().map(|v| (*v).to_owned()).collect();
         let m = cache
