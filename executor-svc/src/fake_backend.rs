@@ -658,6 +658,20 @@ mod tests {
         }
     }
 
+    /// The `StartBootstrap` of attempt 1 on `lease`.
+    fn start_bootstrap(lease: contract::LeaseId) -> Operation {
+        op(
+            1,
+            1,
+            OperationInput::StartBootstrap {
+                lease,
+                endpoint: Endpoint::new("endpoint", "10.0.0.1:22").unwrap(),
+                boot: Params::new(),
+                join: Params::new(),
+            },
+        )
+    }
+
     fn sink() -> (ObservationSink, mpsc::UnboundedReceiver<RawObservation>) {
         let (tx, rx) = mpsc::unbounded_channel();
         (ObservationSink::new(tx, create().trace), rx)
@@ -668,16 +682,7 @@ mod tests {
         let backend = FakeBackend::start(quick(), None, Arc::new(SystemClock)).unwrap();
         let (s, mut rx) = sink();
         let lease = facts(backend.execute(create(), s.clone()).await).lease.unwrap();
-        let start = op(
-            1,
-            1,
-            OperationInput::StartBootstrap {
-                lease,
-                endpoint: Endpoint::new("endpoint", "10.0.0.1:22").unwrap(),
-                boot: Params::new(),
-                join: Params::new(),
-            },
-        );
+        let start = start_bootstrap(lease);
         let session = facts(backend.execute(start, s).await).session.unwrap();
         let mut stages = Vec::new();
         while let Some(o) = tokio::time::timeout(Duration::from_secs(5), rx.recv())
@@ -707,16 +712,7 @@ mod tests {
         backend.resume(ObservationSink::new(restored_tx, TraceContext::default()));
         let (s, mut rx) = sink();
         let lease = facts(backend.execute(create(), s.clone()).await).lease.unwrap();
-        let start = op(
-            1,
-            1,
-            OperationInput::StartBootstrap {
-                lease,
-                endpoint: Endpoint::new("endpoint", "10.0.0.1:22").unwrap(),
-                boot: Params::new(),
-                join: Params::new(),
-            },
-        );
+        let start = start_bootstrap(lease);
         let _ = facts(backend.execute(start, s).await);
         clock.advance(60_000);
         backend.shared.wake.notify_one();

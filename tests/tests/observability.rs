@@ -654,6 +654,34 @@ async fn a_pass_with_more_causes_than_links_counts_the_rest() {
     );
 }
 
+/// Waits until `run` is gone (its delete finished).
+async fn until_gone(c: &ProvisioningClient<Channel>, run: &str) {
+    eventually(CONVERGE, "the run is gone", || {
+        let mut c = c.clone();
+        async move {
+            let got = c
+                .get_run(pb::GetRunRequest {
+                    run_id: run.into(),
+                    include_nodes: false,
+                })
+                .await;
+            matches!(got, Err(s) if s.code() == tonic::Code::NotFound).then_some(())
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// The spans whose parent was never received: (service, name).
+fn orphans(spans: &[Received]) -> Vec<(&str, &str)> {
+    let ids: BTreeSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    spans
+        .iter()
+        .filter(|s| !s.parent.is_empty() && !ids.contains(s.parent.as_str()))
+        .map(|s| (s.service.as_str(), s.name.as_str()))
+        .collect()
+}
+
 /// The most spans one trace may hold (ARCHITECTURE.md, "Tracing"): a
 /// request and its pass with the Decide call, or one operation with its
 /// call at the executor, its fold and a bootstrap's stages. Traces do not
@@ -730,31 +758,13 @@ async fn every_node_s_life_is_reached_from_the_request_that_changed_it() {
     c.delete_run(pb::DeleteRunRequest { run_id: run.into() })
         .await
         .unwrap();
-    eventually(CONVERGE, "the run is gone", || {
-        let mut c = c.clone();
-        async move {
-            let got = c
-                .get_run(pb::GetRunRequest {
-                    run_id: run.into(),
-                    include_nodes: false,
-                })
-                .await;
-            matches!(got, Err(s) if s.code() == tonic::Code::NotFound).then_some(())
-        }
-    })
-    .await
-    .unwrap();
+    until_gone(&c, run).await;
     drop(c);
     stop(&mut cluster).await;
     let spans = receiver.spans.lock().unwrap().clone();
 
     // Every parent was received.
-    let ids: BTreeSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
-    let orphans: Vec<(&str, &str)> = spans
-        .iter()
-        .filter(|s| !s.parent.is_empty() && !ids.contains(s.parent.as_str()))
-        .map(|s| (s.service.as_str(), s.name.as_str()))
-        .collect();
+    let orphans = orphans(&spans);
     assert!(orphans.is_empty(), "spans whose parent never came: {orphans:?}");
     // No trace grows with the run.
     let mut per_trace: BTreeMap<&str, usize> = BTreeMap::new();
@@ -873,29 +883,11 @@ async fn sigterm_right_after_a_delete_exports_the_last_pass_whole() {
         })
         .await
         .unwrap();
-        eventually(CONVERGE, "the run is gone", || {
-            let mut c = c.clone();
-            async move {
-                let got = c
-                    .get_run(pb::GetRunRequest {
-                        run_id: "final".into(),
-                        include_nodes: false,
-                    })
-                    .await;
-                matches!(got, Err(s) if s.code() == tonic::Code::NotFound).then_some(())
-            }
-        })
-        .await
-        .unwrap();
+        until_gone(&c, "final").await;
         drop(c);
         stop(&mut cluster).await;
         let spans = receiver.spans.lock().unwrap().clone();
-        let ids: BTreeSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
-        let orphans: Vec<(&str, &str)> = spans
-            .iter()
-            .filter(|s| !s.parent.is_empty() && !ids.contains(s.parent.as_str()))
-            .map(|s| (s.service.as_str(), s.name.as_str()))
-            .collect();
+        let orphans = orphans(&spans);
         assert!(
             orphans.is_empty(),
             "round {round}: spans whose parent never came: {orphans:?}"

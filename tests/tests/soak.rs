@@ -20,6 +20,7 @@ use contract::pb;
 use provisioning_tests::{
     procs::{Cluster, ClusterOptions, Service, watch_until},
     shapes::shape,
+    sim::Rng,
 };
 use tonic::Code;
 
@@ -28,23 +29,6 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-/// splitmix64: the churn's choices, from one seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
 
 /// One reading of a process: resident KiB, open descriptors, threads.
@@ -103,7 +87,7 @@ async fn churn_with_kills_keeps_every_service_flat_and_every_run_converging() {
     let secs = env_u64("SOAK_SECS", 120);
     let kill_every = Duration::from_secs(env_u64("SOAK_KILL_EVERY_SECS", 5));
     let seed = env_u64("SOAK_SEED", 0x50a4);
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     eprintln!(
         "soak: {secs} s, seed {seed}, a kill at most every {} s (SOAK_SECS, SOAK_SEED, SOAK_KILL_EVERY_SECS)",
         kill_every.as_secs()

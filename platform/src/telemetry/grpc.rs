@@ -348,8 +348,12 @@ impl Counted {
         }
     }
 
-    fn feed(&mut self, data: &[u8]) {
-        let n = self.counter.feed(data);
+    /// Counts the messages that begin in `frame`'s data, if it has any.
+    fn feed<D: AsRef<[u8]>>(&mut self, frame: &Frame<D>) {
+        let Some(data) = frame.data_ref() else {
+            return;
+        };
+        let n = self.counter.feed(data.as_ref());
         if n > 0 {
             self.into.add(&self.labels.values(), n);
         }
@@ -403,11 +407,8 @@ where
         cx: &mut TaskContext<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled
-            && let Some(data) = frame.data_ref()
-        {
-            let bytes = data.as_ref();
-            self.messages.feed(bytes);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            self.messages.feed(frame);
         }
         polled
     }
@@ -450,10 +451,7 @@ where
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    let bytes = data.as_ref();
-                    self.messages.feed(bytes);
-                }
+                self.messages.feed(frame);
                 if let Some(status) = frame.trailers_ref().and_then(grpc_status)
                     && let Some(call) = self.call.as_mut()
                 {

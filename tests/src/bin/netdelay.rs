@@ -27,6 +27,7 @@ use std::{
 use anyhow::Context as _;
 use clap::Parser;
 use nfq::{Queue, Verdict};
+use provisioning_tests::sim::Rng;
 
 #[derive(Parser, Debug)]
 #[command(about = "Holds and drops packets a netfilter queue hands over")]
@@ -49,24 +50,6 @@ struct Args {
     /// (`passed N dropped M`), at most twice a second.
     #[arg(long)]
     stats: Option<std::path::PathBuf>,
-}
-
-/// splitmix64: enough randomness for delays, and seeded.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -97,7 +80,7 @@ fn main() -> anyhow::Result<()> {
     println!("bound");
     std::io::stdout().flush()?;
 
-    let mut rng = Rng(args.seed);
+    let mut rng = Rng::new(args.seed);
     let mut held: BinaryHeap<Reverse<(Instant, u64)>> = BinaryHeap::new();
     let mut packets = std::collections::HashMap::new();
     let mut next = 0u64;
@@ -109,14 +92,14 @@ fn main() -> anyhow::Result<()> {
             match queue.recv() {
                 Ok(mut msg) => {
                     idle = false;
-                    if rng.unit() < args.loss {
+                    if rng.chance(args.loss) {
                         msg.set_verdict(Verdict::Drop);
                         queue.verdict(msg)?;
                         dropped += 1;
                         continue;
                     }
                     let spread = 2 * args.jitter_ms + 1;
-                    let hold = args.delay_ms - args.jitter_ms + rng.next() % spread;
+                    let hold = args.delay_ms - args.jitter_ms + rng.below(spread);
                     held.push(Reverse((Instant::now() + Duration::from_millis(hold), next)));
                     packets.insert(next, msg);
                     next += 1;
