@@ -366,7 +366,16 @@ impl RunActor {
     /// the last look (NTP stepping it, an operator setting it). Slewing moves
     /// both together and is not a step.
     fn follow_clock_step(&mut self) {
-        if let Some(by) = self.steps.stepped(self.shared.clock.as_ref()) {
+        let _ = self.now_following_steps();
+    }
+
+    /// The wall time now, with the run's deadlines moved first if the clock
+    /// stepped since the last look (the step and the time come from one
+    /// reading; see [`contract::StepWatch::read`]). What compares the time
+    /// with the run's deadlines (timeouts, passes, folds) reads it here.
+    fn now_following_steps(&mut self) -> UnixMillis {
+        let (now, step) = self.steps.read(self.shared.clock.as_ref());
+        if let Some(by) = step {
             let moved = self.run.shift_deadlines(by);
             tracing::warn!(
                 run = %self.run.run_id(),
@@ -378,6 +387,7 @@ impl RunActor {
             // A pass commits the moved records (and decides on them).
             self.want();
         }
+        now
     }
 
     async fn run(mut self) {
@@ -464,8 +474,7 @@ impl RunActor {
 
     fn on_timer(&mut self) {
         // A step is followed before anything reads the stepped clock.
-        self.follow_clock_step();
-        let now = self.now();
+        let now = self.now_following_steps();
         let before = self.events.before(&self.run);
         match self.run.handle_timeout(now) {
             Ok(n) if n > 0 => {
@@ -522,8 +531,7 @@ impl RunActor {
     }
 
     async fn handle(&mut self, ev: RunEvent) {
-        self.follow_clock_step();
-        let now = self.now();
+        let now = self.now_following_steps();
         match ev {
             RunEvent::Apply { shape, trace, reply } => {
                 if let Some(why) = &self.halted {
@@ -1071,7 +1079,7 @@ impl RunActor {
             return;
         }
         self.deadline_folds_seen = seen;
-        let now = self.now();
+        let now = self.now_following_steps();
         let ended: Vec<OperationId> = self
             .in_flight
             .iter()
@@ -1494,7 +1502,7 @@ impl RunActor {
         if !self.owned() {
             return;
         }
-        let now = self.now();
+        let now = self.now_following_steps();
         if !self.run.needs_pass(now) {
             // Nothing is dirty or due after all: the run leaves the queue.
             self.unwant(false);

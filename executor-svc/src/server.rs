@@ -723,7 +723,16 @@ impl Actor {
     /// with the new time: the driver moves its own deadlines for them by
     /// the same step, and an operation keeps the time it had left.
     fn follow_clock_step(&mut self) {
-        if let Some(by) = self.steps.stepped(self.clock.as_ref()) {
+        let _ = self.now_following_steps();
+    }
+
+    /// The wall time now, with the operations' deadlines moved first if the
+    /// clock stepped since the last look (one reading for both; see
+    /// [`contract::StepWatch::read`]). What hands the core a time reads it
+    /// here.
+    fn now_following_steps(&mut self) -> contract::UnixMillis {
+        let (now, step) = self.steps.read(self.clock.as_ref());
+        if let Some(by) = step {
             let moved = self.core.shift_deadlines(by);
             tracing::warn!(
                 step_ms = by,
@@ -731,6 +740,7 @@ impl Actor {
                 "the wall clock stepped: the operations' deadlines moved with it"
             );
         }
+        now
     }
 
     async fn run(
@@ -866,7 +876,8 @@ impl Actor {
                     // Aborted after it finished: the core reports it as late.
                     None => {}
                 }
-                let mut out = self.core.complete(run_uid, id, outcome, self.clock.now());
+                let now = self.now_following_steps();
+                let mut out = self.core.complete(run_uid, id, outcome, now);
                 // The result this call produced goes back under the call's
                 // span, so the driver's fold is its child.
                 for o in &mut out {
@@ -900,7 +911,8 @@ impl Actor {
                 self.apply(out, None, &TraceContext::default());
             }
             Event::Tick => {
-                let out = self.core.handle_timeout(self.clock.now());
+                let now = self.now_following_steps();
+                let out = self.core.handle_timeout(now);
                 self.apply(out, None, &TraceContext::default());
             }
         }
@@ -1028,7 +1040,8 @@ impl Actor {
             op: OpRec::of(&op),
             link: link.0,
         });
-        let out = self.core.submit(op, self.clock.now());
+        let now = self.now_following_steps();
+        let out = self.core.submit(op, now);
         self.apply(out, Some(link), &trace);
     }
 

@@ -130,18 +130,35 @@ impl StepWatch {
     }
 
     fn lead_ms(clock: &dyn Clock) -> i64 {
-        let wall = i64::try_from(clock.now().as_millis()).unwrap_or(i64::MAX);
-        let mono = i64::try_from(clock.monotonic().0.as_millis()).unwrap_or(i64::MAX);
-        wall.saturating_sub(mono)
+        Self::reading(clock).1
     }
 
-    /// The step since the last look (ms, positive forward), if the wall
-    /// clock stepped; the new lead is kept either way.
-    pub fn stepped(&mut self, clock: &dyn Clock) -> Option<i64> {
-        let lead = Self::lead_ms(clock);
+    /// The wall time, and the wall clock's lead over the monotonic one, from
+    /// one reading of each.
+    fn reading(clock: &dyn Clock) -> (UnixMillis, i64) {
+        let now = clock.now();
+        let wall = i64::try_from(now.as_millis()).unwrap_or(i64::MAX);
+        let mono = i64::try_from(clock.monotonic().0.as_millis()).unwrap_or(i64::MAX);
+        (now, wall.saturating_sub(mono))
+    }
+
+    /// The wall time now, and the step since the last look (ms, positive
+    /// forward) if the wall clock stepped, from the same reading: a caller
+    /// that moves its deadlines by the step before it uses the time never
+    /// compares a stepped time with deadlines that have not moved (as it
+    /// could if it looked for a step and then read the clock again, and the
+    /// step fell between the two).
+    pub fn read(&mut self, clock: &dyn Clock) -> (UnixMillis, Option<i64>) {
+        let (now, lead) = Self::reading(clock);
         let by = lead.saturating_sub(self.lead_ms);
         self.lead_ms = lead;
-        (u128::from(by.unsigned_abs()) >= Self::STEP.as_millis()).then_some(by)
+        (now, (u128::from(by.unsigned_abs()) >= Self::STEP.as_millis()).then_some(by))
+    }
+
+    /// The step since the last look, if the wall clock stepped (see
+    /// [`StepWatch::read`]).
+    pub fn stepped(&mut self, clock: &dyn Clock) -> Option<i64> {
+        self.read(clock).1
     }
 }
 
