@@ -152,7 +152,10 @@ impl StepWatch {
         let (now, lead) = Self::reading(clock);
         let by = lead.saturating_sub(self.lead_ms);
         self.lead_ms = lead;
-        (now, (u128::from(by.unsigned_abs()) >= Self::STEP.as_millis()).then_some(by))
+        (
+            now,
+            (u128::from(by.unsigned_abs()) >= Self::STEP.as_millis()).then_some(by),
+        )
     }
 
     /// The step since the last look, if the wall clock stepped (see
