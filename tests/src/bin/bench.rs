@@ -30,7 +30,9 @@
 //! window as a share of one core (the target is under 5%), its RSS, the
 //! driver's passes and the executor's health reports in the window (both 0
 //! for an idle run), and how often the driver's link to the executor
-//! connected (1: it never broke).
+//! connected (1: it never broke). Each `e2e` size also has a `cpu` row per
+//! service: the CPU seconds it used over the three-process convergence on
+//! the memory store, per 1,000 nodes.
 
 use std::{
     collections::BTreeSet,
@@ -501,7 +503,24 @@ fn rss_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-async fn three_processes(n: u64, durable: bool) -> anyhow::Result<(Duration, u64, Option<(u64, u64)>)> {
+/// CPU seconds (user and system) a process has used, from `/proc`.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let tick = |i: usize| -> Option<f64> { fields.get(i)?.parse().ok() };
+    // utime and stime, the 14th and 15th fields, in clock ticks (100 a
+    // second on Linux).
+    Some((tick(11)? + tick(12)?) / 100.0)
+}
+
+/// The CPU seconds each service used over a convergence: decider,
+/// executor, driver.
+type CpuUsed = [(&'static str, f64); 3];
+
+async fn three_processes(
+    n: u64,
+    durable: bool,
+) -> anyhow::Result<(Duration, u64, Option<(u64, u64)>, CpuUsed)> {
     let mut opts = ClusterOptions::default()
         .executor("--fake-latency-ms", "0,0")
         .executor("--fake-stage-interval-ms", "0")
@@ -513,6 +532,13 @@ async fn three_processes(n: u64, durable: bool) -> anyhow::Result<(Duration, u64
     }
     let cluster = Cluster::start(opts).await?;
     let rss_before = cluster.driver.pid().and_then(rss_kib);
+    let services = [
+        ("decider", &cluster.decider),
+        ("executor", &cluster.executor),
+        ("driver", &cluster.driver),
+    ];
+    let cpu_now = || services.map(|(name, s)| (name, s.pid().and_then(cpu_seconds).unwrap_or(0.0)));
+    let cpu_before = cpu_now();
     let mut c = cluster.client().await?.max_decoding_message_size(256 << 20);
     let start = Instant::now();
     c.apply(pb::ApplyRequest {
@@ -534,7 +560,12 @@ async fn three_processes(n: u64, durable: bool) -> anyhow::Result<(Duration, u64
     let elapsed = start.elapsed();
     let rss_after = cluster.driver.pid().and_then(rss_kib);
     let mem = rss_before.zip(rss_after);
-    Ok((elapsed, status.passes, mem))
+    let cpu_after = cpu_now();
+    let mut cpu = cpu_after;
+    for ((_, used), (_, before)) in cpu.iter_mut().zip(cpu_before) {
+        *used -= before;
+    }
+    Ok((elapsed, status.passes, mem, cpu))
 }
 
 async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
@@ -547,7 +578,7 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
         "s",
         String::new(),
     );
-    let (split, passes, mem) = three_processes(n, false).await?;
+    let (split, passes, mem, cpu) = three_processes(n, false).await?;
     let target = match n {
         10_000 => " (target <= 5 s)",
         100_000 => " (target <= 60 s)",
@@ -564,7 +595,19 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
             split.as_secs_f64() / local.as_secs_f64()
         ),
     );
-    let (durable, _, durable_mem) = three_processes(n, true).await?;
+    let (durable, _, durable_mem, _) = three_processes(n, true).await?;
+    // CPU per 1,000 nodes, so that a regression in any one service shows in
+    // one run at any size.
+    for (service, used) in cpu {
+        t.add(
+            "cpu",
+            n,
+            &format!("{service} CPU per 1,000 nodes (memory store)"),
+            used * 1000.0 / n as f64,
+            "s",
+            format!("{used:.2} s over the convergence (10 ms ticks)"),
+        );
+    }
     t.add(
         "e2e",
         n,
