@@ -2,7 +2,7 @@
 //!
 //! ```sh
 //! cargo build --release --workspace --bins
-//! target/release/bench                       # every row, sizes 1k,10k,100k
+//! target/release/bench                       # every row, sizes 1 to 100k
 //! target/release/bench --sizes 1000,10000 --only decider,rpc
 //! target/release/bench --only health --health-nodes 100000 --health-window-s 30
 //! target/release/bench --sizes 100000 --only rollout   # not in the default set
@@ -1122,7 +1122,9 @@ async fn bench_plugin(t: &mut Table, n: u64, agents: u64) -> anyhow::Result<()> 
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> anyhow::Result<()> {
-    let mut sizes = vec![1_000u64, 10_000, 100_000];
+    // The small sizes show a per-pass latency floor (a fixed cost that
+    // dominates a small run) coming back; the large ones, scaling.
+    let mut sizes = vec![1u64, 10, 100, 1_000, 10_000, 100_000];
     let mut only: Option<BTreeSet<String>> = None;
     let mut csv = "target/bench.csv".to_owned();
     let mut throughput_ops = 20_000u64;
@@ -1162,7 +1164,7 @@ async fn main() -> anyhow::Result<()> {
             }
             "--help" | "-h" => {
                 println!(
-                    "bench [--sizes 1000,10000,100000] [--only decider,rpc,e2e,throughput,health,rollout] \
+                    "bench [--sizes 1,10,100,1000,10000,100000] [--only decider,rpc,e2e,throughput,health,rollout] \
                      [--csv PATH] [--throughput-ops 20000] [--health-nodes 100000] [--health-window-s 30]"
                 );
                 return Ok(());
