@@ -224,7 +224,7 @@ pub(crate) struct RunActor {
     /// The client request whose change the next pass carries out.
     origin: Option<TraceContext>,
     /// The folds since the last pass started; the next pass links to them.
-    causes: Vec<TraceContext>,
+    causes: Vec<telemetry::Cause>,
     /// The latest client request that changed the run, numbered: the
     /// operations it causes link to it (see [`RunActor::dispatch`]).
     request: Option<(u64, telemetry::Cause)>,
@@ -1037,15 +1037,12 @@ impl RunActor {
     /// so does the node's next operation.
     fn caused_by(&mut self, fold: &tracing::Span, node: &LogicalNodeId) {
         if let Some(cause) = telemetry::Cause::of(fold) {
-            self.node_causes.insert(node.clone(), (self.requests, cause));
-        }
-        let cx = telemetry::context_of(fold);
-        if !cx.traceparent.is_empty() {
             if self.causes.len() < MAX_CAUSES {
-                self.causes.push(cx);
+                self.causes.push(cause.clone());
             } else {
                 self.causes_dropped += 1;
             }
+            self.node_causes.insert(node.clone(), (self.requests, cause));
         }
         self.triggered();
     }
@@ -1349,7 +1346,7 @@ impl RunActor {
                 telemetry::set_parent(&span, &origin);
             }
             for cause in self.causes.drain(..) {
-                telemetry::add_link(&span, &cause);
+                cause.link(&span);
             }
             span.record(
                 "provisioning.pass.links_dropped",

@@ -442,12 +442,6 @@ pub fn set_parent(span: &tracing::Span, trace: &TraceContext) {
     }
 }
 
-/// Links `span` to the span `trace` names (an OpenTelemetry span link): for
-/// work caused by other traces that is not their child.
-pub fn add_link(span: &tracing::Span, trace: &TraceContext) {
-    span.add_link(span_context(trace));
-}
-
 /// What caused a piece of work, kept so that the work's span can link to it
 /// later: a recorded span's ids (no strings), cheap enough to keep one for
 /// every node of a large run.

@@ -102,6 +102,33 @@ struct Net {
 
 static NETS: AtomicU32 = AtomicU32::new(0);
 
+/// A network namespace with its loopback up.
+fn add_namespace(ns: &str) -> anyhow::Result<()> {
+    ip(&["netns", "add", ns])?;
+    ip(&["-n", ns, "link", "set", "lo", "up"])
+}
+
+/// A veth pair joining its two ends: (namespace, or this one for `None`;
+/// interface; address, a /30), each end addressed and up.
+fn veth(ends: [(Option<String>, String, String); 2]) -> anyhow::Result<()> {
+    let [(_, if_a, _), (_, if_b, _)] = &ends;
+    ip(&["link", "add", if_a, "type", "veth", "peer", "name", if_b])?;
+    for (ns, ifname, addr) in &ends {
+        let mut at: Vec<&str> = Vec::new();
+        if let Some(ns) = ns {
+            ip(&["link", "set", ifname, "netns", ns])?;
+            at.extend(["-n", ns]);
+        }
+        ip(&[
+            at.as_slice(),
+            &["addr", "add", &format!("{addr}/30"), "dev", ifname],
+        ]
+        .concat())?;
+        ip(&[at.as_slice(), &["link", "set", ifname, "up"]].concat())?;
+    }
+    Ok(())
+}
+
 /// The first of four free /24s of 10.91.0.0/16 (third octets `k..k+4`),
 /// none of them on a link of this namespace now: a test network the kernel
 /// is still tearing down (its sockets closing) keeps its addresses a while,
@@ -180,27 +207,10 @@ impl Net {
             octet,
         };
         for who in ['d', 'c', 'e'] {
-            ip(&["netns", "add", &net.ns(who)])?;
-            ip(&["-n", &net.ns(who), "link", "set", "lo", "up"])?;
+            add_namespace(&net.ns(who))?;
         }
         for link in [Link::Decider, Link::Executor, Link::Api, Link::Inspect] {
-            let [(ns_a, if_a, addr_a), (ns_b, if_b, addr_b)] = net.ends(link);
-            ip(&["link", "add", &if_a, "type", "veth", "peer", "name", &if_b])?;
-            for (ns, ifname, addr) in [(&ns_a, &if_a, &addr_a), (&ns_b, &if_b, &addr_b)] {
-                if let Some(ns) = ns {
-                    ip(&["link", "set", ifname, "netns", ns])?;
-                }
-                let mut at: Vec<&str> = Vec::new();
-                if let Some(ns) = ns {
-                    at.extend(["-n", ns]);
-                }
-                ip(&[
-                    at.as_slice(),
-                    &["addr", "add", &format!("{addr}/30"), "dev", ifname],
-                ]
-                .concat())?;
-                ip(&[at.as_slice(), &["link", "set", ifname, "up"]].concat())?;
-            }
+            veth(net.ends(link))?;
         }
         Ok(net)
     }
@@ -559,23 +569,11 @@ impl Host {
             near: format!("10.91.{octet}.1"),
             far: format!("10.91.{octet}.2"),
         };
-        ip(&["netns", "add", &host.ns])?;
-        ip(&["-n", &host.ns, "link", "set", "lo", "up"])?;
-        let (near_if, far_if) = (format!("{name}a"), format!("{name}b"));
-        ip(&["link", "add", &near_if, "type", "veth", "peer", "name", &far_if])?;
-        ip(&["link", "set", &far_if, "netns", &host.ns])?;
-        ip(&["addr", "add", &format!("{}/30", host.near), "dev", &near_if])?;
-        ip(&["link", "set", &near_if, "up"])?;
-        ip(&[
-            "-n",
-            &host.ns,
-            "addr",
-            "add",
-            &format!("{}/30", host.far),
-            "dev",
-            &far_if,
+        add_namespace(&host.ns)?;
+        veth([
+            (None, format!("{name}a"), host.near.clone()),
+            (Some(host.ns.clone()), format!("{name}b"), host.far.clone()),
         ])?;
-        ip(&["-n", &host.ns, "link", "set", &far_if, "up"])?;
         Ok(host)
     }
 

@@ -690,7 +690,7 @@ const TRACE_SPAN_BOUND: usize = 64;
 
 /// The spans reachable from `from` by walking to children and to the spans
 /// that link to what was reached (what it caused).
-fn reachable<'a>(spans: &'a [Received], from: &Received) -> BTreeSet<&'a str> {
+fn reachable<'a>(spans: &'a [Received], from: &'a Received) -> BTreeSet<&'a str> {
     let mut caused: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for s in spans {
         if !s.parent.is_empty() {
@@ -701,12 +701,7 @@ fn reachable<'a>(spans: &'a [Received], from: &Received) -> BTreeSet<&'a str> {
         }
     }
     let mut seen: BTreeSet<&str> = BTreeSet::new();
-    let start = spans
-        .iter()
-        .find(|s| s.span_id == from.span_id)
-        .map(|s| s.span_id.as_str())
-        .unwrap();
-    let mut next = vec![start];
+    let mut next = vec![from.span_id.as_str()];
     while let Some(id) = next.pop() {
         if seen.insert(id) {
             next.extend(caused.get(id).into_iter().flatten().copied());
