@@ -65,6 +65,20 @@ async fn short_deadlines() -> NetCluster {
     .unwrap()
 }
 
+/// Operations the driver folded with outcome class `outcome`, by its own
+/// count (its metrics).
+fn ended(metrics: &str, outcome: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("provisioning_operation_duration_seconds_count{")
+                && l.contains(&format!("outcome=\"{outcome}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
+}
+
 /// Asserts the executor's inventory holds one resource for each of `slots`
 /// slots, read over the test's own link.
 async fn one_resource_per_slot(cluster: &NetCluster, slots: usize) {
@@ -109,10 +123,12 @@ async fn a_cut_executor_link_longer_than_the_deadlines_doubles_nothing() {
     let during = c.get_run(get("cut")).await.unwrap().into_inner();
     assert!(!during.converged, "{during:?}");
     cluster.restore(Link::Executor).unwrap();
+    let restored = std::time::Instant::now();
 
     let done = watch_until(&mut c, "cut", CONVERGE, |s| s.converged)
         .await
         .unwrap();
+    let reconverged = restored.elapsed();
     assert_eq!(done.ready_count, 16);
     let nodes = c.get_run(get("cut")).await.unwrap().into_inner().nodes;
     assert_eq!(nodes.len(), 16);
@@ -121,15 +137,15 @@ async fn a_cut_executor_link_longer_than_the_deadlines_doubles_nothing() {
     // What was in flight when the link went ended ambiguous, by the
     // driver's own count.
     let metrics = cluster.driver_metrics().await.unwrap();
-    let ambiguous: f64 = metrics
-        .lines()
-        .filter(|l| {
-            l.starts_with("provisioning_operation_duration_seconds_count{")
-                && l.contains("outcome=\"ambiguous\"")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    assert!(ambiguous >= 1.0, "no operation ended ambiguous:\n{metrics}");
+    let ambiguous = ended(&metrics, "ambiguous");
+    assert!(ambiguous >= 1, "no operation ended ambiguous:\n{metrics}");
+    eprintln!(
+        "executor link cut 5 s: converged {:.1} s after it was back, {} passes, \
+         {ambiguous} operations ambiguous, {} succeeded",
+        reconverged.as_secs_f64(),
+        done.passes,
+        ended(&metrics, "succeeded"),
+    );
 }
 
 /// The driver's link to the decider is cut: no pass is applied while it
@@ -165,11 +181,17 @@ async fn a_cut_decider_link_stops_decisions_until_it_is_back() {
     );
     assert!(!later.converged);
     cluster.restore(Link::Decider).unwrap();
+    let restored = std::time::Instant::now();
     let done = watch_until(&mut c, "held", CONVERGE, |s| s.converged)
         .await
         .unwrap();
     assert_eq!(done.ready_count, 10);
     assert!(done.passes > later.passes);
+    eprintln!(
+        "decider link cut 3.5 s: converged {:.1} s after it was back, {} passes after",
+        restored.elapsed().as_secs_f64(),
+        done.passes - later.passes,
+    );
 }
 
 /// The executor's link cut one way for longer than the deadlines: the
@@ -193,12 +215,21 @@ async fn answers_lost_one_way_are_sent_again_and_double_nothing() {
     let held = cluster.inventory().await.unwrap();
     assert!(!held.is_empty(), "the creates never reached the executor");
     cluster.restore_one_way(Link::Executor, true).unwrap();
+    let restored = std::time::Instant::now();
 
     let done = watch_until(&mut c, "oneway", CONVERGE, |s| s.converged)
         .await
         .unwrap();
     assert_eq!(done.ready_count, 8);
     one_resource_per_slot(&cluster, 8).await;
+    let metrics = cluster.driver_metrics().await.unwrap();
+    eprintln!(
+        "executor answers lost 5 s: converged {:.1} s after the link was whole, \
+         {} operations ambiguous, {} succeeded",
+        restored.elapsed().as_secs_f64(),
+        ended(&metrics, "ambiguous"),
+        ended(&metrics, "succeeded"),
+    );
 }
 
 /// Every link slow and lossy (200 ms ± 100 ms each way, 5% of packets
@@ -239,17 +270,7 @@ async fn a_slow_lossy_network_converges_200_nodes_without_doubling() {
     assert_eq!(done.ready_count, 200);
     one_resource_per_slot(&cluster, 200).await;
     let metrics = cluster.driver_metrics().await.unwrap();
-    let count = |outcome: &str| -> u64 {
-        metrics
-            .lines()
-            .filter(|l| {
-                l.starts_with("provisioning_operation_duration_seconds_count{")
-                    && l.contains(&format!("outcome=\"{outcome}\""))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .map(|v| v as u64)
-            .sum()
-    };
+    let count = |outcome: &str| ended(&metrics, outcome);
     // Packets were lost: about 5% of what was sent.
     let (passed, dropped) = cluster.impaired_packets();
     let lost = dropped as f64 / (passed + dropped).max(1) as f64;
