@@ -244,14 +244,21 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
         decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace)
     });
     let mut rpc = Vec::new();
+    let mut bytes = (0, 0);
     for _ in 0..5 {
         let reqs = decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace);
+        bytes.0 = reqs.iter().map(prost::Message::encoded_len).sum::<usize>();
         let start = Instant::now();
         let out = decider_svc::decide(&mut client, reqs)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         rpc.push(start.elapsed());
         anyhow::ensure!(out.decisions.len() as u64 >= n, "short answer");
+        bytes.1 = out
+            .decisions
+            .iter()
+            .map(|d| prost::Message::encoded_len(&pb::Decision::from(d)) + 2)
+            .sum::<usize>();
     }
     rpc.sort();
     let rpc = rpc[rpc.len() / 2] + encode;
@@ -274,6 +281,14 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
             "{:.1}x library",
             rpc.as_secs_f64() / library.as_secs_f64().max(1e-9)
         ),
+    );
+    t.add(
+        "rpc",
+        n,
+        "Decide bytes per node, request / answer",
+        bytes.0 as f64 / n as f64,
+        "B",
+        format!("answer {:.1} B", bytes.1 as f64 / n as f64),
     );
     let transport = rpc.saturating_sub(encode).saturating_sub(library);
     t.add(
@@ -496,11 +511,44 @@ fn cpu_time(pid: u32) -> Option<Duration> {
 }
 
 fn rss_kib(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmRSS:")
+}
+
+/// The most a process has held resident so far.
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmHWM:")
+}
+
+fn status_kib(pid: u32, field: &str) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
+        .find(|l| l.starts_with(field))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
+}
+
+/// A service's resident memory over a convergence, in KiB: before, after,
+/// and its peak.
+#[derive(Debug, Clone, Copy)]
+struct Memory {
+    before: u64,
+    after: u64,
+    peak: u64,
+}
+
+impl Memory {
+    fn before(pid: Option<u32>) -> Option<u64> {
+        pid.and_then(rss_kib)
+    }
+
+    fn after(pid: Option<u32>, before: Option<u64>) -> Option<Self> {
+        let pid = pid?;
+        Some(Self {
+            before: before?,
+            after: rss_kib(pid)?,
+            peak: peak_rss_kib(pid)?,
+        })
+    }
 }
 
 /// CPU seconds (user and system) a process has used, from `/proc`.
@@ -517,10 +565,16 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
 /// executor, driver.
 type CpuUsed = [(&'static str, f64); 3];
 
-async fn three_processes(
-    n: u64,
-    durable: bool,
-) -> anyhow::Result<(Duration, u64, Option<(u64, u64)>, CpuUsed)> {
+/// What one three-process convergence measured.
+struct Converged {
+    elapsed: Duration,
+    passes: u64,
+    driver: Option<Memory>,
+    executor: Option<Memory>,
+    cpu: CpuUsed,
+}
+
+async fn three_processes(n: u64, durable: bool) -> anyhow::Result<Converged> {
     let mut opts = ClusterOptions::default()
         .executor("--fake-latency-ms", "0,0")
         .executor("--fake-stage-interval-ms", "0")
@@ -531,7 +585,8 @@ async fn three_processes(
         opts = opts.driver("--store", "memory");
     }
     let cluster = Cluster::start(opts).await?;
-    let rss_before = cluster.driver.pid().and_then(rss_kib);
+    let driver_before = Memory::before(cluster.driver.pid());
+    let executor_before = Memory::before(cluster.executor.pid());
     let services = [
         ("decider", &cluster.decider),
         ("executor", &cluster.executor),
@@ -551,14 +606,20 @@ async fn three_processes(
         .await
         .with_context(|| format!("{n} nodes did not converge"))?;
     let elapsed = start.elapsed();
-    let rss_after = cluster.driver.pid().and_then(rss_kib);
-    let mem = rss_before.zip(rss_after);
+    let driver = Memory::after(cluster.driver.pid(), driver_before);
+    let executor = Memory::after(cluster.executor.pid(), executor_before);
     let cpu_after = cpu_now();
     let mut cpu = cpu_after;
     for ((_, used), (_, before)) in cpu.iter_mut().zip(cpu_before) {
         *used -= before;
     }
-    Ok((elapsed, status.passes, mem, cpu))
+    Ok(Converged {
+        elapsed,
+        passes: status.passes,
+        driver,
+        executor,
+        cpu,
+    })
 }
 
 async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
@@ -571,7 +632,8 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
         "s",
         String::new(),
     );
-    let (split, passes, mem, cpu) = three_processes(n, false).await?;
+    let memory = three_processes(n, false).await?;
+    let (split, passes, cpu) = (memory.elapsed, memory.passes, memory.cpu);
     let target = match n {
         1 => " (target <= 20 ms)",
         100 => " (target <= 50 ms)",
@@ -591,7 +653,8 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
             split.as_secs_f64() / local.as_secs_f64()
         ),
     );
-    let (durable, _, durable_mem, _) = three_processes(n, true).await?;
+    let redb = three_processes(n, true).await?;
+    let durable = redb.elapsed;
     // CPU per 1,000 nodes, so that a regression in any one service shows in
     // one run at any size.
     for (service, used) in cpu {
@@ -636,16 +699,23 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
     );
     // The memory store keeps a second copy of every record in the process;
     // the redb store (the default) keeps records in its file and page cache.
-    for (store, mem) in [("memory store", mem), ("redb store", durable_mem)] {
-        if let Some((before, after)) = mem {
-            let per_node = (after.saturating_sub(before) as f64 * 1024.0) / n as f64;
+    // The ceilings at 1,000,000 nodes: driver 2.5 GiB, executor
+    // 1 GiB, so 2,048 and 1,024 bytes per node of growth.
+    for (store, run) in [("memory store", &memory), ("redb store", &redb)] {
+        for (service, mem, target) in [("driver", run.driver, 2048.0), ("executor", run.executor, 1024.0)] {
+            let Some(mem) = mem else { continue };
+            let per_node = (mem.after.saturating_sub(mem.before) as f64 * 1024.0) / n as f64;
             t.add(
                 "memory",
                 n,
-                &format!("driver RSS growth per node, {store}"),
+                &format!("{service} RSS growth per node, {store}"),
                 per_node,
                 "bytes",
-                format!("target <= 2048: {:.2}x", per_node / 2048.0),
+                format!(
+                    "target <= {target}: {:.2}x; peak {:.1} MiB",
+                    per_node / target,
+                    mem.peak as f64 / 1024.0
+                ),
             );
         }
     }
