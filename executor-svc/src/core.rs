@@ -76,9 +76,55 @@ pub enum DurableChange {
 /// A completed operation as the executor keeps it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DurableOp {
-    pub op: Operation,
+    pub input: KeptInput,
     pub result: OperationResult,
     pub acked: bool,
+}
+
+/// What the dedup table keeps of an operation's input.
+///
+/// The whole operation is kept while it may still run and while its result
+/// is owed to the driver. Once the driver has acknowledged the result, the
+/// operation can never run again (a resubmission replays the result), so
+/// only the digest that a resubmission is compared by is kept: an attempt's
+/// settled operations cost a few dozen bytes each, not their templates.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KeptInput {
+    Whole(Box<Operation>),
+    /// [`input_digest`] of the operation.
+    Digest(u64),
+}
+
+impl KeptInput {
+    /// The whole operation, if it is still kept.
+    pub fn whole(&self) -> Option<&Operation> {
+        match self {
+            KeptInput::Whole(op) => Some(op),
+            KeptInput::Digest(_) => None,
+        }
+    }
+
+    pub fn digest(&self) -> u64 {
+        match self {
+            KeptInput::Whole(op) => input_digest(op),
+            KeptInput::Digest(d) => *d,
+        }
+    }
+
+    /// Whether `op` is a resubmission of this one (`Operation::same_input`).
+    pub fn same(&self, op: &Operation) -> bool {
+        match self {
+            KeptInput::Whole(kept) => op.same_input(kept),
+            KeptInput::Digest(d) => input_digest(op) == *d,
+        }
+    }
+
+    /// Keeps the digest alone.
+    fn settle(&mut self) {
+        if let KeptInput::Whole(op) = self {
+            *self = KeptInput::Digest(input_digest(op));
+        }
+    }
 }
 
 /// Everything kept for one run, for [`ExecutorCore::restore`].
@@ -194,14 +240,24 @@ struct Completed {
 enum OpState {
     Queued,
     Running,
-    Completed(Completed),
+    Completed(Box<Completed>),
 }
 
-/// One row of the dedup table.
+/// One row of the dedup table: two words and a tag inline, so that the
+/// table's nodes stay small however many operations it holds.
 #[derive(Debug, Clone)]
 struct OpEntry {
-    op: Operation,
+    input: KeptInput,
     state: OpState,
+}
+
+impl OpEntry {
+    fn new(op: Operation) -> Self {
+        Self {
+            input: KeptInput::Whole(Box::new(op)),
+            state: OpState::Queued,
+        }
+    }
 }
 
 /// The running operation of one attempt and those waiting their turn, FIFO.
@@ -295,23 +351,24 @@ impl RunState {
     /// returns it. The caller keeps the attempt's lane consistent.
     fn finish(&mut self, id: OperationId, outcome: Outcome, now: UnixMillis) -> Option<OperationResult> {
         let entry = self.ops.get_mut(&id)?;
+        let op = entry.input.whole()?;
         let result = OperationResult {
-            run_uid: entry.op.run_uid,
-            node: entry.op.node.clone(),
+            run_uid: op.run_uid,
+            node: op.node.clone(),
             id,
-            effect: entry.op.input.effect(),
+            effect: op.input.effect(),
             outcome,
             completed_at: now,
             late: false,
             replayed: false,
-            trace: entry.op.trace.clone(),
+            trace: op.trace.clone(),
         };
-        self.deadlines.remove(&(entry.op.deadline, id));
-        entry.state = OpState::Completed(Completed {
+        self.deadlines.remove(&(op.deadline, id));
+        entry.state = OpState::Completed(Box::new(Completed {
             result: result.clone(),
             acked: false,
             awaiting_late: false,
-        });
+        }));
         self.unacked.insert(id);
         self.changed.insert(id);
         Some(result)
@@ -345,13 +402,17 @@ impl RunState {
             let Some(entry) = self.ops.get_mut(&next) else {
                 continue;
             };
-            if entry.op.deadline <= now {
+            let Some(op) = entry.input.whole() else {
+                continue;
+            };
+            if op.deadline <= now {
                 self.expire_unstarted(next, now, out);
                 continue;
             }
+            let op = op.clone();
             entry.state = OpState::Running;
             lane.running = Some(next);
-            out.push(Output::Start(entry.op.clone()));
+            out.push(Output::Start(op));
             return;
         }
     }
@@ -381,7 +442,7 @@ impl RunState {
         let digests = self
             .ops
             .range(range.clone())
-            .map(|(id, e)| (id.seq(), input_digest(&e.op)))
+            .map(|(id, e)| (id.seq(), e.input.digest()))
             .collect();
         self.retired.insert(attempt, digests);
         let done: Vec<OperationId> = self
@@ -525,7 +586,7 @@ impl ExecutorCore {
         }
 
         if let Some(existing) = run.ops.get_mut(&id) {
-            if !op.same_input(&existing.op) {
+            if !existing.input.same(&op) {
                 let message = format!(
                     "operation {id} of run {run_uid} was already submitted with another node or input"
                 );
@@ -582,13 +643,7 @@ impl ExecutorCore {
             // and "already absent" is success. Nothing runs.
             ops.insert(id.seq(), digest);
             self.dirty_runs.insert(run_uid);
-            run.ops.insert(
-                id,
-                OpEntry {
-                    op,
-                    state: OpState::Queued,
-                },
-            );
+            run.ops.insert(id, OpEntry::new(op));
             if let Some(result) = run.finish(id, Outcome::Succeeded(Default::default()), now) {
                 out.push(Output::Result(result));
             }
@@ -609,13 +664,7 @@ impl ExecutorCore {
         }
 
         let deadline = op.deadline;
-        run.ops.insert(
-            id,
-            OpEntry {
-                op,
-                state: OpState::Queued,
-            },
-        );
+        run.ops.insert(id, OpEntry::new(op));
         if deadline <= now {
             run.expire_unstarted(id, now, &mut out);
             return out;
@@ -658,14 +707,14 @@ impl ExecutorCore {
                 done.awaiting_late = false;
                 out.push(Output::Result(OperationResult {
                     run_uid,
-                    node: entry.op.node.clone(),
+                    node: done.result.node.clone(),
                     id,
-                    effect: entry.op.input.effect(),
+                    effect: done.result.effect,
                     outcome,
                     completed_at: now,
                     late: true,
                     replayed: false,
-                    trace: entry.op.trace.clone(),
+                    trace: done.result.trace.clone(),
                 }));
             }
             // A queued operation was never started, and a completed one has
@@ -697,8 +746,8 @@ impl ExecutorCore {
             let before = std::mem::take(&mut run.deadlines);
             for (deadline, id) in before {
                 let at = deadline.shifted(by_ms);
-                if let Some(entry) = run.ops.get_mut(&id) {
-                    entry.op.deadline = at;
+                if let Some(KeptInput::Whole(op)) = run.ops.get_mut(&id).map(|e| &mut e.input) {
+                    op.deadline = at;
                 }
                 run.deadlines.insert((at, id));
                 moved += 1;
@@ -768,12 +817,19 @@ impl ExecutorCore {
         };
         let Some(OpEntry {
             state: OpState::Completed(done),
-            ..
+            input,
         }) = run.ops.get_mut(&id)
         else {
             return;
         };
         done.acked = true;
+        // The driver has folded the result: the operation never runs again,
+        // and a resubmission is answered from the result with the
+        // resubmission's own trace (a late result still joins this one's).
+        input.settle();
+        if !done.awaiting_late {
+            done.result.trace = TraceContext::default();
+        }
         run.changed.insert(id);
         let destroyed = done.result.effect == Effect::DestroyLease
             && matches!(done.result.outcome, Outcome::Succeeded(_));
@@ -833,7 +889,8 @@ impl ExecutorCore {
             .get(&identity.attempt)
             .and_then(|lane| lane.running)
             .and_then(|id| run.ops.get(&id))
-            .is_some_and(|e| e.op.input.effect() == contract::Effect::StartBootstrap);
+            .and_then(|e| e.input.whole())
+            .is_some_and(|op| op.input.effect() == contract::Effect::StartBootstrap);
         if !run.sessions.contains_key(&session) {
             run.sessions_of
                 .entry(identity.attempt)
@@ -878,10 +935,14 @@ impl ExecutorCore {
         let Some(log) = run.sessions.get_mut(session) else {
             return;
         };
-        log.unacked = match upto_seq.checked_add(1) {
-            Some(first_kept) => log.unacked.split_off(&first_kept),
-            None => BTreeMap::new(),
-        };
+        // `split_off` leaves an allocated empty node behind when everything
+        // goes, which every converged session would then hold for good.
+        match upto_seq.checked_add(1) {
+            Some(first_kept) if log.unacked.last_key_value().is_some_and(|(s, _)| *s >= first_kept) => {
+                log.unacked = log.unacked.split_off(&first_kept);
+            }
+            _ => log.unacked = BTreeMap::new(),
+        }
         if log.unacked.is_empty() && run.retired.contains_key(&log.attempt) {
             run.remove_session(session);
         }
@@ -1053,7 +1114,7 @@ impl ExecutorCore {
             for id in std::mem::take(&mut run.changed) {
                 let record = run.ops.get(&id).and_then(|e| match &e.state {
                     OpState::Completed(c) => Some(Box::new(DurableOp {
-                        op: e.op.clone(),
+                        input: e.input.clone(),
                         result: c.result.clone(),
                         acked: c.acked,
                     })),
@@ -1074,7 +1135,7 @@ impl ExecutorCore {
             for (&id, e) in &run.ops {
                 if let OpState::Completed(c) = &e.state {
                     let record = DurableOp {
-                        op: e.op.clone(),
+                        input: e.input.clone(),
                         result: c.result.clone(),
                         acked: c.acked,
                     };
@@ -1111,19 +1172,22 @@ impl ExecutorCore {
                 ..RunState::default()
             };
             for o in d.ops {
-                let id = o.op.id;
-                if !o.acked {
+                let id = o.result.id;
+                let mut input = o.input;
+                if o.acked {
+                    input.settle();
+                } else {
                     run.unacked.insert(id);
                 }
                 run.ops.insert(
                     id,
                     OpEntry {
-                        op: o.op,
-                        state: OpState::Completed(Completed {
+                        input,
+                        state: OpState::Completed(Box::new(Completed {
                             result: o.result,
                             acked: o.acked,
                             awaiting_late: false,
-                        }),
+                        })),
                     },
                 );
             }
@@ -1321,6 +1385,56 @@ mod tests {
         assert_eq!(core.running_count(), 0);
         // The replay is owed again until acknowledged.
         assert_eq!(core.unacked_results().len(), 1);
+    }
+
+    #[test]
+    fn an_acknowledged_operation_keeps_its_digest_and_still_tells_input_apart() {
+        let mut core = claimed();
+        let first = op(1, 0, 1, 100, create());
+        let _ = core.submit(first.clone(), t(0));
+        let _ = core.complete(RUN, id(1, 0), succeeded(), t(10));
+        // Owed to the driver: written whole, with its result.
+        let owed = core.durable_records();
+        assert!(matches!(owed[&(RUN, id(1, 0))].input, KeptInput::Whole(_)));
+        core.ack_result(RUN, id(1, 0));
+        let settled = core.durable_records();
+        assert_eq!(
+            settled[&(RUN, id(1, 0))].input,
+            KeptInput::Digest(input_digest(&first)),
+            "an acknowledged operation keeps only its digest"
+        );
+        let changes = core.take_changes();
+        assert!(
+            changes.iter().any(|c| matches!(c, DurableChange::Op { record: Some(r), .. }
+                if matches!(r.input, KeptInput::Digest(_)) && r.acked)),
+            "{changes:?}"
+        );
+
+        // Other input under the same id is still refused ...
+        let other = op(1, 0, 1, 100, OperationInput::DestroyLease { lease: None });
+        assert_eq!(
+            rejection(&core.submit(other, t(20))).reason,
+            RejectionReason::ConflictingInput
+        );
+        // ... and the same input replays the result, in a core restored from
+        // the digest alone as in this one.
+        let mut restored = ExecutorCore::restore([(
+            RUN,
+            DurableRun {
+                highest_epoch: Some(Epoch::new(1)),
+                retired: Vec::new(),
+                ops: settled.into_values().collect(),
+            },
+        )]);
+        for core in [&mut core, &mut restored] {
+            let out = core.submit(first.clone(), t(30));
+            assert!(starts(&out).is_empty(), "{out:?}");
+            let replay = results(&out);
+            assert_eq!(replay.len(), 1, "{out:?}");
+            assert!(replay[0].replayed);
+            assert_eq!(replay[0].outcome, succeeded());
+            assert_eq!(replay[0].completed_at, t(10));
+        }
     }
 
     #[test]

@@ -28,7 +28,7 @@ use platform::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use crate::core::{DurableChange, DurableOp, DurableRun, RetiredAttempt};
+use crate::core::{DurableChange, DurableOp, DurableRun, KeptInput, RetiredAttempt};
 
 const SCHEMA_VERSION: u32 = 1;
 const RUNS: TableDefinition<&str, &[u8]> = TableDefinition::new("runs");
@@ -149,13 +149,20 @@ impl ExecutorStore {
                         let key = (uid.as_str(), id.attempt().get(), id.seq());
                         match record {
                             Some(r) => {
-                                let mut op = pb::Operation::from(&r.op);
-                                self.sealer.seal_operation(&mut op).map_err(sealing)?;
+                                let (op, input_digest) = match &r.input {
+                                    KeptInput::Whole(whole) => {
+                                        let mut op = pb::Operation::from(&**whole);
+                                        self.sealer.seal_operation(&mut op).map_err(sealing)?;
+                                        (Some(op), 0)
+                                    }
+                                    KeptInput::Digest(d) => (None, *d),
+                                };
                                 let bytes = rec::ExecutorOp {
                                     schema: SCHEMA_VERSION,
-                                    op: Some(op),
+                                    op,
                                     result: Some(pb::OperationResult::from(&r.result)),
                                     acked: r.acked,
+                                    input_digest,
                                 }
                                 .encode_to_vec();
                                 ops.insert(key, bytes.as_slice()).map_err(unavailable)?;
@@ -201,21 +208,33 @@ impl ExecutorStore {
             let (k, v) = item.map_err(unavailable)?;
             let (uid, attempt, seq) = k.value();
             let r = rec::ExecutorOp::decode(v.value()).map_err(corrupt)?;
-            let mut op =
-                r.op.ok_or_else(|| corrupt("operation record without its operation"))?;
-            self.sealer.open_operation(&mut op).map_err(sealing)?;
-            let op = Operation::try_from(op).map_err(corrupt)?;
             let result = r
                 .result
                 .ok_or_else(|| corrupt("operation record without its result"))
                 .and_then(|o| OperationResult::try_from(o).map_err(corrupt))?;
-            if op.id != OperationId::new(AttemptId::new(attempt), seq) || op.run_uid.to_string() != uid {
+            let input = match r.op {
+                Some(mut op) => {
+                    self.sealer.open_operation(&mut op).map_err(sealing)?;
+                    let op = Operation::try_from(op).map_err(corrupt)?;
+                    if op.id != result.id || op.run_uid != result.run_uid {
+                        return Err(corrupt(format!(
+                            "operation record {uid}/{attempt}.{seq} holds the result of another operation"
+                        )));
+                    }
+                    KeptInput::Whole(Box::new(op))
+                }
+                None if r.input_digest != 0 => KeptInput::Digest(r.input_digest),
+                None => return Err(corrupt("operation record without its operation or its digest")),
+            };
+            if result.id != OperationId::new(AttemptId::new(attempt), seq)
+                || result.run_uid.to_string() != uid
+            {
                 return Err(corrupt(format!(
                     "operation record under the wrong key {uid}/{attempt}.{seq}"
                 )));
             }
-            runs.entry(op.run_uid).or_default().ops.push(DurableOp {
-                op,
+            runs.entry(result.run_uid).or_default().ops.push(DurableOp {
+                input,
                 result,
                 acked: r.acked,
             });
@@ -317,6 +336,31 @@ mod tests {
         let out = again.submit(create(2, 3), UnixMillis::new(3));
         assert!(
             matches!(out.as_slice(), [Output::Rejected(r)] if r.reason == contract::RejectionReason::Fenced)
+        );
+
+        // Acknowledged, the record keeps the digest in place of the
+        // operation, and a store reopened from it still replays the result
+        // and refuses the same id with other input.
+        again.ack_result(RUN, OperationId::new(AttemptId::new(1), 1));
+        let changes = again.take_changes();
+        store.apply(&changes).unwrap();
+        drop(store);
+        let store = ExecutorStore::open(dir.path()).unwrap();
+        let loaded = store.load().unwrap();
+        assert!(
+            matches!(loaded[0].1.ops[0].input, KeptInput::Digest(_)),
+            "{loaded:?}"
+        );
+        assert!(loaded[0].1.ops[0].acked);
+        let mut third = ExecutorCore::restore(loaded);
+        let out = third.submit(create(1, 4), UnixMillis::new(4));
+        assert!(matches!(out.as_slice(), [Output::Result(r)] if r.replayed), "{out:?}");
+        let mut other = create(1, 4);
+        other.input = OperationInput::DestroyLease { lease: None };
+        let out = third.submit(other, UnixMillis::new(4));
+        assert!(
+            matches!(out.as_slice(), [Output::Rejected(r)] if r.reason == contract::RejectionReason::ConflictingInput),
+            "{out:?}"
         );
     }
 }
