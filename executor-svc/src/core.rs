@@ -17,6 +17,7 @@ use std::{
     ops::Bound,
 };
 
+use crate::retired::Retired;
 use contract::{
     AttemptId, BootstrapStage, Change, Claim, Effect, Epoch, Observation, Operation, OperationId,
     OperationResult, Outcome, Rejection, RejectionReason, ResourceChange, ResourceIdentity, RunUid,
@@ -55,11 +56,13 @@ pub enum Output {
 /// to write before it sends the outputs that depend on it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DurableChange {
-    /// A run's fencing epoch and retired attempts.
+    /// A run's fencing epoch and retired attempts: every retired id as
+    /// ranges, and the digests of the recent ones (see [`crate::retired`]).
     Run {
         run_uid: RunUid,
         highest_epoch: Option<Epoch>,
         retired: Vec<RetiredAttempt>,
+        retired_ranges: Vec<(AttemptId, AttemptId)>,
     },
     /// One completed operation's record: `Some` replaces what is kept for the
     /// operation, `None` drops it. Only records that changed are written, so a
@@ -131,7 +134,10 @@ impl KeptInput {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct DurableRun {
     pub highest_epoch: Option<Epoch>,
+    /// The recently retired attempts, with their operations' digests.
     pub retired: Vec<RetiredAttempt>,
+    /// Every retired attempt id, as inclusive ranges.
+    pub retired_ranges: Vec<(AttemptId, AttemptId)>,
     pub ops: Vec<DurableOp>,
 }
 
@@ -293,9 +299,8 @@ struct RunState {
     /// next timeout is found without scanning the dedup table.
     deadlines: BTreeSet<(UnixMillis, OperationId)>,
     unacked: BTreeSet<OperationId>,
-    /// Attempts whose lease was destroyed and whose records were pruned: the
-    /// digest of each operation id they used, by sequence number.
-    retired: BTreeMap<AttemptId, BTreeMap<u32, u64>>,
+    /// Attempts whose lease was destroyed and whose records were pruned.
+    retired: Retired,
     sessions: BTreeMap<SessionId, SessionLog>,
     /// Each attempt's sessions (an attempt has few), so that an attempt's
     /// start result or retirement reaches its sessions without scanning
@@ -444,7 +449,7 @@ impl RunState {
             .range(range.clone())
             .map(|(id, e)| (id.seq(), e.input.digest()))
             .collect();
-        self.retired.insert(attempt, digests);
+        self.retired.retire(attempt, digests);
         let done: Vec<OperationId> = self
             .ops
             .range(range)
@@ -619,10 +624,7 @@ impl ExecutorCore {
 
         let attempt = id.attempt();
         let digest = input_digest(&op);
-        let used = run
-            .retired
-            .get(&attempt)
-            .and_then(|ops| ops.get(&id.seq()).copied());
+        let used = run.retired.digest(id);
         if used.is_some_and(|d| d != digest) {
             let message = format!(
                 "operation {id} of run {run_uid} was already used by its cleaned-up attempt with other input"
@@ -635,13 +637,11 @@ impl ExecutorCore {
             )));
             return out;
         }
-        if let Some(ops) = run.retired.get_mut(&attempt)
-            && op.input.effect().is_destructive()
-        {
+        if run.retired.contains(attempt) && op.input.effect().is_destructive() {
             // The attempt's lease is gone: a cancel or destroy for it (a retry
             // after the driver gave up waiting on the first) finds nothing,
             // and "already absent" is success. Nothing runs.
-            ops.insert(id.seq(), digest);
+            run.retired.record(id, digest);
             self.dirty_runs.insert(run_uid);
             run.ops.insert(id, OpEntry::new(op));
             if let Some(result) = run.finish(id, Outcome::Succeeded(Default::default()), now) {
@@ -649,7 +649,7 @@ impl ExecutorCore {
             }
             return out;
         }
-        if run.retired.contains_key(&attempt) {
+        if run.retired.contains(attempt) {
             let message = format!(
                 "attempt {attempt} of run {run_uid} was cleaned up (its lease was destroyed); \
                  operation {id} is refused"
@@ -835,7 +835,7 @@ impl ExecutorCore {
             && matches!(done.result.outcome, Outcome::Succeeded(_));
         run.unacked.remove(&id);
         let attempt = id.attempt();
-        if run.retired.contains_key(&attempt) {
+        if run.retired.contains(attempt) {
             run.ops.remove(&id);
         } else if destroyed {
             run.retire(attempt);
@@ -943,7 +943,7 @@ impl ExecutorCore {
             }
             _ => log.unacked = BTreeMap::new(),
         }
-        if log.unacked.is_empty() && run.retired.contains_key(&log.attempt) {
+        if log.unacked.is_empty() && run.retired.contains(log.attempt) {
             run.remove_session(session);
         }
     }
@@ -1005,7 +1005,7 @@ impl ExecutorCore {
         at: UnixMillis,
     ) -> Vec<Output> {
         let run = self.runs.entry(identity.run_uid).or_default();
-        if run.retired.contains_key(&identity.attempt) {
+        if run.retired.contains(identity.attempt) {
             return Vec::new();
         }
         run.next_change_seq = run.next_change_seq.max(1);
@@ -1089,25 +1089,26 @@ impl ExecutorCore {
             .map(|run_uid| DurableChange::ForgetOps { run_uid })
             .collect();
         for run_uid in std::mem::take(&mut self.dirty_runs) {
-            let (highest_epoch, retired) = self
+            let (highest_epoch, retired, retired_ranges) = self
                 .runs
                 .get(&run_uid)
                 .map(|r| {
                     let retired = r
                         .retired
-                        .iter()
+                        .recent()
                         .map(|(attempt, ops)| RetiredAttempt {
-                            attempt: *attempt,
+                            attempt,
                             ops: ops.iter().map(|(s, d)| (*s, *d)).collect(),
                         })
                         .collect();
-                    (r.highest_epoch, retired)
+                    (r.highest_epoch, retired, r.retired.ranges().collect())
                 })
                 .unwrap_or_default();
             changes.push(DurableChange::Run {
                 run_uid,
                 highest_epoch,
                 retired,
+                retired_ranges,
             });
         }
         for (&run_uid, run) in &mut self.runs {
@@ -1164,11 +1165,10 @@ impl ExecutorCore {
         for (run_uid, d) in runs {
             let mut run = RunState {
                 highest_epoch: d.highest_epoch,
-                retired: d
-                    .retired
-                    .into_iter()
-                    .map(|r| (r.attempt, r.ops.into_iter().collect()))
-                    .collect(),
+                retired: Retired::restore(
+                    d.retired_ranges,
+                    d.retired.into_iter().map(|r| (r.attempt, r.ops.into_iter().collect())),
+                ),
                 ..RunState::default()
             };
             for o in d.ops {
@@ -1233,7 +1233,7 @@ impl ExecutorCore {
     pub fn is_retired(&self, run_uid: RunUid, attempt: AttemptId) -> bool {
         self.runs
             .get(&run_uid)
-            .is_some_and(|run| run.retired.contains_key(&attempt))
+            .is_some_and(|run| run.retired.contains(attempt))
     }
 }
 
@@ -1423,6 +1423,7 @@ mod tests {
             DurableRun {
                 highest_epoch: Some(Epoch::new(1)),
                 retired: Vec::new(),
+                retired_ranges: Vec::new(),
                 ops: settled.into_values().collect(),
             },
         )]);

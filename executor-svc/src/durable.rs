@@ -116,6 +116,7 @@ impl ExecutorStore {
                         run_uid,
                         highest_epoch,
                         retired,
+                        retired_ranges,
                     } => {
                         let uid = run_uid.to_string();
                         let bytes = rec::ExecutorRun {
@@ -134,6 +135,13 @@ impl ExecutorStore {
                                             digest: *digest,
                                         })
                                         .collect(),
+                                })
+                                .collect(),
+                            retired_ranges: retired_ranges
+                                .iter()
+                                .map(|(first, last)| rec::AttemptRange {
+                                    first: first.get(),
+                                    last: last.get(),
                                 })
                                 .collect(),
                         }
@@ -199,6 +207,11 @@ impl ExecutorStore {
                             attempt: AttemptId::new(a.attempt),
                             ops: a.ops.into_iter().map(|o| (o.seq, o.digest)).collect(),
                         })
+                        .collect(),
+                    retired_ranges: r
+                        .retired_ranges
+                        .into_iter()
+                        .map(|r| (AttemptId::new(r.first), AttemptId::new(r.last)))
                         .collect(),
                     ops: Vec::new(),
                 },

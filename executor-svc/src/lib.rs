@@ -35,4 +35,5 @@ pub mod hosted;
 pub mod plugin;
 pub mod process;
 pub mod providers;
+pub mod retired;
 pub mod server;
