@@ -938,7 +938,12 @@ impl ExecutorCore {
         // `split_off` leaves an allocated empty node behind when everything
         // goes, which every converged session would then hold for good.
         match upto_seq.checked_add(1) {
-            Some(first_kept) if log.unacked.last_key_value().is_some_and(|(s, _)| *s >= first_kept) => {
+            Some(first_kept)
+                if log
+                    .unacked
+                    .last_key_value()
+                    .is_some_and(|(s, _)| *s >= first_kept) =>
+            {
                 log.unacked = log.unacked.split_off(&first_kept);
             }
             _ => log.unacked = BTreeMap::new(),
@@ -1167,7 +1172,9 @@ impl ExecutorCore {
                 highest_epoch: d.highest_epoch,
                 retired: Retired::restore(
                     d.retired_ranges,
-                    d.retired.into_iter().map(|r| (r.attempt, r.ops.into_iter().collect())),
+                    d.retired
+                        .into_iter()
+                        .map(|r| (r.attempt, r.ops.into_iter().collect())),
                 ),
                 ..RunState::default()
             };
@@ -1405,7 +1412,9 @@ mod tests {
         );
         let changes = core.take_changes();
         assert!(
-            changes.iter().any(|c| matches!(c, DurableChange::Op { record: Some(r), .. }
+            changes
+                .iter()
+                .any(|c| matches!(c, DurableChange::Op { record: Some(r), .. }
                 if matches!(r.input, KeptInput::Digest(_)) && r.acked)),
             "{changes:?}"
         );

@@ -378,7 +378,10 @@ mod tests {
         assert!(loaded[0].1.ops[0].acked);
         let mut third = ExecutorCore::restore(loaded);
         let out = third.submit(create(1, 4), UnixMillis::new(4));
-        assert!(matches!(out.as_slice(), [Output::Result(r)] if r.replayed), "{out:?}");
+        assert!(
+            matches!(out.as_slice(), [Output::Result(r)] if r.replayed),
+            "{out:?}"
+        );
         let mut other = create(1, 4);
         other.input = OperationInput::DestroyLease { lease: None };
         let out = third.submit(other, UnixMillis::new(4));

@@ -49,7 +49,10 @@ impl Retired {
 
     pub fn contains(&self, attempt: AttemptId) -> bool {
         let a = attempt.get();
-        self.ranges.range(..=a).next_back().is_some_and(|(_, last)| *last >= a)
+        self.ranges
+            .range(..=a)
+            .next_back()
+            .is_some_and(|(_, last)| *last >= a)
     }
 
     /// Retires `attempt`, with the digests of the operations it used.

@@ -18,7 +18,9 @@
 //! measured in the same run.
 //!
 //! Rows: `decider` (the library's `decide`, per node), `rpc` (the `Decide`
-//! RPC against the library), `throughput` (executor round trips against a
+//! RPC against the library, and its bytes per node each way), `rpc-parts`
+//! (each step of a `Decide` call's conversions and
+//! prost coding timed on its own in process, per node), `throughput` (executor round trips against a
 //! bare streaming echo), `plugin` (round trips through a provider plugin,
 //! `builtin-provider` supervised by the executor, against the same backend
 //! built in: the fake at the throughput row's volume, and 200 process-backend
@@ -301,6 +303,91 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
     );
     let _ = stop_tx.send(());
     let _ = server.await;
+    Ok(())
+}
+
+/// Where a `Decide` call's time goes, in process: each step of the call
+/// (both sides' conversions and prost coding) timed on its own, per node.
+fn bench_rpc_parts(t: &mut Table, n: u64) -> anyhow::Result<()> {
+    use prost::Message as _;
+    let s = shape(n);
+    let nodes = snapshot(&s);
+    let set = slots(&nodes);
+    let trace = contract::TraceContext::default();
+    let reps = if n >= 100_000 { 5 } else { 15 };
+    let reqs = decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace);
+    let encode = time(reps, || {
+        decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace)
+    });
+    let bytes: Vec<Vec<u8>> = reqs.iter().map(|r| r.encode_to_vec()).collect();
+    let prost_encode = time(reps, || {
+        reqs.iter().map(|r| r.encode_to_vec()).collect::<Vec<_>>()
+    });
+    let prost_decode = time(reps, || {
+        bytes
+            .iter()
+            .map(|b| pb::DecideRequest::decode(b.as_slice()))
+            .collect::<Vec<_>>()
+    });
+    let wire_nodes: Vec<pb::NodeState> = reqs
+        .iter()
+        .filter_map(|r| match &r.part {
+            Some(pb::decide_request::Part::Nodes(b)) => Some(b.nodes.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    let table = match &reqs[0].part {
+        Some(pb::decide_request::Part::Header(h)) => {
+            contract::wire::TemplateTable::from_wire(h.templates.clone())
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+        }
+        _ => anyhow::bail!("no header"),
+    };
+    let from_wire = time(reps, || {
+        wire_nodes
+            .iter()
+            .cloned()
+            .map(|w| contract::wire::node_from_wire(w, &table))
+            .collect::<Vec<_>>()
+    });
+    let view = DesiredView::new(&s, false);
+    let decisions = decider::decide(&view, nodes.iter(), &set, NOW).decisions;
+    let to_wire = time(reps, || {
+        decisions.iter().map(pb::Decision::from).collect::<Vec<_>>()
+    });
+    let wire: Vec<pb::Decision> = decisions.iter().map(pb::Decision::from).collect();
+    let batch = pb::DecisionBatch {
+        decisions: wire.clone(),
+    };
+    let answer = batch.encode_to_vec();
+    let answer_encode = time(reps, || batch.encode_to_vec());
+    let answer_decode = time(reps, || pb::DecisionBatch::decode(answer.as_slice()));
+    let answer_from = time(reps, || {
+        wire.iter()
+            .cloned()
+            .map(contract::Decision::try_from)
+            .collect::<Vec<_>>()
+    });
+    for (what, d) in [
+        ("encode_request", encode),
+        ("prost encode request", prost_encode),
+        ("prost decode request", prost_decode),
+        ("node_from_wire (with a clone of its input)", from_wire),
+        ("Decision to wire", to_wire),
+        ("prost encode answer", answer_encode),
+        ("prost decode answer", answer_decode),
+        ("Decision from wire (with a clone of its input)", answer_from),
+    ] {
+        t.add(
+            "rpc-parts",
+            n,
+            what,
+            d.as_nanos() as f64 / n as f64,
+            "ns",
+            String::new(),
+        );
+    }
     Ok(())
 }
 
@@ -1257,6 +1344,9 @@ async fn main() -> anyhow::Result<()> {
         } else {
             None
         };
+        if want("rpc-parts") {
+            bench_rpc_parts(&mut t, n)?;
+        }
         if want("rpc")
             && let Some(lib) = lib
         {
