@@ -8,10 +8,10 @@
 //! templates travel once, in the header's table.
 
 use contract::{
-    ClusterShape, DecideOutput, Decision, FieldError, GroupCounts, GroupId, ManagedNode, Problem,
+    ClusterShape, DecideOutput, FieldError, GroupCounts, GroupId, GroupInterner, ManagedNode, Problem,
     TraceContext, UnixMillis,
     pb::{self, decide_request::Part, decider_client::DeciderClient},
-    wire::{TemplateTable, node_to_wire, shape_to_wire_with_table, trace_to_wire},
+    wire::{TemplateTable, decision_from_wire, node_to_wire, shape_to_wire_with_table, trace_to_wire},
 };
 use decider::SlotSet;
 use prost::Message as _;
@@ -205,6 +205,8 @@ where
         .map_err(DecideError::from_status)?
         .into_inner();
     let mut out = DecideOutput::default();
+    // The decisions' node ids share one group id per group.
+    let mut groups = GroupInterner::default();
     loop {
         let Some(response) = responses.message().await.map_err(DecideError::from_status)? else {
             return Err(DecideError::Unavailable(Status::unavailable(
@@ -216,7 +218,7 @@ where
                 out.decisions.reserve(batch.decisions.len());
                 for wire in batch.decisions {
                     let i = out.decisions.len();
-                    let d = Decision::try_from(wire)
+                    let d = decision_from_wire(wire, &mut groups)
                         .map_err(|e| DecideError::Decode(e.within(&format!("decisions[{i}]"))))?;
                     out.decisions.push(d);
                 }

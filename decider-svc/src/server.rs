@@ -15,13 +15,13 @@
 use std::future::Future;
 
 use contract::{
-    FieldError, GroupCounts, GroupId, UnixMillis,
+    FieldError, GroupCounts, GroupId, GroupInterner, UnixMillis,
     pb::{
         self, DecideRequest, DecideResponse,
         decide_request::Part,
         decider_server::{Decider, DeciderServer},
     },
-    wire::{TemplateTable, node_from_wire, shape_from_wire_with_table},
+    wire::{TemplateTable, node_from_wire_interned, shape_from_wire_with_table},
 };
 use decider::{Budgets, DesiredView, SlotSet};
 use platform::{
@@ -379,6 +379,8 @@ async fn serve_call(
         }
     }
 
+    // The nodes' ids share the shape's group ids.
+    let mut groups = GroupInterner::with(shape.groups.iter().map(|g| g.id.clone()));
     let desired = DesiredView::new(&shape, deleting).with_counts(counts);
     let mut budgets = Budgets::new();
     let mut batcher = Batcher::new(out);
@@ -398,7 +400,7 @@ async fn serve_call(
                 for wire in batch.nodes {
                     // The index counts nodes across the whole call, so it names
                     // one node even though the client chose the batch boundaries.
-                    let node = node_from_wire(wire, &templates)
+                    let node = node_from_wire_interned(wire, &templates, &mut groups)
                         .map_err(|e| e.within(&format!("nodes[{decided}]")))?;
                     // A node due for remediation is answered at `end`, once
                     // the budget has seen every such node of the call.
@@ -420,7 +422,7 @@ async fn serve_call(
                 batcher.flush().await?;
             }
             Some(Part::Slots(batch)) => {
-                let group = GroupId::parse("slots.group_id", &batch.group_id)?;
+                let group = groups.group("slots.group_id", &batch.group_id)?;
                 slot_count = within_limit("slot indices", slot_count, batch.indices.len(), config.max_nodes)?;
                 for index in batch.indices {
                     slots.insert_index(&group, index);

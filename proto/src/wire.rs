@@ -49,7 +49,7 @@ use crate::{
     events::{Event, EventReason, Subject},
     health::{Budget, GroupPolicy, HealthPolicy, NodeHealth, Probe, RemediationPolicy},
     ids::{
-        AttemptId, Endpoint, Epoch, Generation, GroupId, LeaseId, LogicalNodeId, OperationId, RunId, RunUid,
+        AttemptId, Endpoint, Epoch, Generation, GroupId, GroupInterner, LeaseId, LogicalNodeId, OperationId, RunId, RunUid,
         SessionId,
     },
     ops::{
@@ -1078,7 +1078,17 @@ pub fn node_to_wire(n: &ManagedNode, table: &mut TemplateTable) -> pb::NodeState
 /// defaults (a fresh attempt has none). Field paths are relative to the
 /// `NodeState` (`template_ref`, `pending.id.attempt`).
 pub fn node_from_wire(n: pb::NodeState, templates: &[Arc<NodeTemplate>]) -> Result<ManagedNode, FieldError> {
-    let id = LogicalNodeId::parse("node_id", &n.node_id)?;
+    node_from_wire_interned(n, templates, &mut GroupInterner::default())
+}
+
+/// [`node_from_wire`] for one of many nodes of a message stream: the node's
+/// group id is shared with the others of its group through `groups`.
+pub fn node_from_wire_interned(
+    n: pb::NodeState,
+    templates: &[Arc<NodeTemplate>],
+    groups: &mut GroupInterner,
+) -> Result<ManagedNode, FieldError> {
+    let id = groups.node("node_id", &n.node_id)?;
     let attempt = attempt_from_wire("attempt", n.attempt)?;
     let intent = enum_from_wire::<pb::Intent, Intent>("intent", n.intent)?;
     let stage = enum_from_wire::<pb::NodeStage, NodeStage>("stage", n.stage)?;
@@ -1133,14 +1143,20 @@ impl TryFrom<pb::Decision> for Decision {
     type Error = FieldError;
 
     fn try_from(d: pb::Decision) -> Result<Self, FieldError> {
-        Ok(Decision {
-            node: LogicalNodeId::parse("node_id", &d.node_id)?,
-            attempt: (d.attempt != 0).then(|| AttemptId::new(d.attempt)),
-            rule: rule_from_wire(d.rule).map_err(within("rule"))?,
-            action: action_from_wire(d.kind, d.effect, d.until_ms)?,
-            reason: Cow::Owned(d.reason),
-        })
+        decision_from_wire(d, &mut GroupInterner::default())
     }
+}
+
+/// One of many decisions of an answer, its node's group id shared with the
+/// others of its group through `groups`.
+pub fn decision_from_wire(d: pb::Decision, groups: &mut GroupInterner) -> Result<Decision, FieldError> {
+    Ok(Decision {
+        node: groups.node("node_id", &d.node_id)?,
+        attempt: (d.attempt != 0).then(|| AttemptId::new(d.attempt)),
+        rule: rule_from_wire(d.rule).map_err(within("rule"))?,
+        action: action_from_wire(d.kind, d.effect, d.until_ms)?,
+        reason: Cow::Owned(d.reason),
+    })
 }
 
 impl From<&Decision> for pb::Decision {
