@@ -441,6 +441,40 @@ mod tests {
     use super::*;
 
     #[test]
+    fn interned_node_ids_share_their_group_and_compare_as_parsed_ones() {
+        let mut groups = GroupInterner::with([GroupId::parse("g", "workers").unwrap()]);
+        let a = groups.node("n", "workers-3").unwrap();
+        let b = groups.node("n", "workers-12").unwrap();
+        let c = groups.node("n", "gpu-1").unwrap();
+        let d = groups.node("n", "gpu-0").unwrap();
+        assert!(Arc::ptr_eq(&a.group().0, &b.group().0));
+        assert!(
+            Arc::ptr_eq(&c.group().0, &d.group().0),
+            "a group met on the way is kept"
+        );
+        // Order and equality are the parsed ids', whether or not they share.
+        let parsed: Vec<LogicalNodeId> = ["workers-3", "workers-12", "gpu-1", "gpu-0"]
+            .iter()
+            .map(|s| LogicalNodeId::parse("n", s).unwrap())
+            .collect();
+        let interned = [a, b, c, d];
+        for (i, x) in interned.iter().enumerate() {
+            for (j, y) in parsed.iter().enumerate() {
+                assert_eq!(x.cmp(&interned[j]), parsed[i].cmp(y), "{x} against {y}");
+                assert_eq!(x == y, i == j);
+            }
+        }
+        assert_eq!(groups.node("n", "workers-01").unwrap_err().field, "n");
+        // Past MAX groups, ids are still parsed, only no longer kept.
+        let mut many = GroupInterner::default();
+        for i in 0..GroupInterner::MAX + 10 {
+            let id = many.node("n", &format!("g{i}-0")).unwrap();
+            assert_eq!(id.group().as_str(), format!("g{i}"));
+        }
+        assert_eq!(many.known.len(), GroupInterner::MAX);
+    }
+
+    #[test]
     fn node_ids_round_trip_and_reject_malformed() {
         let id = LogicalNodeId::parse("n", "gpu-workers-12").unwrap();
         assert_eq!(id.group().as_str(), "gpu-workers");

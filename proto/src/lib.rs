@@ -108,8 +108,8 @@ pub use error::{FieldError, Problem};
 pub use events::{Event, EventReason, Subject};
 pub use health::{Budget, GroupCounts, GroupPolicy, HealthPolicy, NodeHealth, Probe, RemediationPolicy};
 pub use ids::{
-    AttemptId, Endpoint, Epoch, Generation, GroupId, GroupInterner, LeaseId, LogicalNodeId, OperationId, RunId, RunUid,
-    SessionId,
+    AttemptId, Endpoint, Epoch, Generation, GroupId, GroupInterner, LeaseId, LogicalNodeId, OperationId,
+    RunId, RunUid, SessionId,
 };
 pub use ops::{
     Change, Claim, InventoryResource, Observation, Operation, OperationInput, OperationResult, Outcome,

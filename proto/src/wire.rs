@@ -49,8 +49,8 @@ use crate::{
     events::{Event, EventReason, Subject},
     health::{Budget, GroupPolicy, HealthPolicy, NodeHealth, Probe, RemediationPolicy},
     ids::{
-        AttemptId, Endpoint, Epoch, Generation, GroupId, GroupInterner, LeaseId, LogicalNodeId, OperationId, RunId, RunUid,
-        SessionId,
+        AttemptId, Endpoint, Epoch, Generation, GroupId, GroupInterner, LeaseId, LogicalNodeId, OperationId,
+        RunId, RunUid, SessionId,
     },
     ops::{
         Change, Claim, InventoryResource, Observation, Operation, OperationInput, OperationResult, Outcome,
