@@ -93,8 +93,15 @@ impl RunUid {
 /// equality and order look at the address first: a run's maps are keyed by
 /// node id, and at 1,000,000 nodes comparing group names was an eighth of the
 /// driver's time.
-#[derive(Clone, Hash)]
+#[derive(Clone)]
 pub struct GroupId(Arc<str>);
+
+/// The name's hash: ids equal by address are equal by name too.
+impl std::hash::Hash for GroupId {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
 
 impl PartialEq for GroupId {
     fn eq(&self, other: &Self) -> bool {
