@@ -103,9 +103,8 @@ impl Exported {
     }
 
     /// Exports each counter's known label values at zero from the start
-    /// (`provisioning_stale_results_discarded_total` learns its (kind,
-    /// reason) pairs as they occur: which reasons a kind can have is the
-    /// core's).
+    /// (`provisioning_stale_results_discarded_total` with every kind and
+    /// reason: a family with no series is not exported at all).
     fn declare(&self) {
         self.queue_adds.init(&[QUEUE]);
         self.queue_retries.init(&[QUEUE]);
@@ -122,6 +121,9 @@ impl Exported {
             self.dispatched.init(&[effect.name()]);
         }
         for kind in FOLD_KINDS {
+            for why in crate::core::Discard::ALL {
+                self.discarded.init(&[kind, why.name()]);
+            }
             self.folds.init(&[kind]);
         }
         for state in HEALTH_STATES {

@@ -113,6 +113,18 @@ pub enum Discard {
 }
 
 impl Discard {
+    pub const ALL: [Discard; 10] = [
+        Discard::OtherRun,
+        Discard::UnknownNode,
+        Discard::SupersededAttempt,
+        Discard::UnknownOperation,
+        Discard::EffectMismatch,
+        Discard::Late,
+        Discard::StaleSession,
+        Discard::Duplicate,
+        Discard::Gap,
+        Discard::SessionNotYetKnown,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             Discard::OtherRun => "other-run",
