@@ -6,6 +6,7 @@
 //! target/release/bench --sizes 1000,10000 --only decider,rpc
 //! target/release/bench --only health --health-nodes 100000 --health-window-s 30
 //! target/release/bench --sizes 100000 --only rollout   # not in the default set
+//! target/release/bench --sizes 1000000 --only runs --runs 100
 //! ```
 //!
 //! `rollout` changes every node's template in process (driver core, decider
@@ -25,7 +26,9 @@
 //! `builtin-provider` supervised by the executor, against the same backend
 //! built in: the fake at the throughput row's volume, and 200 process-backend
 //! creates and destroys of real agents), `e2e` (convergence in one process and as three
-//! processes, passes, driver memory) for each of `--sizes`, and `health`
+//! processes, passes, driver memory) for each of `--sizes`, `runs` (each
+//! size split into `--runs` runs, 100 by default, applied together and
+//! followed until all have converged; sizes below `--runs` are skipped), and `health`
 //! (about a minute at the default 100,000 nodes): a run of
 //! `--health-nodes` fake nodes probed every second, converged, then watched
 //! idle for `--health-window-s` seconds. It reports the executor's CPU in the
@@ -110,10 +113,15 @@ impl Table {
 const NOW: UnixMillis = UnixMillis::new(1_800_000_000_000);
 
 fn shape(n: u64) -> ClusterShape {
+    named_shape(RunId::parse("run_id", "bench").unwrap_or_else(|_| unreachable!()), n)
+}
+
+/// The bench's shape of `n` nodes in four groups, as run `run_id`.
+fn named_shape(run_id: RunId, n: u64) -> ClusterShape {
     let per = u32::try_from(n / 4).unwrap_or(u32::MAX);
     let groups = ["ctrl", "workers", "gpu", "storage"];
     ClusterShape {
-        run_id: RunId::parse("run_id", "bench").unwrap_or_else(|_| unreachable!()),
+        run_id,
         generation: Generation::new(1),
         labels: Default::default(),
         groups: groups
@@ -393,10 +401,19 @@ fn bench_rpc_parts(t: &mut Table, n: u64) -> anyhow::Result<()> {
 
 /// The three cores in one process, zero backend latency: wall time to converge.
 fn in_process(n: u64) -> anyhow::Result<(Duration, u64)> {
+    in_process_runs(vec![shape(n)])
+}
+
+/// Each shape converged in process, one after another on one thread: the
+/// time for all, and the most passes any one took.
+fn in_process_runs(shapes: Vec<ClusterShape>) -> anyhow::Result<(Duration, u64)> {
     let start = Instant::now();
-    let mut c = Composition::new(shape(n))?;
-    let passes = c.converge()?;
-    Ok((start.elapsed(), passes))
+    let mut most = 0;
+    for s in shapes {
+        let mut c = Composition::new(s)?;
+        most = most.max(c.converge()?);
+    }
+    Ok((start.elapsed(), most))
 }
 
 /// The driver core, the decider library and the executor core with the
@@ -655,6 +672,7 @@ type CpuUsed = [(&'static str, f64); 3];
 /// What one three-process convergence measured.
 struct Converged {
     elapsed: Duration,
+    /// The most passes any one run took.
     passes: u64,
     driver: Option<Memory>,
     executor: Option<Memory>,
@@ -662,6 +680,12 @@ struct Converged {
 }
 
 async fn three_processes(n: u64, durable: bool) -> anyhow::Result<Converged> {
+    three_processes_runs(vec![shape(n)], durable).await
+}
+
+/// Every shape applied at once to three processes, and followed until all
+/// have converged.
+async fn three_processes_runs(shapes: Vec<ClusterShape>, durable: bool) -> anyhow::Result<Converged> {
     let mut opts = ClusterOptions::default()
         .executor("--fake-latency-ms", "0,0")
         .executor("--fake-stage-interval-ms", "0")
@@ -683,15 +707,26 @@ async fn three_processes(n: u64, durable: bool) -> anyhow::Result<Converged> {
     let cpu_before = cpu_now();
     let mut c = cluster.client().await?.max_decoding_message_size(256 << 20);
     let start = Instant::now();
-    c.apply(pb::ApplyRequest {
-        shape: Some(pb::ClusterShape::from(&shape(n))),
-    })
-    .await?;
-    // Followed on a watch, which the driver sends a phase change on at
-    // once: polling would round small runs up to its period.
-    let status = watch_until(&mut c, "bench", Duration::from_secs(600), |s| s.converged)
-        .await
-        .with_context(|| format!("{n} nodes did not converge"))?;
+    let runs: Vec<String> = shapes.iter().map(|s| s.run_id.to_string()).collect();
+    for s in &shapes {
+        c.apply(pb::ApplyRequest {
+            shape: Some(pb::ClusterShape::from(s)),
+        })
+        .await?;
+    }
+    let passes = match runs.as_slice() {
+        // Followed on a watch, which the driver sends a phase change on at
+        // once: polling would round small runs up to its period.
+        [run] => {
+            watch_until(&mut c, run, Duration::from_secs(600), |s| s.converged)
+                .await
+                .with_context(|| format!("{run} did not converge"))?
+                .passes
+        }
+        // Many runs: one client holds few watches, so the list is polled.
+        // Its 20 ms period is small beside any many-run convergence.
+        _ => all_converged(&mut c, &runs, Duration::from_secs(1800)).await?,
+    };
     let elapsed = start.elapsed();
     let driver = Memory::after(cluster.driver.pid(), driver_before);
     let executor = Memory::after(cluster.executor.pid(), executor_before);
@@ -702,11 +737,38 @@ async fn three_processes(n: u64, durable: bool) -> anyhow::Result<Converged> {
     }
     Ok(Converged {
         elapsed,
-        passes: status.passes,
+        passes,
         driver,
         executor,
         cpu,
     })
+}
+
+/// Polls the run list until every one of `runs` has converged; the most
+/// passes any one took.
+async fn all_converged(
+    c: &mut contract::pb::provisioning_client::ProvisioningClient<tonic::transport::Channel>,
+    runs: &[String],
+    timeout: Duration,
+) -> anyhow::Result<u64> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let listed = c.list_runs(pb::ListRunsRequest::default()).await?.into_inner().runs;
+        let converged: Vec<&pb::RunStatus> = listed
+            .iter()
+            .filter(|s| s.converged && runs.contains(&s.run_id))
+            .collect();
+        if converged.len() == runs.len() {
+            return Ok(converged.iter().map(|s| s.passes).max().unwrap_or(0));
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{} of {} runs converged after {timeout:?}",
+            converged.len(),
+            runs.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
@@ -802,6 +864,73 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
                     "target <= {target}: {:.2}x; peak {:.1} MiB",
                     per_node / target,
                     mem.peak as f64 / 1024.0
+                ),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `runs` runs of `n / runs` nodes each, applied together: the time until
+/// all have converged, in process and as three processes, with the memory
+/// and CPU rows of `e2e`. Against the one run of `n` nodes it shows what a
+/// run costs beside its nodes.
+async fn bench_runs(t: &mut Table, n: u64, runs: u64) -> anyhow::Result<()> {
+    anyhow::ensure!(runs > 0 && n >= runs, "--runs {runs} needs at least one node a run at size {n}");
+    let per_run = n / runs;
+    let shapes = || -> anyhow::Result<Vec<ClusterShape>> {
+        (0..runs)
+            .map(|i| Ok(named_shape(RunId::parse("run_id", &format!("bench-{i:03}"))?, per_run)))
+            .collect()
+    };
+    let size = per_run * runs;
+    let what = format!("{runs}x{per_run}");
+    let (local, local_passes) = in_process_runs(shapes()?)?;
+    t.add("runs", size, &format!("{what} in-process"), local.as_secs_f64(), "s", String::new());
+    for durable in [false, true] {
+        let store = if durable { "redb store" } else { "memory store" };
+        let run = three_processes_runs(shapes()?, durable).await?;
+        t.add(
+            "runs",
+            size,
+            &format!("{what} three processes, {store}"),
+            run.elapsed.as_secs_f64(),
+            "s",
+            format!(
+                "{:.2}x in-process; {:.1} us a node",
+                run.elapsed.as_secs_f64() / local.as_secs_f64(),
+                run.elapsed.as_secs_f64() * 1e6 / size as f64
+            ),
+        );
+        t.add(
+            "runs",
+            size,
+            &format!("{what} most passes of a run, {store}"),
+            run.passes as f64,
+            "passes",
+            format!("in-process {local_passes}"),
+        );
+        for (service, used) in run.cpu {
+            t.add(
+                "runs",
+                size,
+                &format!("{what} {service} CPU/1,000 nodes, {store}"),
+                used * 1000.0 / size as f64,
+                "s",
+                format!("{used:.2} s over the convergence"),
+            );
+        }
+        for (service, mem) in [("driver", run.driver), ("executor", run.executor)] {
+            let Some(mem) = mem else { continue };
+            t.add(
+                "runs",
+                size,
+                &format!("{what} {service} peak RSS, {store}"),
+                mem.peak as f64 / 1024.0,
+                "MiB",
+                format!(
+                    "growth {:.0} bytes a node",
+                    mem.after.saturating_sub(mem.before) as f64 * 1024.0 / size as f64
                 ),
             );
         }
@@ -1288,6 +1417,7 @@ async fn main() -> anyhow::Result<()> {
     let mut throughput_ops = 20_000u64;
     let mut health_nodes = 100_000u64;
     let mut health_window = Duration::from_secs(30);
+    let mut runs = 100u64;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -1320,10 +1450,14 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::ensure!(secs > 0.0, "--health-window-s must be above zero");
                 health_window = Duration::try_from_secs_f64(secs)?;
             }
+            "--runs" => {
+                runs = args.next().context("--runs needs a count")?.parse()?;
+            }
             "--help" | "-h" => {
                 println!(
                     "bench [--sizes 1,10,100,1000,10000,100000] [--only decider,rpc,e2e,throughput,health,rollout] \
-                     [--csv PATH] [--throughput-ops 20000] [--health-nodes 100000] [--health-window-s 30]"
+                     [--csv PATH] [--throughput-ops 20000] [--health-nodes 100000] [--health-window-s 30] \
+                     [--runs 100]"
                 );
                 return Ok(());
             }
@@ -1359,6 +1493,11 @@ async fn main() -> anyhow::Result<()> {
     if want("e2e") {
         for &n in &sizes {
             bench_e2e(&mut t, n).await?;
+        }
+    }
+    if want("runs") {
+        for &n in sizes.iter().filter(|&&n| n >= runs) {
+            bench_runs(&mut t, n, runs).await?;
         }
     }
     if want("plugin") {
