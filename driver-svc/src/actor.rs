@@ -199,6 +199,11 @@ pub(crate) struct RunActor {
     /// simulation runs.
     session: LinkSession,
     pass_in_flight: bool,
+    /// The admission room reserved for the pass in flight.
+    reserved: usize,
+    /// Moves when another run gives admission room back while this one
+    /// (or another) waits for it.
+    freed: watch::Receiver<u64>,
     decider_failures: u32,
     /// Why the decider cannot be reached, while it cannot (a condition).
     decider_down: Option<String>,
@@ -318,6 +323,8 @@ impl RunActor {
             providers_down: Vec::new(),
             session: LinkSession::new(),
             pass_in_flight: false,
+            reserved: 0,
+            freed: shared.admission.freed(),
             decider_failures: 0,
             decider_down: None,
             conditions,
@@ -404,6 +411,8 @@ impl RunActor {
                     }
                 }
                 () = tokio::time::sleep(sleep) => self.on_timer(),
+                // Room came back, and this run has nodes waiting for it.
+                _ = self.freed.changed(), if self.run.dispatch_held_count() > 0 && !self.pass_in_flight => {}
             }
             let _ = self.commit().await;
             if self.stopping.is_some() && !self.pass_in_flight {
@@ -422,7 +431,20 @@ impl RunActor {
                 self.finish().await;
                 break;
             }
+            self.settle_admission();
         }
+        self.shared.admission.forget(self.run.uid());
+    }
+
+    /// States what the run holds against the admission limit: its pending
+    /// operations, and the room reserved for a pass in flight.
+    fn settle_admission(&mut self) {
+        if !self.pass_in_flight {
+            self.reserved = 0;
+        }
+        let holding = self.run.pending_operations() + self.reserved;
+        let waiting = self.run.dispatch_held_count() > 0;
+        self.shared.admission.settle(self.run.uid(), holding, waiting);
     }
 
     /// Stops for a driver shutdown. Everything the run did is committed; the
@@ -835,6 +857,14 @@ impl RunActor {
         // rather than "in flight".
         let executor_note = if let Some(why) = &self.decider_down {
             format!("the decider cannot be reached ({why}); nothing is decided until it is back")
+        } else if self.run.is_dispatch_held(node)
+            && let Some(limit) = self.shared.admission.limit()
+        {
+            format!(
+                "waiting for room to dispatch: the driver's runs hold {} of {limit} operations in flight \
+                 (--max-operations-in-flight)",
+                self.shared.admission.holding()
+            )
         } else if pending.is_some() && self.session.link().is_none() {
             "the executor link is down; the pending operation is resubmitted when it is back".to_owned()
         } else {
@@ -1500,6 +1530,13 @@ impl RunActor {
             return;
         }
         let now = self.now_following_steps();
+        // Room for what the pass may dispatch, held until it is applied.
+        let demand = self.run.dispatch_demand(now);
+        let room = self
+            .shared
+            .admission
+            .reserve(self.run.uid(), self.run.pending_operations(), demand);
+        self.run.set_dispatch_room(room);
         if !self.run.needs_pass(now) {
             // Nothing is dirty or due after all: the run leaves the queue.
             self.unwant(false);
@@ -1531,6 +1568,7 @@ impl RunActor {
             )
         };
         self.pass_in_flight = true;
+        self.reserved = room.unwrap_or(0);
         self.pass_started = Some(self.monotonic());
         self.pass_speculative = speculative;
         self.pass_span = Some(span.clone());

@@ -13,6 +13,7 @@ use platform::balance::Balanced;
 use tokio::sync::mpsc;
 
 use crate::{
+    admission::Admission,
     core::{Policy, RunStore},
     link::Link,
     metrics::Metrics,
@@ -34,6 +35,8 @@ pub(crate) struct RunContext {
     pub(crate) decider: DeciderClient<Balanced>,
     pub(crate) policy: Arc<Policy>,
     pub(crate) safety_tick: Duration,
+    /// The operations all runs together may have pending.
+    pub(crate) admission: Admission,
     pub(crate) metrics: Metrics,
     /// With a store shared by several drivers: which replica owns which run
     /// (see [`crate::replicas`]); `None` when this driver owns every run it

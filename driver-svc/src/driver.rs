@@ -168,6 +168,9 @@ pub struct DriverConfig {
     pub link: Link,
     pub policy: Policy,
     pub safety_tick: Duration,
+    /// The most operations all runs together may have pending (`None`: no
+    /// limit); see [`crate::admission`].
+    pub max_operations_in_flight: Option<usize>,
     /// Set with a store several drivers share: this driver then restores
     /// only the runs it claims ([`Driver::take_over_unowned`]).
     pub replicas: Option<Arc<dyn Replicas>>,
@@ -230,6 +233,7 @@ impl Driver {
                 decider: config.decider,
                 policy: Arc::new(config.policy),
                 safety_tick: config.safety_tick,
+                admission: crate::admission::Admission::new(config.max_operations_in_flight),
                 metrics: Metrics::default(),
                 replicas: config.replicas,
                 reloads,

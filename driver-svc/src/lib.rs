@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod actor;
+pub mod admission;
 pub mod api;
 pub mod auth;
 pub use driver_core as core;

@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::Parser;
 use contract::{BackoffPolicy, ShapeLimits};
 use driver_svc::{
+    admission::DEFAULT_MAX_OPERATIONS_IN_FLIGHT,
     core::{MemStore, Policy},
     server::{Config, run},
 };
@@ -66,6 +67,12 @@ struct Cli {
     /// Every run gets a full pass at least this often (a safety net).
     #[arg(long, env = "DRIVER_SAFETY_TICK_MS", default_value_t = 30_000)]
     safety_tick_ms: u64,
+    /// The most operations all runs together may have pending at once (0:
+    /// no limit). What a pass decides past it waits in its run, recorded
+    /// nowhere, and is decided again when operations finish: work the
+    /// executor cannot start before the operations' deadlines is not sent.
+    #[arg(long, env = "DRIVER_MAX_OPERATIONS_IN_FLIGHT", default_value_t = DEFAULT_MAX_OPERATIONS_IN_FLIGHT)]
+    max_operations_in_flight: usize,
     #[arg(long, env = "DRIVER_MAX_GROUPS", default_value_t = 256)]
     max_groups: usize,
     #[arg(long, env = "DRIVER_MAX_NODES_PER_GROUP", default_value_t = 100_000)]
@@ -303,6 +310,7 @@ async fn serve_until_stopped() -> anyhow::Result<()> {
             executor_identity: cli.executor_identity,
             policy,
             safety_tick: Duration::from_millis(cli.safety_tick_ms),
+            max_operations_in_flight: Some(cli.max_operations_in_flight).filter(|n| *n > 0),
             store,
             clock: Arc::new(contract::SystemClock),
             orphan_sweep: Duration::from_millis(cli.orphan_sweep_ms),

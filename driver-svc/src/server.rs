@@ -43,6 +43,9 @@ pub struct Config {
     pub executor_identity: String,
     pub policy: Policy,
     pub safety_tick: Duration,
+    /// The most operations all runs together may have pending (`None`: no
+    /// limit); see [`crate::admission`].
+    pub max_operations_in_flight: Option<usize>,
     pub store: Box<dyn RunStore>,
     pub clock: Arc<dyn Clock>,
     /// Between orphan sweeps; zero turns the sweep off.
@@ -141,6 +144,7 @@ pub async fn run(
         link: link.clone(),
         policy: config.policy,
         safety_tick: config.safety_tick,
+        max_operations_in_flight: config.max_operations_in_flight,
         replicas: config.replicas.clone(),
     })?;
 

@@ -109,6 +109,7 @@ async fn start_driver(
                 ..Policy::default()
             },
             safety_tick: OPERATION_TIMEOUT,
+            max_operations_in_flight: None,
             store,
             clock: Arc::new(contract::SystemClock),
             orphan_sweep: Duration::ZERO,

@@ -461,6 +461,13 @@ pub struct RunState {
     /// Nodes whose last decision was a wait for a rollout's budget, canary
     /// or halt (rule 17; not a current attempt waiting for its successor).
     rollout_held: BTreeSet<LogicalNodeId>,
+    /// How many operations the next pass may dispatch (`None`: as many as
+    /// it decides), set by the shell from the driver's admission limit.
+    dispatch_room: Option<usize>,
+    /// Nodes whose last decision dispatched an operation the room did not
+    /// admit: nothing was recorded for them, and passes with room decide
+    /// them again, lowest first, as many as the room.
+    dispatch_held: BTreeSet<LogicalNodeId>,
     /// Groups whose counts changed since the last pass.
     counts_changed: BTreeSet<contract::GroupId>,
     /// Each group's rollout tally, and the attempts of each group's current
@@ -565,6 +572,8 @@ impl RunState {
             counts: HashMap::new(),
             budget_held: BTreeSet::new(),
             rollout_held: BTreeSet::new(),
+            dispatch_room: None,
+            dispatch_held: BTreeSet::new(),
             counts_changed: BTreeSet::new(),
             tallies: HashMap::new(),
             new_failures: HashMap::new(),
@@ -725,6 +734,7 @@ impl RunState {
         }
         self.budget_held.remove(id);
         self.rollout_held.remove(id);
+        self.dispatch_held.remove(id);
     }
 
     /// Whether the indexes match a scan of the nodes (for tests and debug
@@ -1205,6 +1215,45 @@ impl RunState {
             .flat_map(|e| std::iter::once(&e.rec).chain(e.rec.successor.as_deref()))
             .filter_map(|r| r.inflight.as_deref().cloned())
             .collect()
+    }
+
+    /// Operations recorded pending (O(1), kept as they change).
+    pub fn pending_operations(&self) -> usize {
+        self.pending_ops
+    }
+
+    /// How many operations the next pass may dispatch (`None`: as many as
+    /// it decides). The shell sets it from the driver's admission limit
+    /// before it asks [`RunState::needs_pass`] and begins a pass; a pass
+    /// spends it. A dispatch past it is not recorded: the node is held and
+    /// decided again by a pass with room.
+    pub fn set_dispatch_room(&mut self, room: Option<usize>) {
+        self.dispatch_room = room;
+    }
+
+    /// How many nodes wait for dispatch room.
+    pub fn dispatch_held_count(&self) -> usize {
+        self.dispatch_held.len()
+    }
+
+    pub fn is_dispatch_held(&self, id: &LogicalNodeId) -> bool {
+        self.dispatch_held.contains(id)
+    }
+
+    /// About how many operations the next pass could dispatch: the nodes it
+    /// would decide (a node may dispatch for its successor as well, so this
+    /// is not a bound). The shell asks its admission for this much room.
+    pub fn dispatch_demand(&self, now: UnixMillis) -> usize {
+        if self.full {
+            return self.nodes.len();
+        }
+        let due = self.wakes.iter().take_while(|(t, _)| *t <= now).count();
+        let budgets = if self.counts_changed.is_empty() {
+            0
+        } else {
+            self.budget_held.len() + self.rollout_held.len()
+        };
+        self.dirty_ids.len() + due + budgets + self.dispatch_held.len()
     }
 
     pub fn pending_count(&self) -> usize {
@@ -1692,6 +1741,10 @@ impl RunState {
         if self.rollout_deadline().is_some_and(|t| t <= now) {
             return true;
         }
+        // Nodes the admission limit held wait for room, not for a batch.
+        if !self.dispatch_held.is_empty() && self.dispatch_room.is_none_or(|r| r > 0) {
+            return true;
+        }
         let wanted = !self.dirty_ids.is_empty() || self.missing_slots();
         wanted && self.batch_end().is_none_or(|end| end <= now)
     }
@@ -1776,6 +1829,10 @@ impl RunState {
                         .take(room),
                 );
             }
+            // Nodes the admission limit held: as many as there is room for,
+            // lowest first, so that a pass costs its room, not the backlog.
+            let room = self.dispatch_room.unwrap_or(usize::MAX);
+            ids.extend(self.dispatch_held.iter().take(room));
             ids.into_iter()
                 .filter_map(|id| self.nodes.get(id).map(|e| (id.clone(), e.version)))
                 .collect()
@@ -1852,6 +1909,9 @@ impl RunState {
             {
                 e.dirty = false;
                 e.wake_at = None;
+                // Decided again now: held again only if its dispatch is
+                // refused again.
+                self.dispatch_held.remove(id);
                 self.reindex(id);
             }
         }
@@ -2189,9 +2249,17 @@ impl RunState {
                     n.retry = RetryState::default();
                 });
             }
+            Action::Dispatch(_) if self.dispatch_room == Some(0) => {
+                // No room: nothing is recorded, and the node is decided
+                // again once there is (explain evaluates its rule live).
+                self.dispatch_held.insert(d.node.clone());
+            }
             Action::Dispatch(effect) => {
                 if let Some(op) = self.dispatch(&d, effect, now)? {
                     ops.push(op);
+                    if let Some(room) = &mut self.dispatch_room {
+                        *room -= 1;
+                    }
                 }
             }
         }

@@ -1,0 +1,231 @@
+//! The driver's admission limit: how many operations all its runs together
+//! may have pending at once (`--max-operations-in-flight`).
+//!
+//! Every operation carries a deadline from its dispatch, and the executor
+//! abandons one still unstarted at its deadline. A driver that dispatched
+//! everything its passes decided would, past what the executor and the
+//! provider get through before those deadlines, see operations expire in
+//! queues, fail, back off and go again: more work for the same nodes, and
+//! memory in all three services for work that cannot start. With the limit,
+//! what is not admitted is not recorded at all; the node waits in its run
+//! (`RunState::set_dispatch_room`) and is decided again when there is room.
+//!
+//! Each run actor states what it holds (its pending operations, and the room
+//! reserved for a pass in flight) as an absolute figure, so the books cannot
+//! drift whatever a run does between two statements. A run reserves room
+//! before a pass and states what it holds after; the room it did not use goes
+//! back then. While other runs wait for room, a run is granted at most an
+//! even share of the limit; alone, it may take all of it. When room comes
+//! back and some run waits, the waiting runs are woken ([`Admission::freed`]).
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Mutex,
+};
+
+use contract::RunUid;
+use tokio::sync::watch;
+
+/// The limit unless configured: enough to keep the executor busy (at the
+/// bench's 86,000 round trips a second, a few seconds of work), few enough
+/// that the operations a pass dispatches start well inside the default
+/// 60-second deadline.
+pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: usize = 10_000;
+
+/// What each run holds against the limit, and who waits for room.
+#[derive(Debug, Default)]
+struct Books {
+    holding: HashMap<RunUid, usize>,
+    total: usize,
+    /// Runs with nodes held for room.
+    waiting: HashSet<RunUid>,
+}
+
+impl Books {
+    fn set(&mut self, run: RunUid, holding: usize) -> usize {
+        let before = self.holding.insert(run, holding).unwrap_or(0);
+        self.total = self.total - before + holding;
+        before
+    }
+}
+
+#[derive(Debug)]
+pub struct Admission {
+    /// `None`: no limit.
+    limit: Option<usize>,
+    books: Mutex<Books>,
+    freed: watch::Sender<u64>,
+}
+
+impl Admission {
+    pub fn new(limit: Option<usize>) -> Self {
+        Self {
+            limit: limit.filter(|l| *l > 0),
+            books: Mutex::new(Books::default()),
+            freed: watch::channel(0).0,
+        }
+    }
+
+    pub fn limit(&self) -> Option<usize> {
+        self.limit
+    }
+
+    fn books(&self) -> std::sync::MutexGuard<'_, Books> {
+        // The books are absolute figures each run restates: a panic while
+        // they were held leaves them consistent enough to go on with.
+        self.books.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Room for `run`'s next pass, which holds `holding` operations now and
+    /// could use `want` more: `None` without a limit. The room granted is
+    /// counted as held until the run's next [`Admission::settle`].
+    pub fn reserve(&self, run: RunUid, holding: usize, want: usize) -> Option<usize> {
+        let limit = self.limit?;
+        let mut books = self.books();
+        books.set(run, holding);
+        let free = limit.saturating_sub(books.total);
+        let others = books.waiting.iter().filter(|r| **r != run).count();
+        // With others waiting, an even share among them and this run.
+        let share = if others > 0 {
+            (limit / (others + 1)).max(1).saturating_sub(holding)
+        } else {
+            usize::MAX
+        };
+        let granted = free.min(want).min(share);
+        books.set(run, holding + granted);
+        Some(granted)
+    }
+
+    /// `run` holds `holding` operations, and `waiting` says whether it has
+    /// nodes held for room. Room given back wakes the waiting runs.
+    pub fn settle(&self, run: RunUid, holding: usize, waiting: bool) {
+        if self.limit.is_none() {
+            return;
+        }
+        let mut books = self.books();
+        let before = books.set(run, holding);
+        if waiting {
+            books.waiting.insert(run);
+        } else {
+            books.waiting.remove(&run);
+        }
+        let others_wait = books.waiting.iter().any(|r| *r != run);
+        drop(books);
+        if holding < before && others_wait {
+            self.freed.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// `run` is gone or stopped: what it held goes back.
+    pub fn forget(&self, run: RunUid) {
+        if self.limit.is_none() {
+            return;
+        }
+        let mut books = self.books();
+        let before = books.set(run, 0);
+        books.holding.remove(&run);
+        books.waiting.remove(&run);
+        let wake = before > 0 && !books.waiting.is_empty();
+        drop(books);
+        if wake {
+            self.freed.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Moves whenever room comes back while some run waits for it.
+    pub fn freed(&self) -> watch::Receiver<u64> {
+        self.freed.subscribe()
+    }
+
+    /// Operations held against the limit, all runs together.
+    pub fn holding(&self) -> usize {
+        self.books().total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn uid(n: u128) -> RunUid {
+        RunUid::from_u128(n)
+    }
+
+    #[test]
+    fn without_a_limit_everything_is_admitted_and_nothing_is_kept() {
+        let a = Admission::new(None);
+        assert_eq!(a.reserve(uid(1), 5, 1_000_000), None);
+        a.settle(uid(1), 7, true);
+        assert_eq!(a.holding(), 0);
+        // Zero means no limit too, as on the command line.
+        assert_eq!(Admission::new(Some(0)).limit(), None);
+    }
+
+    #[test]
+    fn a_reservation_is_held_until_the_run_settles_and_never_exceeds_the_limit() {
+        let a = Admission::new(Some(10));
+        assert_eq!(a.reserve(uid(1), 0, 6), Some(6));
+        assert_eq!(a.holding(), 6);
+        // The second run gets what is left, not what it wants.
+        assert_eq!(a.reserve(uid(2), 0, 6), Some(4));
+        assert_eq!(a.holding(), 10);
+        assert_eq!(a.reserve(uid(3), 0, 1), Some(0));
+        // The first used 3 of its 6: the rest comes back.
+        a.settle(uid(1), 3, false);
+        assert_eq!(a.holding(), 7);
+        assert_eq!(a.reserve(uid(3), 0, 5), Some(3));
+        assert_eq!(a.holding(), 10);
+    }
+
+    #[test]
+    fn statements_are_absolute_so_the_books_cannot_drift() {
+        let a = Admission::new(Some(100));
+        a.settle(uid(1), 40, false);
+        a.settle(uid(1), 40, false);
+        a.settle(uid(2), 10, false);
+        assert_eq!(a.holding(), 50);
+        a.settle(uid(1), 0, false);
+        assert_eq!(a.holding(), 10);
+        a.forget(uid(2));
+        assert_eq!(a.holding(), 0);
+    }
+
+    #[test]
+    fn with_others_waiting_a_run_gets_an_even_share() {
+        let a = Admission::new(Some(100));
+        // Two runs wait with nothing held.
+        a.settle(uid(2), 0, true);
+        a.settle(uid(3), 0, true);
+        // A third asks for everything: a third of the limit.
+        assert_eq!(a.reserve(uid(1), 0, 1_000), Some(33));
+        // Already holding its share, it gets nothing more.
+        a.settle(uid(1), 33, true);
+        assert_eq!(a.reserve(uid(1), 33, 1_000), Some(0));
+        // The waiting ones get theirs.
+        assert_eq!(a.reserve(uid(2), 0, 1_000), Some(33));
+        // Alone, a run takes all the room there is.
+        let alone = Admission::new(Some(100));
+        assert_eq!(alone.reserve(uid(1), 0, 1_000), Some(100));
+    }
+
+    #[test]
+    fn room_given_back_wakes_the_runs_that_wait_and_only_then() {
+        let a = Admission::new(Some(10));
+        let mut freed = a.freed();
+        a.settle(uid(1), 10, false);
+        // Nobody waits: giving back wakes nobody.
+        a.settle(uid(1), 9, false);
+        assert!(!freed.has_changed().unwrap_or(true));
+        a.settle(uid(2), 0, true);
+        a.settle(uid(1), 5, false);
+        assert!(freed.has_changed().unwrap_or(false));
+        freed.borrow_and_update();
+        // Holding more wakes nobody.
+        a.settle(uid(1), 8, false);
+        assert!(!freed.has_changed().unwrap_or(true));
+        // A run that goes away gives back what it held.
+        a.forget(uid(1));
+        assert!(freed.has_changed().unwrap_or(false));
+        assert_eq!(a.holding(), 0);
+    }
+}
