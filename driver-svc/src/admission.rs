@@ -14,7 +14,8 @@
 //! reserved for a pass in flight) as an absolute figure, so the books cannot
 //! drift whatever a run does between two statements. A run reserves room
 //! before a pass and states what it holds after; the room it did not use goes
-//! back then. While other runs wait for room, a run is granted at most an
+//! back then. A run refused room waits from that moment, and says after its
+//! pass whether nodes still wait. While other runs wait for room, a run is granted at most an
 //! even share of the limit; alone, it may take all of it. When room comes
 //! back and some run waits, the waiting runs are woken ([`Admission::freed`]).
 
@@ -93,6 +94,12 @@ impl Admission {
         };
         let granted = free.min(want).min(share);
         books.set(run, holding + granted);
+        // Short of what it wants, the run waits from now on, under the same
+        // lock: room given back after this moment wakes it, and room given
+        // back before it was free for this reservation to take.
+        if granted < want {
+            books.waiting.insert(run);
+        }
         Some(granted)
     }
 
@@ -206,6 +213,23 @@ mod tests {
         // Alone, a run takes all the room there is.
         let alone = Admission::new(Some(100));
         assert_eq!(alone.reserve(uid(1), 0, 1_000), Some(100));
+    }
+
+    #[test]
+    fn a_run_refused_room_waits_from_that_moment() {
+        let a = Admission::new(Some(4));
+        a.settle(uid(1), 4, false);
+        let mut freed = a.freed();
+        // Run 2 is refused: it waits before it has said so itself.
+        assert_eq!(a.reserve(uid(2), 0, 3), Some(0));
+        a.settle(uid(1), 0, false);
+        assert!(freed.has_changed().unwrap_or(false), "the refused run is woken");
+        freed.borrow_and_update();
+        // Granted all it wanted, it does not wait.
+        assert_eq!(a.reserve(uid(2), 0, 3), Some(3));
+        a.settle(uid(2), 3, false);
+        a.settle(uid(2), 0, false);
+        assert!(!freed.has_changed().unwrap_or(true), "nobody waits");
     }
 
     #[test]

@@ -3259,6 +3259,64 @@ mod tests {
     }
 
     #[test]
+    fn dispatch_room_caps_a_pass_and_the_held_nodes_go_out_lowest_first_as_room_returns() {
+        let mut five = shape();
+        five.groups[0].count = 5;
+        let mut run = RunState::create(five, UID, Epoch::new(1), Arc::new(Policy::default()), T0).unwrap();
+        let store = MemStore::new();
+        // Inserts are transitions: no room needed.
+        run.set_dispatch_room(Some(0));
+        let inserted = pass(&mut run, &store, T0);
+        assert_eq!((inserted.transitions, inserted.operations), (5, 0));
+
+        // Room for two creates of five.
+        run.set_dispatch_room(Some(2));
+        let first = pass(&mut run, &store, T0);
+        assert_eq!(first.operations, 2);
+        assert_eq!(run.pending_operations(), 2);
+        assert_eq!(run.pending_count(), 2, "the count kept matches a scan");
+        assert_eq!(run.dispatch_held_count(), 3);
+        assert!(run.is_dispatch_held(&node("workers-2")));
+        assert!(!run.is_dispatch_held(&node("workers-0")));
+        // Nothing is recorded for a held node: no operation, none stored.
+        assert!(run.node(&node("workers-2")).unwrap().pending.is_none());
+        let stored = store.load_all().unwrap();
+        let stored_pending = stored[0].nodes.iter().filter(|n| n.node.pending.is_some()).count();
+        assert_eq!(stored_pending, 2);
+
+        // No room: the held nodes do not ask for a pass.
+        run.set_dispatch_room(Some(0));
+        assert!(!run.needs_pass(T0));
+
+        // Room for one: the pass decides one held node, the lowest.
+        run.set_dispatch_room(Some(1));
+        assert!(run.needs_pass(T0));
+        let plan = run.begin_pass(T0).unwrap();
+        assert_eq!(
+            plan.nodes.iter().map(|(id, _)| id.to_string()).collect::<Vec<_>>(),
+            vec!["workers-2".to_owned()],
+            "a pass costs its room, not the backlog"
+        );
+        let out = {
+            let view = run.desired_view();
+            decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), T0)
+        };
+        let one = run.apply_decisions(plan, out, T0).unwrap();
+        store.commit(one.commit.delta()).unwrap();
+        assert_eq!(one.operations, 1);
+        assert!(run.node(&node("workers-2")).unwrap().pending.is_some());
+        assert_eq!(run.dispatch_held_count(), 2);
+
+        // Without a limit the rest go out, and nothing waits.
+        run.set_dispatch_room(None);
+        let rest = pass(&mut run, &store, T0);
+        assert_eq!(rest.operations, 2);
+        assert_eq!(run.dispatch_held_count(), 0);
+        assert_eq!(run.pending_operations(), 5);
+        assert!(run.indexes_consistent());
+    }
+
+    #[test]
     fn abandon_records_identity_and_live_facts_and_forgets_the_node() {
         let (mut run, store) = run_with_live_node();
         let before = run.node(&node("workers-0")).unwrap().clone();
