@@ -10,6 +10,11 @@ use platform::{
 };
 
 /// The provisioning decider: a stateless gRPC service that answers the driver.
+/// jemalloc rather than glibc's malloc: see docs/profile-notes.md, "The
+/// allocator".
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Debug, Parser)]
 #[command(name = "decider-svc", version, about)]
 struct Cli {

@@ -49,8 +49,12 @@ use crate::{
 /// the others (`provisioning.pass.links_dropped`).
 const MAX_CAUSES: usize = 16;
 
-/// The status is rebuilt (O(nodes)) at most this often while only counts move.
+/// The status is rebuilt (O(nodes)) at most this often while only counts
+/// move, and at most once per [`PUBLISH_COST_FACTOR`] times what the last
+/// build took: at a million nodes a build takes tens of milliseconds, and a
+/// fixed period would spend half the actor on it.
 const PUBLISH_EVERY: Duration = Duration::from_millis(100);
+const PUBLISH_COST_FACTOR: u32 = 10;
 
 /// What makes a status change worth publishing at once: generation,
 /// converged, deleting, paused, gone, halted.
@@ -216,6 +220,9 @@ pub(crate) struct RunActor {
     /// status (O(nodes) to build) is published at most every
     /// `PUBLISH_EVERY`, except that a phase change goes out at once.
     last_publish: Option<(Monotonic, PhaseKey)>,
+    /// The period of count-only publications: [`PUBLISH_EVERY`], or longer
+    /// when the last build was slow.
+    publish_every: Duration,
     /// Set when the store refused a write: the run does nothing more.
     halted: Option<String>,
     /// The span of the pass in flight, and when that pass started.
@@ -331,6 +338,7 @@ impl RunActor {
             decider_retry_at: None,
             changed: true,
             last_publish: None,
+            publish_every: PUBLISH_EVERY,
             halted: None,
             pass_span: None,
             pass_started: None,
@@ -477,7 +485,7 @@ impl RunActor {
         if self.changed
             && let Some((at, _)) = self.last_publish
         {
-            wake = wake.min(at.saturating_add(PUBLISH_EVERY));
+            wake = wake.min(at.saturating_add(self.publish_every));
         }
         if let Some(t) = self.run.poll_timeout() {
             wake = wake.min(self.monotonic_of(t));
@@ -1561,7 +1569,7 @@ impl RunActor {
                 self.run.shape(),
                 self.run.is_deleting(),
                 self.run.plan_nodes(&plan),
-                &slots,
+                slots,
                 &self.run.group_counts(),
                 now,
                 &telemetry::context_of(&span),
@@ -1667,7 +1675,7 @@ impl RunActor {
         let now = self.monotonic();
         let due = match self.last_publish {
             None => true,
-            Some((at, last_key)) => last_key != key || now >= at.saturating_add(PUBLISH_EVERY),
+            Some((at, last_key)) => last_key != key || now >= at.saturating_add(self.publish_every),
         };
         if !due {
             // `next_wake` brings the actor back when it is due.
@@ -1677,6 +1685,8 @@ impl RunActor {
         self.last_publish = Some((now, key));
         let status = self.status(false, self.now());
         self.status.send_replace(Arc::new(status));
+        let took = self.monotonic().saturating_since(now);
+        self.publish_every = PUBLISH_EVERY.max(took.saturating_mul(PUBLISH_COST_FACTOR));
     }
 
     async fn finish(&mut self) {

@@ -684,7 +684,7 @@ mod tests {
             let plan = run.begin_pass(now).unwrap();
             let out = {
                 let view = run.desired_view();
-                decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
+                decider::decide(&view, run.plan_nodes(&plan), run.slot_set(), now)
             };
             let mut outcome = run.apply_decisions(plan, out, now).unwrap();
             let _ = outcome.take_commit().persist_to(store).unwrap();

@@ -12,6 +12,11 @@ use driver_svc::{
 };
 use platform::runtime;
 
+/// jemalloc rather than glibc's malloc: see docs/profile-notes.md, "The
+/// allocator".
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "driver-svc",

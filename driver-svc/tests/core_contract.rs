@@ -84,7 +84,7 @@ fn pass(run: &mut RunState, store: &MemStore, now: UnixMillis) -> Passed {
     let plan = run.begin_pass(now).unwrap();
     let out = {
         let view = run.desired_view();
-        decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
+        decider::decide(&view, run.plan_nodes(&plan), run.slot_set(), now)
     };
     let mut outcome = run.apply_decisions(plan, out, now).unwrap();
     let released = outcome.take_commit().persist_to(store).unwrap();
@@ -299,7 +299,7 @@ fn a_pass_holds_its_operations_until_its_commit_is_durable() {
     let plan = run.begin_pass(T0).unwrap();
     let out = {
         let view = run.desired_view();
-        decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), T0)
+        decider::decide(&view, run.plan_nodes(&plan), run.slot_set(), T0)
     };
     let mut outcome = run.apply_decisions(plan, out, T0).unwrap();
     let commit = outcome.take_commit();
@@ -672,7 +672,7 @@ fn clock_saturation_is_an_error_not_a_panic_or_a_spin() {
     let plan = run.begin_pass(near_end).unwrap();
     let out = {
         let view = run.desired_view();
-        decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), near_end)
+        decider::decide(&view, run.plan_nodes(&plan), run.slot_set(), near_end)
     };
     let err = run.apply_decisions(plan, out, near_end).unwrap_err();
     assert!(matches!(err, CoreError::Clock(_)), "{err:?}");
@@ -698,7 +698,7 @@ fn a_pass_applies_decisions_only_to_the_state_they_were_made_from() {
     );
     let out = {
         let view = run.desired_view();
-        decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), T0)
+        decider::decide(&view, run.plan_nodes(&plan), run.slot_set(), T0)
     };
     let _ = run.fold_result(&created, T0).unwrap();
     let mut outcome = run.apply_decisions(plan, out, T0).unwrap();

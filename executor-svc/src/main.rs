@@ -22,6 +22,11 @@ use platform::{
     tls::{PeerArgs, PeerPolicy},
 };
 
+/// jemalloc rather than glibc's malloc: see docs/profile-notes.md, "The
+/// allocator".
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// The executor: runs provider operations for drivers, deduplicated and fenced.
 #[derive(Debug, Parser)]
 #[command(name = "executor-svc", version, about)]

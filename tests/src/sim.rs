@@ -592,7 +592,7 @@ impl Sim {
         let mut output = {
             let view = self.run.desired_view();
             let slots = self.run.slot_set();
-            decider::decide(&view, self.run.plan_nodes(&plan), &slots, self.now)
+            decider::decide(&view, self.run.plan_nodes(&plan), slots, self.now)
         };
         if self.permute {
             output.decisions.reverse();

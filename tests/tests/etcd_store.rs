@@ -105,7 +105,7 @@ fn drive(run: &mut RunState, store: &dyn RunStore) {
         let plan = run.begin_pass(NOW).unwrap();
         let out = {
             let view = run.desired_view();
-            decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), NOW)
+            decider::decide(&view, run.plan_nodes(&plan), run.slot_set(), NOW)
         };
         let mut outcome = run.apply_decisions(plan, out, NOW).unwrap();
         let _ = outcome.take_commit().persist_to(store).unwrap();
@@ -454,7 +454,7 @@ fn two_replicas_cannot_create_the_same_run_id() {
     let plan = b.begin_pass(NOW).unwrap();
     let out = {
         let view = b.desired_view();
-        decider::decide(&view, b.plan_nodes(&plan), &b.slot_set(), NOW)
+        decider::decide(&view, b.plan_nodes(&plan), b.slot_set(), NOW)
     };
     let mut outcome = b.apply_decisions(plan, out, NOW).unwrap();
     let err = outcome.take_commit().persist_to(&second).unwrap_err();

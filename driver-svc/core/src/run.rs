@@ -468,6 +468,10 @@ pub struct RunState {
     /// admit: nothing was recorded for them, and passes with room decide
     /// them again, lowest first, as many as the room.
     dispatch_held: BTreeSet<LogicalNodeId>,
+    /// The slots the run holds, built on first use after a node was
+    /// inserted or removed: every pass sends them, and they change only
+    /// when the run's nodes do.
+    slots: std::sync::OnceLock<SlotSet>,
     /// Groups whose counts changed since the last pass.
     counts_changed: BTreeSet<contract::GroupId>,
     /// Each group's rollout tally, and the attempts of each group's current
@@ -574,6 +578,7 @@ impl RunState {
             rollout_held: BTreeSet::new(),
             dispatch_room: None,
             dispatch_held: BTreeSet::new(),
+            slots: std::sync::OnceLock::new(),
             counts_changed: BTreeSet::new(),
             tallies: HashMap::new(),
             new_failures: HashMap::new(),
@@ -692,6 +697,7 @@ impl RunState {
             self.unindex(&id, &old);
         } else {
             *self.held.entry(id.group().clone()).or_default() += 1;
+            self.slots.take();
         }
         self.reindex(&id);
     }
@@ -699,6 +705,7 @@ impl RunState {
     /// Removes an entry and its index keys.
     fn remove_entry(&mut self, id: &LogicalNodeId) -> Option<Box<Entry>> {
         let e = self.nodes.remove(id)?;
+        self.slots.take();
         self.unindex(id, &e);
         if let Some(n) = self.held.get_mut(id.group()) {
             *n = n.saturating_sub(1);
@@ -1197,14 +1204,17 @@ impl RunState {
         DesiredView::new(&self.meta.shape, self.meta.deleting).with_counts(self.group_counts())
     }
 
-    /// Every slot the run holds.
-    pub fn slot_set(&self) -> SlotSet {
-        let mut s = SlotSet::new();
-        for id in self.nodes.keys() {
-            s.insert(id);
-        }
-        s.finish();
-        s
+    /// Every slot the run holds (built again only after the run's nodes
+    /// changed).
+    pub fn slot_set(&self) -> &SlotSet {
+        self.slots.get_or_init(|| {
+            let mut s = SlotSet::new();
+            for id in self.nodes.keys() {
+                s.insert(id);
+            }
+            s.finish();
+            s
+        })
     }
 
     /// The operations recorded pending, exactly as first submitted, for a
@@ -1267,12 +1277,20 @@ impl RunState {
     /// Converged for the current generation: every desired slot holds the exact
     /// desired spec, ready, active, with nothing pending, and nothing else remains.
     pub fn is_converged(&self) -> bool {
-        if self.meta.deleting {
+        // What the kept counts settle first: a run with work outstanding,
+        // or with other than one node per desired slot, has not converged.
+        if self.meta.deleting
+            || self.pending_ops > 0
+            || !self.dispatch_held.is_empty()
+            || self.nodes.len() as u64 != self.meta.shape.total_nodes()
+        {
             return false;
         }
         let desired = DesiredView::new(&self.meta.shape, self.meta.deleting);
         let mut count = 0u64;
-        for e in self.nodes.values() {
+        // Highest first: the admission limit sends the lowest slots first,
+        // so a node not yet ready is found at once.
+        for e in self.nodes.values().rev() {
             let n = &e.rec.node;
             let Some(t) = desired.template_for(&n.id) else {
                 return false;
@@ -3142,7 +3160,7 @@ impl RunState {
     /// What the decider would do now under the run's own shape (a copy of
     /// the run with a proposed shape applied, for a plan).
     pub fn plan_current(&self, now: UnixMillis) -> DecideOutput {
-        decider::decide(&self.desired_view(), self.nodes(), &self.slot_set(), now)
+        decider::decide(&self.desired_view(), self.nodes(), self.slot_set(), now)
     }
 
     /// The waves in which each group's drifted slots would be replaced under
@@ -3236,7 +3254,7 @@ mod tests {
         let plan = run.begin_pass(now).unwrap();
         let out = {
             let view = run.desired_view();
-            decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
+            decider::decide(&view, run.plan_nodes(&plan), run.slot_set(), now)
         };
         let outcome = run.apply_decisions(plan, out, now).unwrap();
         store.commit(outcome.commit.delta()).unwrap();
@@ -3299,7 +3317,7 @@ mod tests {
         );
         let out = {
             let view = run.desired_view();
-            decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), T0)
+            decider::decide(&view, run.plan_nodes(&plan), run.slot_set(), T0)
         };
         let one = run.apply_decisions(plan, out, T0).unwrap();
         store.commit(one.commit.delta()).unwrap();

@@ -264,7 +264,7 @@ mod tests {
         let mut released = Released::default();
         for _ in 0..2 {
             let plan = run.begin_pass(T0).unwrap();
-            let out = decider::decide(&run.desired_view(), run.plan_nodes(&plan), &run.slot_set(), T0);
+            let out = decider::decide(&run.desired_view(), run.plan_nodes(&plan), run.slot_set(), T0);
             let mut outcome = run.apply_decisions(plan, out, T0).unwrap();
             released = outcome.take_commit().persist_to(&store).unwrap();
         }

@@ -471,7 +471,7 @@ impl Composition {
             let plan = run.begin_pass(now)?;
             let out = {
                 let view = run.desired_view();
-                decider::decide(&view, run.plan_nodes(&plan), &run.slot_set(), now)
+                decider::decide(&view, run.plan_nodes(&plan), run.slot_set(), now)
             };
             let mut outcome = run.apply_decisions(plan, out, now)?;
             let mut queue: Vec<Operation> = outcome.take_commit().persist_to(&*store)?.operations;

@@ -231,7 +231,7 @@ impl MemSut {
             let output = {
                 let view = run.desired_view();
                 let slots = run.slot_set();
-                decider::decide(&view, run.plan_nodes(&plan), &slots, now)
+                decider::decide(&view, run.plan_nodes(&plan), slots, now)
             };
             match run.apply_decisions(plan, output, now) {
                 Ok(mut outcome) => match outcome.take_commit().persist_to(&store) {
