@@ -51,8 +51,10 @@ const MAX_CAUSES: usize = 16;
 
 /// The status is rebuilt (O(nodes)) at most this often while only counts
 /// move, and at most once per [`PUBLISH_COST_FACTOR`] times what the last
-/// build took: at a million nodes a build takes tens of milliseconds, and a
-/// fixed period would spend half the actor on it.
+/// build took, times the run actors alive: at a million nodes a build takes
+/// tens of milliseconds, and with a hundred runs of 10,000 changing at
+/// once a fixed period spent 40% of the driver on statuses. A phase change
+/// is published at once.
 const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 const PUBLISH_COST_FACTOR: u32 = 10;
 
@@ -363,6 +365,7 @@ impl RunActor {
         actor.want();
         let route = tx.clone();
         shared.link.register(uid, move |ev| route.send(ev.into()).is_ok());
+        shared.actors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::spawn(actor.run());
         RunHandle {
             uid,
@@ -442,6 +445,7 @@ impl RunActor {
             self.settle_admission();
         }
         self.shared.admission.forget(self.run.uid());
+        self.shared.actors.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// States what the run holds against the admission limit: its pending
@@ -451,8 +455,8 @@ impl RunActor {
             self.reserved = 0;
         }
         let holding = self.run.pending_operations() + self.reserved;
-        let waiting = self.run.dispatch_held_count() > 0;
-        self.shared.admission.settle(self.run.uid(), holding, waiting);
+        let held = self.run.dispatch_held_count();
+        self.shared.admission.settle(self.run.uid(), holding, held);
     }
 
     /// Stops for a driver shutdown. Everything the run did is committed; the
@@ -1686,7 +1690,9 @@ impl RunActor {
         let status = self.status(false, self.now());
         self.status.send_replace(Arc::new(status));
         let took = self.monotonic().saturating_since(now);
-        self.publish_every = PUBLISH_EVERY.max(took.saturating_mul(PUBLISH_COST_FACTOR));
+        let actors = self.shared.actors.load(std::sync::atomic::Ordering::Relaxed).max(1);
+        let factor = PUBLISH_COST_FACTOR.saturating_mul(u32::try_from(actors).unwrap_or(u32::MAX));
+        self.publish_every = PUBLISH_EVERY.max(took.saturating_mul(factor));
     }
 
     async fn finish(&mut self) {

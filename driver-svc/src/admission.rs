@@ -40,6 +40,8 @@ struct Books {
     total: usize,
     /// Runs with nodes held for room.
     waiting: HashSet<RunUid>,
+    /// How many nodes each run holds for room, as it last said.
+    held_nodes: HashMap<RunUid, usize>,
 }
 
 impl Books {
@@ -103,14 +105,20 @@ impl Admission {
         Some(granted)
     }
 
-    /// `run` holds `holding` operations, and `waiting` says whether it has
-    /// nodes held for room. Room given back wakes the waiting runs.
-    pub fn settle(&self, run: RunUid, holding: usize, waiting: bool) {
+    /// `run` holds `holding` operations, and `held_nodes` nodes wait in it
+    /// for room. Room given back wakes the waiting runs.
+    pub fn settle(&self, run: RunUid, holding: usize, held_nodes: usize) {
         if self.limit.is_none() {
             return;
         }
         let mut books = self.books();
         let before = books.set(run, holding);
+        let waiting = held_nodes > 0;
+        if waiting {
+            books.held_nodes.insert(run, held_nodes);
+        } else {
+            books.held_nodes.remove(&run);
+        }
         if waiting {
             books.waiting.insert(run);
         } else {
@@ -132,6 +140,7 @@ impl Admission {
         let before = books.set(run, 0);
         books.holding.remove(&run);
         books.waiting.remove(&run);
+        books.held_nodes.remove(&run);
         let wake = before > 0 && !books.waiting.is_empty();
         drop(books);
         if wake {
@@ -148,6 +157,11 @@ impl Admission {
     pub fn holding(&self) -> usize {
         self.books().total
     }
+
+    /// Nodes waiting for room, all runs together.
+    pub fn held_nodes(&self) -> usize {
+        self.books().held_nodes.values().sum()
+    }
 }
 
 #[cfg(test)]
@@ -162,8 +176,8 @@ mod tests {
     fn without_a_limit_everything_is_admitted_and_nothing_is_kept() {
         let a = Admission::new(None);
         assert_eq!(a.reserve(uid(1), 5, 1_000_000), None);
-        a.settle(uid(1), 7, true);
-        assert_eq!(a.holding(), 0);
+        a.settle(uid(1), 7, 1);
+        assert_eq!((a.holding(), a.held_nodes()), (0, 0));
         // Zero means no limit too, as on the command line.
         assert_eq!(Admission::new(Some(0)).limit(), None);
     }
@@ -178,7 +192,7 @@ mod tests {
         assert_eq!(a.holding(), 10);
         assert_eq!(a.reserve(uid(3), 0, 1), Some(0));
         // The first used 3 of its 6: the rest comes back.
-        a.settle(uid(1), 3, false);
+        a.settle(uid(1), 3, 0);
         assert_eq!(a.holding(), 7);
         assert_eq!(a.reserve(uid(3), 0, 5), Some(3));
         assert_eq!(a.holding(), 10);
@@ -187,11 +201,11 @@ mod tests {
     #[test]
     fn statements_are_absolute_so_the_books_cannot_drift() {
         let a = Admission::new(Some(100));
-        a.settle(uid(1), 40, false);
-        a.settle(uid(1), 40, false);
-        a.settle(uid(2), 10, false);
+        a.settle(uid(1), 40, 0);
+        a.settle(uid(1), 40, 0);
+        a.settle(uid(2), 10, 0);
         assert_eq!(a.holding(), 50);
-        a.settle(uid(1), 0, false);
+        a.settle(uid(1), 0, 0);
         assert_eq!(a.holding(), 10);
         a.forget(uid(2));
         assert_eq!(a.holding(), 0);
@@ -201,12 +215,13 @@ mod tests {
     fn with_others_waiting_a_run_gets_an_even_share() {
         let a = Admission::new(Some(100));
         // Two runs wait with nothing held.
-        a.settle(uid(2), 0, true);
-        a.settle(uid(3), 0, true);
+        a.settle(uid(2), 0, 5);
+        a.settle(uid(3), 0, 7);
+        assert_eq!(a.held_nodes(), 12);
         // A third asks for everything: a third of the limit.
         assert_eq!(a.reserve(uid(1), 0, 1_000), Some(33));
         // Already holding its share, it gets nothing more.
-        a.settle(uid(1), 33, true);
+        a.settle(uid(1), 33, 1);
         assert_eq!(a.reserve(uid(1), 33, 1_000), Some(0));
         // The waiting ones get theirs.
         assert_eq!(a.reserve(uid(2), 0, 1_000), Some(33));
@@ -218,17 +233,17 @@ mod tests {
     #[test]
     fn a_run_refused_room_waits_from_that_moment() {
         let a = Admission::new(Some(4));
-        a.settle(uid(1), 4, false);
+        a.settle(uid(1), 4, 0);
         let mut freed = a.freed();
         // Run 2 is refused: it waits before it has said so itself.
         assert_eq!(a.reserve(uid(2), 0, 3), Some(0));
-        a.settle(uid(1), 0, false);
+        a.settle(uid(1), 0, 0);
         assert!(freed.has_changed().unwrap_or(false), "the refused run is woken");
         freed.borrow_and_update();
         // Granted all it wanted, it does not wait.
         assert_eq!(a.reserve(uid(2), 0, 3), Some(3));
-        a.settle(uid(2), 3, false);
-        a.settle(uid(2), 0, false);
+        a.settle(uid(2), 3, 0);
+        a.settle(uid(2), 0, 0);
         assert!(!freed.has_changed().unwrap_or(true), "nobody waits");
     }
 
@@ -236,16 +251,16 @@ mod tests {
     fn room_given_back_wakes_the_runs_that_wait_and_only_then() {
         let a = Admission::new(Some(10));
         let mut freed = a.freed();
-        a.settle(uid(1), 10, false);
+        a.settle(uid(1), 10, 0);
         // Nobody waits: giving back wakes nobody.
-        a.settle(uid(1), 9, false);
+        a.settle(uid(1), 9, 0);
         assert!(!freed.has_changed().unwrap_or(true));
-        a.settle(uid(2), 0, true);
-        a.settle(uid(1), 5, false);
+        a.settle(uid(2), 0, 1);
+        a.settle(uid(1), 5, 0);
         assert!(freed.has_changed().unwrap_or(false));
         freed.borrow_and_update();
         // Holding more wakes nobody.
-        a.settle(uid(1), 8, false);
+        a.settle(uid(1), 8, 0);
         assert!(!freed.has_changed().unwrap_or(true));
         // A run that goes away gives back what it held.
         a.forget(uid(1));

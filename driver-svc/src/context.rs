@@ -37,6 +37,10 @@ pub(crate) struct RunContext {
     pub(crate) safety_tick: Duration,
     /// The operations all runs together may have pending.
     pub(crate) admission: Admission,
+    /// Run actors alive now: each spaces its status publications by their
+    /// cost times this, so that building statuses takes a bounded share of
+    /// the driver however many runs change at once.
+    pub(crate) actors: std::sync::atomic::AtomicUsize,
     pub(crate) metrics: Metrics,
     /// With a store shared by several drivers: which replica owns which run
     /// (see [`crate::replicas`]); `None` when this driver owns every run it

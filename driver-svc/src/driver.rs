@@ -63,6 +63,8 @@ fn register_scrape(shared: &Arc<Shared>) {
         e.runs.replace_all(phases.into_iter().map(|(k, v)| (vec![k], v)));
         e.unhealthy.set(&[], unhealthy);
         e.remediation_held.set(&[], held);
+        e.admission_waiting
+            .set(&[], shared.run.admission.held_nodes() as f64);
         let link = shared.run.link.counters();
         e.link_up.set(
             &[],
@@ -234,6 +236,7 @@ impl Driver {
                 policy: Arc::new(config.policy),
                 safety_tick: config.safety_tick,
                 admission: crate::admission::Admission::new(config.max_operations_in_flight),
+                actors: std::sync::atomic::AtomicUsize::new(0),
                 metrics: Metrics::default(),
                 replicas: config.replicas,
                 reloads,

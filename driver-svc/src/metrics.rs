@@ -70,6 +70,7 @@ pub(crate) struct Exported {
     pub(crate) remediated: Counter,
     pub(crate) unhealthy: Gauge,
     pub(crate) remediation_held: Gauge,
+    pub(crate) admission_waiting: Gauge,
     pub(crate) takeovers: Counter,
     pub(crate) reloads: Counter,
     pub(crate) nodes: Gauge,
@@ -252,6 +253,12 @@ impl Exported {
                 "provisioning_nodes_remediation_held",
                 "Unhealthy nodes whose replacement their group's remediation budget holds \
                  (max_in_flight, max_unhealthy).",
+                &[],
+            ),
+            admission_waiting: r.gauge(
+                "provisioning_admission_waiting_nodes",
+                "Nodes whose next operation waits for room under --max-operations-in-flight, every \
+                 run together.",
                 &[],
             ),
             takeovers: r.counter(

@@ -123,7 +123,7 @@ fn gauge_sum(text: &str, name: &str) -> f64 {
 /// pending together (sampled from the driver's gauge), a held node says what
 /// it waits for in `explain`, and both runs converge with no safety tick to
 /// help them (it is ten minutes here): only room given back wakes a run
-/// whose nodes wait for it.
+/// whose nodes wait for it. The waiting nodes' gauge moves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drivers_admission_limit_holds_across_runs_and_returned_room_wakes_them() {
     const LIMIT: f64 = 2.0;
@@ -148,11 +148,13 @@ async fn the_drivers_admission_limit_holds_across_runs_and_returned_room_wakes_t
         .unwrap();
     }
     let mut max_pending: f64 = 0.0;
+    let mut max_waiting: f64 = 0.0;
     let mut notes: Vec<String> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let text = cluster.driver.scrape().await.unwrap();
         max_pending = max_pending.max(gauge_sum(&text, "provisioning_operations_in_flight"));
+        max_waiting = max_waiting.max(gauge_sum(&text, "provisioning_admission_waiting_nodes"));
         if notes.is_empty() {
             for run in runs {
                 for i in 0..8 {
@@ -191,7 +193,8 @@ async fn the_drivers_admission_limit_holds_across_runs_and_returned_room_wakes_t
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    eprintln!("max pending {max_pending}, notes {notes:?}");
+    eprintln!("max pending {max_pending}, max waiting {max_waiting}, notes {notes:?}");
+    assert!(max_waiting > 0.0, "the waiting nodes' gauge never moved");
     assert!(max_pending <= LIMIT, "{max_pending} operations pending, limit {LIMIT}");
     assert!(max_pending >= 1.0, "no operation was ever seen pending");
     assert!(

@@ -1078,6 +1078,7 @@ const DRIVER_FAMILIES: &[&str] = &[
     "provisioning_stale_decisions_total",
     "provisioning_operations_dispatched_total",
     "provisioning_operations_in_flight",
+    "provisioning_admission_waiting_nodes",
     "provisioning_operation_duration_seconds",
     "provisioning_folds_total",
     "provisioning_stale_results_discarded_total",
