@@ -445,7 +445,9 @@ impl RunActor {
             self.settle_admission();
         }
         self.shared.admission.forget(self.run.uid());
-        self.shared.actors.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        self.shared
+            .actors
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// States what the run holds against the admission limit: its pending
@@ -1690,7 +1692,11 @@ impl RunActor {
         let status = self.status(false, self.now());
         self.status.send_replace(Arc::new(status));
         let took = self.monotonic().saturating_since(now);
-        let actors = self.shared.actors.load(std::sync::atomic::Ordering::Relaxed).max(1);
+        let actors = self
+            .shared
+            .actors
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .max(1);
         let factor = PUBLISH_COST_FACTOR.saturating_mul(u32::try_from(actors).unwrap_or(u32::MAX));
         self.publish_every = PUBLISH_EVERY.max(took.saturating_mul(factor));
     }

@@ -76,7 +76,9 @@ impl Admission {
     fn books(&self) -> std::sync::MutexGuard<'_, Books> {
         // The books are absolute figures each run restates: a panic while
         // they were held leaves them consistent enough to go on with.
-        self.books.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.books
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Room for `run`'s next pass, which holds `holding` operations now and

@@ -195,7 +195,10 @@ async fn the_drivers_admission_limit_holds_across_runs_and_returned_room_wakes_t
     }
     eprintln!("max pending {max_pending}, max waiting {max_waiting}, notes {notes:?}");
     assert!(max_waiting > 0.0, "the waiting nodes' gauge never moved");
-    assert!(max_pending <= LIMIT, "{max_pending} operations pending, limit {LIMIT}");
+    assert!(
+        max_pending <= LIMIT,
+        "{max_pending} operations pending, limit {LIMIT}"
+    );
     assert!(max_pending >= 1.0, "no operation was ever seen pending");
     assert!(
         notes.iter().any(|n| n.contains("of 2 operations in flight")),

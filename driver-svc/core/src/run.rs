@@ -3299,7 +3299,11 @@ mod tests {
         // Nothing is recorded for a held node: no operation, none stored.
         assert!(run.node(&node("workers-2")).unwrap().pending.is_none());
         let stored = store.load_all().unwrap();
-        let stored_pending = stored[0].nodes.iter().filter(|n| n.node.pending.is_some()).count();
+        let stored_pending = stored[0]
+            .nodes
+            .iter()
+            .filter(|n| n.node.pending.is_some())
+            .count();
         assert_eq!(stored_pending, 2);
 
         // No room: the held nodes do not ask for a pass.
@@ -3311,7 +3315,10 @@ mod tests {
         assert!(run.needs_pass(T0));
         let plan = run.begin_pass(T0).unwrap();
         assert_eq!(
-            plan.nodes.iter().map(|(id, _)| id.to_string()).collect::<Vec<_>>(),
+            plan.nodes
+                .iter()
+                .map(|(id, _)| id.to_string())
+                .collect::<Vec<_>>(),
             vec!["workers-2".to_owned()],
             "a pass costs its room, not the backlog"
         );

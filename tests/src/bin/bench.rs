@@ -113,7 +113,10 @@ impl Table {
 const NOW: UnixMillis = UnixMillis::new(1_800_000_000_000);
 
 fn shape(n: u64) -> ClusterShape {
-    named_shape(RunId::parse("run_id", "bench").unwrap_or_else(|_| unreachable!()), n)
+    named_shape(
+        RunId::parse("run_id", "bench").unwrap_or_else(|_| unreachable!()),
+        n,
+    )
 }
 
 /// The bench's shape of `n` nodes in four groups, as run `run_id`.
@@ -758,7 +761,11 @@ async fn all_converged(
 ) -> anyhow::Result<u64> {
     let deadline = Instant::now() + timeout;
     loop {
-        let listed = c.list_runs(pb::ListRunsRequest::default()).await?.into_inner().runs;
+        let listed = c
+            .list_runs(pb::ListRunsRequest::default())
+            .await?
+            .into_inner()
+            .runs;
         let converged: Vec<&pb::RunStatus> = listed
             .iter()
             .filter(|s| s.converged && runs.contains(&s.run_id))
@@ -881,17 +888,32 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
 /// and CPU rows of `e2e`. Against the one run of `n` nodes it shows what a
 /// run costs beside its nodes.
 async fn bench_runs(t: &mut Table, n: u64, runs: u64) -> anyhow::Result<()> {
-    anyhow::ensure!(runs > 0 && n >= runs, "--runs {runs} needs at least one node a run at size {n}");
+    anyhow::ensure!(
+        runs > 0 && n >= runs,
+        "--runs {runs} needs at least one node a run at size {n}"
+    );
     let per_run = n / runs;
     let shapes = || -> anyhow::Result<Vec<ClusterShape>> {
         (0..runs)
-            .map(|i| Ok(named_shape(RunId::parse("run_id", &format!("bench-{i:03}"))?, per_run)))
+            .map(|i| {
+                Ok(named_shape(
+                    RunId::parse("run_id", &format!("bench-{i:03}"))?,
+                    per_run,
+                ))
+            })
             .collect()
     };
     let size = per_run * runs;
     let what = format!("{runs}x{per_run}");
     let (local, local_passes) = in_process_runs(shapes()?)?;
-    t.add("runs", size, &format!("{what} in-process"), local.as_secs_f64(), "s", String::new());
+    t.add(
+        "runs",
+        size,
+        &format!("{what} in-process"),
+        local.as_secs_f64(),
+        "s",
+        String::new(),
+    );
     for durable in [false, true] {
         let store = if durable { "redb store" } else { "memory store" };
         let run = three_processes_runs(shapes()?, durable).await?;
