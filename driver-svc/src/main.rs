@@ -300,6 +300,8 @@ async fn serve_until_stopped() -> anyhow::Result<()> {
             Box::new(store)
         }
     };
+    // Every family at zero before anyone is told the driver is ready.
+    driver_svc::server::declare_metrics();
     let listener =
         runtime::bind_and_announce("driver-svc", cli.common.listen, cli.common.ready_file.as_deref())
             .await

@@ -97,6 +97,15 @@ pub enum ServerError {
 }
 
 /// Serves the driver on `listener` until `shutdown` resolves.
+/// Registers every metric family the driver exports, each known series at
+/// zero, in the process's registry. `main` calls it before it announces
+/// that it is ready, so that a scrape right after sees them all; `run`
+/// registers them again as it builds what counts (idempotent).
+pub fn declare_metrics() {
+    let _ = crate::metrics::Metrics::default();
+    let _ = crate::auth::refusals();
+}
+
 pub async fn run(
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
