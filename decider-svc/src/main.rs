@@ -9,12 +9,12 @@ use platform::{
     tls::{PeerArgs, PeerPolicy},
 };
 
-/// The provisioning decider: a stateless gRPC service that answers the driver.
 /// jemalloc rather than glibc's malloc: see docs/profile-notes.md, "The
 /// allocator".
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// The provisioning decider: a stateless gRPC service that answers the driver.
 #[derive(Debug, Parser)]
 #[command(name = "decider-svc", version, about)]
 struct Cli {

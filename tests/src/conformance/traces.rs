@@ -195,19 +195,8 @@ fn node_id(s: &str) -> anyhow::Result<LogicalNodeId> {
 }
 
 fn discard(name: &str) -> anyhow::Result<Discard> {
-    const ALL: [Discard; 10] = [
-        Discard::OtherRun,
-        Discard::UnknownNode,
-        Discard::SupersededAttempt,
-        Discard::UnknownOperation,
-        Discard::EffectMismatch,
-        Discard::Late,
-        Discard::StaleSession,
-        Discard::Duplicate,
-        Discard::Gap,
-        Discard::SessionNotYetKnown,
-    ];
-    ALL.into_iter()
+    Discard::ALL
+        .into_iter()
         .find(|d| d.name() == name)
         .ok_or_else(|| anyhow::anyhow!("unknown discard reason {name:?}"))
 }
