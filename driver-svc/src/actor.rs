@@ -1544,12 +1544,13 @@ impl RunActor {
             return;
         }
         let now = self.now_following_steps();
-        // Room for what the pass may dispatch, held until it is applied.
-        let demand = self.run.dispatch_demand(now);
-        let room = self
-            .shared
-            .admission
-            .reserve(self.run.uid(), self.run.pending_operations(), demand);
+        // Room for what the pass may dispatch, held until it is applied
+        // (the demand is counted only under a limit).
+        let admission = &self.shared.admission;
+        let room = admission.limit().and_then(|_| {
+            let demand = self.run.dispatch_demand(now);
+            admission.reserve(self.run.uid(), self.run.pending_operations(), demand)
+        });
         self.run.set_dispatch_room(room);
         if !self.run.needs_pass(now) {
             // Nothing is dirty or due after all: the run leaves the queue.

@@ -19,10 +19,7 @@
 //! even share of the limit; alone, it may take all of it. When room comes
 //! back and some run waits, the waiting runs are woken ([`Admission::freed`]).
 
-use std::{
-    collections::{HashMap, HashSet},
-    sync::Mutex,
-};
+use std::{collections::HashMap, sync::Mutex};
 
 use contract::RunUid;
 use tokio::sync::watch;
@@ -38,10 +35,9 @@ pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: usize = 10_000;
 struct Books {
     holding: HashMap<RunUid, usize>,
     total: usize,
-    /// Runs with nodes held for room.
-    waiting: HashSet<RunUid>,
-    /// How many nodes each run holds for room, as it last said.
-    held_nodes: HashMap<RunUid, usize>,
+    /// Runs waiting for room, with how many nodes each holds for it as it
+    /// last said (0: refused room, and not settled since).
+    waiting: HashMap<RunUid, usize>,
 }
 
 impl Books {
@@ -89,7 +85,7 @@ impl Admission {
         let mut books = self.books();
         books.set(run, holding);
         let free = limit.saturating_sub(books.total);
-        let others = books.waiting.iter().filter(|r| **r != run).count();
+        let others = books.waiting.keys().filter(|r| **r != run).count();
         // With others waiting, an even share among them and this run.
         let share = if others > 0 {
             (limit / (others + 1)).max(1).saturating_sub(holding)
@@ -102,7 +98,7 @@ impl Admission {
         // lock: room given back after this moment wakes it, and room given
         // back before it was free for this reservation to take.
         if granted < want {
-            books.waiting.insert(run);
+            books.waiting.entry(run).or_insert(0);
         }
         Some(granted)
     }
@@ -115,18 +111,12 @@ impl Admission {
         }
         let mut books = self.books();
         let before = books.set(run, holding);
-        let waiting = held_nodes > 0;
-        if waiting {
-            books.held_nodes.insert(run, held_nodes);
-        } else {
-            books.held_nodes.remove(&run);
-        }
-        if waiting {
-            books.waiting.insert(run);
+        if held_nodes > 0 {
+            books.waiting.insert(run, held_nodes);
         } else {
             books.waiting.remove(&run);
         }
-        let others_wait = books.waiting.iter().any(|r| *r != run);
+        let others_wait = books.waiting.keys().any(|r| *r != run);
         drop(books);
         if holding < before && others_wait {
             self.freed.send_modify(|n| *n = n.wrapping_add(1));
@@ -142,7 +132,6 @@ impl Admission {
         let before = books.set(run, 0);
         books.holding.remove(&run);
         books.waiting.remove(&run);
-        books.held_nodes.remove(&run);
         let wake = before > 0 && !books.waiting.is_empty();
         drop(books);
         if wake {
@@ -162,7 +151,7 @@ impl Admission {
 
     /// Nodes waiting for room, all runs together.
     pub fn held_nodes(&self) -> usize {
-        self.books().held_nodes.values().sum()
+        self.books().waiting.values().sum()
     }
 }
 
