@@ -1,19 +1,33 @@
 //! Calling a remote decider: what the driver uses in place of an in-process
 //! [`decider::decide`].
 //!
-//! [`encode_request`] is pure, so the driver can build the messages while it
-//! holds its state and send them after letting go; [`decide`] streams them and
+//! [`encode_call`] is pure, so the driver can build a pass's call while it
+//! holds its state and send it after letting go; [`decide_call`] streams it and
 //! collects the answer. Every message is bounded in size whatever the run's
 //! size: node batches by count and by encoded bytes, slot batches by count, and
 //! templates travel once, in the header's table.
+//!
+//! The run's slots go last, as ranges to a decider whose response headers say
+//! it reads them ([`SLOT_RANGES_HEADER`]) and as indices otherwise, so a pass
+//! over a run without gaps sends a few numbers for its slots, not one per node,
+//! and a decider that predates ranges still gets a call it reads.
+//! [`encode_request`] and [`decide`] are the fixed form (indices, sent as
+//! built), for tools and tests that look at the messages themselves.
 
 use contract::{
     ClusterShape, DecideOutput, FieldError, GroupCounts, GroupId, GroupInterner, ManagedNode, Problem,
     TraceContext, UnixMillis,
     pb::{self, decide_request::Part, decider_client::DeciderClient},
-    wire::{TemplateTable, decision_from_wire, node_to_wire, shape_to_wire_with_table, trace_to_wire},
+    wire::{
+        TemplateTable, decision_from_wire, node_to_wire, shape_to_wire_with_table, slot_ranges_to_wire,
+        trace_to_wire,
+    },
 };
-use decider::SlotSet;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::server::SLOT_RANGES_HEADER;
+use decider::{SlotRange, SlotSet};
 use prost::Message as _;
 use tonic::{
     Code, Status,
@@ -28,8 +42,85 @@ pub const NODE_BATCH: usize = 1024;
 /// pass the decider's 4 MiB decoding limit.
 pub const NODE_BATCH_BYTES: usize = 1 << 20;
 
-/// The most slot indices in one `SlotBatch` (at most 5 bytes each, packed).
+/// The most slot indices in one `SlotBatch`, and the most bounds in one
+/// `SlotRanges` (at most 5 bytes each, packed).
 pub const SLOT_BATCH: usize = 65_536;
+
+/// How a call sends the run's slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotEncoding {
+    /// `SlotBatch` indices, one per slot: what every decider reads.
+    Indices,
+    /// `SlotRanges` for a group whose ranges take fewer numbers than its
+    /// indices, indices for the others: only for a decider that reads ranges.
+    Ranges,
+}
+
+/// One pass's `Decide` call: the header and node batches encoded, the slots
+/// kept until the decider has said which form it reads.
+#[derive(Debug, Clone)]
+pub struct DecideCall {
+    head: Vec<pb::DecideRequest>,
+    slots: SlotSet,
+    trace: Option<pb::TraceContext>,
+}
+
+impl DecideCall {
+    /// The whole request stream, with the slots in `encoding`.
+    pub fn into_messages(self, encoding: SlotEncoding) -> Vec<pb::DecideRequest> {
+        let mut messages = self.head;
+        messages.extend(slot_messages(&self.slots, encoding, &self.trace));
+        messages.push(message(&self.trace, Part::End(pb::DecideEnd {})));
+        messages
+    }
+}
+
+fn message(trace: &Option<pb::TraceContext>, part: Part) -> pb::DecideRequest {
+    pb::DecideRequest {
+        part: Some(part),
+        trace: trace.clone(),
+    }
+}
+
+/// The slot messages of a call: groups in id order, each cut into batches of
+/// at most [`SLOT_BATCH`] numbers.
+fn slot_messages(
+    slots: &SlotSet,
+    encoding: SlotEncoding,
+    trace: &Option<pb::TraceContext>,
+) -> Vec<pb::DecideRequest> {
+    let mut groups: Vec<_> = slots.iter_groups().collect();
+    groups.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let mut out = Vec::new();
+    for (group, ranges) in groups {
+        let held: usize = ranges.iter().map(|r| (r.end - r.start) as usize).sum();
+        if encoding == SlotEncoding::Ranges && 2 * ranges.len() < held {
+            for chunk in ranges.chunks(SLOT_BATCH / 2) {
+                out.push(message(
+                    trace,
+                    Part::SlotRanges(pb::SlotRanges {
+                        group_id: group.as_str().to_owned(),
+                        bounds: slot_ranges_to_wire(
+                            chunk.iter().map(|&SlotRange { start, end }| (start, end)),
+                        ),
+                    }),
+                ));
+            }
+        } else {
+            let indices: Vec<u32> = ranges.iter().flat_map(|r| r.start..r.end).collect();
+            for chunk in indices.chunks(SLOT_BATCH) {
+                out.push(message(
+                    trace,
+                    Part::Slots(pb::SlotBatch {
+                        group_id: group.as_str().to_owned(),
+                        indices: chunk.to_vec(),
+                    }),
+                ));
+            }
+        }
+    }
+    out
+}
 
 /// Why a remote decide failed.
 #[derive(Debug, thiserror::Error)]
@@ -102,11 +193,25 @@ pub fn encode_request_with_counts<'a>(
     now: UnixMillis,
     trace: &TraceContext,
 ) -> Vec<pb::DecideRequest> {
+    encode_call(shape, deleting, nodes, slots.clone(), counts, now, trace)
+        .into_messages(SlotEncoding::Indices)
+}
+
+/// A pass's call for [`decide_call`]: the header (with each group's day-2
+/// counts over the whole run, [`GroupCounts`], which the remediation budget
+/// needs when `nodes` is only part of the run) and the node batches encoded,
+/// and `slots`, every slot the run has (finished), kept for the decider's
+/// answer on ranges.
+pub fn encode_call<'a>(
+    shape: &ClusterShape,
+    deleting: bool,
+    nodes: impl IntoIterator<Item = &'a ManagedNode>,
+    slots: SlotSet,
+    counts: &[(GroupId, GroupCounts)],
+    now: UnixMillis,
+    trace: &TraceContext,
+) -> DecideCall {
     let trace = trace_to_wire(trace);
-    let message = |part: Part| pb::DecideRequest {
-        part: Some(part),
-        trace: trace.clone(),
-    };
 
     // The shape is interned first so that its templates get the first indices;
     // the header itself is built last, once the nodes have added theirs.
@@ -121,55 +226,109 @@ pub fn encode_request_with_counts<'a>(
         // Tag and length prefix of the repeated field: 8 bytes covers any length.
         let len = wire.encoded_len() + 8;
         if !batch.is_empty() && (batch.len() >= NODE_BATCH || bytes + len > NODE_BATCH_BYTES) {
-            body.push(message(Part::Nodes(pb::NodeBatch {
-                nodes: std::mem::take(&mut batch),
-            })));
+            body.push(message(
+                &trace,
+                Part::Nodes(pb::NodeBatch {
+                    nodes: std::mem::take(&mut batch),
+                }),
+            ));
             bytes = 0;
         }
         batch.push(wire);
         bytes += len;
     }
     if !batch.is_empty() {
-        body.push(message(Part::Nodes(pb::NodeBatch { nodes: batch })));
+        body.push(message(&trace, Part::Nodes(pb::NodeBatch { nodes: batch })));
     }
 
-    let mut groups: Vec<_> = slots.iter_groups().collect();
-    groups.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    for (group, indices) in groups {
-        for chunk in indices.chunks(SLOT_BATCH) {
-            body.push(message(Part::Slots(pb::SlotBatch {
-                group_id: group.as_str().to_owned(),
-                indices: chunk.to_vec(),
-            })));
-        }
-    }
-    body.push(message(Part::End(pb::DecideEnd {})));
+    let header = message(
+        &trace,
+        Part::Header(pb::DecideHeader {
+            desired: Some(desired),
+            now_ms: now.as_millis(),
+            templates: table.into_wire(),
+            group_template_refs,
+            deleting,
+            group_counts: counts
+                .iter()
+                .filter(|(_, c)| *c != GroupCounts::default())
+                .map(|(g, c)| pb::GroupCounts {
+                    group_id: g.as_str().to_owned(),
+                    unhealthy: c.unhealthy,
+                    remediating: c.remediating,
+                    available: c.available,
+                    updated: c.updated,
+                    canary_done: c.canary_done,
+                    halted: c.halted,
+                    surging: c.surging,
+                })
+                .collect(),
+        }),
+    );
+    let mut head = Vec::with_capacity(body.len() + 1);
+    head.push(header);
+    head.extend(body);
+    DecideCall { head, slots, trace }
+}
 
-    let header = message(Part::Header(pb::DecideHeader {
-        desired: Some(desired),
-        now_ms: now.as_millis(),
-        templates: table.into_wire(),
-        group_template_refs,
-        deleting,
-        group_counts: counts
-            .iter()
-            .filter(|(_, c)| *c != GroupCounts::default())
-            .map(|(g, c)| pb::GroupCounts {
-                group_id: g.as_str().to_owned(),
-                unhealthy: c.unhealthy,
-                remediating: c.remediating,
-                available: c.available,
-                updated: c.updated,
-                canary_done: c.canary_done,
-                halted: c.halted,
-                surging: c.surging,
-            })
-            .collect(),
-    }));
-    let mut messages = Vec::with_capacity(body.len() + 1);
-    messages.push(header);
-    messages.extend(body);
-    messages
+/// Sends a pass's call to the decider and collects its answer, as [`decide`]
+/// does. The header and node batches go at once; the slots go once the
+/// decider's response headers have arrived, as ranges if they carry
+/// [`SLOT_RANGES_HEADER`] and as indices otherwise. A run with at most
+/// [`SLOT_BATCH`] slots sends them as indices at once: waiting for the
+/// headers costs a round trip that ranges would not win back. Returns the
+/// form used with the answer.
+pub async fn decide_call<T>(
+    client: &mut DeciderClient<T>,
+    call: DecideCall,
+) -> Result<(DecideOutput, SlotEncoding), DecideError>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<StdError>,
+    T::ResponseBody: Body<Data = Bytes> + Send + 'static,
+    <T::ResponseBody as Body>::Error: Into<StdError> + Send,
+{
+    if call.slots.len() <= SLOT_BATCH {
+        let out = decide(client, call.into_messages(SlotEncoding::Indices)).await?;
+        return Ok((out, SlotEncoding::Indices));
+    }
+    let DecideCall { head, slots, trace } = call;
+    let nodes_sent = nodes_in(&head);
+    let (tx, rx) = mpsc::unbounded_channel();
+    for m in head {
+        // The receiver is the request stream below, alive until the call ends.
+        let _ = tx.send(m);
+    }
+    let response = client
+        .decide(UnboundedReceiverStream::new(rx))
+        .await
+        .map_err(DecideError::from_status)?;
+    let encoding = if response
+        .metadata()
+        .get(SLOT_RANGES_HEADER)
+        .is_some_and(|v| v.as_bytes() == b"1")
+    {
+        SlotEncoding::Ranges
+    } else {
+        SlotEncoding::Indices
+    };
+    for m in slot_messages(&slots, encoding, &trace) {
+        let _ = tx.send(m);
+    }
+    let _ = tx.send(message(&trace, Part::End(pb::DecideEnd {})));
+    drop(tx);
+    let out = collect(response.into_inner(), nodes_sent).await?;
+    Ok((out, encoding))
+}
+
+fn nodes_in(requests: &[pb::DecideRequest]) -> usize {
+    requests
+        .iter()
+        .map(|r| match &r.part {
+            Some(Part::Nodes(b)) => b.nodes.len(),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Sends `requests` (from [`encode_request`]) to the decider and collects its
@@ -192,18 +351,21 @@ where
     T::ResponseBody: Body<Data = Bytes> + Send + 'static,
     <T::ResponseBody as Body>::Error: Into<StdError> + Send,
 {
-    let nodes_sent: usize = requests
-        .iter()
-        .map(|r| match &r.part {
-            Some(Part::Nodes(b)) => b.nodes.len(),
-            _ => 0,
-        })
-        .sum();
-    let mut responses = client
+    let nodes_sent = nodes_in(&requests);
+    let responses = client
         .decide(tokio_stream::iter(requests))
         .await
         .map_err(DecideError::from_status)?
         .into_inner();
+    collect(responses, nodes_sent).await
+}
+
+/// Reads a call's answer: the decisions in the order they arrive, checked
+/// against the summary and the nodes sent.
+async fn collect(
+    mut responses: tonic::Streaming<pb::DecideResponse>,
+    nodes_sent: usize,
+) -> Result<DecideOutput, DecideError> {
     let mut out = DecideOutput::default();
     // The decisions' node ids share one group id per group.
     let mut groups = GroupInterner::default();

@@ -10,9 +10,10 @@
 //! default 4 MiB message limit in both directions. [`server::run`] serves it with
 //! standard health checking and reflection.
 //!
-//! [`client`] is the other end: [`client::encode_request`] turns the driver's
-//! domain values into the request messages, and [`client::decide`] streams them
-//! and collects the answer into a [`contract::DecideOutput`] equal to what
+//! [`client`] is the other end: [`client::encode_call`] turns the driver's
+//! domain values into a call, and [`client::decide_call`] streams it (the
+//! slots as ranges when the decider's response headers say it reads them) and
+//! collects the answer into a [`contract::DecideOutput`] equal to what
 //! [`decider::decide`] returns in-process for the same input.
 
 #![forbid(unsafe_code)]
@@ -20,5 +21,8 @@
 pub mod client;
 pub mod server;
 
-pub use client::{DecideError, decide, encode_request, encode_request_with_counts};
-pub use server::{CallError, Config, DeciderService, run, serve};
+pub use client::{
+    DecideCall, DecideError, SlotEncoding, decide, decide_call, encode_call, encode_request,
+    encode_request_with_counts,
+};
+pub use server::{CallError, Config, DeciderService, SLOT_RANGES_HEADER, run, serve};

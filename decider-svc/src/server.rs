@@ -5,8 +5,9 @@
 //! back instead of letting decisions pile up, so a call's memory is one node
 //! batch, one decision batch and the slot set, whatever the run's size.
 //!
-//! The protocol, in order: exactly one `header` first; then `nodes` and `slots`
-//! batches in any order; then `end`. Each node is decided as soon as it is
+//! The protocol, in order: exactly one `header` first; then `nodes`, `slots`
+//! and `slot_ranges` batches in any order; then `end`. Every response carries
+//! [`SLOT_RANGES_HEADER`], so a driver knows this decider reads ranges. Each node is decided as soon as it is
 //! decoded; `end` releases the inserts (which need every slot) and the summary,
 //! after which the response stream ends. Any deviation fails the call with
 //! `INVALID_ARGUMENT` naming the field, and a call over the configured size with
@@ -21,7 +22,7 @@ use contract::{
         decide_request::Part,
         decider_server::{Decider, DeciderServer},
     },
-    wire::{TemplateTable, node_from_wire_interned, shape_from_wire_with_table},
+    wire::{self, TemplateTable, node_from_wire_interned, shape_from_wire_with_table},
 };
 use decider::{Budgets, DesiredView, SlotSet};
 use platform::{
@@ -43,6 +44,11 @@ pub const MAX_BATCH: usize = 2048;
 /// long reasons (a permanent failure quotes the provider's message) cannot push
 /// a batch of [`MAX_BATCH`] decisions past the client's 4 MiB decoding limit.
 pub const MAX_BATCH_BYTES: usize = 1 << 20;
+
+/// The response header by which a decider says it reads `slot_ranges` (value
+/// `1`). A driver sends ranges only to a decider that said so in the same
+/// call; one that predates ranges would refuse the unknown part.
+pub const SLOT_RANGES_HEADER: &str = "provisioning-decide-slot-ranges";
 
 /// The default for [`Config::max_nodes`].
 pub const DEFAULT_MAX_NODES: u32 = 1_000_000;
@@ -77,10 +83,11 @@ pub enum CallError {
     NoHeader { got: &'static str },
     #[error("`header` was sent twice; a call carries exactly one")]
     SecondHeader,
-    #[error("`part` is required: each message is a `header`, `nodes`, `slots` or `end`")]
+    #[error("`part` is required: each message is a `header`, `nodes`, `slots`, `slot_ranges` or `end`")]
     NoPart,
     /// A field failed to decode; the error names its path in the call
-    /// (`header.desired.groups[0].id`, `nodes[3].node_id`, `slots.group_id`).
+    /// (`header.desired.groups[0].id`, `nodes[3].node_id`, `slots.group_id`,
+    /// `slot_ranges.bounds[3]`).
     #[error(transparent)]
     Field(#[from] FieldError),
     #[error("the request stream ended before `end`")]
@@ -223,7 +230,12 @@ impl Decider for DeciderService {
             }
             .instrument(span),
         );
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let mut response = Response::new(ReceiverStream::new(rx));
+        response.metadata_mut().insert(
+            SLOT_RANGES_HEADER,
+            tonic::metadata::MetadataValue::from_static("1"),
+        );
+        Ok(response)
     }
 }
 
@@ -297,6 +309,7 @@ fn part_name(part: Option<&Part>) -> &'static str {
         Some(Part::Header(_)) => "`header`",
         Some(Part::Nodes(_)) => "`nodes`",
         Some(Part::Slots(_)) => "`slots`",
+        Some(Part::SlotRanges(_)) => "`slot_ranges`",
         Some(Part::End(_)) => "`end`",
     }
 }
@@ -426,6 +439,21 @@ async fn serve_call(
                 slot_count = within_limit("slot indices", slot_count, batch.indices.len(), config.max_nodes)?;
                 for index in batch.indices {
                     slots.insert_index(&group, index);
+                }
+            }
+            Some(Part::SlotRanges(batch)) => {
+                let group = groups.group("slot_ranges.group_id", &batch.group_id)?;
+                let ranges =
+                    wire::slot_ranges_from_wire(&batch.bounds).map_err(|e| e.within("slot_ranges"))?;
+                // Each range counts as the slots it covers, as indices would.
+                for (start, end) in ranges {
+                    slot_count = within_limit(
+                        "slot indices",
+                        slot_count,
+                        (end - start) as usize,
+                        config.max_nodes,
+                    )?;
+                    slots.insert_range(&group, start, end);
                 }
             }
             Some(Part::End(_)) => break,

@@ -1414,6 +1414,8 @@ impl RunActor {
     /// operation it caused, in whichever pass). At most three links.
     fn dispatch(&mut self, op: Operation, now: UnixMillis, pass: Option<&telemetry::Cause>) {
         let effect = op.input.effect();
+        // Named `telemetry::UNLOGGED_SPAN`: never entered, so the log layer
+        // leaves it alone.
         let span = platform::operation_span!(
             parent: None,
             "operation",
@@ -1570,18 +1572,17 @@ impl RunActor {
         self.unwant(true);
         let speculative = std::mem::take(&mut self.speculative);
         let span = self.new_pass_span(&plan, speculative);
-        let requests = {
-            let slots = self.run.slot_set();
-            decider_svc::client::encode_request_with_counts(
-                self.run.shape(),
-                self.run.is_deleting(),
-                self.run.plan_nodes(&plan),
-                slots,
-                &self.run.group_counts(),
-                now,
-                &telemetry::context_of(&span),
-            )
-        };
+        // The slot set is kept as ranges, so a run without gaps copies a
+        // few numbers here whatever its size.
+        let call = decider_svc::client::encode_call(
+            self.run.shape(),
+            self.run.is_deleting(),
+            self.run.plan_nodes(&plan),
+            self.run.slot_set().clone(),
+            &self.run.group_counts(),
+            now,
+            &telemetry::context_of(&span),
+        );
         self.pass_in_flight = true;
         self.reserved = room.unwrap_or(0);
         self.pass_started = Some(self.monotonic());
@@ -1593,7 +1594,9 @@ impl RunActor {
         // its client span a child of the pass.
         tokio::spawn(
             async move {
-                let result = decider_svc::client::decide(&mut client, requests).await;
+                let result = decider_svc::client::decide_call(&mut client, call)
+                    .await
+                    .map(|(out, _)| out);
                 let _ = tx.send(RunEvent::Decided { plan, result });
             }
             .instrument(span),

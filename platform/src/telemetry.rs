@@ -42,7 +42,11 @@ use opentelemetry_sdk::{
     trace::{IdGenerator as _, RandomIdGenerator, SdkTracerProvider},
 };
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-use tracing_subscriber::{EnvFilter, Layer as _, filter::filter_fn, layer::SubscriberExt as _};
+use tracing_subscriber::{
+    EnvFilter, Layer as _,
+    filter::{FilterExt as _, filter_fn},
+    layer::SubscriberExt as _,
+};
 
 use contract::ops::TraceContext;
 
@@ -64,6 +68,19 @@ fn exported_target(target: &str) -> bool {
             .strip_prefix(t)
             .is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
     })
+}
+
+/// The name of spans that no log line is written in: the driver's span of an
+/// operation ([`operation_span!`] named `operation`) lives from dispatch to
+/// fold and is never entered, so the log layer, which formats a span's fields
+/// into a string when the span is made, would do so for nothing, once per
+/// operation. The log layer does not see these spans; exported spans are not
+/// affected, and with no exporter the span is not built at all.
+pub const UNLOGGED_SPAN: &str = "operation";
+
+/// Whether the log layer sees this span or event.
+fn logged(meta: &tracing::Metadata<'_>) -> bool {
+    !(meta.is_span() && meta.name() == UNLOGGED_SPAN)
 }
 
 /// What [`init`] needs.
@@ -262,7 +279,9 @@ pub fn init(config: &TelemetryConfig<'_>) -> Result<Telemetry, TelemetryError> {
         (exporting_to.is_some() || unusable.is_some()).then(|| builder.build())
     };
 
-    let log_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let log_filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info"))
+        .and(filter_fn(logged));
     let log_layer = if config.log_json {
         json::layer().with_filter(log_filter).boxed()
     } else {
@@ -526,6 +545,16 @@ macro_rules! operation_span {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_log_layer_skips_only_the_unentered_operation_span() {
+        tracing::subscriber::with_default(tracing_subscriber::registry(), || {
+            let meta = |s: tracing::Span| s.metadata().map(logged);
+            assert_eq!(meta(tracing::info_span!("operation")), Some(false));
+            assert_eq!(meta(tracing::info_span!("execute")), Some(true));
+            assert_eq!(meta(tracing::info_span!("fold")), Some(true));
+        });
+    }
 
     #[test]
     fn exported_targets_are_the_workspace_crates_and_their_modules() {

@@ -1201,6 +1201,29 @@ pub fn trace_from_wire(t: Option<pb::TraceContext>) -> TraceContext {
     t.map(TraceContext::from).unwrap_or_default()
 }
 
+/// A `SlotRanges.bounds` field: `start, end` pairs, each half-open range
+/// non-empty. The error names the offending bound (`bounds[3]`).
+pub fn slot_ranges_from_wire(bounds: &[u32]) -> Result<impl Iterator<Item = (u32, u32)> + '_, FieldError> {
+    if !bounds.len().is_multiple_of(2) {
+        return Err(FieldError::new(
+            format!("bounds[{}]", bounds.len() - 1),
+            Problem::Malformed("bounds come in `start, end` pairs; the last has no end"),
+        ));
+    }
+    if let Some(i) = bounds.chunks_exact(2).position(|p| p[0] >= p[1]) {
+        return Err(FieldError::new(
+            format!("bounds[{}]", 2 * i + 1),
+            Problem::Malformed("a range's end must be greater than its start"),
+        ));
+    }
+    Ok(bounds.chunks_exact(2).map(|p| (p[0], p[1])))
+}
+
+/// `ranges` as a `SlotRanges.bounds` field.
+pub fn slot_ranges_to_wire(ranges: impl IntoIterator<Item = (u32, u32)>) -> Vec<u32> {
+    ranges.into_iter().flat_map(|(start, end)| [start, end]).collect()
+}
+
 /// A `trace` field; the empty context is sent as absent.
 pub fn trace_to_wire(t: &TraceContext) -> Option<pb::TraceContext> {
     (!t.traceparent.is_empty() || !t.tracestate.is_empty()).then(|| pb::TraceContext::from(t))

@@ -305,8 +305,8 @@ fn nodes(shape: &ClusterShape) -> anyhow::Result<Vec<ManagedNode>> {
 }
 
 /// A `Decide` call for `shape` over `nodes`: header (templates by table), the
-/// nodes, their slots, `end`.
-fn decide_seed(shape: &ClusterShape, nodes: &[ManagedNode], deleting: bool) -> Vec<u8> {
+/// nodes, their slots (as indices, or as one range per slot), `end`.
+fn decide_seed(shape: &ClusterShape, nodes: &[ManagedNode], deleting: bool, ranges: bool) -> Vec<u8> {
     let mut table = TemplateTable::default();
     let (desired, group_template_refs) = shape_to_wire_with_table(shape, &mut table);
     let wire_nodes: Vec<pb::NodeState> = nodes.iter().map(|n| node_to_wire(n, &mut table)).collect();
@@ -329,10 +329,17 @@ fn decide_seed(shape: &ClusterShape, nodes: &[ManagedNode], deleting: bool) -> V
     }))];
     requests.push(part(Part::Nodes(pb::NodeBatch { nodes: wire_nodes })));
     for (group, indices) in slots {
-        requests.push(part(Part::Slots(pb::SlotBatch {
-            group_id: group.to_owned(),
-            indices,
-        })));
+        requests.push(part(if ranges {
+            Part::SlotRanges(pb::SlotRanges {
+                group_id: group.to_owned(),
+                bounds: indices.iter().flat_map(|&i| [i, i + 1]).collect(),
+            })
+        } else {
+            Part::Slots(pb::SlotBatch {
+                group_id: group.to_owned(),
+                indices,
+            })
+        }));
     }
     requests.push(part(Part::End(pb::DecideEnd {})));
     fuzzing::decide_input(&requests)
@@ -636,12 +643,17 @@ fn seeds() -> anyhow::Result<Vec<(&'static str, String, Vec<u8>)>> {
     out.push((
         "decide_call",
         "demo".to_owned(),
-        decide_seed(&demo, &demo_nodes, false),
+        decide_seed(&demo, &demo_nodes, false, false),
+    ));
+    out.push((
+        "decide_call",
+        "demo-ranges".to_owned(),
+        decide_seed(&demo, &demo_nodes, false, true),
     ));
     out.push((
         "decide_call",
         "demo-deleting".to_owned(),
-        decide_seed(&demo, &demo_nodes, true),
+        decide_seed(&demo, &demo_nodes, true, false),
     ));
     // Templates inline rather than by table, and no nodes yet: all inserts.
     use pb::decide_request::Part;

@@ -96,10 +96,21 @@ impl<'a> DesiredView<'a> {
 
 /// The slots a run holds, decided this pass or not, so that the decider can
 /// see which desired slots have no node.
+///
+/// Kept as ranges per group, so a run that holds its slots without gaps (the
+/// common case, whatever its size) is one range per group: the set costs what
+/// its gaps cost, not what the run holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotSet {
-    groups: HashMap<GroupId, Vec<u32>>,
+    groups: HashMap<GroupId, Vec<SlotRange>>,
     sorted: bool,
+}
+
+/// The slot indices `start..end` of one group (half-open, `start < end`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct SlotRange {
+    pub start: u32,
+    pub end: u32,
 }
 
 impl Default for SlotSet {
@@ -121,23 +132,47 @@ impl SlotSet {
     }
 
     pub fn insert_index(&mut self, group: &GroupId, index: u32) {
+        self.insert_range(group, index, index.saturating_add(1));
+    }
+
+    /// Adds the indices `start..end`; an empty range adds nothing. Ranges may
+    /// overlap and come in any order; [`SlotSet::finish`] merges them.
+    pub fn insert_range(&mut self, group: &GroupId, start: u32, end: u32) {
+        if start >= end {
+            return;
+        }
         let v = match self.groups.get_mut(group) {
             Some(v) => v,
             None => self.groups.entry(group.clone()).or_default(),
         };
-        if v.last().is_some_and(|&last| last >= index) {
-            self.sorted = false;
+        match v.last_mut() {
+            // In order and touching the last range (the common case: slots
+            // added in ascending order): extend it.
+            Some(last) if last.start <= start && start <= last.end => last.end = last.end.max(end),
+            Some(last) if last.end < start => v.push(SlotRange { start, end }),
+            Some(_) => {
+                self.sorted = false;
+                v.push(SlotRange { start, end });
+            }
+            None => v.push(SlotRange { start, end }),
         }
-        v.push(index);
     }
 
-    /// Sorts and deduplicates; lookups need it, and `insert` keeps a cheap flag
-    /// so that slots added in order (the common case) cost nothing here.
+    /// Sorts and merges the ranges; lookups need it, and the inserts keep a
+    /// cheap flag so that slots added in order (the common case) cost nothing
+    /// here.
     pub fn finish(&mut self) {
         if !self.sorted {
             for v in self.groups.values_mut() {
                 v.sort_unstable();
-                v.dedup();
+                let mut merged: Vec<SlotRange> = Vec::with_capacity(v.len());
+                for r in v.drain(..) {
+                    match merged.last_mut() {
+                        Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+                        _ => merged.push(r),
+                    }
+                }
+                *v = merged;
             }
             self.sorted = true;
         }
@@ -145,25 +180,38 @@ impl SlotSet {
 
     pub fn contains(&self, node: &LogicalNodeId) -> bool {
         debug_assert!(self.sorted, "SlotSet::finish must be called before lookups");
-        self.groups
-            .get(node.group())
-            .is_some_and(|v| v.binary_search(&node.index()).is_ok())
+        let index = node.index();
+        self.groups.get(node.group()).is_some_and(|v| {
+            let after = v.partition_point(|r| r.start <= index);
+            after > 0 && v[after - 1].end > index
+        })
     }
 
+    /// How many slots the set holds.
     pub fn len(&self) -> usize {
-        self.groups.values().map(Vec::len).sum()
+        self.groups
+            .values()
+            .flatten()
+            .map(|r| (r.end - r.start) as usize)
+            .sum()
     }
 
     pub fn is_empty(&self) -> bool {
         self.groups.values().all(Vec::is_empty)
     }
 
-    /// Indices held for one group, ascending (after `finish`).
-    pub fn indices(&self, group: &GroupId) -> &[u32] {
+    /// One group's ranges, ascending, disjoint and not touching (after
+    /// `finish`).
+    pub fn ranges(&self, group: &GroupId) -> &[SlotRange] {
         self.groups.get(group).map_or(&[], Vec::as_slice)
     }
 
-    pub fn iter_groups(&self) -> impl Iterator<Item = (&GroupId, &[u32])> {
+    /// Indices held for one group, ascending (after `finish`).
+    pub fn indices(&self, group: &GroupId) -> impl Iterator<Item = u32> + '_ {
+        self.ranges(group).iter().flat_map(|r| r.start..r.end)
+    }
+
+    pub fn iter_groups(&self) -> impl Iterator<Item = (&GroupId, &[SlotRange])> {
         self.groups.iter().map(|(g, v)| (g, v.as_slice()))
     }
 }
@@ -730,29 +778,29 @@ fn rows(desired: &DesiredView<'_>, n: &ManagedNode, now: UnixMillis) -> Decision
 }
 
 /// An `Insert` for every desired slot that the run does not hold, in group
-/// order then ascending index.
+/// order then ascending index. It walks the gaps between the held ranges, so
+/// a pass over a run that holds every slot costs one step per group.
 pub fn inserts<'s>(
     desired: &'s DesiredView<'_>,
     existing: &'s SlotSet,
 ) -> impl Iterator<Item = Decision> + 's {
     desired.groups().flat_map(move |g| {
-        let held = existing.indices(&g.id);
-        let mut p = 0usize;
-        (0..g.count).filter_map(move |i| {
-            while p < held.len() && held[p] < i {
-                p += 1;
-            }
-            if p < held.len() && held[p] == i {
-                return None;
-            }
-            Some(Decision {
+        let held = existing.ranges(&g.id);
+        // Each gap runs from the end of one held range (or 0) to the start of
+        // the next (or the group's count).
+        let gap_starts = std::iter::once(0).chain(held.iter().map(|r| r.end));
+        let gap_ends = held.iter().map(|r| r.start).chain(std::iter::once(u32::MAX));
+        gap_starts
+            .zip(gap_ends)
+            .take_while(move |&(from, _)| from < g.count)
+            .flat_map(move |(from, to)| from..to.min(g.count))
+            .map(move |i| Decision {
                 node: LogicalNodeId::new(g.id.clone(), i),
                 attempt: None,
                 rule: Rule::Insert,
                 action: Action::Insert,
                 reason: Cow::Borrowed("desired slot has no node"),
             })
-        })
     })
 }
 

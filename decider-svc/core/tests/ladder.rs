@@ -375,7 +375,7 @@ fn rule_0_insert_with_slots_inserted_out_of_order() {
     }
     existing.finish();
     assert_eq!(
-        existing.indices(&gid("w")),
+        existing.indices(&gid("w")).collect::<Vec<_>>(),
         [0, 2, 4, 9],
         "sorted and deduplicated"
     );
@@ -393,7 +393,7 @@ fn rule_0_insert_with_slots_inserted_out_of_order() {
     existing.insert(&nid("w-5"));
     existing.insert(&nid("w-0"));
     existing.finish();
-    assert_eq!(existing.indices(&gid("w")), [0, 1, 3, 5]);
+    assert_eq!(existing.indices(&gid("w")).collect::<Vec<_>>(), [0, 1, 3, 5]);
     assert_eq!(insert_ids(&view, &existing), ["w-2", "w-4"]);
 }
 
@@ -2418,10 +2418,15 @@ fn property_slot_set_and_inserts() {
             let g = rng.pick(&groups);
             let i = rng.below(12) as u32;
             held.entry(g).or_default().insert(i);
-            if rng.chance(1, 2) {
-                set.insert(&nid(&format!("{g}-{i}")));
-            } else {
-                set.insert_index(&gid(g), i);
+            match rng.below(3) {
+                0 => set.insert(&nid(&format!("{g}-{i}"))),
+                1 => set.insert_index(&gid(g), i),
+                _ => {
+                    // A range from `i`, possibly overlapping what is held.
+                    let end = (i + 1 + rng.below(4) as u32).min(12);
+                    held.entry(g).or_default().extend(i..end);
+                    set.insert_range(&gid(g), i, end);
+                }
             }
             if rng.chance(1, 10) {
                 set.finish();
@@ -2440,7 +2445,11 @@ fn property_slot_set_and_inserts() {
                 .get(g)
                 .map(|s| s.iter().copied().collect())
                 .unwrap_or_default();
-            assert_eq!(set.indices(&gid(g)), want.as_slice(), "{ctx}");
+            assert_eq!(set.indices(&gid(g)).collect::<Vec<_>>(), want, "{ctx}");
+            // Kept as ranges: ascending, none empty, none touching the next.
+            let ranges = set.ranges(&gid(g));
+            assert!(ranges.iter().all(|r| r.start < r.end), "{ctx}");
+            assert!(ranges.windows(2).all(|w| w[0].end < w[1].start), "{ctx}");
             for i in 0..12 {
                 let id = nid(&format!("{g}-{i}"));
                 assert_eq!(set.contains(&id), want.contains(&i), "{id} {ctx}");

@@ -600,6 +600,23 @@ pub fn decide_call_with(data: &[u8], ladder: &mut impl Ladder) -> Result<Verdict
                 }
                 held.extend(batch.indices.into_iter().map(|i| (group.clone(), i)));
             }
+            Some(pb::decide_request::Part::SlotRanges(batch)) => {
+                let group = match GroupId::parse("slot_ranges.group_id", &batch.group_id) {
+                    Ok(g) => g,
+                    Err(e) => return refused(T, &e),
+                };
+                let ranges: Vec<(u32, u32)> = match contract::wire::slot_ranges_from_wire(&batch.bounds) {
+                    Ok(r) => r.collect(),
+                    Err(e) => return refused(T, &e.within("slot_ranges")),
+                };
+                let covered: u64 = ranges.iter().map(|&(start, end)| u64::from(end - start)).sum();
+                if (held.len() as u64).saturating_add(covered) > u64::from(DECIDE_MAX_NODES) {
+                    return Ok(Verdict::Refused("too many slot indices".to_owned()));
+                }
+                for (start, end) in ranges {
+                    held.extend((start..end).map(|i| (group.clone(), i)));
+                }
+            }
             Some(pb::decide_request::Part::Nodes(batch)) => {
                 if (decided as usize).saturating_add(batch.nodes.len()) > DECIDE_MAX_NODES as usize {
                     return Ok(Verdict::Refused("too many nodes".to_owned()));

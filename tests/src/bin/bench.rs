@@ -253,19 +253,32 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
     let nodes = snapshot(&s);
     let set = slots(&nodes);
     let trace = contract::TraceContext::default();
-    let encode = time(5, || {
-        decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace)
-    });
+    // What the driver does: the call encoded with its slots kept, then sent
+    // with them in the form the decider reads (ranges from this decider, past
+    // one batch of indices).
+    let encode_call =
+        || decider_svc::client::encode_call(&s, false, nodes.iter(), set.clone(), &[], NOW, &trace);
+    let encode = time(5, encode_call);
     let mut rpc = Vec::new();
     let mut bytes = (0, 0);
     for _ in 0..5 {
-        let reqs = decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace);
-        bytes.0 = reqs.iter().map(prost::Message::encoded_len).sum::<usize>();
+        let call = encode_call();
+        bytes.0 = call
+            .clone()
+            .into_messages(decider_svc::client::SlotEncoding::Ranges)
+            .iter()
+            .map(prost::Message::encoded_len)
+            .sum::<usize>();
         let start = Instant::now();
-        let out = decider_svc::decide(&mut client, reqs)
+        let (out, encoding) = decider_svc::client::decide_call(&mut client, call)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         rpc.push(start.elapsed());
+        anyhow::ensure!(
+            encoding == decider_svc::client::SlotEncoding::Ranges
+                || n as usize <= decider_svc::client::SLOT_BATCH,
+            "the decider did not take slot ranges"
+        );
         anyhow::ensure!(out.decisions.len() as u64 >= n, "short answer");
         bytes.1 = out
             .decisions
