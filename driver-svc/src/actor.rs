@@ -898,7 +898,13 @@ impl RunActor {
         Ok(status::plan(&self.run, &probe, &shape, now))
     }
 
-    fn on_executor_message(&mut self, msg: FromExecutor, now: UnixMillis) {
+    fn on_executor_message(&mut self, mut msg: FromExecutor, now: UnixMillis) {
+        match &mut msg {
+            FromExecutor::Result(r) => self.run.intern(&mut r.node),
+            FromExecutor::Observation(o) => self.run.intern(&mut o.node),
+            FromExecutor::Change(c) => self.run.intern(&mut c.node),
+            FromExecutor::Claimed(_) | FromExecutor::Rejection(_) | FromExecutor::Waiting(_) => {}
+        }
         let folded = match msg {
             FromExecutor::Waiting(w) => {
                 // Not state: only what `explain` tells of the pending call.
@@ -921,6 +927,8 @@ impl RunActor {
             FromExecutor::Result(r) => {
                 // The fold is the child of the executor's span that produced
                 // the result: the trace crosses back into the driver here.
+                // `fold` is one of `telemetry::UNLOGGED_SPANS`: a log line in
+                // a fold names its run and node itself.
                 let span = tracing::info_span!(
                     parent: None,
                     "fold",
@@ -1414,7 +1422,7 @@ impl RunActor {
     /// operation it caused, in whichever pass). At most three links.
     fn dispatch(&mut self, op: Operation, now: UnixMillis, pass: Option<&telemetry::Cause>) {
         let effect = op.input.effect();
-        // Named `telemetry::UNLOGGED_SPAN`: never entered, so the log layer
+        // One of `telemetry::UNLOGGED_SPANS`: never entered, so the log layer
         // leaves it alone.
         let span = platform::operation_span!(
             parent: None,

@@ -1,12 +1,14 @@
 //! What clients read: a run's status (per-group counts by stage, phase,
 //! convergence) and per-node detail, built from the run state.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use contract::{
     ClusterShape, GroupId, LogicalNodeId, NodeStage, NodeTemplate, UnixMillis, pb,
     wire::{TemplateTable, node_to_wire, shape_to_wire_redacted},
 };
+
+use decider::DesiredView;
 
 use crate::core::{ConditionMark, LOST_PREFIX, RunState};
 
@@ -21,7 +23,7 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
         failing: u32,
         unhealthy: u32,
         held: u32,
-        stages: BTreeMap<NodeStage, u32>,
+        stages: [u32; NodeStage::ALL.len()],
     }
     let mut groups: BTreeMap<GroupId, G> = BTreeMap::new();
     for g in desired.groups() {
@@ -42,18 +44,33 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
         .nodes()
         .map(|n| (n, false))
         .chain(run.successors().map(|n| (n, true)));
+    // Nodes come group by group: each group's map entry and desired template
+    // are looked up once per run of its nodes, not once per node.
+    let mut current_group: Option<(&GroupId, Option<&contract::NodeGroup>)> = None;
+    let mut acc = G::default();
     for (n, successor) in attempts {
-        let g = groups.entry(n.id.group().clone()).or_default();
-        *g.stages.entry(n.stage).or_default() += 1;
-        let current = desired
-            .template_for(&n.id)
-            .is_some_and(|t| NodeTemplate::same(t, &n.spec));
+        let group = n.id.group();
+        let desired_group = match current_group {
+            Some((g, d)) if g == group => d,
+            _ => {
+                if let Some((g, _)) = current_group {
+                    add_counts(groups.entry(g.clone()).or_default(), std::mem::take(&mut acc));
+                }
+                let d = desired.desired_group(group);
+                current_group = Some((group, d));
+                d
+            }
+        };
+        acc.stages[n.stage.ordinal()] += 1;
+        let current = desired_group
+            .filter(|g| n.id.index() < g.count)
+            .is_some_and(|g| NodeTemplate::same(&g.template, &n.spec));
         if n.is_ready() && current {
-            g.ready += 1;
+            acc.ready += 1;
             ready_count += 1;
         }
         if n.retry.consecutive_failures > 0 || n.stage == NodeStage::Failed {
-            g.failing += 1;
+            acc.failing += 1;
         }
         if n.pending.is_some() {
             pending += 1;
@@ -70,6 +87,16 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
                 }
                 .map(|l| pb::Decision::from(&l.decision)),
             });
+        }
+    }
+    if let Some((g, _)) = current_group {
+        add_counts(groups.entry(g.clone()).or_default(), acc);
+    }
+    fn add_counts(into: &mut G, from: G) {
+        into.ready += from.ready;
+        into.failing += from.failing;
+        for (a, b) in into.stages.iter_mut().zip(from.stages) {
+            *a += b;
         }
     }
     let converged = run.is_converged();
@@ -102,10 +129,11 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
                 unhealthy: g.unhealthy,
                 remediation_held: g.held,
                 rollout: rollout_status(run, &id),
-                stages: g
-                    .stages
-                    .into_iter()
-                    .map(|(stage, count)| pb::StageCount {
+                stages: NodeStage::ALL
+                    .iter()
+                    .zip(g.stages)
+                    .filter(|&(_, count)| count > 0)
+                    .map(|(&stage, count)| pb::StageCount {
                         stage: pb::NodeStage::from(stage) as i32,
                         count,
                     })
@@ -308,6 +336,24 @@ fn named(nodes: &[String]) -> String {
 }
 
 /// The run's conditions now (SPEC §8), in [`CONDITION_TYPES`] order.
+/// [`DesiredView::template_for`] for nodes that come group by group: the
+/// group is looked up once per run of its nodes (`last` keeps it).
+fn template_for<'a, 'n>(
+    desired: &DesiredView<'a>,
+    last: &mut Option<(&'n GroupId, Option<&'a contract::NodeGroup>)>,
+    id: &'n LogicalNodeId,
+) -> Option<&'a Arc<NodeTemplate>> {
+    let group = match *last {
+        Some((g, d)) if g == id.group() => d,
+        _ => {
+            let d = desired.desired_group(id.group());
+            *last = Some((id.group(), d));
+            d
+        }
+    };
+    group.filter(|g| id.index() < g.count).map(|g| &g.template)
+}
+
 pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
     let meta = run.meta();
     let desired = run.desired_view();
@@ -317,8 +363,9 @@ pub fn observe(run: &RunState, deps: &Dependencies) -> [Observed; 4] {
     let mut unhealthy = Vec::new();
     let mut unhealthy_groups = std::collections::BTreeSet::new();
     let mut permanent_reason = None;
+    let mut last_group = None;
     for n in run.nodes() {
-        let Some(template) = desired.template_for(&n.id) else {
+        let Some(template) = template_for(&desired, &mut last_group, &n.id) else {
             continue;
         };
         want += 1;

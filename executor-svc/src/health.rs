@@ -7,7 +7,8 @@
 //! unhealthy, never a repeat, so an idle healthy run sends nothing. A failed
 //! probe within the group's `startup_grace` of the node's first sighting does
 //! not count. [`run`] drives it: it refreshes the targets from the backend's
-//! inventory when it may have changed ([`InventoryHint`]), runs the due probes
+//! inventory when it may have changed ([`InventoryHint`]; reads spaced by
+//! their own cost, [`READ_COST_FACTOR`]), runs the due probes
 //! (at most [`MAX_CONCURRENT_PROBES`] at once) through [`Backend::probe`], and
 //! sends the changes to the core's change sink, which sequences them and keeps
 //! them until the driver acknowledges them.
@@ -436,6 +437,14 @@ pub const TARGET_REFRESH: Duration = Duration::from_secs(1);
 /// at its deadline whose effect happened after all).
 pub const TARGET_RESYNC: Duration = Duration::from_secs(30);
 
+/// The least time between two inventory reads, as a multiple of what the
+/// last read (and the sync after it) took: reading lists every resource, so
+/// while a large run converges (a hint after every backend call) reads take
+/// at most about a twentieth of the prober's time instead of all of it. A
+/// read that takes under 50 ms keeps [`TARGET_REFRESH`]; at a million
+/// resources a new one is probed within seconds rather than one.
+pub const READ_COST_FACTOR: u32 = 20;
+
 /// Tells the prober that the backend's resources may have changed (a
 /// backend call finished, a change was reported), so that its next refresh
 /// reads the inventory. Reading the inventory costs a pass over every
@@ -479,6 +488,7 @@ pub async fn run(
     // When the inventory was last read, and whether it listed a resource
     // still without an endpoint (which may get one without any hint).
     let mut last_read: Option<tokio::time::Instant> = None;
+    let mut read_gap = TARGET_REFRESH;
     let mut awaiting_endpoint = false;
     loop {
         let now = clock.now();
@@ -499,11 +509,14 @@ pub async fn run(
                 Some(Command::Forget(uid)) => watch.forget_run(uid),
             },
             at = refresh.tick() => {
-                let resync = last_read.is_none_or(|t| at.saturating_duration_since(t) >= TARGET_RESYNC);
+                let since = last_read.map(|t| at.saturating_duration_since(t));
+                let resync = since.is_none_or(|d| d >= TARGET_RESYNC);
+                let spaced = since.is_none_or(|d| d >= read_gap);
                 // Nothing to probe: no need to read the inventory at all.
                 // Taken before the read, so a change during it is read next.
-                if watch.has_policies() && (hint.take() || awaiting_endpoint || resync) {
+                if watch.has_policies() && spaced && (hint.take() || awaiting_endpoint || resync) {
                     last_read = Some(at);
+                    let started = clock.monotonic();
                     match backend.inventory().await {
                         Ok(items) => {
                             awaiting_endpoint = items.iter().any(|i| i.endpoint.is_none());
@@ -514,6 +527,8 @@ pub async fn run(
                             tracing::debug!(error = %e, "health: inventory unavailable");
                         }
                     }
+                    let took = clock.monotonic().saturating_since(started);
+                    read_gap = TARGET_REFRESH.max(took.saturating_mul(READ_COST_FACTOR));
                 }
             }
             Some(done) = probes.join_next(), if !probes.is_empty() => {
@@ -602,6 +617,88 @@ mod tests {
 
     fn at(ms: u64) -> UnixMillis {
         UnixMillis::new(ms)
+    }
+
+    /// A backend whose inventory lists one resource and takes `cost_ms` of
+    /// the clock's time to read.
+    struct Listing {
+        clock: contract::ManualClock,
+        cost_ms: u64,
+        reads: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Backend for Listing {
+        fn execute(
+            &self,
+            _op: contract::Operation,
+            _observations: crate::backend::ObservationSink,
+        ) -> futures::future::BoxFuture<'static, contract::Outcome> {
+            Box::pin(std::future::pending())
+        }
+
+        fn inventory(
+            &self,
+        ) -> futures::future::BoxFuture<'static, Result<Vec<InventoryItem>, crate::backend::BackendError>>
+        {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+            self.clock.advance(self.cost_ms);
+            Box::pin(std::future::ready(Ok(vec![item(0)])))
+        }
+
+        fn probe(
+            &self,
+            _: &ResourceIdentity,
+            _: &Endpoint,
+        ) -> futures::future::BoxFuture<'static, Result<(), String>> {
+            Box::pin(std::future::ready(Ok(())))
+        }
+    }
+
+    /// Runs the prober over a backend whose reads cost `cost_ms`, with the
+    /// inventory hinted as changed every 100 ms for about `ms`; returns the
+    /// reads and the real time it took.
+    async fn reads_while_hinted(cost_ms: u64, ms: u64) -> (usize, Duration) {
+        let clock = contract::ManualClock::new(at(0));
+        let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let backend = Listing {
+            clock: clock.clone(),
+            cost_ms,
+            reads: Arc::clone(&reads),
+        };
+        let (commands, commands_rx) = mpsc::unbounded_channel();
+        let (changes, _changes_rx) = mpsc::unbounded_channel();
+        let hint = InventoryHint::default();
+        let prober = tokio::spawn(run(
+            Arc::new(backend),
+            Arc::new(clock),
+            commands_rx,
+            ChangeSink::new(changes),
+            hint.clone(),
+        ));
+        commands.send(Command::Policy(policy(0))).unwrap();
+        // Real time, not the manual clock's: the prober's ticks are tokio's.
+        #[allow(clippy::disallowed_methods)]
+        let started = std::time::Instant::now();
+        for _ in 0..ms / 100 {
+            hint.mark();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let took = started.elapsed();
+        prober.abort();
+        (reads.load(Ordering::SeqCst), took)
+    }
+
+    #[tokio::test]
+    async fn inventory_reads_are_spaced_by_their_cost() {
+        // A read costing 250 ms may come once per 5 s; a cheap one once per
+        // TARGET_REFRESH, whenever the hint says the inventory changed.
+        let (cheap, costly) = tokio::join!(reads_while_hinted(0, 4_500), reads_while_hinted(250, 4_500));
+        let (cheap, took) = cheap;
+        assert!(cheap >= 4, "{cheap} cheap reads in {took:?}");
+        let (costly, took) = costly;
+        let allowed = 1 + usize::try_from(took.as_secs() / 5).unwrap();
+        assert!(costly <= allowed, "{costly} reads of 250 ms each in {took:?}");
+        assert!(costly >= 1);
     }
 
     #[test]

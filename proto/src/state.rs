@@ -39,6 +39,12 @@ impl NodeStage {
         NodeStage::Destroyed,
     ];
 
+    /// The stage's position in [`NodeStage::ALL`], for counts kept in an
+    /// array.
+    pub const fn ordinal(self) -> usize {
+        self as usize
+    }
+
     /// `HandedOff` and `Dormant` are the ready steady states.
     pub fn is_ready(self) -> bool {
         matches!(self, NodeStage::HandedOff | NodeStage::Dormant)
@@ -336,5 +342,17 @@ impl ManagedNode {
 
     pub fn is_ready(&self) -> bool {
         self.stage.is_ready()
+    }
+}
+
+#[cfg(test)]
+mod stage_tests {
+    use super::NodeStage;
+
+    #[test]
+    fn a_stage_ordinal_is_its_place_in_all() {
+        for (i, stage) in NodeStage::ALL.iter().enumerate() {
+            assert_eq!(stage.ordinal(), i, "{stage:?}");
+        }
     }
 }

@@ -78,6 +78,15 @@ impl<'a> DesiredView<'a> {
         }
     }
 
+    /// A group as desired; `None` for a group the shape does not have, or
+    /// any group of a deleting run.
+    pub fn desired_group(&self, id: &GroupId) -> Option<&'a NodeGroup> {
+        if self.deleting {
+            return None;
+        }
+        self.group(id)
+    }
+
     /// The template a slot should hold, or `None` if the slot is undesired.
     pub fn template_for(&self, node: &LogicalNodeId) -> Option<&'a Arc<NodeTemplate>> {
         if self.deleting {
