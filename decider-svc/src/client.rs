@@ -46,6 +46,13 @@ pub const NODE_BATCH_BYTES: usize = 1 << 20;
 /// `SlotRanges` (at most 5 bytes each, packed).
 pub const SLOT_BATCH: usize = 65_536;
 
+/// A run with at most this many slots sends them as indices without waiting
+/// for the decider's headers: a few kilobytes, against a round trip. Above
+/// it, every pass of a run that holds its slots without gaps would send
+/// them all again (a hundred runs of 10,000, each pass sending its 10,000
+/// indices, spent a third of the decider's CPU decoding them).
+pub const EAGER_SLOTS: usize = 4_096;
+
 /// How a call sends the run's slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotEncoding {
@@ -218,21 +225,26 @@ pub fn encode_call<'a>(
     let mut table = TemplateTable::default();
     let (desired, group_template_refs) = shape_to_wire_with_table(shape, &mut table);
 
+    // A batch starts small and, once a pass proves large, takes its full
+    // size in one step: a wire node is a few hundred bytes, and growing
+    // batches by doubling (fresh pages each time) was a third of this
+    // function at a million nodes.
+    const SMALL: usize = 64;
     let mut body = Vec::new();
-    let mut batch = Vec::new();
+    let mut batch = Vec::with_capacity(SMALL);
     let mut bytes = 0;
     for node in nodes {
         let wire = node_to_wire(node, &mut table);
         // Tag and length prefix of the repeated field: 8 bytes covers any length.
         let len = wire.encoded_len() + 8;
         if !batch.is_empty() && (batch.len() >= NODE_BATCH || bytes + len > NODE_BATCH_BYTES) {
-            body.push(message(
-                &trace,
-                Part::Nodes(pb::NodeBatch {
-                    nodes: std::mem::take(&mut batch),
-                }),
-            ));
+            // After a full batch, the next is likely full too.
+            let full = std::mem::replace(&mut batch, Vec::with_capacity(NODE_BATCH));
+            body.push(message(&trace, Part::Nodes(pb::NodeBatch { nodes: full })));
             bytes = 0;
+        }
+        if batch.len() == SMALL {
+            batch.reserve_exact(NODE_BATCH - SMALL);
         }
         batch.push(wire);
         bytes += len;
@@ -275,8 +287,7 @@ pub fn encode_call<'a>(
 /// does. The header and node batches go at once; the slots go once the
 /// decider's response headers have arrived, as ranges if they carry
 /// [`SLOT_RANGES_HEADER`] and as indices otherwise. A run with at most
-/// [`SLOT_BATCH`] slots sends them as indices at once: waiting for the
-/// headers costs a round trip that ranges would not win back. Returns the
+/// [`EAGER_SLOTS`] slots sends them as indices at once. Returns the
 /// form used with the answer.
 pub async fn decide_call<T>(
     client: &mut DeciderClient<T>,
@@ -288,7 +299,7 @@ where
     T::ResponseBody: Body<Data = Bytes> + Send + 'static,
     <T::ResponseBody as Body>::Error: Into<StdError> + Send,
 {
-    if call.slots.len() <= SLOT_BATCH {
+    if call.slots.len() <= EAGER_SLOTS {
         let out = decide(client, call.into_messages(SlotEncoding::Indices)).await?;
         return Ok((out, SlotEncoding::Indices));
     }

@@ -202,7 +202,7 @@ async fn the_decider_says_it_reads_ranges_and_a_large_call_sends_them() {
     assert_eq!(out, in_process(&s, &slots));
     assert_eq!(inserted(&out), ["w-7", "w-8", "w-150000"]);
 
-    // A run that fits one batch of indices sends them at once.
+    // A run of at most EAGER_SLOTS slots sends indices at once.
     let small = shape(100);
     let few = held_but(100, &[3..4, 50..52]);
     let call = encode_call(&small, false, [], few.clone(), &[], now(), &trace());

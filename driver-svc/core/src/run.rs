@@ -2434,11 +2434,15 @@ impl RunState {
             if self.meta_dirty {
                 delta.meta = Some(self.meta.clone());
             }
-            delta.upserts = self
-                .changed
-                .iter()
-                .filter_map(|id| self.nodes.get(id).map(|e| e.rec.clone()))
-                .collect();
+            // Sized up front: node records are large, and growing the vector
+            // by doubling copied them again and again.
+            let mut upserts = Vec::with_capacity(self.changed.len());
+            upserts.extend(
+                self.changed
+                    .iter()
+                    .filter_map(|id| self.nodes.get(id).map(|e| e.rec.clone())),
+            );
+            delta.upserts = upserts;
             delta.removals = self.removed.iter().cloned().collect();
             delta.events = self
                 .events_changed

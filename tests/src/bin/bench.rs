@@ -255,7 +255,7 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
     let trace = contract::TraceContext::default();
     // What the driver does: the call encoded with its slots kept, then sent
     // with them in the form the decider reads (ranges from this decider, past
-    // one batch of indices).
+    // `EAGER_SLOTS`).
     let encode_call =
         || decider_svc::client::encode_call(&s, false, nodes.iter(), set.clone(), &[], NOW, &trace);
     let encode = time(5, encode_call);
@@ -276,7 +276,7 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
         rpc.push(start.elapsed());
         anyhow::ensure!(
             encoding == decider_svc::client::SlotEncoding::Ranges
-                || n as usize <= decider_svc::client::SLOT_BATCH,
+                || n as usize <= decider_svc::client::EAGER_SLOTS,
             "the decider did not take slot ranges"
         );
         anyhow::ensure!(out.decisions.len() as u64 >= n, "short answer");
