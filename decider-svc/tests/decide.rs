@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{Mixed, Server, at, mixed, now, trace};
+use common::{Mixed, Server, at, mixed, now, refusal, trace};
 use contract::{
     Action, DecideOutput, Rule,
     pb::{self, decide_request::Part},
@@ -23,14 +23,6 @@ fn in_process(m: &Mixed, deleting: bool) -> DecideOutput {
 
 fn requests(m: &Mixed, deleting: bool) -> Vec<pb::DecideRequest> {
     encode_request(&m.shape, deleting, &m.nodes, &m.slots, now(), &trace())
-}
-
-/// Sends `requests` and returns the status the decider refused them with.
-async fn refusal(server: &Server, requests: Vec<pb::DecideRequest>) -> Status {
-    match decide(&mut server.client().await, requests).await {
-        Err(DecideError::Rejected(status)) => status,
-        other => panic!("expected a rejection, got {other:?}"),
-    }
 }
 
 #[tokio::test]

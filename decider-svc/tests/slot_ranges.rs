@@ -9,7 +9,7 @@ mod common;
 
 use std::{net::SocketAddr, sync::Arc};
 
-use common::{Server, gid, now, template, trace};
+use common::{Server, gid, now, refusal, template, trace};
 use contract::{
     ClusterShape, DecideOutput,
     pb::{
@@ -51,13 +51,6 @@ fn in_process(shape: &ClusterShape, slots: &SlotSet) -> DecideOutput {
 
 fn inserted(out: &DecideOutput) -> Vec<String> {
     out.decisions.iter().map(|d| d.node.to_string()).collect()
-}
-
-async fn refusal(server: &Server, requests: Vec<DecideRequest>) -> Status {
-    match decide(&mut server.client().await, requests).await {
-        Err(DecideError::Rejected(status)) => status,
-        other => panic!("expected a rejection, got {other:?}"),
-    }
 }
 
 #[tokio::test]

@@ -89,6 +89,14 @@ impl Drop for Server {
     }
 }
 
+/// Sends `requests` and returns the status the decider refused them with.
+pub async fn refusal(server: &Server, requests: Vec<contract::pb::DecideRequest>) -> tonic::Status {
+    match decider_svc::decide(&mut server.client().await, requests).await {
+        Err(decider_svc::DecideError::Rejected(status)) => status,
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
 pub fn gid(s: &str) -> GroupId {
     GroupId::parse("group", s).unwrap()
 }
