@@ -23,16 +23,16 @@ use contract::{
         trace_to_wire,
     },
 };
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
-
-use crate::server::SLOT_RANGES_HEADER;
 use decider::{SlotRange, SlotSet};
 use prost::Message as _;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{
     Code, Status,
     codegen::{Body, Bytes, StdError},
 };
+
+use crate::server::SLOT_RANGES_HEADER;
 
 /// The most nodes in one `NodeBatch`.
 pub const NODE_BATCH: usize = 1024;
@@ -114,13 +114,13 @@ fn slot_messages(
                 ));
             }
         } else {
-            let indices: Vec<u32> = ranges.iter().flat_map(|r| r.start..r.end).collect();
-            for chunk in indices.chunks(SLOT_BATCH) {
+            let mut indices = ranges.iter().flat_map(|r| r.start..r.end).peekable();
+            while indices.peek().is_some() {
                 out.push(message(
                     trace,
                     Part::Slots(pb::SlotBatch {
                         group_id: group.as_str().to_owned(),
-                        indices: chunk.to_vec(),
+                        indices: indices.by_ref().take(SLOT_BATCH).collect(),
                     }),
                 ));
             }

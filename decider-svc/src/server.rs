@@ -7,8 +7,8 @@
 //!
 //! The protocol, in order: exactly one `header` first; then `nodes`, `slots`
 //! and `slot_ranges` batches in any order; then `end`. Every response carries
-//! [`SLOT_RANGES_HEADER`], so a driver knows this decider reads ranges. Each node is decided as soon as it is
-//! decoded; `end` releases the inserts (which need every slot) and the summary,
+//! [`SLOT_RANGES_HEADER`], so a driver knows this decider reads ranges. Each
+//! node is decided as soon as it is decoded; `end` releases the inserts (which need every slot) and the summary,
 //! after which the response stream ends. Any deviation fails the call with
 //! `INVALID_ARGUMENT` naming the field, and a call over the configured size with
 //! `RESOURCE_EXHAUSTED`; [`to_status`] is the one place that maps errors to codes.

@@ -46,25 +46,19 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
         .chain(run.successors().map(|n| (n, true)));
     // Nodes come group by group: each group's map entry and desired template
     // are looked up once per run of its nodes, not once per node.
-    let mut current_group: Option<(&GroupId, Option<&contract::NodeGroup>)> = None;
+    let mut last_group = None;
+    let mut acc_group: Option<&GroupId> = None;
     let mut acc = G::default();
     for (n, successor) in attempts {
         let group = n.id.group();
-        let desired_group = match current_group {
-            Some((g, d)) if g == group => d,
-            _ => {
-                if let Some((g, _)) = current_group {
-                    add_counts(groups.entry(g.clone()).or_default(), std::mem::take(&mut acc));
-                }
-                let d = desired.desired_group(group);
-                current_group = Some((group, d));
-                d
-            }
-        };
+        if acc_group != Some(group)
+            && let Some(done) = acc_group.replace(group)
+        {
+            add_counts(groups.entry(done.clone()).or_default(), std::mem::take(&mut acc));
+        }
         acc.stages[n.stage.ordinal()] += 1;
-        let current = desired_group
-            .filter(|g| n.id.index() < g.count)
-            .is_some_and(|g| NodeTemplate::same(&g.template, &n.spec));
+        let current =
+            template_for(&desired, &mut last_group, &n.id).is_some_and(|t| NodeTemplate::same(t, &n.spec));
         if n.is_ready() && current {
             acc.ready += 1;
             ready_count += 1;
@@ -89,8 +83,8 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
             });
         }
     }
-    if let Some((g, _)) = current_group {
-        add_counts(groups.entry(g.clone()).or_default(), acc);
+    if let Some(done) = acc_group {
+        add_counts(groups.entry(done.clone()).or_default(), acc);
     }
     fn add_counts(into: &mut G, from: G) {
         into.ready += from.ready;

@@ -89,10 +89,7 @@ impl<'a> DesiredView<'a> {
 
     /// The template a slot should hold, or `None` if the slot is undesired.
     pub fn template_for(&self, node: &LogicalNodeId) -> Option<&'a Arc<NodeTemplate>> {
-        if self.deleting {
-            return None;
-        }
-        self.group(node.group())
+        self.desired_group(node.group())
             .filter(|g| node.index() < g.count)
             .map(|g| &g.template)
     }

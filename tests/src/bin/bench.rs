@@ -263,17 +263,18 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
     let mut bytes = (0, 0);
     for _ in 0..5 {
         let call = encode_call();
-        bytes.0 = call
-            .clone()
-            .into_messages(decider_svc::client::SlotEncoding::Ranges)
-            .iter()
-            .map(prost::Message::encoded_len)
-            .sum::<usize>();
+        let sent = call.clone();
         let start = Instant::now();
         let (out, encoding) = decider_svc::client::decide_call(&mut client, call)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         rpc.push(start.elapsed());
+        // The bytes of the form the call used.
+        bytes.0 = sent
+            .into_messages(encoding)
+            .iter()
+            .map(prost::Message::encoded_len)
+            .sum::<usize>();
         anyhow::ensure!(
             encoding == decider_svc::client::SlotEncoding::Ranges
                 || n as usize <= decider_svc::client::EAGER_SLOTS,
