@@ -76,21 +76,25 @@ pub enum DurableChange {
     ForgetOps { run_uid: RunUid },
 }
 
-/// A completed operation as the executor keeps it.
+/// A completed operation as the executor keeps it: the digest a
+/// resubmission is compared by, and the result it is answered with. The
+/// operation itself is not kept (it can never run again), so neither are its
+/// template and sealed secrets.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DurableOp {
-    pub input: KeptInput,
+    /// [`input_digest`] of the operation.
+    pub input_digest: u64,
     pub result: OperationResult,
     pub acked: bool,
 }
 
 /// What the dedup table keeps of an operation's input.
 ///
-/// The whole operation is kept while it may still run and while its result
-/// is owed to the driver. Once the driver has acknowledged the result, the
-/// operation can never run again (a resubmission replays the result), so
-/// only the digest that a resubmission is compared by is kept: an attempt's
-/// settled operations cost a few dozen bytes each, not their templates.
+/// The whole operation is kept while it may still run (queued or running).
+/// Once it has completed it can never run again: a resubmission is answered
+/// with the recorded result, so only the digest that a resubmission is
+/// compared by is kept, and an attempt's completed operations cost a few
+/// dozen bytes each besides their results, not their templates.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KeptInput {
     Whole(Box<Operation>),
@@ -369,6 +373,7 @@ impl RunState {
             trace: op.trace.clone(),
         };
         self.deadlines.remove(&(op.deadline, id));
+        entry.input.settle();
         entry.state = OpState::Completed(Box::new(Completed {
             result: result.clone(),
             acked: false,
@@ -817,16 +822,15 @@ impl ExecutorCore {
         };
         let Some(OpEntry {
             state: OpState::Completed(done),
-            input,
+            ..
         }) = run.ops.get_mut(&id)
         else {
             return;
         };
         done.acked = true;
-        // The driver has folded the result: the operation never runs again,
-        // and a resubmission is answered from the result with the
-        // resubmission's own trace (a late result still joins this one's).
-        input.settle();
+        // The driver has folded the result: a resubmission is answered from
+        // it with the resubmission's own trace (a late result still joins
+        // this one's).
         if !done.awaiting_late {
             done.result.trace = TraceContext::default();
         }
@@ -1120,7 +1124,7 @@ impl ExecutorCore {
             for id in std::mem::take(&mut run.changed) {
                 let record = run.ops.get(&id).and_then(|e| match &e.state {
                     OpState::Completed(c) => Some(Box::new(DurableOp {
-                        input: e.input.clone(),
+                        input_digest: e.input.digest(),
                         result: c.result.clone(),
                         acked: c.acked,
                     })),
@@ -1141,7 +1145,7 @@ impl ExecutorCore {
             for (&id, e) in &run.ops {
                 if let OpState::Completed(c) = &e.state {
                     let record = DurableOp {
-                        input: e.input.clone(),
+                        input_digest: e.input.digest(),
                         result: c.result.clone(),
                         acked: c.acked,
                     };
@@ -1180,16 +1184,13 @@ impl ExecutorCore {
             };
             for o in d.ops {
                 let id = o.result.id;
-                let mut input = o.input;
-                if o.acked {
-                    input.settle();
-                } else {
+                if !o.acked {
                     run.unacked.insert(id);
                 }
                 run.ops.insert(
                     id,
                     OpEntry {
-                        input,
+                        input: KeptInput::Digest(o.input_digest),
                         state: OpState::Completed(Box::new(Completed {
                             result: o.result,
                             acked: o.acked,
@@ -1395,27 +1396,34 @@ mod tests {
     }
 
     #[test]
-    fn an_acknowledged_operation_keeps_its_digest_and_still_tells_input_apart() {
+    fn a_completed_operation_keeps_its_digest_and_still_tells_input_apart() {
         let mut core = claimed();
         let first = op(1, 0, 1, 100, create());
         let _ = core.submit(first.clone(), t(0));
+        assert!(
+            matches!(core.runs[&RUN].ops[&id(1, 0)].input, KeptInput::Whole(_)),
+            "a running operation is kept whole"
+        );
         let _ = core.complete(RUN, id(1, 0), succeeded(), t(10));
-        // Owed to the driver: written whole, with its result.
+        // Completed, owed to the driver or not: the digest alone, with the result.
+        assert_eq!(
+            core.runs[&RUN].ops[&id(1, 0)].input,
+            KeptInput::Digest(input_digest(&first)),
+            "a completed operation keeps only its digest"
+        );
         let owed = core.durable_records();
-        assert!(matches!(owed[&(RUN, id(1, 0))].input, KeptInput::Whole(_)));
+        assert_eq!(owed[&(RUN, id(1, 0))].input_digest, input_digest(&first));
+        assert!(!owed[&(RUN, id(1, 0))].acked);
         core.ack_result(RUN, id(1, 0));
         let settled = core.durable_records();
-        assert_eq!(
-            settled[&(RUN, id(1, 0))].input,
-            KeptInput::Digest(input_digest(&first)),
-            "an acknowledged operation keeps only its digest"
-        );
+        assert_eq!(settled[&(RUN, id(1, 0))].input_digest, input_digest(&first));
+        assert!(settled[&(RUN, id(1, 0))].acked);
         let changes = core.take_changes();
         assert!(
             changes
                 .iter()
                 .any(|c| matches!(c, DurableChange::Op { record: Some(r), .. }
-                if matches!(r.input, KeptInput::Digest(_)) && r.acked)),
+                if r.input_digest == input_digest(&first) && r.acked)),
             "{changes:?}"
         );
 

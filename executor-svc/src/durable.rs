@@ -14,9 +14,13 @@
 //! sends that step's outputs: a result the driver may have seen is one a
 //! restarted executor can replay.
 //!
-//! Operations are kept with their inputs, so secret parameter values are
-//! sealed with the operator's key when one is configured (`--secrets-key-file`,
-//! see `platform::secrets`); the directory and file are private to their owner.
+//! A completed operation is kept as the digest of its input and its result,
+//! never its input: no template and no secret parameter value is written.
+//! Records written by executors that kept the whole operation while its
+//! result was owed hold it sealed with the operator's key when one was
+//! configured (`--secrets-key-file`, see `platform::secrets`); they are
+//! opened once at start for their digest. The directory and file are private
+//! to their owner.
 
 use std::path::Path;
 
@@ -28,7 +32,7 @@ use platform::secrets::{OpenError, Sealer, SecretsError, open_owner_only};
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use crate::core::{DurableChange, DurableOp, DurableRun, KeptInput, RetiredAttempt};
+use crate::core::{DurableChange, DurableOp, DurableRun, RetiredAttempt, input_digest};
 
 const SCHEMA_VERSION: u32 = 1;
 const RUNS: TableDefinition<&str, &[u8]> = TableDefinition::new("runs");
@@ -168,20 +172,12 @@ impl ExecutorStore {
                         let key = (uid.as_str(), id.attempt().get(), id.seq());
                         match record {
                             Some(r) => {
-                                let (op, input_digest) = match &r.input {
-                                    KeptInput::Whole(whole) => {
-                                        let mut op = pb::Operation::from(&**whole);
-                                        self.sealer.seal_operation(&mut op).map_err(sealing)?;
-                                        (Some(op), 0)
-                                    }
-                                    KeptInput::Digest(d) => (None, *d),
-                                };
                                 let bytes = rec::ExecutorOp {
                                     schema: SCHEMA_VERSION,
-                                    op,
+                                    op: None,
                                     result: Some(pb::OperationResult::from(&r.result)),
                                     acked: r.acked,
-                                    input_digest,
+                                    input_digest: r.input_digest,
                                 }
                                 .encode_to_vec();
                                 ops.insert(key, bytes.as_slice()).map_err(unavailable)?;
@@ -236,7 +232,9 @@ impl ExecutorStore {
                 .result
                 .ok_or_else(|| corrupt("operation record without its result"))
                 .and_then(|o| OperationResult::try_from(o).map_err(corrupt))?;
-            let input = match r.op {
+            let input_digest = match r.op {
+                // Written by an executor that kept the whole operation while
+                // its result was owed.
                 Some(mut op) => {
                     self.sealer.open_operation(&mut op).map_err(sealing)?;
                     let op = Operation::try_from(op).map_err(corrupt)?;
@@ -245,9 +243,9 @@ impl ExecutorStore {
                             "operation record {uid}/{attempt}.{seq} holds the result of another operation"
                         )));
                     }
-                    KeptInput::Whole(Box::new(op))
+                    input_digest(&op)
                 }
-                None if r.input_digest != 0 => KeptInput::Digest(r.input_digest),
+                None if r.input_digest != 0 => r.input_digest,
                 None => return Err(corrupt("operation record without its operation or its digest")),
             };
             if result.id != OperationId::new(AttemptId::new(attempt), seq)
@@ -258,7 +256,7 @@ impl ExecutorStore {
                 )));
             }
             runs.entry(result.run_uid).or_default().ops.push(DurableOp {
-                input,
+                input_digest,
                 result,
                 acked: r.acked,
             });
@@ -362,19 +360,16 @@ mod tests {
             matches!(out.as_slice(), [Output::Rejected(r)] if r.reason == contract::RejectionReason::Fenced)
         );
 
-        // Acknowledged, the record keeps the digest in place of the
-        // operation, and a store reopened from it still replays the result
-        // and refuses the same id with other input.
+        // Acknowledged, the record keeps the digest and the result, and a
+        // store reopened from it still replays the result and refuses the
+        // same id with other input.
         again.ack_result(RUN, OperationId::new(AttemptId::new(1), 1));
         let changes = again.take_changes();
         store.apply(&changes).unwrap();
         drop(store);
         let store = ExecutorStore::open(dir.path()).unwrap();
         let loaded = store.load().unwrap();
-        assert!(
-            matches!(loaded[0].1.ops[0].input, KeptInput::Digest(_)),
-            "{loaded:?}"
-        );
+        assert_eq!(loaded[0].1.ops[0].input_digest, input_digest(&create(1, 4)));
         assert!(loaded[0].1.ops[0].acked);
         let mut third = ExecutorCore::restore(loaded);
         let out = third.submit(create(1, 4), UnixMillis::new(4));
@@ -387,6 +382,91 @@ mod tests {
         let out = third.submit(other, UnixMillis::new(4));
         assert!(
             matches!(out.as_slice(), [Output::Rejected(r)] if r.reason == contract::RejectionReason::ConflictingInput),
+            "{out:?}"
+        );
+    }
+
+    /// The record of a completed operation holds no input: an executor
+    /// writes the digest, and no template or parameter reaches the file.
+    #[test]
+    fn a_completed_operation_is_written_without_its_input() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ExecutorStore::open(dir.path()).unwrap();
+        let mut core = ExecutorCore::new();
+        core.claim(&Claim {
+            run_uid: RUN,
+            run_id: RunId::parse("run_id", "train").unwrap(),
+            epoch: Epoch::new(1),
+        })
+        .unwrap();
+        let _ = core.submit(create(1, 1), UnixMillis::new(1));
+        let _ = core.complete(
+            RUN,
+            OperationId::new(AttemptId::new(1), 1),
+            Outcome::Succeeded(ResultFacts::default()),
+            UnixMillis::new(2),
+        );
+        store.apply(&core.take_changes()).unwrap();
+        let txn = store.db.begin_read().unwrap();
+        let ops = txn.open_table(OPS).unwrap();
+        let bytes = ops.get((RUN.to_string().as_str(), 1, 1)).unwrap().unwrap();
+        let record = rec::ExecutorOp::decode(bytes.value()).unwrap();
+        assert_eq!(record.op, None, "{record:?}");
+        assert_eq!(record.input_digest, input_digest(&create(1, 1)));
+        assert!(!record.acked, "owed to the driver");
+    }
+
+    /// A record from an executor that kept the whole operation (sealed)
+    /// while its result was owed loads as the operation's digest: the
+    /// restarted executor replays it to a resubmission.
+    #[test]
+    fn a_record_holding_the_whole_operation_loads_as_its_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = platform::secrets::SecretKey::generate().unwrap();
+        let sealer = Sealer::new(Some(key));
+        let store = ExecutorStore::open_sealed(dir.path(), sealer.clone()).unwrap();
+        let first = create(1, 1);
+        let mut op = pb::Operation::from(&first);
+        sealer.seal_operation(&mut op).unwrap();
+        let result = OperationResult {
+            run_uid: RUN,
+            node: first.node.clone(),
+            id: first.id,
+            effect: contract::Effect::CreateLease,
+            outcome: Outcome::Succeeded(ResultFacts::default()),
+            completed_at: UnixMillis::new(2),
+            late: false,
+            replayed: false,
+            trace: TraceContext::default(),
+        };
+        let bytes = rec::ExecutorOp {
+            schema: SCHEMA_VERSION,
+            op: Some(op),
+            result: Some(pb::OperationResult::from(&result)),
+            acked: false,
+            input_digest: 0,
+        }
+        .encode_to_vec();
+        let txn = store.db.begin_write().unwrap();
+        {
+            let mut ops = txn.open_table(OPS).unwrap();
+            ops.insert((RUN.to_string().as_str(), 1, 1), bytes.as_slice())
+                .unwrap();
+        }
+        txn.commit().unwrap();
+
+        let loaded = store.load().unwrap();
+        assert_eq!(loaded[0].1.ops[0].input_digest, input_digest(&first));
+        let mut core = ExecutorCore::restore(loaded);
+        core.claim(&Claim {
+            run_uid: RUN,
+            run_id: RunId::parse("run_id", "train").unwrap(),
+            epoch: Epoch::new(1),
+        })
+        .unwrap();
+        let out = core.submit(first, UnixMillis::new(3));
+        assert!(
+            matches!(out.as_slice(), [Output::Result(r)] if r.replayed),
             "{out:?}"
         );
     }
