@@ -355,13 +355,9 @@ async fn sweep_orphans(
         // driver makes no spans).
         let span = tracing::info_span!(parent: None, "orphan sweep");
         platform::telemetry::set_unsampled_root(&span);
-        let inventory = executor
-            .inventory(contract::pb::InventoryRequest::default())
-            .instrument(span)
-            .await;
+        let inventory = read_inventory(&mut executor).instrument(span).await;
         match inventory {
-            Ok(r) => {
-                let inventory = decode_inventory(&r.into_inner().resources);
+            Ok(inventory) => {
                 let resources = inventory.resources.len();
                 let new = driver.sweep_orphans(inventory, config.destroy).await;
                 tracing::debug!(resources, new_orphans = new.len(), "orphan sweep");
@@ -380,11 +376,51 @@ async fn sweep_orphans(
     }
 }
 
-/// The executor's inventory in domain types. An entry that does not decode
-/// is logged and left out, and counted, so that the sweep concludes nothing
-/// from an absence it cannot vouch for (see [`crate::orphans::Orphans::sweep`]).
-fn decode_inventory(resources: &[contract::pb::Resource]) -> Inventory {
+/// The executor's whole inventory, read in pages (`InventoryPages`), each
+/// decoded as it arrives; from the one-message `Inventory` of an executor
+/// that predates pages. A stream that breaks off, or ends before the page
+/// marked last, is an error, never a shorter inventory: the sweep would take
+/// the resources it did not list as missing.
+async fn read_inventory(
+    executor: &mut ExecutorClient<platform::telemetry::grpc::TracedChannel>,
+) -> Result<Inventory, tonic::Status> {
+    let request = contract::pb::InventoryRequest::default();
     let mut inventory = Inventory::default();
+    match executor.inventory_pages(request.clone()).await {
+        Ok(pages) => {
+            let mut pages = pages.into_inner();
+            loop {
+                let Some(page) = pages.message().await? else {
+                    return Err(tonic::Status::unavailable(
+                        "the executor's inventory stream ended before its last page",
+                    ));
+                };
+                decode_inventory(&mut inventory, &page.resources);
+                if page.last {
+                    break;
+                }
+            }
+            // Read to the end, so the call ends with its status rather than
+            // as cancelled by the reader.
+            if pages.message().await?.is_some() {
+                return Err(tonic::Status::unavailable(
+                    "the executor's inventory stream went on past its last page",
+                ));
+            }
+        }
+        Err(status) if status.code() == tonic::Code::Unimplemented => {
+            let whole = executor.inventory(request).await?;
+            decode_inventory(&mut inventory, &whole.into_inner().resources);
+        }
+        Err(status) => return Err(status),
+    }
+    Ok(inventory)
+}
+
+/// Adds inventory entries in domain types. An entry that does not decode is
+/// logged and left out, and counted, so that the sweep concludes nothing
+/// from an absence it cannot vouch for (see [`crate::orphans::Orphans::sweep`]).
+fn decode_inventory(inventory: &mut Inventory, resources: &[contract::pb::Resource]) {
     for r in resources {
         match contract::InventoryResource::try_from(r) {
             Ok(resource) => inventory.resources.push(resource),
@@ -395,5 +431,153 @@ fn decode_inventory(resources: &[contract::pb::Resource]) -> Inventory {
             }
         }
     }
-    inventory
+}
+
+#[cfg(test)]
+mod tests {
+    use contract::pb::{self, executor_server::Executor};
+    use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+
+    use super::*;
+
+    fn resource(i: u32) -> pb::Resource {
+        pb::Resource {
+            run_uid: format!("{:032x}", 7),
+            run_id: "train".into(),
+            node_id: format!("workers-{i}"),
+            attempt: u64::from(i) + 1,
+            lease_id: format!("lease-{i}"),
+            ..Default::default()
+        }
+    }
+
+    /// An executor that answers `InventoryPages` with `pages` (or, with
+    /// `None`, as one that predates it) and `Inventory` with `whole`.
+    #[derive(Debug, Clone)]
+    struct Double {
+        pages: Option<Vec<pb::InventoryResponse>>,
+        whole: Vec<pb::Resource>,
+    }
+
+    #[tonic::async_trait]
+    impl Executor for Double {
+        type LinkStream = ReceiverStream<Result<pb::ExecutorMessage, tonic::Status>>;
+        type InventoryPagesStream = ReceiverStream<Result<pb::InventoryResponse, tonic::Status>>;
+
+        async fn link(
+            &self,
+            _: tonic::Request<tonic::Streaming<pb::DriverMessage>>,
+        ) -> Result<tonic::Response<Self::LinkStream>, tonic::Status> {
+            Err(tonic::Status::unimplemented("no link"))
+        }
+
+        async fn inventory(
+            &self,
+            _: tonic::Request<pb::InventoryRequest>,
+        ) -> Result<tonic::Response<pb::InventoryResponse>, tonic::Status> {
+            Ok(tonic::Response::new(pb::InventoryResponse {
+                resources: self.whole.clone(),
+                last: false,
+            }))
+        }
+
+        async fn inventory_pages(
+            &self,
+            _: tonic::Request<pb::InventoryRequest>,
+        ) -> Result<tonic::Response<Self::InventoryPagesStream>, tonic::Status> {
+            let Some(pages) = self.pages.clone() else {
+                return Err(tonic::Status::unimplemented("predates pages"));
+            };
+            let (tx, rx) = tokio::sync::mpsc::channel(pages.len().max(1));
+            for page in pages {
+                let _ = tx.send(Ok(page)).await;
+            }
+            Ok(tonic::Response::new(ReceiverStream::new(rx)))
+        }
+    }
+
+    async fn read_from(double: Double) -> Result<Inventory, tonic::Status> {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::executor_server::ExecutorServer::new(double))
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        let uri: http::Uri = format!("http://{addr}").parse().unwrap();
+        let channel = tonic::transport::Endpoint::from(uri.clone())
+            .connect()
+            .await
+            .unwrap();
+        let mut client = ExecutorClient::new(platform::telemetry::grpc::traced(
+            channel,
+            platform::telemetry::grpc::Target::of(&uri),
+        ));
+        let read = read_inventory(&mut client).await;
+        server.abort();
+        read
+    }
+
+    fn nodes(inventory: &Inventory) -> Vec<String> {
+        inventory
+            .resources
+            .iter()
+            .map(|r| r.identity.node.to_string())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn the_inventory_is_read_in_pages_up_to_the_last() {
+        let page = |from: u32, last: bool| pb::InventoryResponse {
+            resources: (from..from + 3).map(resource).collect(),
+            last,
+        };
+        let double = Double {
+            pages: Some(vec![page(0, false), page(3, false), page(6, true)]),
+            whole: Vec::new(),
+        };
+        let inventory = read_from(double).await.unwrap();
+        let expected: Vec<String> = (0..9).map(|i| format!("workers-{i}")).collect();
+        assert_eq!(nodes(&inventory), expected);
+        assert_eq!(inventory.undecodable, 0);
+
+        // An empty inventory is one empty last page.
+        let empty = Double {
+            pages: Some(vec![pb::InventoryResponse {
+                resources: Vec::new(),
+                last: true,
+            }]),
+            whole: vec![resource(1)],
+        };
+        assert!(read_from(empty).await.unwrap().resources.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_ends_before_its_last_page_is_an_error_not_a_shorter_inventory() {
+        for pages in [
+            vec![pb::InventoryResponse {
+                resources: vec![resource(0)],
+                last: false,
+            }],
+            Vec::new(),
+        ] {
+            let double = Double {
+                pages: Some(pages),
+                whole: vec![resource(0), resource(1)],
+            };
+            let status = read_from(double).await.unwrap_err();
+            assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+            assert!(status.message().contains("last page"), "{status:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn an_executor_that_predates_pages_is_read_whole() {
+        let double = Double {
+            pages: None,
+            whole: vec![resource(4), resource(5)],
+        };
+        let inventory = read_from(double).await.unwrap();
+        assert_eq!(nodes(&inventory), ["workers-4", "workers-5"]);
+    }
 }

@@ -113,9 +113,11 @@ struct Cli {
     /// is replayed rather than run again. Without it they are kept in memory.
     #[arg(long, env = "EXECUTOR_STATE_DIR")]
     state_dir: Option<PathBuf>,
-    /// A key file (32 bytes, raw or 64 hex digits, mode 600) to seal secret
-    /// parameter values in the state directory with. Without it they are kept
-    /// unsealed in an owner-only file, and a warning says so.
+    /// A key file (32 bytes, raw or 64 hex digits, mode 600) that opens the
+    /// secret parameter values earlier executors sealed in the state
+    /// directory (they kept an operation's input until its result was
+    /// acknowledged). This one writes no parameter value there: a completed
+    /// operation is kept as its input's digest and its result.
     #[arg(long, env = "EXECUTOR_SECRETS_KEY_FILE")]
     secrets_key_file: Option<PathBuf>,
     /// At most this many backend calls in flight at once (the provider's
@@ -263,15 +265,7 @@ async fn serve_until_stopped() -> anyhow::Result<()> {
         Some(path) => platform::secrets::Sealer::new(Some(
             platform::secrets::SecretKey::load(path).context("loading the secrets key")?,
         )),
-        None => {
-            if cli.state_dir.is_some() {
-                tracing::warn!(
-                    "no --secrets-key-file: secret parameter values are kept unsealed in the state \
-                     directory (owner-only file)"
-                );
-            }
-            platform::secrets::Sealer::default()
-        }
+        None => platform::secrets::Sealer::default(),
     };
     let config = Config {
         link_buffer: cli.link_buffer,

@@ -63,7 +63,7 @@ use tracing::Instrument as _;
 use crate::{
     backend::{Backend, BackendError, ChangeSink, ObservationSink, RawChange, RawObservation},
     core::{ExecutorCore, Output},
-    health,
+    health, inventory,
 };
 
 /// The longest the actor sleeps before it reads the clock again while a
@@ -440,7 +440,9 @@ impl std::fmt::Debug for ExecutorService {
 }
 
 impl ExecutorService {
-    async fn inventory_of(&self, req: pb::InventoryRequest) -> Result<pb::InventoryResponse, RequestError> {
+    /// The live resources `req` asks for, from one read of the backend, each
+    /// with its run's highest epoch.
+    async fn inventory_of(&self, req: pb::InventoryRequest) -> Result<Vec<InventoryResource>, RequestError> {
         let only = if req.run_uid.is_empty() {
             None
         } else {
@@ -470,20 +472,19 @@ impl ExecutorService {
             .zip(epochs)
             .map(|(uid, e)| (uid, e.unwrap_or_default()))
             .collect();
-        let resources = items
+        Ok(items
             .into_iter()
             .map(|item| {
                 let epoch = by_run.get(&item.identity.run_uid).copied().unwrap_or_default();
-                pb::Resource::from(&InventoryResource {
+                InventoryResource {
                     identity: item.identity,
                     lease: item.lease,
                     endpoint: item.endpoint,
                     session_live: item.session_live,
                     epoch,
-                })
+                }
             })
-            .collect();
-        Ok(pb::InventoryResponse { resources })
+            .collect())
     }
 }
 
@@ -558,10 +559,34 @@ impl Executor for ExecutorService {
         &self,
         request: Request<pb::InventoryRequest>,
     ) -> Result<Response<pb::InventoryResponse>, Status> {
-        self.inventory_of(request.into_inner())
-            .await
-            .map(Response::new)
-            .map_err(to_status)
+        let resources = self.inventory_of(request.into_inner()).await.map_err(to_status)?;
+        Ok(Response::new(pb::InventoryResponse {
+            resources: resources.iter().map(pb::Resource::from).collect(),
+            last: false,
+        }))
+    }
+
+    type InventoryPagesStream = ReceiverStream<Result<pb::InventoryResponse, Status>>;
+
+    /// One read of the backend, encoded a page at a time as the driver reads
+    /// them: what is held is the read, not its whole encoding besides.
+    async fn inventory_pages(
+        &self,
+        request: Request<pb::InventoryRequest>,
+    ) -> Result<Response<Self::InventoryPagesStream>, Status> {
+        let resources = self.inventory_of(request.into_inner()).await.map_err(to_status)?;
+        let (tx, rx) = mpsc::channel(2);
+        tokio::spawn(
+            async move {
+                for page in inventory::pages(resources, inventory::PAGE_BYTES) {
+                    if tx.send(Ok(page)).await.is_err() {
+                        break;
+                    }
+                }
+            }
+            .in_current_span(),
+        );
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
 

@@ -764,13 +764,29 @@ impl Cluster {
         ))
     }
 
-    /// Every live resource the executor reports.
+    /// Every live resource the executor reports, read in pages up to the
+    /// last as the driver's orphan sweep reads them.
     pub async fn inventory(&self) -> anyhow::Result<Vec<pb::Resource>> {
         let mut c = self.executor_client().await?;
-        Ok(c.inventory(pb::InventoryRequest::default())
+        let mut pages = c
+            .inventory_pages(pb::InventoryRequest::default())
             .await?
-            .into_inner()
-            .resources)
+            .into_inner();
+        let mut resources = Vec::new();
+        loop {
+            let page = pages
+                .message()
+                .await?
+                .context("the inventory stream ended before its last page")?;
+            resources.extend(page.resources);
+            if page.last {
+                anyhow::ensure!(
+                    pages.message().await?.is_none(),
+                    "the inventory stream went on past its last page"
+                );
+                return Ok(resources);
+            }
+        }
     }
 
     /// Prints the services' logs (for a failing test).

@@ -82,6 +82,11 @@ const STREAMING: &[(&str, &str, &str)] = &[
     ("provisioning.v1.Provisioning", "WatchEvents", "server_stream"),
     ("provisioning.internal.v1.Decider", "Decide", "bidi_stream"),
     ("provisioning.internal.v1.Executor", "Link", "bidi_stream"),
+    (
+        "provisioning.internal.v1.Executor",
+        "InventoryPages",
+        "server_stream",
+    ),
     ("provisioning.provider.v1.Provider", "Watch", "server_stream"),
     ("grpc.health.v1.Health", "Watch", "server_stream"),
     (

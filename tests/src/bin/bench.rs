@@ -1232,6 +1232,15 @@ impl Executor for Echo {
     ) -> Result<tonic::Response<pb::InventoryResponse>, tonic::Status> {
         Ok(tonic::Response::new(pb::InventoryResponse::default()))
     }
+
+    type InventoryPagesStream = ReceiverStream<Result<pb::InventoryResponse, tonic::Status>>;
+
+    async fn inventory_pages(
+        &self,
+        _req: tonic::Request<pb::InventoryRequest>,
+    ) -> Result<tonic::Response<Self::InventoryPagesStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("the echo holds no resources"))
+    }
 }
 
 fn create_op(uid: RunUid, i: u64) -> pb::Operation {
