@@ -103,6 +103,12 @@ pub enum RunEvent {
         node: LogicalNodeId,
         reply: oneshot::Sender<Option<pb::NodeExplanation>>,
     },
+    /// A page of the run's nodes (`status::node_page`).
+    Nodes {
+        after: Option<LogicalNodeId>,
+        slots: usize,
+        reply: oneshot::Sender<pb::ListNodesResponse>,
+    },
     Plan {
         shape: ClusterShape,
         reply: oneshot::Sender<Result<pb::PlanResponse, ApplyError>>,
@@ -699,6 +705,9 @@ impl RunActor {
             }
             RunEvent::Explain { node, reply } => {
                 let _ = reply.send(self.explain(&node, now));
+            }
+            RunEvent::Nodes { after, slots, reply } => {
+                let _ = reply.send(crate::status::node_page(&self.run, after.as_ref(), slots));
             }
             RunEvent::Plan { shape, reply } => {
                 let _ = reply.send(self.plan(shape, now));

@@ -20,6 +20,7 @@ use crate::{
     core::{Applied, ApplyError, StoreError},
     driver::{Driver, DriverError},
     orphans::Orphan,
+    status::{DEFAULT_NODE_PAGE, MAX_NODE_PAGE},
 };
 
 /// Maps a driver error to its gRPC status. A rejected request changes nothing.
@@ -106,11 +107,29 @@ fn node_id_arg(node_id: &str) -> Result<LogicalNodeId, Status> {
 #[derive(Debug, Clone)]
 pub struct Api {
     driver: Driver,
+    send_limit: usize,
 }
 
 impl Api {
-    pub fn new(driver: Driver) -> Self {
-        Self { driver }
+    /// `send_limit`: the largest message the service sends (its encoder's
+    /// limit); a status with its nodes over it is refused by name.
+    pub fn new(driver: Driver, send_limit: usize) -> Self {
+        Self { driver, send_limit }
+    }
+
+    /// A status with every node (`include_nodes`) over the message limit is
+    /// refused here, saying what to read instead, rather than failed by the
+    /// encoder.
+    fn fits(&self, status: &pb::RunStatus) -> Result<(), Status> {
+        let len = prost::Message::encoded_len(status);
+        if len <= self.send_limit {
+            return Ok(());
+        }
+        Err(Status::resource_exhausted(format!(
+            "include_nodes: the status of run {} with its {} nodes is {len} bytes, over the \
+             {}-byte message limit; read its nodes a page at a time with ListNodes",
+            status.run_id, status.node_count, self.send_limit
+        )))
     }
 }
 
@@ -145,9 +164,11 @@ impl Provisioning for Api {
         let r = req.into_inner();
         let id = run_id_arg(&r.run_id)?;
         who.require_run(id.as_str())?;
-        Ok(Response::new(
-            self.driver.get(&id, r.include_nodes).await.map_err(to_status)?,
-        ))
+        let status = self.driver.get(&id, r.include_nodes).await.map_err(to_status)?;
+        if r.include_nodes {
+            self.fits(&status)?;
+        }
+        Ok(Response::new(status))
     }
 
     async fn list_runs(
@@ -175,6 +196,7 @@ impl Provisioning for Api {
         let driver = self.driver.clone();
         let mut rx = driver.watch(&id).await.map_err(to_status)?;
         let include_nodes = r.include_nodes;
+        let api = self.clone();
         let stream = async_stream(move |tx| async move {
             loop {
                 let status = if include_nodes {
@@ -185,6 +207,10 @@ impl Provisioning for Api {
                 } else {
                     (**rx.borrow_and_update()).clone()
                 };
+                if include_nodes && let Err(refused) = api.fits(&status) {
+                    let _ = tx.send(Err(refused)).await;
+                    break;
+                }
                 let last = status.phase == pb::RunPhase::Deleted as i32;
                 if tx.send(Ok(status)).await.is_err() || last {
                     break;
@@ -232,6 +258,38 @@ impl Provisioning for Api {
                 .await
                 .map_err(to_status)?,
         ))
+    }
+
+    async fn list_nodes(
+        &self,
+        req: Request<pb::ListNodesRequest>,
+    ) -> Result<Response<pb::ListNodesResponse>, Status> {
+        let who = principal(&req, Access::Read, "ListNodes")?;
+        let r = req.into_inner();
+        let id = run_id_arg(&r.run_id)?;
+        who.require_run(id.as_str())?;
+        let after = if r.page_token.is_empty() {
+            None
+        } else {
+            Some(LogicalNodeId::parse("page_token", &r.page_token).map_err(|e| invalid(&e))?)
+        };
+        let mut slots = match usize::try_from(r.page_size).unwrap_or(usize::MAX) {
+            0 => DEFAULT_NODE_PAGE,
+            n => n.min(MAX_NODE_PAGE),
+        };
+        // A page over the message limit (long failure reasons, a small
+        // limit) is read again at half the size, down to one slot.
+        loop {
+            let page = self
+                .driver
+                .nodes(&id, after.clone(), slots)
+                .await
+                .map_err(to_status)?;
+            if slots == 1 || prost::Message::encoded_len(&page) <= self.send_limit {
+                return Ok(Response::new(page));
+            }
+            slots /= 2;
+        }
     }
 
     async fn delete_run(

@@ -680,6 +680,17 @@ impl Driver {
             })
     }
 
+    /// A page of the run's nodes: up to `slots` slots after `after`.
+    pub async fn nodes(
+        &self,
+        run_id: &RunId,
+        after: Option<LogicalNodeId>,
+        slots: usize,
+    ) -> Result<pb::ListNodesResponse, DriverError> {
+        self.ask(run_id, |reply| RunEvent::Nodes { after, slots, reply })
+            .await
+    }
+
     pub async fn plan(&self, shape: ClusterShape) -> Result<pb::PlanResponse, DriverError> {
         self.check_providers(&shape)?;
         match self.find(&shape.run_id).await {

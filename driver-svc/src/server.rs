@@ -215,7 +215,7 @@ pub async fn run(
         .layer(config.auth.layer())
         .layer(config.limits.layer())
         .service(
-            ProvisioningServer::new(Api::new(driver.clone()))
+            ProvisioningServer::new(Api::new(driver.clone(), config.limits.max_send_message_bytes))
                 .max_decoding_message_size(config.limits.max_recv_message_bytes)
                 .max_encoding_message_size(config.limits.max_send_message_bytes),
         );

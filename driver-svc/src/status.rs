@@ -4,7 +4,7 @@
 use std::{collections::BTreeMap, sync::Arc};
 
 use contract::{
-    ClusterShape, GroupId, LogicalNodeId, NodeStage, NodeTemplate, UnixMillis, pb,
+    ClusterShape, GroupId, LogicalNodeId, ManagedNode, NodeStage, NodeTemplate, UnixMillis, pb,
     wire::{TemplateTable, node_to_wire, shape_to_wire_redacted},
 };
 
@@ -70,17 +70,7 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
             pending += 1;
         }
         if include_nodes {
-            nodes.push(pb::NodeStatus {
-                state: Some(node_to_wire(n, &mut table)),
-                group_id: n.id.group().to_string(),
-                spec_current: current,
-                last_decision: if successor {
-                    run.successor_decision(&n.id)
-                } else {
-                    run.last_decision(&n.id)
-                }
-                .map(|l| pb::Decision::from(&l.decision)),
-            });
+            nodes.push(node_status(run, n, successor, current, &mut table));
         }
     }
     if let Some(done) = acc_group {
@@ -162,6 +152,62 @@ pub fn run_status(run: &RunState, include_nodes: bool, now: UnixMillis) -> pb::R
     }
 }
 
+/// One attempt as clients read it (`successor`: the slot's successor, whose
+/// last decision is kept apart from the current attempt's).
+fn node_status(
+    run: &RunState,
+    n: &ManagedNode,
+    successor: bool,
+    spec_current: bool,
+    table: &mut TemplateTable,
+) -> pb::NodeStatus {
+    pb::NodeStatus {
+        state: Some(node_to_wire(n, table)),
+        group_id: n.id.group().to_string(),
+        spec_current,
+        last_decision: if successor {
+            run.successor_decision(&n.id)
+        } else {
+            run.last_decision(&n.id)
+        }
+        .map(|l| pb::Decision::from(&l.decision)),
+    }
+}
+
+/// Most slots in a `ListNodes` page, and how many a page of size 0 holds.
+pub const MAX_NODE_PAGE: usize = 10_000;
+pub const DEFAULT_NODE_PAGE: usize = 1_000;
+
+/// A page of `ListNodes`: up to `slots` slots after `after` in node id
+/// order, each slot's current attempt then its successor; the token names
+/// the page's last slot when more follow.
+pub fn node_page(run: &RunState, after: Option<&LogicalNodeId>, slots: usize) -> pb::ListNodesResponse {
+    let desired = run.desired_view();
+    let mut last_group = None;
+    let mut table = TemplateTable::default();
+    let mut nodes = Vec::new();
+    let mut page = run.slots_after(after);
+    let mut last = None;
+    for (current, successor) in page.by_ref().take(slots) {
+        let attempts = std::iter::once((current, false)).chain(successor.map(|s| (s, true)));
+        for (n, is_successor) in attempts {
+            let spec_current = template_for(&desired, &mut last_group, &n.id)
+                .is_some_and(|t| NodeTemplate::same(t, &n.spec));
+            nodes.push(node_status(run, n, is_successor, spec_current, &mut table));
+        }
+        last = Some(&current.id);
+    }
+    let next_page_token = match (page.next(), last) {
+        (Some(_), Some(id)) => id.to_string(),
+        _ => String::new(),
+    };
+    pb::ListNodesResponse {
+        nodes,
+        next_page_token,
+        node_count: u32::try_from(run.node_count()).unwrap_or(u32::MAX),
+    }
+}
+
 /// What `ExplainNode` answers for `node`: its state, the last decision and
 /// the decision it would get now; `executor_note` is what the executor said
 /// of its pending call (a budget wait).
@@ -178,12 +224,7 @@ pub fn explanation(
         .template_for(node)
         .is_some_and(|t| NodeTemplate::same(t, &n.spec));
     Some(pb::NodeExplanation {
-        node: Some(pb::NodeStatus {
-            state: Some(node_to_wire(n, &mut table)),
-            group_id: node.group().to_string(),
-            spec_current: current,
-            last_decision: run.last_decision(node).map(|l| pb::Decision::from(&l.decision)),
-        }),
+        node: Some(node_status(run, n, false, current, &mut table)),
         decision: run.explain(node, now).map(|d| pb::Decision::from(&d)),
         now_ms: now.as_millis(),
         executor_note,

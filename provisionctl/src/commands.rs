@@ -878,19 +878,68 @@ impl Ctx {
         })
     }
 
-    /// The run's status, as `get` reads it.
+    /// The run's status, as `get` reads it; with `nodes`, every node read a
+    /// page at a time after it.
     async fn run_status(&self, run: &str, nodes: bool) -> Result<pb::RunStatus, CliError> {
         let client = self.connect_run(run).await?;
         let request = pb::GetRunRequest {
             run_id: run.to_owned(),
-            include_nodes: nodes,
+            include_nodes: false,
         };
-        read(|| {
+        let mut status = read(|| {
             let (mut c, r) = (client.clone(), request.clone());
             async move { c.get_run(r).await }
         })
         .await
-        .map_err(|s| self.status_error(&s, Doing::Run { verb: "get", run }))
+        .map_err(|s| self.status_error(&s, Doing::Run { verb: "get", run }))?;
+        if nodes {
+            status.nodes = self.all_nodes(&client, run).await?;
+        }
+        Ok(status)
+    }
+
+    /// Every node of the run, a page at a time (`ListNodes`: a run of any
+    /// size); from a driver that predates pages, in its one status message.
+    async fn all_nodes(&self, client: &Client, run: &str) -> Result<Vec<pb::NodeStatus>, CliError> {
+        let failed = |s: &tonic::Status| self.status_error(s, Doing::Run { verb: "get", run });
+        let mut nodes = Vec::new();
+        let mut token = String::new();
+        loop {
+            let request = pb::ListNodesRequest {
+                run_id: run.to_owned(),
+                page_size: 0,
+                page_token: std::mem::take(&mut token),
+            };
+            let first = request.page_token.is_empty();
+            let page = read(|| {
+                let (mut c, r) = (client.clone(), request.clone());
+                async move { c.list_nodes(r).await }
+            })
+            .await;
+            match page {
+                Ok(page) => {
+                    nodes.extend(page.nodes);
+                    if page.next_page_token.is_empty() {
+                        return Ok(nodes);
+                    }
+                    token = page.next_page_token;
+                }
+                Err(s) if first && s.code() == Code::Unimplemented => {
+                    let request = pb::GetRunRequest {
+                        run_id: run.to_owned(),
+                        include_nodes: true,
+                    };
+                    let whole = read(|| {
+                        let (mut c, r) = (client.clone(), request.clone());
+                        async move { c.get_run(r).await }
+                    })
+                    .await
+                    .map_err(|s| failed(&s))?;
+                    return Ok(whole.nodes);
+                }
+                Err(s) => return Err(failed(&s)),
+            }
+        }
     }
 
     async fn get(&self, run: &str, nodes: bool, output: Output) -> Result<Exit, CliError> {

@@ -439,6 +439,22 @@ class Client:
         Its shape's secret values read ``<redacted>``. Raises :class:`NotFound`."""
         return self._read("GetRun", pb.GetRunRequest(run_id=run_id, include_nodes=nodes), f"get run {run_id}")
 
+    def nodes(self, run_id: str, page_size: int = 0):
+        """Every node of the run (``NodeStatus``), slot by slot in node id
+        order, read a page at a time with ``ListNodes`` (at most
+        ``page_size`` slots a page; 0: the driver's default). :meth:`get`
+        with ``nodes`` sends them in one message, which a run of more than
+        some tens of thousands of nodes does not fit. Raises
+        :class:`NotFound`."""
+        token = ""
+        while True:
+            request = pb.ListNodesRequest(run_id=run_id, page_size=page_size, page_token=token)
+            page = self._read("ListNodes", request, f"list the nodes of run {run_id}")
+            yield from page.nodes
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
     def list(self, label_selector: str = "") -> list:
         """Every run's ``RunStatus`` the caller may see; with
         ``label_selector`` (``team=ml,env!=dev,gpu,!legacy``: all must hold),

@@ -956,6 +956,13 @@ class DriverTest(StackTest):
         self.assertGreater(e.now_ms, 0)
         with self.assertRaises(NotFound):
             c.explain("explained", "workers-9")
+        # A page a time, one slot each, the same nodes as the whole status.
+        paged = [n.state.node_id for n in c.nodes("explained", page_size=1)]
+        whole = [n.state.node_id for n in c.get("explained", nodes=True).nodes]
+        self.assertEqual(paged, whole)
+        self.assertGreater(len(paged), 1)
+        with self.assertRaises(NotFound):
+            list(c.nodes("nope"))
 
     def test_list_events_and_providers(self):
         c = self.client()

@@ -1177,6 +1177,19 @@ impl RunState {
             .filter_map(|e| e.rec.successor.as_deref().map(|s| &s.node))
     }
 
+    /// The slots after `after` in node id order (every slot without it),
+    /// each as its current attempt and its successor, if it holds one: a
+    /// page of them costs its own length, not the run's.
+    pub fn slots_after(
+        &self,
+        after: Option<&LogicalNodeId>,
+    ) -> impl Iterator<Item = (&ManagedNode, Option<&ManagedNode>)> {
+        let from = after.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
+        self.nodes
+            .range::<LogicalNodeId, _>((from, std::ops::Bound::Unbounded))
+            .map(|(_, e)| (&e.rec.node, e.rec.successor.as_deref().map(|s| &s.node)))
+    }
+
     /// A successor's last decision.
     pub fn successor_decision(&self, id: &LogicalNodeId) -> Option<&LastDecision> {
         self.nodes.get(id)?.succ_last.as_ref()
