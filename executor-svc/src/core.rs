@@ -19,9 +19,9 @@ use std::{
 
 use crate::retired::Retired;
 use contract::{
-    AttemptId, BootstrapStage, Change, Claim, Effect, Epoch, Observation, Operation, OperationId,
-    OperationResult, Outcome, Rejection, RejectionReason, ResourceChange, ResourceIdentity, RunUid,
-    SessionId, TraceContext, UnixMillis,
+    AttemptId, BootstrapStage, Change, Claim, Effect, Epoch, LogicalNodeId, Observation, Operation,
+    OperationId, OperationResult, Outcome, Rejection, RejectionReason, ResourceChange, ResourceIdentity,
+    RunUid, SessionId, TraceContext, UnixMillis,
 };
 
 /// Reason of the `Retryable` result of an operation whose deadline passed before
@@ -236,14 +236,51 @@ pub fn input_digest(op: &Operation) -> u64 {
     h.finish()
 }
 
-/// A completed operation's recorded result.
+/// A completed operation's recorded result, as compact as the dedup table
+/// needs it: the run and the operation id are the table's keys, and the
+/// trace is kept only while the result is owed or a late completion may
+/// still come (a replay joins the resubmission's trace).
 #[derive(Debug, Clone)]
 struct Completed {
-    result: OperationResult,
+    node: LogicalNodeId,
+    outcome: Outcome,
+    completed_at: UnixMillis,
+    trace: Option<Box<TraceContext>>,
+    effect: Effect,
     acked: bool,
     /// The core abandoned the operation at its deadline while the backend call was
     /// out, so one late completion may still arrive; it is reported once.
     awaiting_late: bool,
+}
+
+impl Completed {
+    fn new(result: OperationResult, acked: bool) -> Self {
+        let trace = (result.trace != TraceContext::default()).then(|| Box::new(result.trace));
+        Self {
+            node: result.node,
+            outcome: result.outcome,
+            completed_at: result.completed_at,
+            trace,
+            effect: result.effect,
+            acked,
+            awaiting_late: false,
+        }
+    }
+
+    /// The recorded result of operation `id` of run `run_uid`.
+    fn result(&self, run_uid: RunUid, id: OperationId) -> OperationResult {
+        OperationResult {
+            run_uid,
+            node: self.node.clone(),
+            id,
+            effect: self.effect,
+            outcome: self.outcome.clone(),
+            completed_at: self.completed_at,
+            late: false,
+            replayed: false,
+            trace: self.trace.as_deref().cloned().unwrap_or_default(),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -374,11 +411,7 @@ impl RunState {
         };
         self.deadlines.remove(&(op.deadline, id));
         entry.input.settle();
-        entry.state = OpState::Completed(Box::new(Completed {
-            result: result.clone(),
-            acked: false,
-            awaiting_late: false,
-        }));
+        entry.state = OpState::Completed(Box::new(Completed::new(result.clone(), false)));
         self.unacked.insert(id);
         self.changed.insert(id);
         Some(result)
@@ -616,9 +649,8 @@ impl ExecutorCore {
                 done.acked = false;
                 run.unacked.insert(id);
                 run.changed.insert(id);
-                let mut replay = done.result.clone();
+                let mut replay = done.result(run_uid, id);
                 replay.replayed = true;
-                replay.late = false;
                 // The replay answers the resubmission, so it joins that trace.
                 replay.trace = op.trace;
                 out.push(Output::Result(replay));
@@ -711,15 +743,10 @@ impl ExecutorCore {
                 // may already have acted on it, and a replay must not change.
                 done.awaiting_late = false;
                 out.push(Output::Result(OperationResult {
-                    run_uid,
-                    node: done.result.node.clone(),
-                    id,
-                    effect: done.result.effect,
                     outcome,
                     completed_at: now,
                     late: true,
-                    replayed: false,
-                    trace: done.result.trace.clone(),
+                    ..done.result(run_uid, id)
                 }));
             }
             // A queued operation was never started, and a completed one has
@@ -832,11 +859,10 @@ impl ExecutorCore {
         // it with the resubmission's own trace (a late result still joins
         // this one's).
         if !done.awaiting_late {
-            done.result.trace = TraceContext::default();
+            done.trace = None;
         }
         run.changed.insert(id);
-        let destroyed = done.result.effect == Effect::DestroyLease
-            && matches!(done.result.outcome, Outcome::Succeeded(_));
+        let destroyed = done.effect == Effect::DestroyLease && matches!(done.outcome, Outcome::Succeeded(_));
         run.unacked.remove(&id);
         let attempt = id.attempt();
         if run.retired.contains(attempt) {
@@ -851,12 +877,14 @@ impl ExecutorCore {
     /// what to re-send after the stream reconnects.
     pub fn unacked_results(&self) -> Vec<OperationResult> {
         self.runs
-            .values()
-            .flat_map(|run| {
-                run.unacked.iter().filter_map(|id| match &run.ops.get(id)?.state {
-                    OpState::Completed(done) => Some(done.result.clone()),
-                    OpState::Queued | OpState::Running => None,
-                })
+            .iter()
+            .flat_map(|(&run_uid, run)| {
+                run.unacked
+                    .iter()
+                    .filter_map(move |&id| match &run.ops.get(&id)?.state {
+                        OpState::Completed(done) => Some(done.result(run_uid, id)),
+                        OpState::Queued | OpState::Running => None,
+                    })
             })
             .collect()
     }
@@ -869,8 +897,8 @@ impl ExecutorCore {
         };
         run.unacked
             .iter()
-            .filter_map(|id| match &run.ops.get(id)?.state {
-                OpState::Completed(done) => Some(done.result.clone()),
+            .filter_map(|&id| match &run.ops.get(&id)?.state {
+                OpState::Completed(done) => Some(done.result(run_uid, id)),
                 OpState::Queued | OpState::Running => None,
             })
             .collect()
@@ -1125,7 +1153,7 @@ impl ExecutorCore {
                 let record = run.ops.get(&id).and_then(|e| match &e.state {
                     OpState::Completed(c) => Some(Box::new(DurableOp {
                         input_digest: e.input.digest(),
-                        result: c.result.clone(),
+                        result: c.result(run_uid, id),
                         acked: c.acked,
                     })),
                     OpState::Queued | OpState::Running => None,
@@ -1146,7 +1174,7 @@ impl ExecutorCore {
                 if let OpState::Completed(c) = &e.state {
                     let record = DurableOp {
                         input_digest: e.input.digest(),
-                        result: c.result.clone(),
+                        result: c.result(run_uid, id),
                         acked: c.acked,
                     };
                     out.insert((run_uid, id), record);
@@ -1191,11 +1219,7 @@ impl ExecutorCore {
                     id,
                     OpEntry {
                         input: KeptInput::Digest(o.input_digest),
-                        state: OpState::Completed(Box::new(Completed {
-                            result: o.result,
-                            acked: o.acked,
-                            awaiting_late: false,
-                        })),
+                        state: OpState::Completed(Box::new(Completed::new(o.result, o.acked))),
                     },
                 );
             }
