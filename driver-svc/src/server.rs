@@ -386,6 +386,7 @@ async fn read_inventory(
 ) -> Result<Inventory, tonic::Status> {
     let request = contract::pb::InventoryRequest::default();
     let mut inventory = Inventory::default();
+    let mut names = Names::default();
     match executor.inventory_pages(request.clone()).await {
         Ok(pages) => {
             let mut pages = pages.into_inner();
@@ -395,7 +396,7 @@ async fn read_inventory(
                         "the executor's inventory stream ended before its last page",
                     ));
                 };
-                decode_inventory(&mut inventory, &page.resources);
+                decode_inventory(&mut inventory, &page.resources, &mut names);
                 if page.last {
                     break;
                 }
@@ -410,20 +411,43 @@ async fn read_inventory(
         }
         Err(status) if status.code() == tonic::Code::Unimplemented => {
             let whole = executor.inventory(request).await?;
-            decode_inventory(&mut inventory, &whole.into_inner().resources);
+            decode_inventory(&mut inventory, &whole.into_inner().resources, &mut names);
         }
         Err(status) => return Err(status),
     }
     Ok(inventory)
 }
 
+/// The run ids and groups an inventory names, each kept once: a million
+/// resources name a few runs and groups, and each decoded on its own held an
+/// allocation per name (two per resource).
+#[derive(Debug, Default)]
+struct Names {
+    groups: contract::GroupInterner,
+    run: Option<contract::RunId>,
+}
+
+impl Names {
+    fn share(&mut self, mut resource: contract::InventoryResource) -> contract::InventoryResource {
+        let id = &mut resource.identity;
+        match &self.run {
+            Some(run) if *run == id.run_id => id.run_id = run.clone(),
+            _ => self.run = Some(id.run_id.clone()),
+        }
+        if let Ok(group) = self.groups.group("node_id", id.node.group().as_str()) {
+            id.node = contract::LogicalNodeId::new(group, id.node.index());
+        }
+        resource
+    }
+}
+
 /// Adds inventory entries in domain types. An entry that does not decode is
 /// logged and left out, and counted, so that the sweep concludes nothing
 /// from an absence it cannot vouch for (see [`crate::orphans::Orphans::sweep`]).
-fn decode_inventory(inventory: &mut Inventory, resources: &[contract::pb::Resource]) {
+fn decode_inventory(inventory: &mut Inventory, resources: &[contract::pb::Resource], names: &mut Names) {
     for r in resources {
         match contract::InventoryResource::try_from(r) {
-            Ok(resource) => inventory.resources.push(resource),
+            Ok(resource) => inventory.resources.push(names.share(resource)),
             Err(error) => {
                 tracing::warn!(%error, run_uid = %r.run_uid, node = %r.node_id, attempt = r.attempt,
                     "orphan sweep: an inventory entry does not decode; left out");
@@ -540,6 +564,15 @@ mod tests {
         let expected: Vec<String> = (0..9).map(|i| format!("workers-{i}")).collect();
         assert_eq!(nodes(&inventory), expected);
         assert_eq!(inventory.undecodable, 0);
+        // Across pages, every resource of the run and group shares its names.
+        let first = &inventory.resources[0].identity;
+        for r in &inventory.resources {
+            assert!(std::ptr::eq(r.identity.run_id.as_str(), first.run_id.as_str()));
+            assert!(std::ptr::eq(
+                r.identity.node.group().as_str(),
+                first.node.group().as_str()
+            ));
+        }
 
         // An empty inventory is one empty last page.
         let empty = Double {
