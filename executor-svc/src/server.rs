@@ -686,6 +686,10 @@ struct Actor {
     budget: Budget,
     /// Waiting operations the driver has been told about.
     told_waiting: HashSet<(RunUid, OperationId)>,
+    /// The groups operations name, each kept once: an operation's node id
+    /// outlives it in its result, its resource and its observations, and
+    /// each decoded on its own held an allocation of its group's name.
+    groups: contract::GroupInterner,
     /// What the executor serves, told first on every link (`None`: nothing
     /// is told).
     served: Option<Vec<contract::ServedProvider>>,
@@ -737,6 +741,7 @@ impl Actor {
             trace: event_trace::Deferred::default(),
             budget: Budget::new(BudgetConfig::default(), Monotonic::default()),
             told_waiting: HashSet::new(),
+            groups: contract::GroupInterner::default(),
             served: None,
             steps: contract::StepWatch::new(clock.as_ref()),
             clock,
@@ -1043,10 +1048,13 @@ impl Actor {
 
     fn on_submit(&mut self, link: LinkId, op: pb::Operation, trace: &TraceContext) {
         let (raw_uid, raw_id) = (op.run_uid.clone(), op.id);
-        let op = match Operation::try_from(op) {
+        let mut op = match Operation::try_from(op) {
             Ok(op) => op,
             Err(e) => return self.reject_invalid(link, raw_uid, raw_id, "operation", &e, trace),
         };
+        if let Ok(group) = self.groups.group("node_id", op.node.group().as_str()) {
+            op.node = contract::LogicalNodeId::new(group, op.node.index());
+        }
         // A rejection answers the operation, so it joins the operation's trace,
         // or the message's when the operation carries none.
         let trace = if op.trace == TraceContext::default() {
