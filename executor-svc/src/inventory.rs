@@ -64,7 +64,7 @@ mod tests {
             },
             lease: Some(LeaseId::new("lease", &format!("lease-{i}")).unwrap()),
             endpoint: Some(Endpoint::new("endpoint", &format!("10.0.{}.{}:22", i / 256, i % 256)).unwrap()),
-            session_live: i % 2 == 0,
+            session_live: i.is_multiple_of(2),
             epoch: Epoch::new(3),
         }
     }
