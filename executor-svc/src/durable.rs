@@ -316,17 +316,23 @@ mod tests {
         }
     }
 
-    #[test]
-    fn fencing_and_completed_results_survive_a_restart() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = ExecutorStore::open(dir.path()).unwrap();
+    /// A core with the run claimed at `epoch`.
+    fn claimed(epoch: u64) -> ExecutorCore {
         let mut core = ExecutorCore::new();
         core.claim(&Claim {
             run_uid: RUN,
             run_id: RunId::parse("run_id", "train").unwrap(),
-            epoch: Epoch::new(4),
+            epoch: Epoch::new(epoch),
         })
         .unwrap();
+        core
+    }
+
+    #[test]
+    fn fencing_and_completed_results_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ExecutorStore::open(dir.path()).unwrap();
+        let mut core = claimed(4);
         let out = core.submit(create(1, 4), UnixMillis::new(1));
         assert!(matches!(out.as_slice(), [Output::Start(_)]));
         let lease = contract::LeaseId::new("l", "lease-1").unwrap();
@@ -392,13 +398,7 @@ mod tests {
     fn a_completed_operation_is_written_without_its_input() {
         let dir = tempfile::tempdir().unwrap();
         let store = ExecutorStore::open(dir.path()).unwrap();
-        let mut core = ExecutorCore::new();
-        core.claim(&Claim {
-            run_uid: RUN,
-            run_id: RunId::parse("run_id", "train").unwrap(),
-            epoch: Epoch::new(1),
-        })
-        .unwrap();
+        let mut core = claimed(1);
         let _ = core.submit(create(1, 1), UnixMillis::new(1));
         let _ = core.complete(
             RUN,
