@@ -53,6 +53,18 @@ use crate::backend::{
 
 type Client = pb::provider_client::ProviderClient<Channel>;
 
+/// The largest answer read from a plugin. `ListResources` answers with
+/// every resource in one message, 100–150 bytes a resource: tonic's default
+/// of 4 MiB refused the list of a plugin holding more than some 30,000 to
+/// 40,000, and with it the inventory (the health prober's, the orphan
+/// sweep's). 64 MiB takes about half a million; past that the protocol
+/// needs pages, as the executor's own inventory has (`InventoryPages`).
+const ANSWER_BYTES: usize = 64 << 20;
+
+fn plugin_client(channel: Channel) -> Client {
+    Client::new(channel).max_decoding_message_size(ANSWER_BYTES)
+}
+
 /// Where a plugin is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PluginTarget {
@@ -257,7 +269,11 @@ impl PluginBackend {
                     target: config.target.clone(),
                     reason,
                 })?;
-                tokio::spawn(watch_address(Arc::clone(&inner), Client::new(channel), first_tx));
+                tokio::spawn(watch_address(
+                    Arc::clone(&inner),
+                    plugin_client(channel),
+                    first_tx,
+                ));
             }
             PluginTarget::Command(command) => {
                 let task = tokio::spawn(supervise(Arc::clone(&inner), command.clone(), first_tx));
@@ -488,7 +504,7 @@ async fn run_once(
         }
     });
     let mut client = match channel(&address, &inner.config.transport) {
-        Ok(c) => Client::new(c),
+        Ok(c) => plugin_client(c),
         Err(e) => {
             end_child(&mut child, pid).await;
             return RunEnd::Ended(format!("its address {address:?}: {e}"));
@@ -919,6 +935,84 @@ mod tests {
     use contract::{AttemptId, Epoch, LogicalNodeId, OperationId, RunId, RunUid, TraceContext, UnixMillis};
 
     use super::*;
+
+    /// Every resource of a plugin whose list is over tonic's default 4 MiB
+    /// answer limit reaches the inventory.
+    #[tokio::test]
+    async fn a_list_over_four_mib_is_read_whole() {
+        use provider_sdk::{Answer, Bootstrap, Call, Info, Listen, Resource, ServeOptions};
+
+        const HELD: u32 = 40_000;
+        struct Many;
+        impl provider_sdk::Provider for Many {
+            fn info(&self) -> Info {
+                Info {
+                    provider_names: vec!["many".into()],
+                    reports_health: false,
+                    reports_loss: false,
+                    description: String::new(),
+                }
+            }
+            fn create_lease(
+                &self,
+                _: Call,
+                _: contract::NodeTemplate,
+            ) -> BoxFuture<'static, Answer<LeaseId>> {
+                Box::pin(async { Answer::Retryable("full".into()) })
+            }
+            fn lookup_endpoint(&self, _: Call, _: LeaseId) -> BoxFuture<'static, Answer<Endpoint>> {
+                Box::pin(async { Answer::NotReady("no".into()) })
+            }
+            fn start_bootstrap(&self, _: Call, _: Bootstrap) -> BoxFuture<'static, Answer<SessionId>> {
+                Box::pin(async { Answer::Retryable("no".into()) })
+            }
+            fn cancel_bootstrap(&self, _: Call, _: Option<SessionId>) -> BoxFuture<'static, Answer<()>> {
+                Box::pin(async { Answer::Succeeded(()) })
+            }
+            fn destroy_lease(&self, _: Call, _: Option<LeaseId>) -> BoxFuture<'static, Answer<()>> {
+                Box::pin(async { Answer::Succeeded(()) })
+            }
+            fn list(&self) -> BoxFuture<'static, Result<Vec<Resource>, String>> {
+                let run_id = RunId::parse("run_id", "big").unwrap();
+                Box::pin(async move {
+                    Ok((0..HELD)
+                        .map(|i| Resource {
+                            identity: contract::ResourceIdentity {
+                                run_uid: RunUid::from_u128(9),
+                                run_id: run_id.clone(),
+                                node: LogicalNodeId::parse("node", &format!("workers-{i}")).unwrap(),
+                                attempt: AttemptId::new(u64::from(i) + 1),
+                            },
+                            lease: LeaseId::new("lease", &format!("lease-{i:0>64}")).unwrap(),
+                            endpoint: None,
+                            session_live: false,
+                            provider_name: "many".into(),
+                        })
+                        .collect())
+                })
+            }
+        }
+
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("many.sock");
+        let mut options = ServeOptions::plaintext(Listen::Unix(socket.clone()));
+        options.announce = false;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(provider_sdk::serve(Many, options, async {
+            let _ = stopped.await;
+        }));
+        let target = PluginTarget::Address(format!("unix:{}", socket.display()));
+        let clock: Arc<dyn contract::Clock> = Arc::new(contract::SystemClock);
+        let backend = PluginBackend::start(PluginConfig::new(target, Transport::Insecure), clock)
+            .await
+            .unwrap();
+        let items = backend.inventory().await.unwrap();
+        assert_eq!(items.len(), HELD as usize);
+        assert_eq!(items[7].identity.node.to_string(), "workers-7");
+        drop(backend);
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    }
 
     /// A deadline far in the future (as a driver may set) gives a call a
     /// bounded timeout instead of a panic in gRPC's header encoding.
