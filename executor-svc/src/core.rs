@@ -660,9 +660,10 @@ impl ExecutorCore {
         }
 
         let attempt = id.attempt();
-        let digest = input_digest(&op);
+        // The digest is computed here only for an id its retired attempt
+        // used: an operation that runs is digested once, when it settles.
         let used = run.retired.digest(id);
-        if used.is_some_and(|d| d != digest) {
+        if used.is_some_and(|d| d != input_digest(&op)) {
             let message = format!(
                 "operation {id} of run {run_uid} was already used by its cleaned-up attempt with other input"
             );
@@ -678,7 +679,7 @@ impl ExecutorCore {
             // The attempt's lease is gone: a cancel or destroy for it (a retry
             // after the driver gave up waiting on the first) finds nothing,
             // and "already absent" is success. Nothing runs.
-            run.retired.record(id, digest);
+            run.retired.record(id, input_digest(&op));
             self.dirty_runs.insert(run_uid);
             run.ops.insert(id, OpEntry::new(op));
             if let Some(result) = run.finish(id, Outcome::Succeeded(Default::default()), now) {
