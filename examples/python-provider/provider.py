@@ -74,9 +74,22 @@ FAILURE_OF = {
     pb.STAGE_JOINED: pb.STAGE_FAILED_JOIN,
 }
 
-#: Events a Watch stream may have queued before it counts as stuck and is
-#: cancelled (the executor opens a new one and gets the latest state again).
+#: Events a Watch stream may have queued beyond two a resource before it
+#: counts as stuck and is cancelled (the executor opens a new one and gets
+#: the latest state again).
 WATCH_BUFFER = 16 * 1024
+# The most one page of ListResourcePages holds, encoded.
+PAGE_BYTES = 1 << 20
+
+
+def varint_len(n: int) -> int:
+    """The bytes of `n` as a protobuf varint."""
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
 
 #: Stages after which a session reports nothing more.
 TERMINAL_STAGES = {pb.STAGE_CONVERGED, *FAILURE_OF.values(), pb.STAGE_FAILED_CLOSED}
@@ -358,8 +371,13 @@ class State:
     # -- Watch ------------------------------------------------------------
 
     def _broadcast(self, event: "pb.WatchEvent") -> None:
+        # A new stream's queue starts with two events a resource (its stage
+        # and its health), so the bound grows with what is held: a fixed one
+        # would cancel every stream of a plugin holding more than it, each
+        # one at its first event after the snapshot.
+        bound = WATCH_BUFFER + 2 * len(self._resources)
         for watcher, context in list(self._watchers.items()):
-            if watcher.qsize() >= WATCH_BUFFER:
+            if watcher.qsize() >= bound:
                 # A reader this far behind is dropped rather than buffered
                 # without bound; nothing is lost for good, since the stream
                 # it opens next starts with the latest state.
@@ -659,19 +677,34 @@ class ProviderService(pb_grpc.ProviderServicer):
         log.info("destroy %s: %s", describe(key), "destroyed" if removed else "absent")
         return pb.DestroyLeaseResponse(answer=succeeded())
 
+    def _listed(self) -> list["pb.Resource"]:
+        return [
+            pb.Resource(
+                identity=identity_of(res.key),
+                lease_id=res.lease_id,
+                endpoint=res.endpoint if res.bound else "",
+                session_live=bool(res.session_id),
+                provider_name=res.provider_name,
+            )
+            for res in self._state.resources()
+        ]
+
     def ListResources(self, request, context):
-        return pb.ListResourcesResponse(
-            resources=[
-                pb.Resource(
-                    identity=identity_of(res.key),
-                    lease_id=res.lease_id,
-                    endpoint=res.endpoint if res.bound else "",
-                    session_live=bool(res.session_id),
-                    provider_name=res.provider_name,
-                )
-                for res in self._state.resources()
-            ]
-        )
+        return pb.ListResourcesResponse(resources=self._listed())
+
+    def ListResourcePages(self, request, context) -> Iterator["pb.ListResourcesResponse"]:
+        # One read, in pages of at most PAGE_BYTES encoded, the last marked.
+        page: list["pb.Resource"] = []
+        size = 0
+        for resource in self._listed():
+            n = resource.ByteSize()
+            entry = 1 + varint_len(n) + n
+            if page and size + entry > PAGE_BYTES:
+                yield pb.ListResourcesResponse(resources=page)
+                page, size = [], 0
+            page.append(resource)
+            size += entry
+        yield pb.ListResourcesResponse(resources=page, last=True)
 
     def Watch(self, request, context) -> Iterator["pb.WatchEvent"]:
         watcher = self._state.subscribe(context)

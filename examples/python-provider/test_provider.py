@@ -327,6 +327,16 @@ class ProviderTest(unittest.TestCase):
         self.assertEqual(listed[kept.run_uid].lease_id, kept_lease)
         self.assertFalse(listed[kept.run_uid].session_live)
 
+    def test_pages_list_what_the_one_message_lists(self):
+        for _ in range(3):
+            self.create(new_identity())
+        pages = list(self.stub.ListResourcePages(pb.ListResourcePagesRequest()))
+        self.assertTrue(pages)
+        self.assertEqual([p.last for p in pages], [False] * (len(pages) - 1) + [True])
+        paged = [r for p in pages for r in p.resources]
+        whole = list(self.stub.ListResources(pb.ListResourcesRequest()).resources)
+        self.assertEqual(paged, whole)
+
     def test_restart_keeps_resources(self):
         identity = new_identity()
         lease = self.create(identity).lease_id

@@ -32,7 +32,6 @@ pub mod fake_backend;
 pub mod fake_control;
 pub mod health;
 pub mod hosted;
-pub mod inventory;
 pub mod plugin;
 pub mod process;
 pub mod providers;

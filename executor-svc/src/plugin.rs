@@ -53,16 +53,28 @@ use crate::backend::{
 
 type Client = pb::provider_client::ProviderClient<Channel>;
 
-/// The largest answer read from a plugin. `ListResources` answers with
-/// every resource in one message, 100–150 bytes a resource: tonic's default
-/// of 4 MiB refused the list of a plugin holding more than some 30,000 to
-/// 40,000, and with it the inventory (the health prober's, the orphan
-/// sweep's). 64 MiB takes about half a million; past that the protocol
-/// needs pages, as the executor's own inventory has (`InventoryPages`).
+/// The largest answer read from a plugin. A plugin that predates
+/// `ListResourcePages` answers `ListResources` with every resource in one
+/// message, 100–150 bytes a resource: tonic's default of 4 MiB refused the
+/// list of one holding more than some 30,000 to 40,000, and with it the
+/// inventory (the health prober's, the orphan sweep's). 64 MiB takes about
+/// half a million; a plugin holding more must serve the pages.
 const ANSWER_BYTES: usize = 64 << 20;
 
 fn plugin_client(channel: Channel) -> Client {
     Client::new(channel).max_decoding_message_size(ANSWER_BYTES)
+}
+
+/// Two connections to the plugin at `address`: one for the operations and
+/// the inventory, one for the health checks. A check on the operations'
+/// connection waited behind every call in flight there: at a million nodes
+/// a busy plugin's `GetInfo` timed out three times in a row, and the
+/// supervisor restarted a plugin that was answering all along.
+fn connections(address: &str, transport: &Transport) -> Result<(Client, Client), String> {
+    Ok((
+        plugin_client(channel(address, transport)?),
+        plugin_client(channel(address, transport)?),
+    ))
 }
 
 /// Where a plugin is.
@@ -265,15 +277,12 @@ impl PluginBackend {
         let (first_tx, first_rx) = tokio::sync::oneshot::channel();
         match &config.target {
             PluginTarget::Address(address) => {
-                let channel = channel(address, &config.transport).map_err(|reason| PluginError::Start {
-                    target: config.target.clone(),
-                    reason,
-                })?;
-                tokio::spawn(watch_address(
-                    Arc::clone(&inner),
-                    plugin_client(channel),
-                    first_tx,
-                ));
+                let (calls, checks) =
+                    connections(address, &config.transport).map_err(|reason| PluginError::Start {
+                        target: config.target.clone(),
+                        reason,
+                    })?;
+                tokio::spawn(watch_address(Arc::clone(&inner), calls, checks, first_tx));
             }
             PluginTarget::Command(command) => {
                 let task = tokio::spawn(supervise(Arc::clone(&inner), command.clone(), first_tx));
@@ -356,7 +365,8 @@ impl PluginBackend {
 /// on the next answer.
 async fn watch_address(
     inner: Arc<Inner>,
-    mut client: Client,
+    client: Client,
+    mut checks: Client,
     first: tokio::sync::oneshot::Sender<Result<PluginInfo, String>>,
 ) {
     let mut first = Some(first);
@@ -364,7 +374,7 @@ async fn watch_address(
     let mut failures = 0u32;
     loop {
         match get_info(
-            &mut client,
+            &mut checks,
             inner.config.health_interval.max(Duration::from_millis(500)),
         )
         .await
@@ -503,8 +513,8 @@ async fn run_once(
             tracing::debug!(plugin = %drain_label, line = %line, "plugin standard output");
         }
     });
-    let mut client = match channel(&address, &inner.config.transport) {
-        Ok(c) => plugin_client(c),
+    let (client, mut checks) = match connections(&address, &inner.config.transport) {
+        Ok(both) => both,
         Err(e) => {
             end_child(&mut child, pid).await;
             return RunEnd::Ended(format!("its address {address:?}: {e}"));
@@ -524,7 +534,7 @@ async fn run_once(
                 end_child(&mut child, pid).await;
                 return RunEnd::Stopped;
             }
-            info = get_info(&mut client, check) => match info {
+            info = get_info(&mut checks, check) => match info {
                 Ok(info) => {
                     failures = 0;
                     if !up {
@@ -863,6 +873,29 @@ async fn execute(inner: Arc<Inner>, op: Operation, observations: ObservationSink
     }
 }
 
+/// How long one read of a plugin's resources may take, all its pages.
+const LIST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Adds what a plugin listed to `items`.
+fn add_listed(
+    items: &mut Vec<InventoryItem>,
+    listed: Vec<pb::Resource>,
+    label: &str,
+) -> Result<(), BackendError> {
+    items.reserve(listed.len());
+    for r in listed {
+        let identity = identity_from_wire("identity", r.identity.as_ref())
+            .map_err(|e| BackendError::Internal(format!("the {label} listed a resource whose {e}")))?;
+        items.push(InventoryItem {
+            identity,
+            lease: LeaseId::new("lease_id", &r.lease_id).ok(),
+            endpoint: Endpoint::new("endpoint", &r.endpoint).ok(),
+            session_live: r.session_live,
+        });
+    }
+    Ok(())
+}
+
 impl Backend for PluginBackend {
     fn execute(&self, op: Operation, observations: ObservationSink) -> BoxFuture<'static, Outcome> {
         Box::pin(execute(Arc::clone(&self.inner), op, observations))
@@ -877,24 +910,43 @@ impl Backend for PluginBackend {
                     inner.label()
                 )));
             };
-            let mut request = tonic::Request::new(pb::ListResourcesRequest {});
-            request.set_timeout(Duration::from_secs(30));
-            let listed = client
-                .list_resources(request)
-                .await
-                .map_err(|s| BackendError::Unavailable(format!("the {}: {}", inner.label(), s.message())))?
-                .into_inner();
-            let mut items = Vec::with_capacity(listed.resources.len());
-            for r in listed.resources {
-                let identity = identity_from_wire("identity", r.identity.as_ref()).map_err(|e| {
-                    BackendError::Internal(format!("the {} listed a resource whose {e}", inner.label()))
-                })?;
-                items.push(InventoryItem {
-                    identity,
-                    lease: LeaseId::new("lease_id", &r.lease_id).ok(),
-                    endpoint: Endpoint::new("endpoint", &r.endpoint).ok(),
-                    session_live: r.session_live,
-                });
+            let label = inner.label();
+            let unavailable =
+                |s: tonic::Status| BackendError::Unavailable(format!("the {label}: {}", s.message()));
+            let mut items = Vec::new();
+            let mut request = tonic::Request::new(pb::ListResourcePagesRequest {});
+            request.set_timeout(LIST_TIMEOUT);
+            match client.list_resource_pages(request).await {
+                Ok(pages) => {
+                    let mut pages = pages.into_inner();
+                    let mut last = false;
+                    while let Some(page) = pages.message().await.map_err(unavailable)? {
+                        if last {
+                            return Err(BackendError::Internal(format!(
+                                "the {label} listed a page after its last one"
+                            )));
+                        }
+                        last = page.last;
+                        add_listed(&mut items, page.resources, &label)?;
+                    }
+                    if !last {
+                        return Err(BackendError::Unavailable(format!(
+                            "the {label}'s list ended before its last page"
+                        )));
+                    }
+                }
+                // A plugin that predates pages answers in one message.
+                Err(status) if status.code() == tonic::Code::Unimplemented => {
+                    let mut request = tonic::Request::new(pb::ListResourcesRequest {});
+                    request.set_timeout(LIST_TIMEOUT);
+                    let listed = client
+                        .list_resources(request)
+                        .await
+                        .map_err(unavailable)?
+                        .into_inner();
+                    add_listed(&mut items, listed.resources, &label)?;
+                }
+                Err(status) => return Err(unavailable(status)),
             }
             Ok(items)
         })
@@ -937,7 +989,7 @@ mod tests {
     use super::*;
 
     /// Every resource of a plugin whose list is over tonic's default 4 MiB
-    /// answer limit reaches the inventory.
+    /// answer limit reaches the inventory (in pages).
     #[tokio::test]
     async fn a_list_over_four_mib_is_read_whole() {
         use provider_sdk::{Answer, Bootstrap, Call, Info, Listen, Resource, ServeOptions};
@@ -1012,6 +1064,153 @@ mod tests {
         drop(backend);
         let _ = stop.send(());
         server.await.unwrap().unwrap();
+    }
+
+    /// How a [`Lister`] answers `ListResourcePages`.
+    #[derive(Clone, Copy)]
+    enum Paging {
+        /// UNIMPLEMENTED, as a plugin that predates pages does.
+        Absent,
+        /// One page, not marked last, and the stream ends.
+        CutShort,
+        /// A page marked last, then another.
+        PastLast,
+    }
+
+    /// A plugin test double that lists three resources, paged as told.
+    struct Lister(Paging);
+
+    fn listed(i: u32) -> pb::Resource {
+        pb::Resource {
+            identity: Some(identity_to_wire(&contract::ResourceIdentity {
+                run_uid: RunUid::from_u128(3),
+                run_id: RunId::parse("run_id", "small").unwrap(),
+                node: LogicalNodeId::parse("node", &format!("workers-{i}")).unwrap(),
+                attempt: AttemptId::new(u64::from(i) + 1),
+            })),
+            lease_id: format!("lease-{i}"),
+            endpoint: String::new(),
+            session_live: false,
+            provider_name: "lister".into(),
+        }
+    }
+
+    type Reply<T> = Result<tonic::Response<T>, tonic::Status>;
+
+    #[tonic::async_trait]
+    impl pb::provider_server::Provider for Lister {
+        async fn get_info(&self, _: tonic::Request<pb::GetInfoRequest>) -> Reply<pb::GetInfoResponse> {
+            Ok(tonic::Response::new(pb::GetInfoResponse {
+                protocol_version: pb::ProtocolVersion::ProtocolVersion1.into(),
+                provider_names: vec!["lister".into()],
+                capabilities: Some(pb::Capabilities::default()),
+                description: String::new(),
+            }))
+        }
+        async fn create_lease(
+            &self,
+            _: tonic::Request<pb::CreateLeaseRequest>,
+        ) -> Reply<pb::CreateLeaseResponse> {
+            Err(tonic::Status::unimplemented("test double"))
+        }
+        async fn lookup_endpoint(
+            &self,
+            _: tonic::Request<pb::LookupEndpointRequest>,
+        ) -> Reply<pb::LookupEndpointResponse> {
+            Err(tonic::Status::unimplemented("test double"))
+        }
+        async fn start_bootstrap(
+            &self,
+            _: tonic::Request<pb::StartBootstrapRequest>,
+        ) -> Reply<pb::StartBootstrapResponse> {
+            Err(tonic::Status::unimplemented("test double"))
+        }
+        async fn cancel_bootstrap(
+            &self,
+            _: tonic::Request<pb::CancelBootstrapRequest>,
+        ) -> Reply<pb::CancelBootstrapResponse> {
+            Err(tonic::Status::unimplemented("test double"))
+        }
+        async fn destroy_lease(
+            &self,
+            _: tonic::Request<pb::DestroyLeaseRequest>,
+        ) -> Reply<pb::DestroyLeaseResponse> {
+            Err(tonic::Status::unimplemented("test double"))
+        }
+        async fn list_resources(
+            &self,
+            _: tonic::Request<pb::ListResourcesRequest>,
+        ) -> Reply<pb::ListResourcesResponse> {
+            Ok(tonic::Response::new(pb::ListResourcesResponse {
+                resources: (0..3).map(listed).collect(),
+                last: false,
+            }))
+        }
+        type ListResourcePagesStream =
+            tokio_stream::Iter<std::vec::IntoIter<Result<pb::ListResourcesResponse, tonic::Status>>>;
+        async fn list_resource_pages(
+            &self,
+            _: tonic::Request<pb::ListResourcePagesRequest>,
+        ) -> Reply<Self::ListResourcePagesStream> {
+            let page = |resources: Vec<pb::Resource>, last| Ok(pb::ListResourcesResponse { resources, last });
+            let pages = match self.0 {
+                Paging::Absent => return Err(tonic::Status::unimplemented("no pages here")),
+                Paging::CutShort => vec![page(vec![listed(0)], false)],
+                Paging::PastLast => vec![page(vec![listed(0)], true), page(vec![listed(1)], true)],
+            };
+            Ok(tonic::Response::new(tokio_stream::iter(pages)))
+        }
+        type WatchStream = tokio_stream::Pending<Result<pb::WatchEvent, tonic::Status>>;
+        async fn watch(&self, _: tonic::Request<pb::WatchRequest>) -> Reply<Self::WatchStream> {
+            Ok(tonic::Response::new(tokio_stream::pending()))
+        }
+    }
+
+    /// The inventory of a [`Lister`] plugin paging as told.
+    async fn inventory_of(paging: Paging) -> Result<Vec<InventoryItem>, BackendError> {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("lister.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::provider_server::ProviderServer::new(Lister(paging)))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::UnixListenerStream::new(listener),
+                    async {
+                        let _ = stopped.await;
+                    },
+                ),
+        );
+        let target = PluginTarget::Address(format!("unix:{}", socket.display()));
+        let clock: Arc<dyn contract::Clock> = Arc::new(contract::SystemClock);
+        let backend = PluginBackend::start(PluginConfig::new(target, Transport::Insecure), clock)
+            .await
+            .unwrap();
+        let items = backend.inventory().await;
+        drop(backend);
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+        items
+    }
+
+    #[tokio::test]
+    async fn a_plugin_without_pages_is_read_whole() {
+        let items = inventory_of(Paging::Absent).await.unwrap();
+        let nodes: Vec<String> = items.iter().map(|i| i.identity.node.to_string()).collect();
+        assert_eq!(nodes, ["workers-0", "workers-1", "workers-2"]);
+    }
+
+    #[tokio::test]
+    async fn a_list_that_ends_before_its_last_page_or_goes_on_past_it_is_no_inventory() {
+        match inventory_of(Paging::CutShort).await {
+            Err(BackendError::Unavailable(m)) => assert!(m.contains("before its last page"), "{m}"),
+            other => panic!("a list cut short read as {other:?}"),
+        }
+        match inventory_of(Paging::PastLast).await {
+            Err(BackendError::Internal(m)) => assert!(m.contains("after its last one"), "{m}"),
+            other => panic!("a list going on past its last page read as {other:?}"),
+        }
     }
 
     /// A deadline far in the future (as a driver may set) gives a call a

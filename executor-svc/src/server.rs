@@ -36,6 +36,7 @@ use contract::{
     Claim, Clock, Epoch, FieldError, InventoryResource, Monotonic, Observation, Operation, OperationId,
     OperationResult, Outcome, Rejection, RejectionReason, ResourceChange, RunUid, SessionId, TraceContext,
     WatchHealth,
+    pages::{PAGE_BYTES, pages},
     pb::{
         self,
         executor_server::{Executor, ExecutorServer},
@@ -63,7 +64,7 @@ use tracing::Instrument as _;
 use crate::{
     backend::{Backend, BackendError, ChangeSink, ObservationSink, RawChange, RawObservation},
     core::{ExecutorCore, Output},
-    health, inventory,
+    health,
 };
 
 /// The longest the actor sleeps before it reads the clock again while a
@@ -578,7 +579,10 @@ impl Executor for ExecutorService {
         let (tx, rx) = mpsc::channel(2);
         tokio::spawn(
             async move {
-                for page in inventory::pages(resources, inventory::PAGE_BYTES) {
+                for page in pages::<pb::InventoryResponse>(
+                    resources.into_iter().map(|r| pb::Resource::from(&r)),
+                    PAGE_BYTES,
+                ) {
                     if tx.send(Ok(page)).await.is_err() {
                         break;
                     }

@@ -32,6 +32,8 @@ pub mod state;
 pub mod time;
 
 #[cfg(feature = "wire")]
+pub mod pages;
+#[cfg(feature = "wire")]
 pub mod wire;
 
 /// Metadata keys of the public API's answers.

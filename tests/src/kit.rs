@@ -20,6 +20,7 @@ use std::{
 
 use anyhow::Context as _;
 use contract::{ResourceIdentity, RunUid, shape::example_template};
+use prost::Message as _;
 use provider_sdk::wire::{identity_to_wire, pb, template_to_wire};
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tonic::transport::Channel;
@@ -241,12 +242,13 @@ pub const BOOTSTRAP: &str = "a bootstrap starts once per identity and reports it
 pub const ABSENT: &str = "cancel and destroy of an absent resource succeed";
 pub const DESTROY: &str = "a destroy removes the resource, and again succeeds";
 pub const LIST: &str = "list agrees with what exists";
+pub const PAGES: &str = "the paged list agrees with the one-message list, its last page marked";
 pub const LOSS: &str = "a loss is reported";
 pub const HEALTH: &str = "health changes are reported";
 pub const RESTART: &str = "a restart of the plugin loses nothing it reported";
 
 /// Every contract, for the output's legend and the tests.
-pub const CONTRACTS: [&str; 13] = [
+pub const CONTRACTS: [&str; 14] = [
     INFO,
     ONE_RESOURCE,
     CONCURRENT,
@@ -257,10 +259,81 @@ pub const CONTRACTS: [&str; 13] = [
     ABSENT,
     DESTROY,
     LIST,
+    PAGES,
     LOSS,
     HEALTH,
     RESTART,
 ];
+
+/// Whether `ListResourcePages` lists what `ListResources` does, in order,
+/// each page under its bound and only the last marked; a plugin without it
+/// (UNIMPLEMENTED) is skipped: the executor reads it with `ListResources`.
+async fn paged_list(client: &mut Client) -> anyhow::Result<Verdict> {
+    let whole = client
+        .list_resources(Kit::request(pb::ListResourcesRequest {}, CALL_DEADLINE))
+        .await
+        .context("ListResources")?
+        .into_inner()
+        .resources;
+    let mut stream = match client
+        .list_resource_pages(Kit::request(pb::ListResourcePagesRequest {}, CALL_DEADLINE))
+        .await
+    {
+        Ok(stream) => stream.into_inner(),
+        Err(s) if s.code() == tonic::Code::Unimplemented => {
+            return Ok(Verdict::Skip(
+                "it does not serve ListResourcePages (read with ListResources)".into(),
+            ));
+        }
+        Err(s) => {
+            return Ok(Verdict::Fail(format!(
+                "ListResourcePages: {:?}: {}",
+                s.code(),
+                s.message()
+            )));
+        }
+    };
+    let mut problems = Vec::new();
+    let mut paged = Vec::new();
+    let mut last = false;
+    loop {
+        match stream.message().await {
+            Ok(Some(page)) => {
+                if last {
+                    problems.push("a page came after the one marked last".to_owned());
+                }
+                if page.encoded_len() > contract::pages::PAGE_BYTES && page.resources.len() > 1 {
+                    problems.push(format!("a page of {} bytes", page.encoded_len()));
+                }
+                last = page.last;
+                paged.extend(page.resources);
+            }
+            Ok(None) => break,
+            Err(s) => {
+                problems.push(format!("the stream failed: {:?}: {}", s.code(), s.message()));
+                break;
+            }
+        }
+    }
+    if !last {
+        problems.push("no page was marked last".to_owned());
+    }
+    // The kit makes no call between the two reads, so the same resources are
+    // held (an endpoint may have been bound meanwhile: not compared).
+    let held = |list: &[pb::Resource]| -> Vec<(Option<pb::Identity>, String, String)> {
+        list.iter()
+            .map(|r| (r.identity.clone(), r.lease_id.clone(), r.provider_name.clone()))
+            .collect()
+    };
+    if held(&paged) != held(&whole) {
+        problems.push(format!(
+            "the pages list {} resources, ListResources {}",
+            paged.len(),
+            whole.len()
+        ));
+    }
+    Ok(Verdict::of(problems))
+}
 
 /// What the plugin reported on its Watch stream, as the kit keeps it.
 #[derive(Debug, Default)]
@@ -819,6 +892,7 @@ pub async fn run(plugin: &mut Plugin, provider: Option<&str>) -> anyhow::Result<
         ))
     };
     report.record(LIST, verdict);
+    report.record(PAGES, paged_list(&mut client).await?);
 
     // A restart (a crash: SIGKILL) loses nothing it reported.
     if plugin.can_restart() {

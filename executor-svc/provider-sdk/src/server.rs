@@ -4,7 +4,10 @@
 
 use std::{panic::AssertUnwindSafe, pin::Pin, sync::Arc, time::Duration};
 
-use contract::{Endpoint, FieldError, LeaseId, SessionId, UnixMillis};
+use contract::{
+    Endpoint, FieldError, LeaseId, SessionId, UnixMillis,
+    pages::{PAGE_BYTES, pages},
+};
 use futures::{FutureExt as _, Stream, future::BoxFuture};
 use tokio_stream::{StreamExt as _, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status};
@@ -134,6 +137,19 @@ async fn guarded<T>(
             Answer::Ambiguous(format!(
                 "{method}: the provider did not answer by the call's deadline"
             ))
+        }
+    }
+}
+
+impl<P: Provider> ProviderService<P> {
+    /// Every resource the provider holds, from one read.
+    async fn list(&self) -> Result<Vec<Resource>, Status> {
+        match AssertUnwindSafe(self.provider.list()).catch_unwind().await {
+            Ok(Ok(resources)) => Ok(resources),
+            Ok(Err(reason)) => Err(Status::unavailable(format!(
+                "the provider cannot list now: {reason}"
+            ))),
+            Err(_) => Err(Status::internal("the provider panicked while listing")),
         }
     }
 }
@@ -326,23 +342,40 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         &self,
         _: Request<pb::ListResourcesRequest>,
     ) -> Result<Response<pb::ListResourcesResponse>, Status> {
-        let listed = AssertUnwindSafe(self.provider.list()).catch_unwind().await;
-        match listed {
-            Ok(Ok(resources)) => Ok(Response::new(pb::ListResourcesResponse {
-                resources: resources.iter().map(resource_to_wire).collect(),
-            })),
-            Ok(Err(reason)) => Err(Status::unavailable(format!(
-                "the provider cannot list now: {reason}"
-            ))),
-            Err(_) => Err(Status::internal("the provider panicked while listing")),
-        }
+        let resources = self.list().await?;
+        Ok(Response::new(pb::ListResourcesResponse {
+            resources: resources.iter().map(resource_to_wire).collect(),
+            last: false,
+        }))
+    }
+
+    type ListResourcePagesStream = ReceiverStream<Result<pb::ListResourcesResponse, Status>>;
+
+    /// One read of the provider, encoded a page at a time as the executor
+    /// reads them.
+    async fn list_resource_pages(
+        &self,
+        _: Request<pb::ListResourcePagesRequest>,
+    ) -> Result<Response<Self::ListResourcePagesStream>, Status> {
+        let resources = self.list().await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        tokio::spawn(async move {
+            for page in pages::<pb::ListResourcesResponse>(
+                resources.into_iter().map(|r| resource_to_wire(&r)),
+                PAGE_BYTES,
+            ) {
+                if tx.send(Ok(page)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 
     type WatchStream = WatchStream;
 
     async fn watch(&self, _: Request<pb::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
-        let rx = self.events.subscribe();
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+        Ok(Response::new(Box::pin(self.events.subscribe().map(Ok))))
     }
 }
 

@@ -88,6 +88,11 @@ const STREAMING: &[(&str, &str, &str)] = &[
         "server_stream",
     ),
     ("provisioning.provider.v1.Provider", "Watch", "server_stream"),
+    (
+        "provisioning.provider.v1.Provider",
+        "ListResourcePages",
+        "server_stream",
+    ),
     ("grpc.health.v1.Health", "Watch", "server_stream"),
     (
         "grpc.reflection.v1.ServerReflection",

@@ -693,6 +693,8 @@ struct Converged {
     passes: u64,
     driver: Option<Memory>,
     executor: Option<Memory>,
+    /// The peak of a plugin the executor started, if it started one.
+    plugin_peak_kib: Option<u64>,
     cpu: CpuUsed,
 }
 
@@ -700,10 +702,101 @@ async fn three_processes(n: u64, durable: bool) -> anyhow::Result<Converged> {
     three_processes_runs(vec![shape(n)], durable).await
 }
 
+/// The child processes of `pid` (a plugin the executor started), whichever
+/// of its threads started them.
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|list| {
+            list.split_whitespace()
+                .filter_map(|c| c.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// One run of `n` nodes on three processes (memory store) whose executor
+/// hosts the fake out of process, as a provider plugin: the executor's
+/// memory then is its own, not the test double's. Its peak and growth, and
+/// the plugin's peak apart.
+async fn bench_e2e_hosted(t: &mut Table, n: u64) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    // The plugin's own health loop is pushed out of the way: the bench's
+    // shape watches no health, and a probe of every resource every half
+    // second would be the plugin's work, not the executor's.
+    let command = format!(
+        "{} --backend fake --fake-latency-ms 0,0 --fake-stage-interval-ms 0 --health-interval-ms 3600000 \
+         --listen unix:{}",
+        provisioning_tests::procs::bin_path("builtin-provider")?.display(),
+        dir.path().join("fake.sock").display()
+    );
+    let opts = ClusterOptions::default()
+        .executor("--backend", "none")
+        .executor("--plugin-command", &command);
+    let run = converge(vec![shape(n)], false, opts).await?;
+    t.add(
+        "e2e",
+        n,
+        "three processes, fake as a plugin",
+        run.elapsed.as_secs_f64(),
+        "s",
+        format!("memory store; {} passes", run.passes),
+    );
+    for (service, used) in run.cpu {
+        t.add(
+            "cpu",
+            n,
+            &format!("{service} CPU per 1,000 nodes (fake as a plugin)"),
+            used * 1000.0 / n as f64,
+            "s",
+            format!("{used:.2} s over the convergence"),
+        );
+    }
+    if let Some(mem) = run.executor {
+        let per_node = mem.after.saturating_sub(mem.before) as f64 * 1024.0 / n as f64;
+        t.add(
+            "memory",
+            n,
+            "executor RSS growth per node, fake as a plugin",
+            per_node,
+            "bytes",
+            format!(
+                "target <= 1024: {:.2}x; peak {:.1} MiB (target <= 1024 at 1,000,000)",
+                per_node / 1024.0,
+                mem.peak as f64 / 1024.0
+            ),
+        );
+    }
+    if let Some(peak) = run.plugin_peak_kib {
+        t.add(
+            "memory",
+            n,
+            "the fake plugin's peak RSS",
+            peak as f64 / 1024.0,
+            "MiB",
+            "a test double's model, apart from the executor".into(),
+        );
+    }
+    Ok(())
+}
+
 /// Every shape applied at once to three processes, and followed until all
 /// have converged.
 async fn three_processes_runs(shapes: Vec<ClusterShape>, durable: bool) -> anyhow::Result<Converged> {
-    let mut opts = ClusterOptions::default()
+    converge(shapes, durable, ClusterOptions::default()).await
+}
+
+/// [`three_processes_runs`] on `opts` (the executor's backend).
+async fn converge(
+    shapes: Vec<ClusterShape>,
+    durable: bool,
+    opts: ClusterOptions,
+) -> anyhow::Result<Converged> {
+    let mut opts = opts
         .executor("--fake-latency-ms", "0,0")
         .executor("--fake-stage-interval-ms", "0")
         .driver("--probe-interval-ms", "5")
@@ -740,7 +833,7 @@ async fn three_processes_runs(shapes: Vec<ClusterShape>, durable: bool) -> anyho
         // Followed on a watch, which the driver sends a phase change on at
         // once: polling would round small runs up to its period.
         [run] => {
-            watch_until(&mut c, run, Duration::from_secs(600), |s| s.converged)
+            watch_until(&mut c, run, Duration::from_secs(1800), |s| s.converged)
                 .await
                 .with_context(|| format!("{run} did not converge"))?
                 .passes
@@ -752,6 +845,14 @@ async fn three_processes_runs(shapes: Vec<ClusterShape>, durable: bool) -> anyho
     let elapsed = start.elapsed();
     let driver = Memory::after(cluster.driver.pid(), driver_before);
     let executor = Memory::after(cluster.executor.pid(), executor_before);
+    let plugin_peak_kib = cluster
+        .executor
+        .pid()
+        .map(children)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(peak_rss_kib)
+        .max();
     let cpu_after = cpu_now();
     let mut cpu = cpu_after;
     for ((_, used), (_, before)) in cpu.iter_mut().zip(cpu_before) {
@@ -762,6 +863,7 @@ async fn three_processes_runs(shapes: Vec<ClusterShape>, durable: bool) -> anyho
         passes,
         driver,
         executor,
+        plugin_peak_kib,
         cpu,
     })
 }
@@ -1505,7 +1607,7 @@ async fn main() -> anyhow::Result<()> {
             }
             "--help" | "-h" => {
                 println!(
-                    "bench [--sizes 1,10,100,1000,10000,100000] [--only decider,rpc,e2e,throughput,health,rollout] \
+                    "bench [--sizes 1,10,100,1000,10000,100000] [--only decider,rpc,e2e,e2e-hosted,throughput,health,rollout] \
                      [--csv PATH] [--throughput-ops 20000] [--health-nodes 100000] [--health-window-s 30] \
                      [--runs 100]"
                 );
@@ -1543,6 +1645,13 @@ async fn main() -> anyhow::Result<()> {
     if want("e2e") {
         for &n in &sizes {
             bench_e2e(&mut t, n).await?;
+        }
+    }
+    // Not in the default set: the fake as a plugin is the plugin row's
+    // subject; here it only takes the test double out of the executor.
+    if only.as_ref().is_some_and(|o| o.contains("e2e-hosted")) {
+        for &n in &sizes {
+            bench_e2e_hosted(&mut t, n).await?;
         }
     }
     if want("runs") {
