@@ -1077,7 +1077,8 @@ mod tests {
         PastLast,
     }
 
-    /// A plugin test double that lists three resources, paged as told.
+    /// A plugin test double that lists three resources, paged as told; a
+    /// `DestroyLease` never answers.
     struct Lister(Paging);
 
     fn listed(i: u32) -> pb::Resource {
@@ -1135,7 +1136,7 @@ mod tests {
             &self,
             _: tonic::Request<pb::DestroyLeaseRequest>,
         ) -> Reply<pb::DestroyLeaseResponse> {
-            Err(tonic::Status::unimplemented("test double"))
+            std::future::pending().await
         }
         async fn list_resources(
             &self,
@@ -1166,14 +1167,23 @@ mod tests {
         }
     }
 
-    /// The inventory of a [`Lister`] plugin paging as told.
-    async fn inventory_of(paging: Paging) -> Result<Vec<InventoryItem>, BackendError> {
+    /// A [`Lister`] plugin serving at most `streams` calls at a time on a
+    /// connection, and a backend on it.
+    struct Served {
+        backend: PluginBackend,
+        stop: tokio::sync::oneshot::Sender<()>,
+        server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+        _dir: tempfile::TempDir,
+    }
+
+    async fn serve_lister(paging: Paging, streams: u32, config: impl FnOnce(&mut PluginConfig)) -> Served {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("lister.sock");
         let listener = tokio::net::UnixListener::bind(&socket).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(
             tonic::transport::Server::builder()
+                .max_concurrent_streams(streams)
                 .add_service(pb::provider_server::ProviderServer::new(Lister(paging)))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::UnixListenerStream::new(listener),
@@ -1183,15 +1193,73 @@ mod tests {
                 ),
         );
         let target = PluginTarget::Address(format!("unix:{}", socket.display()));
+        let mut c = PluginConfig::new(target, Transport::Insecure);
+        config(&mut c);
         let clock: Arc<dyn contract::Clock> = Arc::new(contract::SystemClock);
-        let backend = PluginBackend::start(PluginConfig::new(target, Transport::Insecure), clock)
-            .await
-            .unwrap();
-        let items = backend.inventory().await;
-        drop(backend);
-        let _ = stop.send(());
-        server.await.unwrap().unwrap();
+        let backend = PluginBackend::start(c, clock).await.unwrap();
+        Served {
+            backend,
+            stop,
+            server,
+            _dir: dir,
+        }
+    }
+
+    impl Served {
+        async fn end(self) {
+            self.backend.shutdown(Duration::ZERO).await;
+            drop(self.backend);
+            let _ = self.stop.send(());
+            self.server.abort();
+        }
+    }
+
+    /// The inventory of a [`Lister`] plugin paging as told.
+    async fn inventory_of(paging: Paging) -> Result<Vec<InventoryItem>, BackendError> {
+        let served = serve_lister(paging, 100, |_| {}).await;
+        let items = served.backend.inventory().await;
+        served.end().await;
         items
+    }
+
+    /// A plugin whose connection for operations is full (every stream it
+    /// takes busy with a call that does not answer yet) still answers its
+    /// health checks, on their own connection: it stays up. On one shared
+    /// connection the checks waited behind the calls and the plugin was
+    /// taken for down (and a supervised one restarted).
+    #[tokio::test]
+    async fn a_plugin_busy_with_calls_is_not_taken_for_down() {
+        let served = serve_lister(Paging::Absent, 1, |c| {
+            c.health_interval = Duration::from_millis(100);
+            c.health_failures = 2;
+        })
+        .await;
+        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let op = Operation {
+            run_uid: RunUid::from_u128(1),
+            run_id: RunId::parse("run_id", "r").unwrap(),
+            node: LogicalNodeId::parse("node", "w-0").unwrap(),
+            id: OperationId::new(AttemptId::new(1), 1),
+            epoch: Epoch::new(1),
+            deadline: UnixMillis::new(u64::MAX / 2),
+            provider: Arc::from("lister"),
+            input: OperationInput::DestroyLease { lease: None },
+            trace: TraceContext::default(),
+        };
+        let busy = tokio::spawn(
+            served
+                .backend
+                .execute(op, ObservationSink::new(tx, TraceContext::default())),
+        );
+        // Five checks' timeouts (at least 500 ms each) and more.
+        tokio::time::sleep(Duration::from_millis(3_000)).await;
+        assert!(!busy.is_finished(), "the call answered");
+        assert!(
+            served.backend.inner.current().is_some(),
+            "the busy plugin was taken for down"
+        );
+        busy.abort();
+        served.end().await;
     }
 
     #[tokio::test]
