@@ -911,8 +911,14 @@ impl Backend for PluginBackend {
                 )));
             };
             let label = inner.label();
-            let unavailable =
-                |s: tonic::Status| BackendError::Unavailable(format!("the {label}: {}", s.message()));
+            let unavailable = |s: tonic::Status| {
+                let cause = std::error::Error::source(&s).map(|e| format!(" ({})", platform::error_chain(e)));
+                BackendError::Unavailable(format!(
+                    "the {label}: {}{}",
+                    s.message(),
+                    cause.unwrap_or_default()
+                ))
+            };
             let mut items = Vec::new();
             let mut request = tonic::Request::new(pb::ListResourcePagesRequest {});
             request.set_timeout(LIST_TIMEOUT);

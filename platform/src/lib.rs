@@ -22,6 +22,20 @@ pub mod runtime;
 pub mod telemetry;
 pub mod tls;
 
+/// An error and the errors under it, as one line (a transport error's own
+/// text says little: "h2 protocol error: error reading a body from
+/// connection" hides whether the peer reset the stream or went away).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 #[cfg(feature = "secrets")]
 pub mod secrets;
 

@@ -46,7 +46,10 @@ use tonic::transport::{
 };
 use tower::{Layer, Service};
 
-use crate::telemetry::grpc::{Target, TracedChannel};
+use crate::{
+    error_chain,
+    telemetry::grpc::{Target, TracedChannel},
+};
 
 /// The trust domain of every identity this system issues and checks.
 pub const TRUST_DOMAIN: &str = "provisioning";
@@ -208,18 +211,6 @@ fn certificates(
         });
     }
     Ok(certs)
-}
-
-/// An error and the errors under it, as one line.
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 /// Checks that `key` is the private key of the chain's first certificate, so
