@@ -65,15 +65,29 @@ fn plugin_client(channel: Channel) -> Client {
     Client::new(channel).max_decoding_message_size(ANSWER_BYTES)
 }
 
-/// Two connections to the plugin at `address`: one for the operations and
-/// the inventory, one for the health checks. A check on the operations'
-/// connection waited behind every call in flight there: at a million nodes
-/// a busy plugin's `GetInfo` timed out three times in a row, and the
-/// supervisor restarted a plugin that was answering all along.
-fn connections(address: &str, transport: &Transport) -> Result<(Client, Client), String> {
+/// The connections to a plugin that is up: one for the operations' calls,
+/// one for the long reads (`Watch` and the resource list).
+#[derive(Clone)]
+struct Connections {
+    calls: Client,
+    streams: Client,
+}
+
+/// The connections to the plugin at `address`, and one more for the health
+/// checks. A check on the operations' connection waited behind every call
+/// in flight there: at a million nodes a busy plugin's `GetInfo` timed out
+/// three times in a row, and the supervisor restarted a plugin that was
+/// answering all along. The list and `Watch` have their own so that a
+/// connection the calls break (a reset, a full window) does not take them
+/// with it.
+fn connections(address: &str, transport: &Transport) -> Result<(Connections, Client), String> {
+    let client = || Ok::<_, String>(plugin_client(channel(address, transport)?));
     Ok((
-        plugin_client(channel(address, transport)?),
-        plugin_client(channel(address, transport)?),
+        Connections {
+            calls: client()?,
+            streams: client()?,
+        },
+        client()?,
     ))
 }
 
@@ -160,8 +174,8 @@ impl std::fmt::Debug for PluginBackend {
 struct Inner {
     config: PluginConfig,
     clock: Arc<dyn Clock>,
-    /// The connection to the plugin; `None` while it is down.
-    client: watch::Sender<Option<Client>>,
+    /// The connections to the plugin; `None` while it is down.
+    client: watch::Sender<Option<Connections>>,
     info: Mutex<PluginInfo>,
     /// The sink of each session's operation, by identity.
     sessions: Mutex<HashMap<ResourceIdentity, ObservationSink>>,
@@ -182,12 +196,12 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Inner {
-    fn current(&self) -> Option<Client> {
+    fn current(&self) -> Option<Connections> {
         self.client.borrow().clone()
     }
 
-    /// The client once the plugin is up.
-    async fn client(&self) -> Client {
+    /// The connections once the plugin is up.
+    async fn client(&self) -> Connections {
         let mut rx = self.client.subscribe();
         loop {
             if let Some(c) = rx.borrow_and_update().clone() {
@@ -365,7 +379,7 @@ impl PluginBackend {
 /// on the next answer.
 async fn watch_address(
     inner: Arc<Inner>,
-    client: Client,
+    client: Connections,
     mut checks: Client,
     first: tokio::sync::oneshot::Sender<Result<PluginInfo, String>>,
 ) {
@@ -617,7 +631,7 @@ async fn watch_loop(inner: Arc<Inner>) {
     let mut stop = inner.stop.subscribe();
     loop {
         let mut client = tokio::select! {
-            c = inner.client() => c,
+            c = inner.client() => c.streams,
             _ = stop.changed() => return,
         };
         let stream = tokio::select! {
@@ -761,7 +775,10 @@ async fn execute(inner: Arc<Inner>, op: Operation, observations: ObservationSink
     // deadline: then it may or may not have been sent before the plugin went
     // down, which is ambiguous.
     let wait = op.deadline.saturating_since(inner.clock.now());
-    let Ok(mut client) = tokio::time::timeout(wait, inner.client()).await else {
+    let Ok(Connections {
+        calls: mut client, ..
+    }) = tokio::time::timeout(wait, inner.client()).await
+    else {
         return Outcome::Ambiguous {
             reason: format!("the {} was down until the operation's deadline", inner.label()),
         };
@@ -904,7 +921,10 @@ impl Backend for PluginBackend {
     fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
         let inner = Arc::clone(&self.inner);
         Box::pin(async move {
-            let Some(mut client) = inner.current() else {
+            let Some(Connections {
+                streams: mut client, ..
+            }) = inner.current()
+            else {
                 return Err(BackendError::Unavailable(format!(
                     "the {} is down",
                     inner.label()
@@ -1230,9 +1250,9 @@ mod tests {
 
     /// A plugin whose connection for operations is full (every stream it
     /// takes busy with a call that does not answer yet) still answers its
-    /// health checks, on their own connection: it stays up. On one shared
-    /// connection the checks waited behind the calls and the plugin was
-    /// taken for down (and a supervised one restarted).
+    /// health checks and its list, each on a connection of its own: it
+    /// stays up. On one shared connection the checks waited behind the calls
+    /// and the plugin was taken for down (and a supervised one restarted).
     #[tokio::test]
     async fn a_plugin_busy_with_calls_is_not_taken_for_down() {
         let served = serve_lister(Paging::Absent, 1, |c| {
@@ -1264,6 +1284,12 @@ mod tests {
             served.backend.inner.current().is_some(),
             "the busy plugin was taken for down"
         );
+        // The list does not wait behind the calls either.
+        let listed = tokio::time::timeout(Duration::from_secs(5), served.backend.inventory())
+            .await
+            .expect("the list waited behind the call in flight")
+            .unwrap();
+        assert_eq!(listed.len(), 3);
         busy.abort();
         served.end().await;
     }
