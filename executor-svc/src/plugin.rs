@@ -29,8 +29,8 @@ use std::{
 };
 
 use contract::{
-    Change, Clock, Endpoint, LeaseId, Operation, OperationInput, Outcome, ResourceIdentity, ResultFacts,
-    SessionId,
+    BootstrapStage, Change, Clock, Endpoint, LeaseId, Operation, OperationInput, Outcome, ResourceIdentity,
+    ResultFacts, SessionId,
 };
 use futures::future::BoxFuture;
 use platform::tls::Transport;
@@ -177,7 +177,8 @@ struct Inner {
     /// The connections to the plugin; `None` while it is down.
     client: watch::Sender<Option<Connections>>,
     info: Mutex<PluginInfo>,
-    /// The sink of each session's operation, by identity.
+    /// The sink of each session's operation, by identity, until the session
+    /// reaches a terminal stage (or is cancelled, or its resource goes).
     sessions: Mutex<HashMap<ResourceIdentity, ObservationSink>>,
     resumed: Mutex<Option<ObservationSink>>,
     changes: Mutex<Option<ChangeSink>>,
@@ -679,12 +680,21 @@ fn route(inner: &Inner, event: pb::WatchEvent) {
                 tracing::warn!(plugin = %inner.label(), "the plugin reported a malformed stage: dropped");
                 return;
             };
+            // A session reports nothing after a terminal stage, so its sink
+            // goes with it: a million converged nodes held a million sinks.
+            // A replay of the stage (a new `Watch` stream) goes to the
+            // resumed sink, as any stage of a session without one does.
+            let sink = {
+                let mut sessions = locked(&inner.sessions);
+                if stage == BootstrapStage::Converged || stage.is_failure() {
+                    sessions.remove(&identity)
+                } else {
+                    sessions.get(&identity).cloned()
+                }
+            }
+            .or_else(|| locked(&inner.resumed).clone());
             let observation =
                 RawObservation::new(identity, session, stage, s.detail, at_from_wire(s.at_unix_ms));
-            let sink = locked(&inner.sessions)
-                .get(&observation.identity)
-                .cloned()
-                .or_else(|| locked(&inner.resumed).clone());
             if let Some(sink) = sink {
                 sink.send(observation);
             }
@@ -1291,6 +1301,46 @@ mod tests {
             .unwrap();
         assert_eq!(listed.len(), 3);
         busy.abort();
+        served.end().await;
+    }
+
+    /// A session's sink is held until its terminal stage, which it still
+    /// gets; stages before that leave it in place.
+    #[tokio::test]
+    async fn a_session_sink_goes_with_its_terminal_stage() {
+        let served = serve_lister(Paging::Absent, 100, |_| {}).await;
+        let inner = &served.backend.inner;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let (resumed_tx, mut resumed) = tokio::sync::mpsc::unbounded_channel();
+        *locked(&inner.resumed) = Some(ObservationSink::new(resumed_tx, TraceContext::default()));
+        let wire = listed(0).identity;
+        let identity = identity_from_wire("identity", wire.as_ref()).unwrap();
+        locked(&inner.sessions).insert(
+            identity.clone(),
+            ObservationSink::new(tx, TraceContext::default()),
+        );
+        let stage = |stage: pb::Stage| pb::WatchEvent {
+            event: Some(pb::watch_event::Event::Stage(pb::StageReached {
+                identity: wire.clone(),
+                session_id: "s-0".into(),
+                stage: stage.into(),
+                detail: String::new(),
+                at_unix_ms: 1,
+            })),
+        };
+        route(inner, stage(pb::Stage::Joined));
+        assert!(locked(&inner.sessions).contains_key(&identity));
+        route(inner, stage(pb::Stage::Converged));
+        assert!(locked(&inner.sessions).is_empty());
+        let got: Vec<BootstrapStage> = std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|o| o.stage)
+            .collect();
+        assert_eq!(got, [BootstrapStage::Joined, BootstrapStage::Converged]);
+        assert!(resumed.try_recv().is_err());
+        // A replay of the stage (a new `Watch` stream) reaches the executor
+        // through the resumed sink.
+        route(inner, stage(pb::Stage::Converged));
+        assert_eq!(resumed.try_recv().unwrap().stage, BootstrapStage::Converged);
         served.end().await;
     }
 
