@@ -630,6 +630,14 @@ fn seeds() -> anyhow::Result<Vec<(&'static str, String, Vec<u8>)>> {
                 after_seq: 3,
             },
         ),
+        fuzzing::run_request_input(
+            11,
+            &pb::ListNodesRequest {
+                run_id: run(),
+                page_size: 100,
+                page_token: node_id(),
+            },
+        ),
     ];
     for (method, input) in fuzzing::RUN_REQUESTS.iter().zip(run_requests) {
         out.push(("run_request", method.to_lowercase(), input));

@@ -10,7 +10,7 @@
 //! |----------------------|----------------------------------------|-----------|
 //! | [`apply_request`]    | `ApplyRequest`                         | the driver's `Apply`: [`shape_from_wire`], then [`ClusterShape::validate`] with the default [`ShapeLimits`] |
 //! | [`plan_request`]     | `PlanRequest`                          | the driver's `Plan`, the same way |
-//! | [`run_request`]      | a selector byte, then one of [`RUN_REQUESTS`] | the driver's other methods: the run id, and for `ExplainNode` and `AbandonNode` the node id |
+//! | [`run_request`]      | a selector byte, then one of [`RUN_REQUESTS`] | the driver's other methods: the run id, and for `ExplainNode` and `AbandonNode` the node id, for `ListNodes` its page token (a node id) |
 //! | [`decide_call`]      | length-delimited `DecideRequest`s      | the decider's `Decide` stream: header, template table, node and slot batches, `end`; then the ladder |
 //! | [`driver_message`]   | `DriverMessage`                        | the executor's link: claims, operations, acknowledgements, replay cursors, forgets |
 //! | [`executor_message`] | `ExecutorMessage`                      | the driver's link: claim acceptances, results, observations, rejections |
@@ -212,7 +212,7 @@ where
 
 /// The `Provisioning` methods [`run_request`] covers, by selector value
 /// (`selector % RUN_REQUESTS.len()`).
-pub const RUN_REQUESTS: [&str; 11] = [
+pub const RUN_REQUESTS: [&str; 12] = [
     "GetRun",
     "ListRuns",
     "WatchRun",
@@ -224,6 +224,7 @@ pub const RUN_REQUESTS: [&str; 11] = [
     "ListOrphans",
     "ListEvents",
     "WatchEvents",
+    "ListNodes",
 ];
 
 /// An `ApplyRequest`, as the driver's `Apply` takes it.
@@ -405,8 +406,14 @@ pub fn run_request(data: &[u8]) -> Result<Verdict, Violation> {
             Some(r) => (r.run_id, None),
             None => return Ok(Verdict::Undecodable),
         },
-        _ => match request::<pb::WatchEventsRequest>(body)? {
+        10 => match request::<pb::WatchEventsRequest>(body)? {
             Some(r) => (r.run_id, None),
+            None => return Ok(Verdict::Undecodable),
+        },
+        // The page token is the last node id of the page before (empty: the
+        // first page), parsed as one.
+        _ => match request::<pb::ListNodesRequest>(body)? {
+            Some(r) => (r.run_id, (!r.page_token.is_empty()).then_some(r.page_token)),
             None => return Ok(Verdict::Undecodable),
         },
     };
