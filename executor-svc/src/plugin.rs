@@ -29,8 +29,8 @@ use std::{
 };
 
 use contract::{
-    BootstrapStage, Change, Clock, Endpoint, LeaseId, Operation, OperationInput, Outcome, ResourceIdentity,
-    ResultFacts, SessionId,
+    Change, Clock, Endpoint, LeaseId, Operation, OperationInput, Outcome, ResourceIdentity, ResultFacts,
+    SessionId,
 };
 use futures::future::BoxFuture;
 use platform::tls::Transport;
@@ -686,7 +686,7 @@ fn route(inner: &Inner, event: pb::WatchEvent) {
             // resumed sink, as any stage of a session without one does.
             let sink = {
                 let mut sessions = locked(&inner.sessions);
-                if stage == BootstrapStage::Converged || stage.is_failure() {
+                if stage.is_terminal() {
                     sessions.remove(&identity)
                 } else {
                     sessions.get(&identity).cloned()
@@ -1020,7 +1020,9 @@ impl Backend for PluginBackend {
 mod tests {
     use std::sync::Arc;
 
-    use contract::{AttemptId, Epoch, LogicalNodeId, OperationId, RunId, RunUid, TraceContext, UnixMillis};
+    use contract::{
+        AttemptId, BootstrapStage, Epoch, LogicalNodeId, OperationId, RunId, RunUid, TraceContext, UnixMillis,
+    };
 
     use super::*;
 

@@ -36,7 +36,7 @@ use contract::{
     Claim, Clock, Epoch, FieldError, InventoryResource, Monotonic, Observation, Operation, OperationId,
     OperationResult, Outcome, Rejection, RejectionReason, ResourceChange, RunUid, SessionId, TraceContext,
     WatchHealth,
-    pages::{PAGE_BYTES, pages},
+    pages::{self, PageStream},
     pb::{
         self,
         executor_server::{Executor, ExecutorServer},
@@ -567,7 +567,7 @@ impl Executor for ExecutorService {
         }))
     }
 
-    type InventoryPagesStream = ReceiverStream<Result<pb::InventoryResponse, Status>>;
+    type InventoryPagesStream = PageStream<pb::InventoryResponse>;
 
     /// One read of the backend, encoded a page at a time as the driver reads
     /// them: what is held is the read, not its whole encoding besides.
@@ -576,21 +576,9 @@ impl Executor for ExecutorService {
         request: Request<pb::InventoryRequest>,
     ) -> Result<Response<Self::InventoryPagesStream>, Status> {
         let resources = self.inventory_of(request.into_inner()).await.map_err(to_status)?;
-        let (tx, rx) = mpsc::channel(2);
-        tokio::spawn(
-            async move {
-                for page in pages::<pb::InventoryResponse>(
-                    resources.into_iter().map(|r| pb::Resource::from(&r)),
-                    PAGE_BYTES,
-                ) {
-                    if tx.send(Ok(page)).await.is_err() {
-                        break;
-                    }
-                }
-            }
-            .in_current_span(),
-        );
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(pages::stream(
+            resources.into_iter().map(|r| pb::Resource::from(&r)),
+        )))
     }
 }
 

@@ -7,7 +7,10 @@
 //! [`PAGE_BYTES`], each built only when the reader is ready for it, and marks
 //! the last one, so a stream cut short is an error and never a shorter list.
 
+use std::pin::Pin;
+
 use prost::Message;
+use tonic::codegen::tokio_stream::{self, Stream};
 
 use crate::pb;
 
@@ -78,6 +81,22 @@ pub fn pages<P: Page>(
         }
         Some(page)
     })
+}
+
+/// A paged answer, as a gRPC server stream.
+pub type PageStream<P> = Pin<Box<dyn Stream<Item = Result<P, tonic::Status>> + Send>>;
+
+/// [`pages`] as a gRPC server stream: each page is built when the transport
+/// asks for the next message, so nothing is encoded ahead of the reader and
+/// no task runs beside the call.
+pub fn stream<P, I>(items: I) -> PageStream<P>
+where
+    P: Page + Send + 'static,
+    P::Item: Send,
+    I: IntoIterator<Item = P::Item> + 'static,
+    I::IntoIter: Send + 'static,
+{
+    Box::pin(tokio_stream::iter(pages::<P>(items, PAGE_BYTES).map(Ok)))
 }
 
 #[cfg(test)]

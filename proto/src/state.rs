@@ -125,6 +125,12 @@ impl BootstrapStage {
         }
     }
 
+    /// A stage after which a session reports nothing more: converged or
+    /// failed.
+    pub fn is_terminal(self) -> bool {
+        self == BootstrapStage::Converged || self.is_failure()
+    }
+
     pub fn is_failure(self) -> bool {
         matches!(
             self,

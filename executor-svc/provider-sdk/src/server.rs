@@ -6,10 +6,10 @@ use std::{panic::AssertUnwindSafe, pin::Pin, sync::Arc, time::Duration};
 
 use contract::{
     Endpoint, FieldError, LeaseId, SessionId, UnixMillis,
-    pages::{PAGE_BYTES, pages},
+    pages::{self, PageStream},
 };
 use futures::{FutureExt as _, Stream, future::BoxFuture};
-use tokio_stream::{StreamExt as _, wrappers::ReceiverStream};
+use tokio_stream::StreamExt as _;
 use tonic::{Request, Response, Status};
 
 use crate::{
@@ -349,7 +349,7 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         }))
     }
 
-    type ListResourcePagesStream = ReceiverStream<Result<pb::ListResourcesResponse, Status>>;
+    type ListResourcePagesStream = PageStream<pb::ListResourcesResponse>;
 
     /// One read of the provider, encoded a page at a time as the executor
     /// reads them.
@@ -358,18 +358,9 @@ impl<P: Provider> pb::provider_server::Provider for ProviderService<P> {
         _: Request<pb::ListResourcePagesRequest>,
     ) -> Result<Response<Self::ListResourcePagesStream>, Status> {
         let resources = self.list().await?;
-        let (tx, rx) = tokio::sync::mpsc::channel(2);
-        tokio::spawn(async move {
-            for page in pages::<pb::ListResourcesResponse>(
-                resources.into_iter().map(|r| resource_to_wire(&r)),
-                PAGE_BYTES,
-            ) {
-                if tx.send(Ok(page)).await.is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(pages::stream(
+            resources.into_iter().map(|r| resource_to_wire(&r)),
+        )))
     }
 
     type WatchStream = WatchStream;

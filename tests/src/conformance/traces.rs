@@ -52,8 +52,7 @@ use std::{
 
 use anyhow::Context as _;
 use contract::{
-    AttemptId, BootstrapStage, Effect, LogicalNodeId, Operation, Outcome, PendingOp, RunUid, SessionId,
-    UnixMillis,
+    AttemptId, Effect, LogicalNodeId, Operation, Outcome, PendingOp, RunUid, SessionId, UnixMillis,
 };
 use driver_svc::core::{Discard, Fold};
 use platform::event_trace::{Changes, Msg, TraceEvent, TraceLine, parse_line};
@@ -652,7 +651,7 @@ impl Translator {
                 let o = obs.observation()?;
                 if !replay {
                     let key = (o.node.clone(), o.attempt);
-                    if o.stage == BootstrapStage::Converged || o.stage.is_failure() {
+                    if o.stage.is_terminal() {
                         self.end_session(&key);
                         self.ended.insert(o.session.clone());
                     } else if !self.ended.contains(&o.session) {
