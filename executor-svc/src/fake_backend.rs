@@ -604,6 +604,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::backend::{ObservationReceiver, observation_queue};
 
     fn temp_path(name: &str) -> PathBuf {
         static N: AtomicU64 = AtomicU64::new(0);
@@ -672,8 +673,8 @@ mod tests {
         )
     }
 
-    fn sink() -> (ObservationSink, mpsc::UnboundedReceiver<RawObservation>) {
-        let (tx, rx) = mpsc::unbounded_channel();
+    fn sink() -> (ObservationSink, ObservationReceiver) {
+        let (tx, rx) = observation_queue();
         (ObservationSink::new(tx, create().trace), rx)
     }
 
@@ -708,7 +709,7 @@ mod tests {
     async fn stages_due_together_keep_the_trace_of_their_start() {
         let clock = contract::ManualClock::new(UnixMillis::new(1_000_000));
         let backend = FakeBackend::start(quick(), None, Arc::new(clock.clone())).unwrap();
-        let (restored_tx, mut restored) = mpsc::unbounded_channel();
+        let (restored_tx, mut restored) = observation_queue();
         backend.resume(ObservationSink::new(restored_tx, TraceContext::default()));
         let (s, mut rx) = sink();
         let lease = facts(backend.execute(create(), s.clone()).await).lease.unwrap();

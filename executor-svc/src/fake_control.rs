@@ -135,7 +135,7 @@ mod tests {
             },
             trace: TraceContext::default(),
         };
-        let (otx, _orx) = mpsc::unbounded_channel();
+        let (otx, _orx) = crate::backend::observation_queue();
         let made = backend
             .execute(create, ObservationSink::new(otx, TraceContext::default()))
             .await;

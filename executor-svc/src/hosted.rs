@@ -161,7 +161,7 @@ impl Provider for BackendProvider {
     }
 
     fn start(&self, events: Events) {
-        let (otx, mut orx) = mpsc::unbounded_channel();
+        let (otx, mut orx) = crate::backend::observation_queue();
         let (ctx, mut crx) = mpsc::unbounded_channel();
         let observations = ObservationSink::new(otx, TraceContext::default());
         let changes = ChangeSink::new(ctx);

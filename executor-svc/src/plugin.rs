@@ -1272,7 +1272,7 @@ mod tests {
             c.health_failures = 2;
         })
         .await;
-        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let (tx, _rx) = crate::backend::observation_queue();
         let op = Operation {
             run_uid: RunUid::from_u128(1),
             run_id: RunId::parse("run_id", "r").unwrap(),
@@ -1312,8 +1312,8 @@ mod tests {
     async fn a_session_sink_goes_with_its_terminal_stage() {
         let served = serve_lister(Paging::Absent, 100, |_| {}).await;
         let inner = &served.backend.inner;
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let (resumed_tx, mut resumed) = tokio::sync::mpsc::unbounded_channel();
+        let (tx, mut rx) = crate::backend::observation_queue();
+        let (resumed_tx, mut resumed) = crate::backend::observation_queue();
         *locked(&inner.resumed) = Some(ObservationSink::new(resumed_tx, TraceContext::default()));
         let wire = listed(0).identity;
         let identity = identity_from_wire("identity", wire.as_ref()).unwrap();

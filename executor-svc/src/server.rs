@@ -62,7 +62,10 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
 use crate::{
-    backend::{Backend, BackendError, ChangeSink, ObservationSink, RawChange, RawObservation},
+    backend::{
+        Backend, BackendError, ChangeSink, ObservationReceiver, ObservationSender, ObservationSink,
+        RawChange, RawObservation,
+    },
     core::{ExecutorCore, Output},
     health,
 };
@@ -137,6 +140,7 @@ struct ExecutorMetrics {
     backend_call: Histogram,
     running: Gauge,
     observations: Counter,
+    observations_coalesced: Counter,
     resource_changes: Counter,
     rejections: Counter,
     links: Gauge,
@@ -181,6 +185,7 @@ impl ExecutorMetrics {
         for stage in contract::BootstrapStage::ALL {
             self.observations.init(&[stage.name()]);
         }
+        self.observations_coalesced.init(&[]);
         for change in ["lost", "healthy", "unhealthy"] {
             self.resource_changes.init(&[change]);
         }
@@ -245,6 +250,12 @@ impl ExecutorMetrics {
                 "provisioning_executor_observations_total",
                 "Bootstrap observations recorded and sent, by stage.",
                 &["stage"],
+            ),
+            observations_coalesced: r.counter(
+                "provisioning_executor_observations_coalesced_total",
+                "Bootstrap stages that took the place of an earlier stage of their session still \
+                 queued for the executor's actor (a backlog), so the earlier one was never sent.",
+                &[],
             ),
             resource_changes: r.counter(
                 "provisioning_executor_resource_changes_total",
@@ -316,7 +327,7 @@ pub async fn run(
         health_and_reflection::<ExecutorServer<ExecutorService>>().await?;
 
     let (events_tx, events_rx) = mpsc::channel(config.event_buffer.max(1));
-    let (observations_tx, observations_rx) = mpsc::unbounded_channel();
+    let (observations_tx, observations_rx) = crate::backend::observation_queue();
     let (lifecycle, lifecycle_rx) = watch::channel(Lifecycle::Serving);
     backend.resume(ObservationSink::new(
         observations_tx.clone(),
@@ -651,7 +662,7 @@ struct Actor {
     /// Handed to backend calls for their completions.
     events: mpsc::Sender<Event>,
     /// Handed to backend calls, inside their sinks, for bootstrap stages.
-    observations: mpsc::UnboundedSender<RawObservation>,
+    observations: ObservationSender,
     links: HashMap<LinkId, LinkState>,
     routes: HashMap<RunUid, LinkId>,
     /// Backend calls in progress, each with the flag that marks its span
@@ -712,7 +723,7 @@ impl Actor {
         backend: Arc<dyn Backend>,
         clock: Arc<dyn Clock>,
         events: mpsc::Sender<Event>,
-        observations: mpsc::UnboundedSender<RawObservation>,
+        observations: ObservationSender,
     ) -> Self {
         Self {
             core: ExecutorCore::new(),
@@ -768,10 +779,11 @@ impl Actor {
     async fn run(
         mut self,
         mut events: mpsc::Receiver<Event>,
-        mut observations: mpsc::UnboundedReceiver<RawObservation>,
+        mut observations: ObservationReceiver,
         mut changes: mpsc::UnboundedReceiver<RawChange>,
         mut lifecycle: watch::Receiver<Lifecycle>,
     ) {
+        let mut coalesced_seen = 0;
         loop {
             self.follow_clock_step();
             // Armed afresh after every event: any event can move the earliest
@@ -831,6 +843,11 @@ impl Actor {
             self.metrics.running.set(&[], self.tasks.len() as f64);
             self.metrics.budget_waiting.set(&[], self.budget.waiting() as f64);
             self.metrics.links.set(&[], self.links.len() as f64);
+            let coalesced = observations.coalesced();
+            if coalesced != coalesced_seen {
+                self.metrics.observations_coalesced.mirror(&[], coalesced);
+                coalesced_seen = coalesced;
+            }
         }
         self.stop();
         self.metrics.running.set(&[], 0.0);

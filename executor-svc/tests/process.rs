@@ -20,14 +20,13 @@ use contract::{
     TraceContext, UnixMillis, shape::example_template,
 };
 use executor_svc::{
-    backend::{Backend, ObservationSink, RawObservation},
+    backend::{Backend, ObservationReceiver, ObservationSink, RawObservation, observation_queue},
     process::{
         ProcessBackend, ProcessConfig,
         agent_protocol::{SESSION_RECORD, SessionRecord, SessionStatus, read_json},
         registry::{processes_naming, read_stat},
     },
 };
-use tokio::sync::mpsc;
 
 type TestResult = anyhow::Result<()>;
 
@@ -56,7 +55,7 @@ struct Fixture {
     root: tempfile::TempDir,
     backend: ProcessBackend,
     sink: ObservationSink,
-    observations: mpsc::UnboundedReceiver<RawObservation>,
+    observations: ObservationReceiver,
     /// Every agent PID the test saw, checked gone at the end.
     pids: Vec<i32>,
 }
@@ -69,7 +68,7 @@ impl Fixture {
     fn with_agent(agent: PathBuf) -> anyhow::Result<Self> {
         let root = tempfile::tempdir()?;
         let backend = start_backend(root.path(), agent)?;
-        let (tx, observations) = mpsc::unbounded_channel();
+        let (tx, observations) = observation_queue();
         Ok(Self {
             root,
             backend,
@@ -82,7 +81,7 @@ impl Fixture {
     /// A second backend over the same root, as an executor restart makes.
     fn restart(&mut self) -> anyhow::Result<()> {
         self.backend = start_backend(self.root.path(), PathBuf::from(AGENT))?;
-        let (tx, observations) = mpsc::unbounded_channel();
+        let (tx, observations) = observation_queue();
         self.sink = ObservationSink::new(tx, TraceContext::default());
         self.observations = observations;
         Ok(())

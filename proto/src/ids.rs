@@ -69,6 +69,18 @@ impl RunUid {
         self.0
     }
 
+    /// The 32 lowercase hex digits of the wire, written without the
+    /// formatting machinery: every operation, result and store key of the
+    /// link carries one.
+    fn hex(self) -> [u8; 32] {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [0u8; 32];
+        for (i, d) in out.iter_mut().enumerate() {
+            *d = DIGITS[((self.0 >> (124 - 4 * i)) & 0xf) as usize];
+        }
+        out
+    }
+
     /// Parses the 32-hex-digit form used on the wire.
     pub fn parse(field: &str, s: &str) -> Result<Self, FieldError> {
         if s.len() != 32
@@ -156,6 +168,19 @@ impl LogicalNodeId {
 
     pub fn index(&self) -> u32 {
         self.index
+    }
+
+    /// The wire's spelling, `{group}-{index}` (what `Display` writes), in one
+    /// allocation of its size: every node of every message is named by it.
+    pub fn to_wire(&self) -> String {
+        let mut digits = [0u8; 10];
+        let index = decimal(self.index, &mut digits);
+        let group = self.group.as_str();
+        let mut s = String::with_capacity(group.len() + 1 + index.len());
+        s.push_str(group);
+        s.push('-');
+        s.push_str(index);
+        s
     }
 
     /// Parses `{group}-{index}`; the index is the digits after the last `-`.
@@ -354,7 +379,7 @@ impl fmt::Debug for RunId {
 
 impl fmt::Display for RunUid {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:032x}", self.0)
+        f.write_str(std::str::from_utf8(&self.hex()).map_err(|_| fmt::Error)?)
     }
 }
 
@@ -378,14 +403,32 @@ impl fmt::Debug for GroupId {
 
 impl fmt::Display for LogicalNodeId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.group, self.index)
+        let mut digits = [0u8; 10];
+        f.write_str(self.group.as_str())?;
+        f.write_str("-")?;
+        f.write_str(decimal(self.index, &mut digits))
     }
 }
 
 impl fmt::Debug for LogicalNodeId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.group, self.index)
+        fmt::Display::fmt(self, f)
     }
+}
+
+/// `n` in decimal, written at the end of `buf`.
+fn decimal(mut n: u32, buf: &mut [u8; 10]) -> &str {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // Only ASCII digits were written.
+    std::str::from_utf8(&buf[at..]).unwrap_or_default()
 }
 
 impl FromStr for LogicalNodeId {
@@ -518,5 +561,30 @@ mod tests {
         assert_eq!(RunUid::parse("run_uid", &s).unwrap(), uid);
         assert!(RunUid::parse("run_uid", "xyz").is_err());
         assert!(RunUid::parse("run_uid", &s.to_uppercase()).is_err() || s == s.to_uppercase());
+    }
+
+    /// The hand-written spellings agree with the formatting machinery's.
+    #[test]
+    fn wire_spellings_match_their_formatted_form() {
+        for v in [
+            0,
+            1,
+            0xdead_beef,
+            0x0123_4567_89ab_cdef_fedc_ba98_7654_3210,
+            u128::MAX,
+        ] {
+            let uid = RunUid::from_u128(v);
+            assert_eq!(uid.to_string(), format!("{v:032x}"));
+            assert_eq!(RunUid::parse("run_uid", &uid.to_string()).unwrap(), uid);
+        }
+        let group = GroupId::parse("g", "gpu-workers").unwrap();
+        for index in [0, 7, 10, 99, 1_000_000, u32::MAX] {
+            let id = LogicalNodeId::new(group.clone(), index);
+            let expected = format!("gpu-workers-{index}");
+            assert_eq!(id.to_wire(), expected);
+            assert_eq!(id.to_string(), expected);
+            assert_eq!(format!("{id:?}"), expected);
+            assert_eq!(LogicalNodeId::parse("n", &id.to_wire()).unwrap(), id);
+        }
     }
 }

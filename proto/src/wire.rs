@@ -1049,7 +1049,7 @@ fn retry_from_wire(r: pb::RetryState, templates: &[Arc<NodeTemplate>]) -> Result
 pub fn node_to_wire(n: &ManagedNode, table: &mut TemplateTable) -> pb::NodeState {
     let template_ref = table.intern(&n.spec);
     pb::NodeState {
-        node_id: n.id.to_string(),
+        node_id: n.id.to_wire(),
         attempt: n.attempt.get(),
         intent: pb::Intent::from(n.intent) as i32,
         stage: pb::NodeStage::from(n.stage) as i32,
@@ -1163,7 +1163,7 @@ impl From<&Decision> for pb::Decision {
     fn from(d: &Decision) -> Self {
         let (kind, effect, until_ms) = action_to_wire(d.action);
         Self {
-            node_id: d.node.to_string(),
+            node_id: d.node.to_wire(),
             attempt: d.attempt.map_or(0, AttemptId::get),
             rule: d.rule.number(),
             kind: kind as i32,
@@ -1317,7 +1317,7 @@ impl From<&Operation> for pb::Operation {
         Self {
             run_uid: o.run_uid.to_string(),
             run_id: o.run_id.as_str().to_owned(),
-            node_id: o.node.to_string(),
+            node_id: o.node.to_wire(),
             id: Some(o.id.into()),
             epoch: o.epoch.get(),
             deadline_ms: o.deadline.as_millis(),
@@ -1418,7 +1418,7 @@ impl From<&OperationResult> for pb::OperationResult {
         let (outcome, reason, facts) = outcome_to_wire(&r.outcome);
         Self {
             run_uid: r.run_uid.to_string(),
-            node_id: r.node.to_string(),
+            node_id: r.node.to_wire(),
             id: Some(r.id.into()),
             effect: pb::Effect::from(r.effect) as i32,
             outcome: outcome as i32,
@@ -1454,7 +1454,7 @@ impl From<&Observation> for pb::BootstrapObservation {
     fn from(o: &Observation) -> Self {
         Self {
             run_uid: o.run_uid.to_string(),
-            node_id: o.node.to_string(),
+            node_id: o.node.to_wire(),
             attempt: o.attempt.get(),
             session_id: o.session.as_str().to_owned(),
             seq: o.seq,
@@ -1493,7 +1493,7 @@ impl From<&ResourceChange> for pb::ResourceChange {
     fn from(c: &ResourceChange) -> Self {
         Self {
             run_uid: c.run_uid.to_string(),
-            node_id: c.node.to_string(),
+            node_id: c.node.to_wire(),
             attempt: c.attempt.get(),
             seq: c.seq,
             change: Some(match &c.change {
@@ -1614,7 +1614,7 @@ impl From<&ResourceIdentity> for pb::Resource {
         Self {
             run_uid: id.run_uid.to_string(),
             run_id: id.run_id.as_str().to_owned(),
-            node_id: id.node.to_string(),
+            node_id: id.node.to_wire(),
             attempt: id.attempt.get(),
             ..Self::default()
         }

@@ -1106,6 +1106,7 @@ const EXECUTOR_FAMILIES: &[&str] = &[
     "provisioning_executor_backend_call_duration_seconds",
     "provisioning_executor_operations_running",
     "provisioning_executor_observations_total",
+    "provisioning_executor_observations_coalesced_total",
     "provisioning_executor_rejections_total",
     "provisioning_executor_links",
     // The driver's link is open, not yet handled: a family whose label

@@ -67,6 +67,12 @@ use executor_svc::{
 use provisioning_tests::procs::{Cluster, ClusterOptions, eventually, sample, watch_until};
 use tokio_stream::{StreamExt, wrappers::ReceiverStream};
 
+/// The services' allocator, so that what runs in this process (the decider
+/// behind the `rpc` row, the in-process composition, the cores) allocates as
+/// the services do.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Debug, Clone)]
 struct Row {
     bench: String,
