@@ -21,7 +21,9 @@
 //! Rows: `decider` (the library's `decide`, per node), `rpc` (the `Decide`
 //! RPC against the library, and its bytes per node each way), `rpc-parts`
 //! (each step of a `Decide` call's conversions and
-//! prost coding timed on its own in process, per node), `throughput` (executor round trips against a
+//! prost coding timed on its own in process, per node), `sweep` (the
+//! driver's orphan sweep over an inventory of each size, every resource held
+//! by its run, in process, per resource), `throughput` (executor round trips against a
 //! bare streaming echo), `plugin` (round trips through a provider plugin,
 //! `builtin-provider` supervised by the executor, against the same backend
 //! built in: the fake at the throughput row's volume, and 200 process-backend
@@ -420,6 +422,55 @@ fn bench_rpc_parts(t: &mut Table, n: u64) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The driver's orphan sweep over an inventory of `n` resources, every one
+/// held by its run (the steady state of a converged run of `n` nodes), in
+/// process: per resource.
+fn bench_sweep(t: &mut Table, n: u64) {
+    use driver_svc::orphans::{Attempts, Holdings, Inventory, Orphans, key_of};
+    let uid = RunUid::from_u128(0x5eed);
+    let Ok(run_id) = RunId::parse("run_id", "bench") else {
+        return;
+    };
+    let Ok(group) = GroupId::parse("group", "workers") else {
+        return;
+    };
+    let resources: Vec<contract::InventoryResource> = (0..n)
+        .map(|i| contract::InventoryResource {
+            identity: contract::ResourceIdentity {
+                run_uid: uid,
+                run_id: run_id.clone(),
+                node: LogicalNodeId::new(group.clone(), i as u32),
+                attempt: AttemptId::new(i + 1),
+            },
+            lease: LeaseId::new("lease", &format!("fake-lease-{i}")).ok(),
+            endpoint: Endpoint::new("endpoint", "127.0.0.1:1").ok(),
+            session_live: true,
+            epoch: Epoch::new(1),
+        })
+        .collect();
+    let mut held: Holdings = Holdings::new();
+    let nodes = held.entry(uid).or_default();
+    for r in &resources {
+        nodes.insert(r.identity.node.clone(), Attempts::one(r.identity.attempt));
+    }
+    let leases: Vec<_> = resources.iter().map(key_of).collect();
+    let inventory = Inventory {
+        resources,
+        undecodable: 0,
+    };
+    let orphans = Orphans::new();
+    let reps = if n >= 100_000 { 3 } else { 15 };
+    let d = time(reps, || orphans.sweep(&inventory, &held, &leases, NOW));
+    t.add(
+        "sweep",
+        n,
+        "orphan sweep, per resource held",
+        d.as_nanos() as f64 / n.max(1) as f64,
+        "ns",
+        String::new(),
+    );
 }
 
 /// The three cores in one process, zero backend latency: wall time to converge.
@@ -1613,7 +1664,7 @@ async fn main() -> anyhow::Result<()> {
             }
             "--help" | "-h" => {
                 println!(
-                    "bench [--sizes 1,10,100,1000,10000,100000] [--only decider,rpc,e2e,e2e-hosted,throughput,health,rollout] \
+                    "bench [--sizes 1,10,100,1000,10000,100000] [--only decider,rpc,rpc-parts,sweep,e2e,e2e-hosted,throughput,health,rollout] \
                      [--csv PATH] [--throughput-ops 20000] [--health-nodes 100000] [--health-window-s 30] \
                      [--runs 100]"
                 );
@@ -1643,6 +1694,11 @@ async fn main() -> anyhow::Result<()> {
             && let Some(lib) = lib
         {
             bench_rpc(&mut t, n, lib).await?;
+        }
+    }
+    if want("sweep") {
+        for &n in &sizes {
+            bench_sweep(&mut t, n);
         }
     }
     if want("throughput") {
