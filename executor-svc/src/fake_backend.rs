@@ -596,8 +596,6 @@ fn write_state(path: &Path, snapshot: &FakeSnapshot) -> Result<(), FakeBackendEr
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use std::sync::atomic::{AtomicU64, Ordering};
-
     use contract::{
         BootstrapStage, Epoch, OperationId, Params, SystemClock, TraceContext, shape::example_template,
     };
@@ -606,15 +604,15 @@ mod tests {
     use super::*;
     use crate::backend::{ObservationReceiver, observation_queue};
 
-    fn temp_path(name: &str) -> PathBuf {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "executor-svc-fake-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join(name)
+    /// A path named `name` in a directory of its own, removed with the
+    /// returned guard.
+    fn temp_path(name: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::Builder::new()
+            .prefix("executor-svc-fake-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join(name);
+        (dir, path)
     }
 
     fn op(attempt: u64, seq: u32, input: OperationInput) -> Operation {
@@ -737,7 +735,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_state_file_keeps_leases_across_restarts() {
-        let path = temp_path("fake-state.json");
+        let (_dir, path) = temp_path("fake-state.json");
         let first = FakeBackend::start(quick(), Some(path.clone()), Arc::new(SystemClock)).unwrap();
         let made = facts(first.execute(create(), sink().0).await);
         drop(first);
@@ -767,7 +765,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_malformed_state_file_is_refused_with_the_field() {
-        let path = temp_path("bad.json");
+        let (_dir, path) = temp_path("bad.json");
         std::fs::write(&path, "{not json").unwrap();
         let err = FakeBackend::start(quick(), Some(path.clone()), Arc::new(SystemClock)).unwrap_err();
         assert!(matches!(err, FakeBackendError::MalformedState { .. }), "{err}");
@@ -795,7 +793,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_resource_lost_at_a_fault_tick_is_reported_and_leaves_the_inventory() {
-        let path = temp_path("lost.json");
+        let (_dir, path) = temp_path("lost.json");
         let clock = Arc::new(contract::ManualClock::new(UnixMillis::new(1_000_000)));
         let backend = FakeBackend::start(quick(), Some(path.clone()), clock.clone()).unwrap();
         let mut changes = watched(&backend);

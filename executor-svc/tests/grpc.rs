@@ -1,15 +1,7 @@
 //! The executor through its gRPC surface: a real server on 127.0.0.1:0 with the
 //! fake backend, driven through `ExecutorClient` as a driver would.
 
-use std::{
-    net::SocketAddr,
-    path::PathBuf,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::Duration,
-};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context as _, bail, ensure};
 use contract::{
@@ -37,15 +29,9 @@ const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-
 /// How long a test waits for a message it expects.
 const PATIENCE: Duration = Duration::from_secs(5);
 
-fn temp_dir() -> anyhow::Result<PathBuf> {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "executor-svc-grpc-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+/// A directory of the test's own, removed when the guard drops.
+fn temp_dir() -> anyhow::Result<tempfile::TempDir> {
+    Ok(tempfile::Builder::new().prefix("executor-svc-grpc-").tempdir()?)
 }
 
 fn fake(latency_ms: u64) -> FakeConfig {
@@ -530,7 +516,8 @@ async fn an_operation_past_its_deadline_is_ambiguous() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_in_the_state_file_outlive_the_executor() -> TestResult {
-    let state_file = temp_dir()?.join("fake-state.json");
+    let dir = temp_dir()?;
+    let state_file = dir.path().join("fake-state.json");
     let first = Harness::start(fake(1), Some(state_file.clone())).await?;
     let mut link = first.link().await?;
     link.claim(1).await?;
@@ -659,8 +646,8 @@ async fn reflected_services(channel: Channel) -> anyhow::Result<Vec<String>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_completed_before_a_restart_is_replayed_not_run_again() -> TestResult {
     let dir = temp_dir()?;
-    let state_file = dir.join("fake-state.json");
-    let state_dir = dir.join("executor-state");
+    let state_file = dir.path().join("fake-state.json");
+    let state_dir = dir.path().join("executor-state");
     let first = Harness::start_with(fake(1), Some(state_file.clone()), Some(state_dir.clone())).await?;
     let mut link = first.link().await?;
     link.claim(2).await?;
