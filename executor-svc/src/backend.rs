@@ -433,6 +433,15 @@ mod tests {
             .collect()
     }
 
+    /// The stages of `attempt`'s session among what is queued, draining it.
+    fn stages_of(rx: &mut ObservationReceiver, attempt: u64) -> Vec<BootstrapStage> {
+        drain(rx)
+            .into_iter()
+            .filter(|(a, _)| *a == attempt)
+            .map(|(_, s)| s)
+            .collect()
+    }
+
     #[test]
     fn a_reader_that_keeps_up_gets_every_stage_in_order() {
         let (tx, mut rx) = observation_queue();
@@ -459,13 +468,8 @@ mod tests {
     fn a_backlog_holds_one_stage_a_session_and_the_latest() {
         let (tx, mut rx) = observation_queue();
         let sessions = COALESCE_PAST as u64 + 1000;
-        for stage in [
-            BootstrapStage::Connected,
-            BootstrapStage::BootCheck,
-            BootstrapStage::AgentStarted,
-            BootstrapStage::Joined,
-            BootstrapStage::Converged,
-        ] {
+        // Every stage of a session that converges, in order.
+        for stage in BootstrapStage::ALL.into_iter().filter(|s| !s.is_failure()) {
             for attempt in 1..=sessions {
                 assert!(tx.send(stage_of(attempt, stage)));
             }
@@ -500,24 +504,14 @@ mod tests {
         tx.send(stage_of(9_999, BootstrapStage::FailedJoin));
         tx.send(stage_of(9_999, BootstrapStage::AgentStarted));
         tx.send(stage_of(9_999, BootstrapStage::Converged));
-        let mine: Vec<BootstrapStage> = drain(&mut rx)
-            .into_iter()
-            .filter(|(a, _)| *a == 9_999)
-            .map(|(_, s)| s)
-            .collect();
-        assert_eq!(mine, [BootstrapStage::Converged]);
+        assert_eq!(stages_of(&mut rx, 9_999), [BootstrapStage::Converged]);
         // A non-terminal stage after a waiting terminal one is dropped.
         for attempt in 1..=COALESCE_PAST as u64 {
             tx.send(stage_of(attempt, BootstrapStage::Connected));
         }
         tx.send(stage_of(9_998, BootstrapStage::FailedConnect));
         tx.send(stage_of(9_998, BootstrapStage::Connected));
-        let mine: Vec<BootstrapStage> = drain(&mut rx)
-            .into_iter()
-            .filter(|(a, _)| *a == 9_998)
-            .map(|(_, s)| s)
-            .collect();
-        assert_eq!(mine, [BootstrapStage::FailedConnect]);
+        assert_eq!(stages_of(&mut rx, 9_998), [BootstrapStage::FailedConnect]);
     }
 
     #[tokio::test]

@@ -254,7 +254,8 @@ impl ExecutorMetrics {
             observations_coalesced: r.counter(
                 "provisioning_executor_observations_coalesced_total",
                 "Bootstrap stages that took the place of an earlier stage of their session still \
-                 queued for the executor's actor (a backlog), so the earlier one was never sent.",
+                 queued for the executor's actor (a backlog), so the earlier one was never sent, \
+                 and stages dropped after a queued terminal stage of their session.",
                 &[],
             ),
             resource_changes: r.counter(
