@@ -164,6 +164,59 @@ fn etcd_err(e: etcd_client::Error) -> StoreError {
     unavailable(format!("etcd: {e}"))
 }
 
+/// Whether a request failed before it reached any member: its connection
+/// was refused, so nothing was sent and even a write may go again.
+fn never_sent(e: &etcd_client::Error) -> bool {
+    let etcd_client::Error::GRpcStatus(status) = e else {
+        return false;
+    };
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(err) = cause {
+        if err
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            return true;
+        }
+        cause = err.source();
+    }
+    false
+}
+
+/// The first pause before a request that reached no member goes again; it
+/// doubles up to [`UNSENT_PAUSE_MAX`].
+const UNSENT_PAUSE: Duration = Duration::from_millis(10);
+const UNSENT_PAUSE_MAX: Duration = Duration::from_millis(200);
+
+/// Sends `request` on `client`, and again while it reaches no member (a
+/// member that has just gone is still in the client's balancer until the
+/// probe takes it out; `probe` asks for that at once), up to twice per
+/// member. Any other answer, and the last refusal, is returned.
+async fn again_if_unsent<T, Fut>(
+    client: &Client,
+    probe: &tokio::sync::Notify,
+    members: usize,
+    mut request: impl FnMut(Client) -> Fut,
+) -> Result<T, StoreError>
+where
+    Fut: Future<Output = Result<T, etcd_client::Error>>,
+{
+    let mut pause = UNSENT_PAUSE;
+    let mut attempts = 2 * members.max(1);
+    loop {
+        match request(client.clone()).await {
+            Err(e) if attempts > 1 && never_sent(&e) => {
+                attempts -= 1;
+                probe.notify_one();
+                tracing::debug!(error = %e, "an etcd request reached no member: sending it again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(UNSENT_PAUSE_MAX);
+            }
+            r => return r.map_err(etcd_err),
+        }
+    }
+}
+
 /// The lease's state, shared with the keep-alive task.
 #[derive(Debug)]
 struct LeaseHealth {
@@ -219,6 +272,8 @@ struct Inner {
     health: Arc<LeaseHealth>,
     claimed: Mutex<HashMap<RunUid, Claimed>>,
     changes: tokio::sync::watch::Receiver<u64>,
+    /// Wakes the member probe ([`steer_to_live_members`]) before its period.
+    probe: Arc<tokio::sync::Notify>,
 }
 
 impl Drop for Inner {
@@ -283,7 +338,8 @@ async fn keep_alive(
 /// that breaks (its member went, a network blip) is opened again, on
 /// whichever member answers, for as long as the lease may still be live by
 /// the local clock; the lease is lost when etcd says it is gone or when no
-/// renewal was acknowledged within its time to live.
+/// renewal was acknowledged within its time to live. A first stream that
+/// reached no member (its connection refused) goes again too.
 async fn keep_alive_until_lost(client: Client, lease: i64, health: &LeaseHealth) {
     let period = health.ttl / 3;
     let renewed = |sent: Duration| {
@@ -304,7 +360,9 @@ async fn keep_alive_until_lost(client: Client, lease: i64, health: &LeaseHealth)
         let sent = health.start.elapsed();
         let (mut keeper, mut stream) = match tokio::time::timeout(period, lc.keep_alive(lease)).await {
             Ok(Ok(pair)) => pair,
-            Ok(Err(e)) if first => return health.fence(&format!("keep-alive: {e}")),
+            // A first stream that reached no member goes again (below),
+            // on another, while the lease is live by the local clock.
+            Ok(Err(e)) if first && !never_sent(&e) => return health.fence(&format!("keep-alive: {e}")),
             Err(_) if first => return health.fence("keep-alive: etcd did not answer"),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "etcd keep-alive: cannot reopen the stream yet");
@@ -361,8 +419,9 @@ const MEMBER_PROBE_EVERY: Duration = Duration::from_millis(500);
 /// in `--store` is asked for its status on a connection of its own; one that
 /// does not answer is taken out of the client's balancer (so no request
 /// waits on it) and put back once it answers again. The last member left
-/// always stays in.
-async fn steer_to_live_members(client: Client, cfg: EtcdConfig) {
+/// always stays in. `probe` wakes it before its period (a request found a
+/// member gone).
+async fn steer_to_live_members(client: Client, cfg: EtcdConfig, probe: Arc<tokio::sync::Notify>) {
     let endpoints = &cfg.endpoints;
     if endpoints.len() < 2 {
         return;
@@ -373,7 +432,10 @@ async fn steer_to_live_members(client: Client, cfg: EtcdConfig) {
     let mut probes: Vec<Option<Client>> = vec![None; endpoints.len()];
     let mut out: Vec<bool> = vec![false; endpoints.len()];
     loop {
-        tokio::time::sleep(MEMBER_PROBE_EVERY).await;
+        tokio::select! {
+            () = tokio::time::sleep(MEMBER_PROBE_EVERY) => {}
+            () = probe.notified() => {}
+        }
         for (i, endpoint) in endpoints.iter().enumerate() {
             if probes[i].is_none() {
                 probes[i] = Client::connect([endpoint.as_str()], Some(opts.clone()))
@@ -468,7 +530,7 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
 }
 
 /// Every key-value under `prefix`, read at one revision, page by page.
-async fn get_prefix(client: &Client, prefix: Vec<u8>) -> Result<Vec<KeyValue>, StoreError> {
+async fn get_prefix(client: &Client, prefix: Vec<u8>) -> Result<Vec<KeyValue>, etcd_client::Error> {
     let mut kv = client.kv_client().max_decoding_message_size(MAX_ANSWER_BYTES);
     let end = prefix_end(&prefix);
     let mut from = prefix;
@@ -479,7 +541,7 @@ async fn get_prefix(client: &Client, prefix: Vec<u8>) -> Result<Vec<KeyValue>, S
         if revision > 0 {
             opts = opts.with_revision(revision);
         }
-        let resp = kv.get(from.clone(), Some(opts)).await.map_err(etcd_err)?;
+        let resp = kv.get(from.clone(), Some(opts)).await?;
         if revision == 0 {
             revision = resp.header().map(|h| h.revision()).unwrap_or(0);
         }
@@ -567,9 +629,15 @@ impl EtcdStore {
         )]
         let start = Instant::now();
         let opts = connect_options(&cfg, cfg.request_timeout);
+        let probe = Arc::new(tokio::sync::Notify::new());
+        let first_probe = probe.clone();
         let (client, lease, granted) = block_on(Some(&rt), cfg.request_timeout * 2, async move {
-            let mut client = Client::connect(endpoints, Some(opts)).await.map_err(etcd_err)?;
-            let lease = client.lease_grant(ttl_secs, None).await.map_err(etcd_err)?;
+            let members = endpoints.len();
+            let client = Client::connect(endpoints, Some(opts)).await.map_err(etcd_err)?;
+            let lease = again_if_unsent(&client, &first_probe, members, |mut c| async move {
+                c.lease_grant(ttl_secs, None).await
+            })
+            .await?;
             Ok((client, lease.id(), lease.ttl()))
         })?;
         let ttl = Duration::from_secs(u64::try_from(granted).unwrap_or(0).max(1));
@@ -586,7 +654,7 @@ impl EtcdStore {
             health.clone(),
             changes_tx.clone(),
         ));
-        rt.spawn(steer_to_live_members(client.clone(), cfg.clone()));
+        rt.spawn(steer_to_live_members(client.clone(), cfg.clone(), probe.clone()));
         rt.spawn(watch_owners(
             client.clone(),
             format!("{}owners/", cfg.prefix).into_bytes(),
@@ -603,6 +671,7 @@ impl EtcdStore {
                 health,
                 claimed: Mutex::new(HashMap::new()),
                 changes,
+                probe,
             }),
         })
     }
@@ -688,10 +757,9 @@ impl EtcdStore {
                     Some(id) => contract::RunId::parse("run_id", &id).map_err(corrupt)?,
                     None => {
                         let key = self.run_key(delta.uid, "meta");
-                        let client = self.inner.client.clone();
-                        let got = self.block(async move {
-                            let mut c = client;
-                            c.get(key, None).await.map_err(etcd_err)
+                        let got = self.send(move |mut client| {
+                            let key = key.clone();
+                            async move { client.get(key, None).await }
                         })?;
                         let kv = got.kvs().first().ok_or(StoreError::UnknownRun(delta.uid))?;
                         decode_meta(&self.inner.sealer, kv.value())?.run_id
@@ -719,14 +787,32 @@ impl EtcdStore {
         self.run_key(uid, &format!("nodes/{generation}/"))
     }
 
+    /// Sends the request `request` builds on the store's runtime, again while
+    /// it reaches no member ([`again_if_unsent`]), and waits for its answer.
+    fn send<T, Fut>(&self, request: impl FnMut(Client) -> Fut + Send + 'static) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        Fut: Future<Output = Result<T, etcd_client::Error>> + Send,
+    {
+        let client = self.inner.client.clone();
+        let probe = self.inner.probe.clone();
+        let members = self.inner.cfg.endpoints.len();
+        self.block(async move { again_if_unsent(&client, &probe, members, request).await })
+    }
+
     fn txn(&self, txn: Txn) -> Result<TxnResponse, StoreError> {
-        let mut client = self.inner.client.clone();
-        self.block(async move { client.txn(txn).await.map_err(etcd_err) })
+        self.send(move |mut client| {
+            let txn = txn.clone();
+            async move { client.txn(txn).await }
+        })
     }
 
     fn get_prefix(&self, prefix: String) -> Result<Vec<KeyValue>, StoreError> {
-        let client = self.inner.client.clone();
-        self.block(async move { get_prefix(&client, prefix.into_bytes()).await })
+        let prefix = prefix.into_bytes();
+        self.send(move |client| {
+            let prefix = prefix.clone();
+            async move { get_prefix(&client, prefix).await }
+        })
     }
 
     fn check_live(&self) -> Result<(), StoreError> {
@@ -1293,16 +1379,17 @@ impl Replicas for EtcdStore {
 
     fn announce(&self, address: &str) -> Result<(), StoreError> {
         self.check_live()?;
-        let mut client = self.inner.client.clone();
         let key = self.member_key(&self.inner.cfg.owner_id);
         let address = address.to_owned();
         let lease = self.inner.lease;
-        self.block(async move {
-            client
-                .put(key, address, Some(PutOptions::new().with_lease(lease)))
-                .await
-                .map_err(etcd_err)?;
-            Ok(())
+        self.send(move |mut client| {
+            let (key, address) = (key.clone(), address.clone());
+            async move {
+                client
+                    .put(key, address, Some(PutOptions::new().with_lease(lease)))
+                    .await
+                    .map(drop)
+            }
         })
     }
 
@@ -1439,12 +1526,8 @@ impl Replicas for EtcdStore {
     fn resign(&self) -> Result<(), StoreError> {
         self.inner.health.fence("resigned");
         self.claimed().clear();
-        let mut client = self.inner.client.clone();
         let lease = self.inner.lease;
-        self.block(async move {
-            client.lease_revoke(lease).await.map_err(etcd_err)?;
-            Ok(())
-        })
+        self.send(move |mut client| async move { client.lease_revoke(lease).await.map(drop) })
     }
 
     fn changes(&self) -> tokio::sync::watch::Receiver<u64> {

@@ -2,8 +2,8 @@
 //! `provisioning_tests::etcd`) on loopback with a temporary data directory per
 //! test: what is committed is what is loaded, a run owned by one replica
 //! refuses another's writes, ownership moves when the owner's lease goes, a
-//! large delta commits whole, and a replica whose keep-alive fails stops
-//! writing at once.
+//! large delta commits whole, a replica whose keep-alive fails stops
+//! writing at once, and members that refuse connections fail no request.
 //!
 //! Run with `cargo test -p provisioning-tests --features etcd --test etcd_store`.
 
@@ -23,7 +23,7 @@ use driver_svc::{
     replicas::{Claim, Owner, Placement},
 };
 use platform::secrets::Sealer;
-use provisioning_tests::etcd::Etcd;
+use provisioning_tests::etcd::{Etcd, free_port};
 
 const NOW: UnixMillis = UnixMillis::new(1_700_000_000_000);
 
@@ -179,6 +179,30 @@ fn what_is_committed_is_what_is_loaded() {
     let mut again = run(1, 9);
     drive(&mut again, &reader);
     assert_eq!(reader.load_all().unwrap().len(), 2);
+}
+
+/// Members named in the endpoints that refuse connections (gone, or not up
+/// yet) fail no request while one member answers: the store opens, and
+/// every write and read goes again until it reaches the member that is up.
+#[test]
+fn members_that_refuse_connections_fail_no_request() {
+    let etcd = Etcd::start().unwrap();
+    let gone: Vec<String> = (0..2)
+        .map(|_| format!("127.0.0.1:{}", free_port().unwrap()))
+        .collect();
+    let store = etcd.store_with(EtcdConfig {
+        endpoints: vec![gone[0].clone(), etcd.endpoint.clone(), gone[1].clone()],
+        ..etcd.config("a")
+    });
+    let mem = MemStore::new();
+    for uid in 1..=12 {
+        let mut run = run(2, uid);
+        let mut same = run.clone();
+        drive(&mut run, &store);
+        drive(&mut same, &mem);
+        assert_eq!(store.load_all().unwrap(), mem.load_all().unwrap());
+    }
+    assert_eq!(store.load_all().unwrap().len(), 12);
 }
 
 #[test]
