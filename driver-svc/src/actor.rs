@@ -539,10 +539,27 @@ impl RunActor {
             // something was missed; that pass is traced only if it acts.
             self.speculative = !self.run.needs_pass(now);
             self.run.mark_all_dirty();
+            self.ask_quiet_sessions();
         }
         // Something is due (a deadline, a retry, the tick); if not, the next
         // `maybe_pass` finds nothing to do and takes the run off the queue.
         self.want();
+    }
+
+    /// On each safety tick, sessions still bootstrapping that made no
+    /// progress since the previous one are asked for their stages again
+    /// ([`LinkSession::handle_safety_tick`]).
+    fn ask_quiet_sessions(&mut self) {
+        let asked = self.session.handle_safety_tick(&self.run);
+        if asked > 0 {
+            tracing::debug!(run = %self.run.run_id(), sessions = asked,
+                "bootstrap sessions without progress since the last tick: asking for their stages again");
+            self.shared
+                .metrics
+                .exported
+                .sessions_asked_again
+                .add(&[], asked as u64);
+        }
     }
 
     /// The run wants a pass: it joins the work queue unless it is on it.

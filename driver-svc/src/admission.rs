@@ -15,9 +15,14 @@
 //! drift whatever a run does between two statements. A run reserves room
 //! before a pass and states what it holds after; the room it did not use goes
 //! back then. A run refused room waits from that moment, and says after its
-//! pass whether nodes still wait. While other runs wait for room, a run is granted at most an
-//! even share of the limit; alone, it may take all of it. When room comes
-//! back and some run waits, the waiting runs are woken ([`Admission::freed`]).
+//! pass whether nodes still wait. While other runs wait for room, a run is
+//! granted at most an even share of the limit, and nothing until a quarter
+//! of that share (or all it wants, if less) is free for it: a pass is then
+//! worth its fixed cost. Alone, a run may take all the room there is, in
+//! any amount. When room comes back and some run waits, the waiting runs
+//! are woken ([`Admission::freed`]); a run granted nothing waits on. Room
+//! cannot stay short of a step for good: what runs hold settles, and with
+//! nothing held all of the limit is free.
 
 use std::{collections::HashMap, sync::Mutex};
 
@@ -29,6 +34,10 @@ use tokio::sync::watch;
 /// that the operations a pass dispatches start well inside the default
 /// 60-second deadline.
 pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: usize = 10_000;
+
+/// While other runs wait, room is granted in steps of at least this part of
+/// a run's share.
+const STEPS_A_SHARE: usize = 4;
 
 /// What each run holds against the limit, and who waits for room.
 #[derive(Debug, Default)]
@@ -86,13 +95,22 @@ impl Admission {
         books.set(run, holding);
         let free = limit.saturating_sub(books.total);
         let others = books.waiting.keys().filter(|r| **r != run).count();
-        // With others waiting, an even share among them and this run.
-        let share = if others > 0 {
-            (limit / (others + 1)).max(1).saturating_sub(holding)
+        // With others waiting, an even share among them and this run, in
+        // steps worth a pass: a quarter of the share (or all the run wants,
+        // if less). Room that comes back an operation at a time would
+        // otherwise buy every waiting run a pass (a `Decide` call, a
+        // commit, a batch on the link) for an operation or two each.
+        let (share, step) = if others > 0 {
+            let even = (limit / (others + 1)).max(1);
+            (
+                even.saturating_sub(holding),
+                want.min(even.div_ceil(STEPS_A_SHARE)),
+            )
         } else {
-            usize::MAX
+            (usize::MAX, 0)
         };
         let granted = free.min(want).min(share);
+        let granted = if granted < step { 0 } else { granted };
         books.set(run, holding + granted);
         // Short of what it wants, the run waits from now on, under the same
         // lock: room given back after this moment wakes it, and room given
@@ -219,6 +237,35 @@ mod tests {
         // Alone, a run takes all the room there is.
         let alone = Admission::new(Some(100));
         assert_eq!(alone.reserve(uid(1), 0, 1_000), Some(100));
+    }
+
+    #[test]
+    fn with_others_waiting_room_comes_in_steps_worth_a_pass() {
+        let a = Admission::new(Some(100));
+        a.settle(uid(2), 0, 5);
+        a.settle(uid(3), 0, 7);
+        // A share is 33, a step 9: 3 short of its share, a run waits on.
+        a.settle(uid(1), 30, 1);
+        assert_eq!(a.reserve(uid(1), 30, 1_000), Some(0));
+        assert_eq!(a.holding(), 30);
+        a.settle(uid(1), 24, 1);
+        assert_eq!(a.reserve(uid(1), 24, 1_000), Some(9));
+        // A run that wants less than a step gets all it wants.
+        assert_eq!(a.reserve(uid(2), 0, 2), Some(2));
+        // Short of free room rather than of its share, likewise.
+        let b = Admission::new(Some(100));
+        b.settle(uid(2), 0, 5);
+        b.settle(uid(1), 95, 0);
+        // A share is 50, a step 13.
+        assert_eq!(b.reserve(uid(3), 0, 40), Some(0));
+        b.settle(uid(1), 90, 0);
+        assert_eq!(b.reserve(uid(3), 0, 40), Some(0));
+        b.settle(uid(1), 80, 0);
+        assert_eq!(b.reserve(uid(3), 0, 40), Some(20));
+        // Alone, a run takes any room there is.
+        let alone = Admission::new(Some(100));
+        alone.settle(uid(1), 99, 1);
+        assert_eq!(alone.reserve(uid(1), 99, 1_000), Some(1));
     }
 
     #[test]

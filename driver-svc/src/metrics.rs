@@ -66,6 +66,7 @@ pub(crate) struct Exported {
     pub(crate) discarded: Counter,
     pub(crate) converged: Counter,
     pub(crate) lost: Counter,
+    pub(crate) sessions_asked_again: Counter,
     pub(crate) health: Counter,
     pub(crate) remediated: Counter,
     pub(crate) unhealthy: Gauge,
@@ -230,6 +231,13 @@ impl Exported {
                 "provisioning_nodes_lost_total",
                 "Node attempts failed because the executor reported their resource lost; each slot is \
                  replaced on a fresh attempt.",
+                &[],
+            ),
+            sessions_asked_again: r.counter(
+                "provisioning_bootstrap_sessions_asked_again_total",
+                "Bootstrap sessions asked again for their stages because none was folded between two \
+                 safety ticks (a stage lost on the way comes again; a slow bootstrap only answers \
+                 nothing new).",
                 &[],
             ),
             health: r.counter(

@@ -1000,6 +1000,15 @@ impl Sim {
         .min()
     }
 
+    /// The driver's safety tick as its actor runs it on the link: sessions
+    /// still bootstrapping that made no progress since the previous tick are
+    /// asked for their stages again. Returns how many were asked.
+    pub fn safety_tick(&mut self) -> anyhow::Result<usize> {
+        let asked = self.session.handle_safety_tick(&self.run);
+        self.transmit(None)?;
+        Ok(asked)
+    }
+
     /// Whether nothing is on its way: no backend call out, no message in
     /// transit, nothing running or queued at the executor.
     pub fn quiescent(&self) -> bool {

@@ -5,11 +5,13 @@
 
 use std::collections::BTreeMap;
 
-use contract::{Effect, Intent, LogicalNodeId, NodeStage, OperationInput, Outcome};
+use contract::{
+    BootstrapStage, Effect, Intent, LogicalNodeId, NodeStage, Observation, OperationInput, Outcome,
+};
 use executor_svc::fake::{FakeConfig, FaultRates};
 use provisioning_tests::{
     shapes::{shape, with_template},
-    sim::{Delivery, Event, Sim},
+    sim::{Delivery, Event, Sim, Tamper, ToDriver},
 };
 
 const MAX_STEPS: u64 = 20_000;
@@ -351,6 +353,74 @@ fn a_permanent_failure_holds_until_the_spec_changes() {
 
 /// SPEC §8: a ready node whose resource is lost fails its attempt; the slot
 /// is cleaned up and replaced on a fresh attempt, and only that slot.
+/// Loses the first `Converged` stage on its way to the driver: what
+/// arrives in its place is the session's first stage again, which the
+/// driver discards as a duplicate (and acknowledges only up to it).
+#[derive(Debug, Default)]
+struct LoseTheLastStage {
+    lost: bool,
+}
+
+impl Tamper for LoseTheLastStage {
+    fn fold(&mut self, _sim: &Sim, msg: &ToDriver) -> Option<ToDriver> {
+        match msg {
+            ToDriver::Observation(o) if o.stage == BootstrapStage::Converged && !self.lost => {
+                self.lost = true;
+                Some(ToDriver::Observation(Observation {
+                    seq: 1,
+                    stage: BootstrapStage::Connected,
+                    ..o.clone()
+                }))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A bootstrap's last stage lost between the executor and the driver: the
+/// node waits at its stage (nothing else would bring the stage again before
+/// the attempt's bootstrap deadline), and the second safety tick without
+/// progress asks the executor for the session again, which sends the stage
+/// it still holds unacknowledged: the attempt converges as it is.
+#[test]
+fn a_bootstrap_stage_lost_on_the_way_comes_again_on_the_safety_tick() {
+    let one = shape("train", 1, "fake", &[("workers", 1, "img:1")]);
+    let mut sim = Sim::new(one, FakeConfig::default(), Delivery::InOrder, 11).unwrap();
+    sim.tamper = Some(Box::new(LoseTheLastStage::default()));
+    let node = LogicalNodeId::parse("node", "workers-0").unwrap();
+    // Everything but the lost stage arrives; the node waits at its stage.
+    for _ in 0..MAX_STEPS {
+        let settled =
+            sim.quiescent() && sim.fake.next_observation_at().is_none() && !sim.run.needs_pass(sim.now);
+        if settled || sim.run.is_converged() {
+            break;
+        }
+        sim.step().unwrap();
+    }
+    assert!(!sim.run.is_converged(), "the stage was not lost");
+    let waiting = sim.run.node(&node).unwrap().clone();
+    assert!(
+        waiting
+            .facts
+            .bootstrap
+            .as_ref()
+            .is_some_and(|b| !b.stage.is_terminal()),
+        "{waiting:?}"
+    );
+    let deadline = waiting.stage_deadline.expect("a bootstrap deadline");
+    // The first tick notes where each session is; the second finds it
+    // where it was.
+    assert_eq!(sim.safety_tick().unwrap(), 0);
+    assert_eq!(sim.safety_tick().unwrap(), 1);
+    sim.run_until_converged(MAX_STEPS).unwrap();
+    assert!(sim.now < deadline, "converged only after the bootstrap deadline");
+    assert_eq!(sim.run.node(&node).unwrap().attempt, waiting.attempt);
+    // A converged run has no session left to ask for.
+    assert_eq!(sim.safety_tick().unwrap(), 0);
+    assert_eq!(sim.safety_tick().unwrap(), 0);
+    check_trace(&sim);
+}
+
 #[test]
 fn a_lost_resource_is_replaced_on_a_fresh_attempt() {
     let mut sim = Sim::new(three_groups(1), FakeConfig::default(), Delivery::InOrder, 7).unwrap();

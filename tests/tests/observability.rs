@@ -1083,6 +1083,7 @@ const DRIVER_FAMILIES: &[&str] = &[
     "provisioning_folds_total",
     "provisioning_stale_results_discarded_total",
     "provisioning_runs_converged_total",
+    "provisioning_bootstrap_sessions_asked_again_total",
     "provisioning_nodes",
     "provisioning_runs",
     "provisioning_executor_link_up",

@@ -3017,6 +3017,19 @@ impl RunState {
             .collect()
     }
 
+    /// The sessions of nodes still bootstrapping (their attempt's session
+    /// has not reported its end), each with the sequence number of its last
+    /// folded stage (0: none yet): what the shell compares from one safety
+    /// tick to the next to find sessions that made no progress.
+    pub fn bootstrapping_cursors(&self) -> impl Iterator<Item = (&contract::SessionId, u64)> + '_ {
+        self.nodes.values().flat_map(|e| e.attempts()).filter_map(|n| {
+            let bootstrapping = matches!(n.stage, NodeStage::BootstrapRunning | NodeStage::Joined)
+                && !n.facts.bootstrap.as_ref().is_some_and(|b| b.stage.is_terminal());
+            let session = n.facts.session.as_ref().filter(|_| bootstrapping)?;
+            Some((session, n.facts.bootstrap.as_ref().map_or(0, |b| b.seq)))
+        })
+    }
+
     /// The last folded observation sequence per live session, for asking the
     /// executor to replay what came after.
     pub fn observation_cursors(&self) -> Vec<(contract::SessionId, u64)> {

@@ -16,11 +16,16 @@
 //!   acknowledgements are replaced by the executor resending what it holds.
 //! - The executor fences the run (a newer epoch owns it): the run claims
 //!   again on a new link, and submits nothing.
+//! - A safety tick ([`LinkSession::handle_safety_tick`]): a session still
+//!   bootstrapping whose last folded stage has not moved since the previous
+//!   tick is asked for what followed it, so that a stage lost on the way
+//!   comes again (the executor keeps every stage until it is acknowledged)
+//!   within two ticks rather than failing the attempt at its timeout.
 //!
 //! Messages leave through [`LinkSession::poll_transmit`], each with the link
 //! generation it was queued for; the shell sends it on that stream only.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use contract::{Claim, Operation, SessionId, WatchHealth};
 
@@ -66,6 +71,9 @@ pub struct LinkSession {
     acks: Vec<AckRef>,
     /// Submissions dropped because no link was up or the run was fenced.
     dropped: u64,
+    /// Each bootstrapping session's last folded stage at the last safety
+    /// tick: one entry per session still bootstrapping.
+    bootstrap_cursors: HashMap<SessionId, u64>,
 }
 
 impl LinkSession {
@@ -192,6 +200,32 @@ impl LinkSession {
             return;
         }
         self.push_chunked(sessions, ToExecutor::ObserveFrom);
+    }
+
+    /// The run's safety tick: each session still bootstrapping whose last
+    /// folded stage is the one it had at the previous tick is asked for what
+    /// followed it. The executor sends again what it holds unacknowledged:
+    /// a stage that never arrived is folded, one already folded is a
+    /// duplicate, and a bootstrap that is only slow answers nothing new.
+    /// Returns how many sessions were asked.
+    pub fn handle_safety_tick(&mut self, run: &RunState) -> usize {
+        let cursors: HashMap<SessionId, u64> = run
+            .bootstrapping_cursors()
+            .map(|(s, seq)| (s.clone(), seq))
+            .collect();
+        let quiet: Vec<(SessionId, u64)> = cursors
+            .iter()
+            .filter(|(s, seq)| self.bootstrap_cursors.get(*s) == Some(*seq))
+            .map(|(s, seq)| (s.clone(), *seq))
+            .collect();
+        self.bootstrap_cursors = cursors;
+        let asked = quiet.len();
+        if self.sends() && asked > 0 {
+            self.push_chunked(quiet, ToExecutor::ObserveFrom);
+            asked
+        } else {
+            0
+        }
     }
 
     /// The next message to send, with the link generation it is for.

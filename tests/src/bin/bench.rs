@@ -863,7 +863,11 @@ async fn converge(
         // the size.
         .driver("--safety-tick-ms", "30000")
         .driver("--max-nodes-per-group", "1000000")
-        .driver("--max-nodes-total", "1000000");
+        .driver("--max-nodes-total", "1000000")
+        // Served for whoever looks into a slow convergence (each service
+        // logs its address); nothing scrapes them during the measurement.
+        .driver("--metrics-listen", "127.0.0.1:0")
+        .executor("--metrics-listen", "127.0.0.1:0");
     if !durable {
         opts = opts.driver("--store", "memory");
     }
