@@ -640,6 +640,22 @@ fn observations_fold_only_into_the_session_they_name() {
     ] {
         assert_eq!(run.fold_observation(&obs(seq, stage), T0).unwrap(), Fold::Folded);
     }
+    // Nothing after the session's end is folded: it would take the node
+    // back to a stage it has passed.
+    assert_eq!(
+        run.fold_observation(&obs(5, contract::BootstrapStage::Joined), T0)
+            .unwrap(),
+        Fold::Discarded(Discard::AfterEnd)
+    );
+    assert_eq!(
+        run.node(&node(id))
+            .unwrap()
+            .facts
+            .bootstrap
+            .as_ref()
+            .map(|b| b.stage),
+        Some(contract::BootstrapStage::Converged)
+    );
     assert_eq!(run.node(&node(id)).unwrap().stage, NodeStage::Joined);
     let acked: Vec<u64> = run
         .take_commit()
@@ -652,7 +668,7 @@ fn observations_fold_only_into_the_session_they_name() {
             _ => None,
         })
         .collect();
-    assert_eq!(acked, [1, 1, 2, 2, 3, 4], "the gap is not acknowledged");
+    assert_eq!(acked, [1, 1, 2, 2, 3, 4, 5], "the gap is not acknowledged");
     // Convergence is a driver transition: the node becomes ready.
     let _ = pass(&mut run, &store, T0);
     let n = run.node(&node(id)).unwrap();

@@ -150,6 +150,12 @@ impl Queue {
     /// drops it (it is not terminal and follows a waiting terminal stage).
     fn push(&mut self, o: RawObservation) -> Push {
         if self.entries.len() < COALESCE_PAST {
+            // Queued behind its session's indexed stage (the backlog went
+            // below the mark in between): a later stage must not take that
+            // one's place, ahead of this one, so the session's index goes.
+            if !self.waiting.is_empty() {
+                self.waiting.remove(&key_of(&o));
+            }
             self.entries.push_back(Queued {
                 observation: o,
                 indexed: false,
@@ -440,6 +446,40 @@ mod tests {
             .filter(|(a, _)| *a == attempt)
             .map(|(_, s)| s)
             .collect()
+    }
+
+    /// A session's stage queued behind its indexed one, after the backlog
+    /// went below the mark, is never overtaken: the stage after it goes to
+    /// the back, not to the indexed one's place. (A `converged` that took
+    /// the place of an earlier `agent-started` arrived before the `joined`
+    /// queued after it, and the driver folded `joined` last: the node
+    /// waited at `joined` until its bootstrap timeout.)
+    #[test]
+    fn a_stage_queued_below_the_mark_is_not_overtaken_by_a_later_one() {
+        let (tx, mut rx) = observation_queue();
+        let fill = |tx: &ObservationSender, from: u64, n: u64| {
+            for attempt in from..from + n {
+                assert!(tx.send(stage_of(attempt, BootstrapStage::Connected)));
+            }
+        };
+        fill(&tx, 1_000, COALESCE_PAST as u64);
+        // Past the mark: indexed.
+        assert!(tx.send(stage_of(1, BootstrapStage::AgentStarted)));
+        // The reader takes some: below the mark again.
+        for _ in 0..10 {
+            assert!(rx.try_recv().is_ok());
+        }
+        assert!(tx.send(stage_of(1, BootstrapStage::Joined)));
+        fill(&tx, 100_000, 20);
+        assert!(tx.send(stage_of(1, BootstrapStage::Converged)));
+        assert_eq!(
+            stages_of(&mut rx, 1),
+            [
+                BootstrapStage::AgentStarted,
+                BootstrapStage::Joined,
+                BootstrapStage::Converged
+            ]
+        );
     }
 
     #[test]

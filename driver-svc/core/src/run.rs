@@ -110,10 +110,14 @@ pub enum Discard {
     /// folded yet. It is not acknowledged: the executor keeps it, and the
     /// driver asks for it again once the result names the session.
     SessionNotYetKnown,
+    /// An observation after its session's end (a terminal stage is
+    /// folded): a session reports nothing after its end, and folding it
+    /// would take the node back to a stage it has passed.
+    AfterEnd,
 }
 
 impl Discard {
-    pub const ALL: [Discard; 10] = [
+    pub const ALL: [Discard; 11] = [
         Discard::OtherRun,
         Discard::UnknownNode,
         Discard::SupersededAttempt,
@@ -124,6 +128,7 @@ impl Discard {
         Discard::Duplicate,
         Discard::Gap,
         Discard::SessionNotYetKnown,
+        Discard::AfterEnd,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -137,6 +142,7 @@ impl Discard {
             Discard::Duplicate => "duplicate",
             Discard::Gap => "gap",
             Discard::SessionNotYetKnown => "session-not-yet-known",
+            Discard::AfterEnd => "after-end",
         }
     }
 }
@@ -2992,6 +2998,9 @@ impl RunState {
         let last = n.facts.bootstrap.as_ref().map_or(0, |b| b.seq);
         if o.seq <= last {
             return Fold::Discarded(Discard::Duplicate);
+        }
+        if n.facts.bootstrap.as_ref().is_some_and(|b| b.stage.is_terminal()) {
+            return Fold::Discarded(Discard::AfterEnd);
         }
         if o.seq > last.saturating_add(1) {
             return Fold::Discarded(Discard::Gap);
