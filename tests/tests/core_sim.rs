@@ -351,8 +351,6 @@ fn a_permanent_failure_holds_until_the_spec_changes() {
     )));
 }
 
-/// SPEC §8: a ready node whose resource is lost fails its attempt; the slot
-/// is cleaned up and replaced on a fresh attempt, and only that slot.
 /// Loses the first `Converged` stage on its way to the driver: what
 /// arrives in its place is the session's first stage again, which the
 /// driver discards as a duplicate (and acknowledges only up to it).
@@ -421,6 +419,8 @@ fn a_bootstrap_stage_lost_on_the_way_comes_again_on_the_safety_tick() {
     check_trace(&sim);
 }
 
+/// SPEC §8: a ready node whose resource is lost fails its attempt; the slot
+/// is cleaned up and replaced on a fresh attempt, and only that slot.
 #[test]
 fn a_lost_resource_is_replaced_on_a_fresh_attempt() {
     let mut sim = Sim::new(three_groups(1), FakeConfig::default(), Delivery::InOrder, 7).unwrap();

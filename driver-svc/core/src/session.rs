@@ -209,23 +209,20 @@ impl LinkSession {
     /// duplicate, and a bootstrap that is only slow answers nothing new.
     /// Returns how many sessions were asked.
     pub fn handle_safety_tick(&mut self, run: &RunState) -> usize {
-        let cursors: HashMap<SessionId, u64> = run
-            .bootstrapping_cursors()
-            .map(|(s, seq)| (s.clone(), seq))
-            .collect();
-        let quiet: Vec<(SessionId, u64)> = cursors
-            .iter()
-            .filter(|(s, seq)| self.bootstrap_cursors.get(*s) == Some(*seq))
-            .map(|(s, seq)| (s.clone(), *seq))
-            .collect();
-        self.bootstrap_cursors = cursors;
-        let asked = quiet.len();
-        if self.sends() && asked > 0 {
-            self.push_chunked(quiet, ToExecutor::ObserveFrom);
-            asked
-        } else {
-            0
+        let previous = std::mem::take(&mut self.bootstrap_cursors);
+        let mut quiet = Vec::new();
+        for (session, seq) in run.bootstrapping_cursors() {
+            if previous.get(session) == Some(&seq) {
+                quiet.push((session.clone(), seq));
+            }
+            self.bootstrap_cursors.insert(session.clone(), seq);
         }
+        if !self.sends() {
+            return 0;
+        }
+        let asked = quiet.len();
+        self.push_chunked(quiet, ToExecutor::ObserveFrom);
+        asked
     }
 
     /// The next message to send, with the link generation it is for.
