@@ -12,10 +12,7 @@
 //! Every map is a `BTreeMap` so that anything iterated into an output comes out in
 //! the same order for the same inputs.
 
-use std::{
-    collections::{BTreeMap, BTreeSet, VecDeque},
-    ops::Bound,
-};
+use std::collections::{BTreeMap, BTreeSet, VecDeque, btree_map};
 
 use crate::retired::Retired;
 use contract::{
@@ -319,12 +316,59 @@ struct AttemptLane {
 struct SessionLog {
     attempt: AttemptId,
     next_seq: u64,
-    unacked: BTreeMap<u64, Observation>,
+    /// In sequence order (a session's sequence only grows, and the driver
+    /// acknowledges up to a sequence), each without what the log and its keys
+    /// already say. Given back (`Vec::new`, no allocation) once empty: a
+    /// `BTreeMap` here held a node of eleven whole observations, about a
+    /// kilobyte, for every session with one stage outstanding.
+    unacked: Vec<Unacked>,
     /// Stages that arrived while the `StartBootstrap` that opened the session
     /// was still running. They are held until its result has gone out: a
     /// driver folds observations only into a session it knows, and it learns
     /// the session from that result.
     held: bool,
+    /// A terminal stage has been recorded. Once it is acknowledged the log
+    /// is forgotten (see [`ExecutorCore::ack_observations`]).
+    ended: bool,
+}
+
+/// One unacknowledged observation of a session, as its [`SessionLog`] keeps it.
+#[derive(Debug, Clone)]
+struct Unacked {
+    seq: u64,
+    at: UnixMillis,
+    stage: BootstrapStage,
+    node: LogicalNodeId,
+    detail: Box<str>,
+    trace: Option<Box<TraceContext>>,
+}
+
+impl SessionLog {
+    /// Observation `u` of this log, session `session` of run `run_uid`.
+    fn observation(&self, run_uid: RunUid, session: &SessionId, u: &Unacked) -> Observation {
+        Observation {
+            run_uid,
+            node: u.node.clone(),
+            attempt: self.attempt,
+            session: session.clone(),
+            seq: u.seq,
+            stage: u.stage,
+            detail: u.detail.to_string(),
+            at: u.at,
+            trace: u.trace.as_deref().cloned().unwrap_or_default(),
+        }
+    }
+
+    /// Every unacknowledged observation of the log, in sequence order.
+    fn observations<'a>(
+        &'a self,
+        run_uid: RunUid,
+        session: &'a SessionId,
+    ) -> impl Iterator<Item = Observation> + 'a {
+        self.unacked
+            .iter()
+            .map(move |u| self.observation(run_uid, session, u))
+    }
 }
 
 /// Everything the core knows of one run.
@@ -362,7 +406,7 @@ struct RunState {
 impl RunState {
     /// Sends the stages held back while an attempt's `StartBootstrap` ran, now
     /// that its result has gone out first.
-    fn release_held(&mut self, attempt: AttemptId, out: &mut Vec<Output>) {
+    fn release_held(&mut self, run_uid: RunUid, attempt: AttemptId, out: &mut Vec<Output>) {
         let Some(ids) = self.sessions_of.get(&attempt) else {
             return;
         };
@@ -372,7 +416,7 @@ impl RunState {
                 && log.held
             {
                 log.held = false;
-                out.extend(log.unacked.values().cloned().map(Output::Observation));
+                out.extend(log.observations(run_uid, id).map(Output::Observation));
             }
         }
     }
@@ -735,7 +779,7 @@ impl ExecutorCore {
                 if let Some(result) = run.finish(id, outcome, now) {
                     out.push(Output::Result(result));
                 }
-                run.release_held(id.attempt(), &mut out);
+                run.release_held(run_uid, id.attempt(), &mut out);
                 run.release(id.attempt(), id);
                 run.start_next(id.attempt(), now, &mut out);
             }
@@ -818,7 +862,7 @@ impl ExecutorCore {
                         {
                             done.awaiting_late = true;
                         }
-                        run.release_held(attempt, &mut out);
+                        run.release_held(run_uid, attempt, &mut out);
                         run.release(attempt, id);
                         run.start_next(attempt, now, &mut out);
                     }
@@ -925,16 +969,21 @@ impl ExecutorCore {
             .and_then(|e| e.input.whole())
             .is_some_and(|op| op.input.effect() == contract::Effect::StartBootstrap);
         if !run.sessions.contains_key(&session) {
-            run.sessions_of
-                .entry(identity.attempt)
-                .or_default()
-                .push(session.clone());
+            // An attempt has one session but for a restart; a vector of one
+            // holds one id, where `push` onto an empty one makes room for four.
+            match run.sessions_of.entry(identity.attempt) {
+                btree_map::Entry::Vacant(v) => {
+                    v.insert(vec![session.clone()]);
+                }
+                btree_map::Entry::Occupied(mut o) => o.get_mut().push(session.clone()),
+            }
         }
         let log = run.sessions.entry(session.clone()).or_insert_with(|| SessionLog {
             attempt: identity.attempt,
             next_seq: 1,
-            unacked: BTreeMap::new(),
+            unacked: Vec::new(),
             held: false,
+            ended: false,
         });
         let seq = log.next_seq;
         log.next_seq = seq.saturating_add(1);
@@ -949,7 +998,16 @@ impl ExecutorCore {
             at,
             trace,
         };
-        log.unacked.insert(seq, observation.clone());
+        log.unacked.push(Unacked {
+            seq,
+            at,
+            stage,
+            node: observation.node.clone(),
+            detail: observation.detail.as_str().into(),
+            trace: (observation.trace != TraceContext::default())
+                .then(|| Box::new(observation.trace.clone())),
+        });
+        log.ended |= stage.is_terminal();
         if starting {
             log.held = true;
         }
@@ -961,6 +1019,14 @@ impl ExecutorCore {
     }
 
     /// The driver has folded a session's observations up to `upto_seq`.
+    ///
+    /// A session whose terminal stage is acknowledged is forgotten: nothing
+    /// of it is owed, and a live node's ended session would otherwise hold
+    /// its log until the attempt retires. A stage recorded for it later (a
+    /// provider that reports the end again) starts a new log at sequence 1,
+    /// as every session does after an executor restart; the driver discards
+    /// it (a stage after the session's end, or one already folded) and
+    /// acknowledges it.
     pub fn ack_observations(&mut self, run_uid: RunUid, session: &SessionId, upto_seq: u64) {
         let Some(run) = self.runs.get_mut(&run_uid) else {
             return;
@@ -968,20 +1034,14 @@ impl ExecutorCore {
         let Some(log) = run.sessions.get_mut(session) else {
             return;
         };
-        // `split_off` leaves an allocated empty node behind when everything
-        // goes, which every converged session would then hold for good.
-        match upto_seq.checked_add(1) {
-            Some(first_kept)
-                if log
-                    .unacked
-                    .last_key_value()
-                    .is_some_and(|(s, _)| *s >= first_kept) =>
-            {
-                log.unacked = log.unacked.split_off(&first_kept);
-            }
-            _ => log.unacked = BTreeMap::new(),
+        let acked = log.unacked.partition_point(|u| u.seq <= upto_seq);
+        log.unacked.drain(..acked);
+        // An emptied vector keeps its buffer; every converged session would
+        // then hold one for good.
+        if log.unacked.is_empty() {
+            log.unacked = Vec::new();
         }
-        if log.unacked.is_empty() && run.retired.contains(log.attempt) {
+        if log.unacked.is_empty() && (log.ended || run.retired.contains(log.attempt)) {
             run.remove_session(session);
         }
     }
@@ -1001,8 +1061,9 @@ impl ExecutorCore {
             .filter(|log| !log.held)
             .map(|log| {
                 log.unacked
-                    .range((Bound::Excluded(after_seq), Bound::Unbounded))
-                    .map(|(_, o)| o.clone())
+                    .iter()
+                    .filter(|u| u.seq > after_seq)
+                    .map(|u| log.observation(run_uid, session, u))
                     .collect()
             })
             .unwrap_or_default()
@@ -1011,10 +1072,10 @@ impl ExecutorCore {
     /// Every unacknowledged observation, by run, then session, then sequence.
     pub fn unacked_observations(&self) -> Vec<Observation> {
         self.runs
-            .values()
-            .flat_map(|run| run.sessions.values())
-            .filter(|log| !log.held)
-            .flat_map(|log| log.unacked.values().cloned())
+            .iter()
+            .flat_map(|(&run_uid, run)| run.sessions.iter().map(move |(id, log)| (run_uid, id, log)))
+            .filter(|(_, _, log)| !log.held)
+            .flat_map(|(run_uid, id, log)| log.observations(run_uid, id))
             .collect()
     }
 
@@ -1024,9 +1085,9 @@ impl ExecutorCore {
             .get(&run_uid)
             .map(|run| {
                 run.sessions
-                    .values()
-                    .filter(|log| !log.held)
-                    .flat_map(|log| log.unacked.values().cloned())
+                    .iter()
+                    .filter(|(_, log)| !log.held)
+                    .flat_map(|(id, log)| log.observations(run_uid, id))
                     .collect()
             })
             .unwrap_or_default()
@@ -1826,6 +1887,48 @@ mod tests {
         assert_eq!(observe(&mut core, 1, "sess-a", BootstrapStage::Joined).seq, 4);
         core.ack_observations(RUN, &session("sess-a"), u64::MAX);
         assert!(core.observations_after(RUN, &session("sess-a"), 0).is_empty());
+    }
+
+    #[test]
+    fn an_ended_session_is_forgotten_once_its_end_is_acknowledged() {
+        let mut core = claimed();
+        let trace = TraceContext {
+            traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_owned(),
+            tracestate: String::new(),
+        };
+        let sent: Vec<Observation> = [BootstrapStage::Connected, BootstrapStage::Converged]
+            .into_iter()
+            .flat_map(|stage| {
+                core.record_observation(
+                    &identity(1),
+                    session("sess-a"),
+                    stage,
+                    format!("{} on node-1", stage.name()),
+                    t(1),
+                    trace.clone(),
+                )
+            })
+            .map(|out| match out {
+                Output::Observation(o) => o,
+                other => panic!("expected an observation, got {other:?}"),
+            })
+            .collect();
+        // What is kept for a replay is the observation that went out, whole.
+        assert_eq!(core.observations_after(RUN, &session("sess-a"), 0), sent);
+        assert_eq!(core.unacked_observations(), sent);
+
+        core.ack_observations(RUN, &session("sess-a"), 1);
+        assert_eq!(core.observations_after(RUN, &session("sess-a"), 0), sent[1..]);
+        core.ack_observations(RUN, &session("sess-a"), 2);
+        assert!(core.unacked_observations().is_empty());
+        // The log went with its acknowledged end: a stage reported again
+        // starts a new one, as after a restart.
+        assert_eq!(observe(&mut core, 1, "sess-a", BootstrapStage::Converged).seq, 1);
+        // A session that has not ended keeps its numbering across
+        // acknowledgements.
+        assert_eq!(observe(&mut core, 2, "sess-b", BootstrapStage::Connected).seq, 1);
+        core.ack_observations(RUN, &session("sess-b"), 1);
+        assert_eq!(observe(&mut core, 2, "sess-b", BootstrapStage::BootCheck).seq, 2);
     }
 
     #[test]

@@ -37,7 +37,7 @@
 //! at most that many rolls per resource.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, VecDeque},
+    collections::{BTreeMap, BTreeSet},
     time::Duration,
 };
 
@@ -342,20 +342,106 @@ struct FakeLease {
     ready_at: UnixMillis,
 }
 
+/// A session's stage plan, packed: up to [`Plan::MAX`] stages of four bits
+/// each (their place in [`BootstrapStage::ALL`]), in place of a vector the
+/// fake would hold for every node it bootstraps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Plan {
+    codes: u64,
+    len: u8,
+}
+
+impl Plan {
+    const MAX: usize = 16;
+
+    /// The plan of `stages`; stages past [`Plan::MAX`] are left out.
+    fn of(stages: &[BootstrapStage]) -> Self {
+        let mut plan = Self { codes: 0, len: 0 };
+        for (i, stage) in stages.iter().take(Self::MAX).enumerate() {
+            let code = BootstrapStage::ALL.iter().position(|s| s == stage).unwrap_or(0) as u64;
+            plan.codes |= code << (4 * i);
+            plan.len = (i + 1) as u8;
+        }
+        plan
+    }
+
+    /// Stage `i` of the plan, if it has one.
+    fn get(self, i: u8) -> Option<BootstrapStage> {
+        (i < self.len).then(|| BootstrapStage::ALL[((self.codes >> (4 * u32::from(i))) & 0xf) as usize])
+    }
+
+    fn stages(self) -> Vec<BootstrapStage> {
+        (0..self.len).filter_map(|i| self.get(i)).collect()
+    }
+}
+
 #[derive(Debug, Clone)]
 struct FakeSession {
     id: SessionId,
     /// Every stage the session will stream, emitted or not, so that a restored
     /// session can stream it again from the start with the same sequence.
-    plan: Vec<BootstrapStage>,
-    /// Stages not yet emitted, in time order.
-    pending: VecDeque<(UnixMillis, BootstrapStage)>,
+    plan: Plan,
+    /// The next stage to stream (its place in the plan) and its time; the
+    /// stages after it come one stage interval apart. `None` once every
+    /// stage has gone, or the next one's time does not fit the clock.
+    next: Option<(u8, UnixMillis)>,
+}
+
+impl FakeSession {
+    /// A session streaming `plan` from the start, its first stage one stage
+    /// interval after `now`.
+    fn new(id: SessionId, plan: Plan, now: UnixMillis, interval_ms: u64) -> Self {
+        let mut session = Self { id, plan, next: None };
+        session.next = session.after(0, now, interval_ms);
+        session
+    }
+
+    /// Stage `i` and its time, one stage interval after `at`, if the plan has
+    /// it and the time fits the clock.
+    fn after(&self, i: u8, at: UnixMillis, interval_ms: u64) -> Option<(u8, UnixMillis)> {
+        self.plan.get(i)?;
+        at.checked_add(Duration::from_millis(interval_ms))
+            .ok()
+            .map(|t| (i, t))
+    }
 }
 
 #[derive(Debug, Clone)]
 struct FakeNode {
     lease: FakeLease,
     session: Option<FakeSession>,
+}
+
+/// A held resource's key: its identity, ordered by the run's uid, the attempt
+/// and the node's index before any string. In identity order every key of a
+/// run shares its run id, so each step of a lookup read two strings; in this
+/// order a lookup compares integers until it reaches the identity itself.
+/// (The executor probes every watched resource once per interval.)
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Held(ResourceIdentity);
+
+impl Held {
+    fn of(identity: &ResourceIdentity) -> Self {
+        Self(identity.clone())
+    }
+}
+
+impl Ord for Held {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        let (a, b) = (&self.0, &other.0);
+        a.run_uid
+            .cmp(&b.run_uid)
+            .then(a.attempt.cmp(&b.attempt))
+            .then(a.node.index().cmp(&b.node.index()))
+            .then_with(|| a.run_id.cmp(&b.run_id))
+            .then_with(|| a.node.cmp(&b.node))
+    }
+}
+
+impl PartialOrd for Held {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
 }
 
 /// The in-memory provider; see the module documentation.
@@ -368,14 +454,7 @@ pub struct FakeProvider {
     /// The last fault tick rolled (or passed over); `None` until the provider
     /// is first asked for its changes.
     last_tick: Option<u64>,
-    nodes: BTreeMap<ResourceIdentity, FakeNode>,
-    /// A held identity under its `(run uid, attempt)` (the first held, when
-    /// a confused caller gives two resources one attempt), so that
-    /// [`FakeProvider::probe`] finds a resource without walking `nodes`, each
-    /// step of which compares two identities' strings: the executor probes
-    /// every watched resource once per interval (100,000 of them a second
-    /// in the bench). Every entry is in `nodes`.
-    by_attempt: BTreeMap<(RunUid, AttemptId), ResourceIdentity>,
+    nodes: BTreeMap<Held, FakeNode>,
     /// The time of each session's next stage, so the next observation is found
     /// without scanning every node. One entry per session with stages left.
     agenda: BTreeSet<(UnixMillis, ResourceIdentity)>,
@@ -395,18 +474,6 @@ const NO_SUCH_LEASE: &str = "no such lease";
 
 /// Tells the day-2 stream's seed from the calls' stream's.
 const DAY2_STREAM: u64 = 0xd2d2_5eed_f00d_fa17;
-
-/// `a == b`, without reading the strings the two share: an identity cloned
-/// from the other (the prober's comes from the inventory) compares by
-/// address, where `==` would read both strings of each id.
-fn same_identity(a: &ResourceIdentity, b: &ResourceIdentity) -> bool {
-    let same = |x: &str, y: &str| std::ptr::eq(x, y) || x == y;
-    a.run_uid == b.run_uid
-        && a.attempt == b.attempt
-        && a.node.index() == b.node.index()
-        && same(a.run_id.as_str(), b.run_id.as_str())
-        && same(a.node.group().as_str(), b.node.group().as_str())
-}
 
 /// Turns a failure to build an id (which a well-formed counter never causes) into
 /// a definite failure: nothing was created.
@@ -439,7 +506,6 @@ impl FakeProvider {
             last_tick: None,
             config,
             nodes: BTreeMap::new(),
-            by_attempt: BTreeMap::new(),
             agenda: BTreeSet::new(),
             latest: UnixMillis::ZERO,
             lease_counter: 0,
@@ -488,7 +554,7 @@ impl FakeProvider {
         template: &NodeTemplate,
         now: UnixMillis,
     ) -> Result<Outcome, Outcome> {
-        if let Some(node) = self.nodes.get(&identity) {
+        if let Some(node) = self.nodes.get(&Held::of(&identity)) {
             self.adoptions += 1;
             return Ok(Outcome::Succeeded(lease_facts(&node.lease, now)));
         }
@@ -558,7 +624,7 @@ impl FakeProvider {
         let no_such_lease = || Outcome::Retryable {
             reason: NO_SUCH_LEASE.to_owned(),
         };
-        let Some(node) = self.nodes.get(identity) else {
+        let Some(node) = self.nodes.get(&Held::of(identity)) else {
             return Ok(no_such_lease());
         };
         // Requests are keyed on identity; a lease id that does not match the
@@ -592,7 +658,11 @@ impl FakeProvider {
         now: UnixMillis,
     ) -> Result<Outcome, Outcome> {
         // As in `lookup`, a lease id other than the identity's names nothing here.
-        let Some(node) = self.nodes.get(&identity).filter(|n| n.lease.id == *lease) else {
+        let Some(node) = self
+            .nodes
+            .get(&Held::of(&identity))
+            .filter(|n| n.lease.id == *lease)
+        else {
             return Ok(Outcome::Retryable {
                 reason: NO_SUCH_LEASE.to_owned(),
             });
@@ -623,21 +693,6 @@ impl FakeProvider {
 
     /// Creates a session and schedules its stages. The fail roll comes first; a
     /// session that fails does not also roll for a hang.
-    /// Times for `stages`, one stage interval apart from `now`.
-    fn schedule(&self, stages: &[BootstrapStage], now: UnixMillis) -> VecDeque<(UnixMillis, BootstrapStage)> {
-        let interval = self.config.stage_interval_ms;
-        let mut pending = VecDeque::with_capacity(stages.len());
-        for (k, stage) in (1u64..).zip(stages.iter().copied()) {
-            // A stage whose time does not fit the clock never comes: the schedule
-            // ends there rather than wrapping.
-            let Ok(at) = now.checked_add(Duration::from_millis(interval.saturating_mul(k))) else {
-                break;
-            };
-            pending.push_back((at, stage));
-        }
-        pending
-    }
-
     fn start_session(&mut self, identity: ResourceIdentity, now: UnixMillis) -> Result<SessionId, Outcome> {
         let n = self.session_counter + 1;
         let id = SessionId::new("session", &format!("sess-{n}")).map_err(id_error)?;
@@ -653,20 +708,16 @@ impl FakeProvider {
             let last = self.rng.below(4) as usize;
             stages.truncate(last + 1);
         }
-        let pending = self.schedule(&stages, now);
-        let Some(node) = self.nodes.get_mut(&identity) else {
+        let session = FakeSession::new(id.clone(), Plan::of(&stages), now, self.config.stage_interval_ms);
+        let Some(node) = self.nodes.get_mut(&Held::of(&identity)) else {
             return Err(Outcome::Retryable {
                 reason: NO_SUCH_LEASE.to_owned(),
             });
         };
-        if let Some(&(first, _)) = pending.front() {
+        if let Some((_, first)) = session.next {
             self.agenda.insert((first, identity));
         }
-        node.session = Some(FakeSession {
-            id: id.clone(),
-            plan: stages,
-            pending,
-        });
+        node.session = Some(session);
         self.session_counter = n;
         Ok(id)
     }
@@ -703,36 +754,33 @@ impl FakeProvider {
     }
 
     fn remove_session(&mut self, identity: &ResourceIdentity) {
-        let Some(session) = self.nodes.get_mut(identity).and_then(|n| n.session.take()) else {
+        let Some(session) = self
+            .nodes
+            .get_mut(&Held::of(identity))
+            .and_then(|n| n.session.take())
+        else {
             return;
         };
-        if let Some(&(at, _)) = session.pending.front() {
+        if let Some((_, at)) = session.next {
             self.agenda.remove(&(at, identity.clone()));
         }
     }
 
     fn insert_node(&mut self, identity: ResourceIdentity, node: FakeNode) {
-        self.by_attempt
-            .entry((identity.run_uid, identity.attempt))
-            .or_insert_with(|| identity.clone());
-        self.nodes.insert(identity, node);
+        self.nodes.insert(Held(identity), node);
     }
 
     fn remove_node(&mut self, identity: &ResourceIdentity) {
         self.remove_session(identity);
-        self.nodes.remove(identity);
+        self.nodes.remove(&Held::of(identity));
         self.sick.remove(identity);
-        let key = (identity.run_uid, identity.attempt);
-        if self.by_attempt.get(&key).is_some_and(|held| held == identity) {
-            self.by_attempt.remove(&key);
-        }
     }
 
     /// Loses the resource of `identity` behind the executor's back (its
     /// machine went away), for tests: it leaves the inventory and its session
     /// stops. Returns whether there was one.
     pub fn lose(&mut self, identity: &ResourceIdentity) -> bool {
-        let held = self.nodes.contains_key(identity);
+        let held = self.holds(identity);
         self.remove_node(identity);
         held
     }
@@ -740,7 +788,7 @@ impl FakeProvider {
     /// Makes the resource of `identity` fail its health probes until
     /// [`FakeProvider::heal`], for tests. Returns whether there is one.
     pub fn sicken(&mut self, identity: &ResourceIdentity) -> bool {
-        let held = self.nodes.contains_key(identity);
+        let held = self.holds(identity);
         if held {
             self.sick.insert(identity.clone());
         }
@@ -755,7 +803,7 @@ impl FakeProvider {
 
     /// Whether the provider holds a resource for `identity`.
     pub fn holds(&self, identity: &ResourceIdentity) -> bool {
-        self.nodes.contains_key(identity)
+        self.nodes.contains_key(&Held::of(identity))
     }
 
     /// Whether the resource of `identity` fails its probes.
@@ -774,6 +822,7 @@ impl FakeProvider {
     ) -> Option<ResourceIdentity> {
         self.nodes
             .keys()
+            .map(|held| &held.0)
             .find(|id| id.run_uid == run_uid && id.node == *node && id.attempt == attempt)
             .cloned()
     }
@@ -803,7 +852,7 @@ impl FakeProvider {
             let live: Vec<(ResourceIdentity, bool)> = self
                 .nodes
                 .iter()
-                .map(|(id, n)| (id.clone(), n.lease.ready_at <= at))
+                .map(|(held, n)| (held.0.clone(), n.lease.ready_at <= at))
                 .collect();
             for (identity, bound) in live {
                 let kind = if self.day2_rng.pick(&[f.lose]).is_some() {
@@ -853,12 +902,7 @@ impl FakeProvider {
 
     /// A health probe of the resource: it must exist and not be sick.
     pub fn probe(&self, identity: &ResourceIdentity) -> Result<(), String> {
-        let held = self
-            .by_attempt
-            .get(&(identity.run_uid, identity.attempt))
-            .is_some_and(|held| same_identity(held, identity))
-            || self.nodes.contains_key(identity);
-        if !held {
+        if !self.holds(identity) {
             return Err("no such resource".to_owned());
         }
         if self.sick.contains(identity) {
@@ -882,13 +926,24 @@ impl FakeProvider {
                 break;
             }
             self.agenda.pop_first();
-            let Some(session) = self.nodes.get_mut(&identity).and_then(|n| n.session.as_mut()) else {
+            let interval = self.config.stage_interval_ms;
+            let Some(session) = self
+                .nodes
+                .get_mut(&Held::of(&identity))
+                .and_then(|n| n.session.as_mut())
+            else {
                 continue;
             };
-            let Some((at, stage)) = session.pending.pop_front() else {
+            let Some((i, at)) = session.next else {
                 continue;
             };
-            if let Some(&(next, _)) = session.pending.front() {
+            let Some(stage) = session.plan.get(i) else {
+                continue;
+            };
+            // A stage whose time does not fit the clock never comes: the
+            // schedule ends there rather than wrapping.
+            session.next = session.after(i + 1, at, interval);
+            if let Some((_, next)) = session.next {
                 self.agenda.insert((next, identity.clone()));
             }
             out.push(FakeObservation {
@@ -902,12 +957,12 @@ impl FakeProvider {
         out
     }
 
-    /// Every live resource, by identity. Endpoints are reported ready as of the
+    /// Every live resource, by run uid, then attempt, then node. Endpoints are reported ready as of the
     /// latest `now` the provider was given, since listing takes no time argument.
     pub fn inventory(&self) -> Vec<FakeResource> {
         self.nodes
             .iter()
-            .map(|(identity, node)| FakeResource {
+            .map(|(Held(identity), node)| FakeResource {
                 identity: identity.clone(),
                 lease: node.lease.id.clone(),
                 endpoint: (node.lease.ready_at <= self.latest).then(|| node.lease.endpoint.clone()),
@@ -926,9 +981,9 @@ impl FakeProvider {
     /// delivers its observations needs to keep a way to deliver them.
     pub fn is_emitting(&self, identity: &ResourceIdentity) -> bool {
         self.nodes
-            .get(identity)
+            .get(&Held::of(identity))
             .and_then(|n| n.session.as_ref())
-            .is_some_and(|s| !s.pending.is_empty())
+            .is_some_and(|s| s.next.is_some())
     }
 
     /// The resources and counters, for [`FakeProvider::restore`].
@@ -937,13 +992,13 @@ impl FakeProvider {
             resources: self
                 .nodes
                 .iter()
-                .map(|(identity, node)| FakeSnapshotResource {
+                .map(|(Held(identity), node)| FakeSnapshotResource {
                     identity: identity.clone(),
                     lease: node.lease.id.clone(),
                     endpoint: node.lease.endpoint.clone(),
                     ready_at: node.lease.ready_at,
                     session: node.session.as_ref().map(|s| s.id.clone()),
-                    stages: node.session.as_ref().map(|s| s.plan.clone()).unwrap_or_default(),
+                    stages: node.session.as_ref().map(|s| s.plan.stages()).unwrap_or_default(),
                     sick: self.sick.contains(identity),
                 })
                 .collect(),
@@ -963,9 +1018,13 @@ impl FakeProvider {
         provider.lease_counter = snapshot.lease_counter;
         provider.session_counter = snapshot.session_counter;
         provider.latest = snapshot.latest;
+        let interval = provider.config.stage_interval_ms;
         for r in snapshot.resources {
-            let pending = provider.schedule(&r.stages, snapshot.latest);
-            if let (Some(_), Some(&(first, _))) = (&r.session, pending.front()) {
+            let plan = Plan::of(&r.stages);
+            let session = r
+                .session
+                .map(|id| FakeSession::new(id, plan, snapshot.latest, interval));
+            if let Some((_, first)) = session.as_ref().and_then(|s| s.next) {
                 provider.agenda.insert((first, r.identity.clone()));
             }
             if r.sick {
@@ -979,11 +1038,7 @@ impl FakeProvider {
                         endpoint: r.endpoint,
                         ready_at: r.ready_at,
                     },
-                    session: r.session.map(|id| FakeSession {
-                        id,
-                        plan: r.stages,
-                        pending,
-                    }),
+                    session,
                 },
             );
         }
@@ -993,7 +1048,7 @@ impl FakeProvider {
     /// Live leases of one run: zero after a run is scaled to zero or deleted, or
     /// something leaked.
     pub fn live_resources(&self, run_uid: RunUid) -> usize {
-        self.nodes.keys().filter(|id| id.run_uid == run_uid).count()
+        self.nodes.keys().filter(|held| held.0.run_uid == run_uid).count()
     }
 
     /// Leases actually made (adoptions excluded).
@@ -1350,6 +1405,18 @@ mod tests {
         assert!(matches!(call.outcome, Outcome::Permanent { .. }), "{call:?}");
         assert_eq!(p.creates(), 0);
         assert_eq!(p.live_resources(RUN), 0);
+    }
+
+    #[test]
+    fn a_plan_keeps_its_stages_in_order() {
+        let every: Vec<BootstrapStage> = BootstrapStage::ALL.iter().rev().copied().collect();
+        assert_eq!(Plan::of(&every).stages(), every);
+        let failing = [BootstrapStage::Connected, BootstrapStage::FailedBootCheck];
+        assert_eq!(Plan::of(&failing).get(1), Some(BootstrapStage::FailedBootCheck));
+        assert_eq!(Plan::of(&failing).get(2), None);
+        assert!(Plan::of(&[]).stages().is_empty());
+        let long: Vec<BootstrapStage> = BootstrapStage::ALL.iter().cycle().take(20).copied().collect();
+        assert_eq!(Plan::of(&long).stages(), long[..Plan::MAX]);
     }
 
     /// Drives a full lifecycle on several identities and records everything seen.
