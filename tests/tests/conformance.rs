@@ -144,8 +144,11 @@ fn check_in(world: World, trace: &str) -> RunOutcome {
 /// run converges all the same within its bound, every check holding.
 #[test]
 fn with_day2_chaos_a_run_converges_once_faults_stop() {
+    // A seed whose rolls lose and sicken resources that the driver then
+    // replaces (about half the seeds do; which resources a tick rolls for
+    // follows the fake's order of them).
     let out = check_trace(
-        3,
+        15,
         Delivery::InOrder,
         "faults:chaos step*60 advance:15000 step*60 advance:70000 step*60 apply:scale-up:work:2 \
          step*60 advance:700000 step*80",
