@@ -85,52 +85,6 @@ pub struct DurableOp {
     pub acked: bool,
 }
 
-/// What the dedup table keeps of an operation's input.
-///
-/// The whole operation is kept while it may still run (queued or running).
-/// Once it has completed it can never run again: a resubmission is answered
-/// with the recorded result, so only the digest that a resubmission is
-/// compared by is kept, and an attempt's completed operations cost a few
-/// dozen bytes each besides their results, not their templates.
-#[derive(Debug, Clone, PartialEq)]
-pub enum KeptInput {
-    Whole(Box<Operation>),
-    /// [`input_digest`] of the operation.
-    Digest(u64),
-}
-
-impl KeptInput {
-    /// The whole operation, if it is still kept.
-    pub fn whole(&self) -> Option<&Operation> {
-        match self {
-            KeptInput::Whole(op) => Some(op),
-            KeptInput::Digest(_) => None,
-        }
-    }
-
-    pub fn digest(&self) -> u64 {
-        match self {
-            KeptInput::Whole(op) => input_digest(op),
-            KeptInput::Digest(d) => *d,
-        }
-    }
-
-    /// Whether `op` is a resubmission of this one (`Operation::same_input`).
-    pub fn same(&self, op: &Operation) -> bool {
-        match self {
-            KeptInput::Whole(kept) => op.same_input(kept),
-            KeptInput::Digest(d) => input_digest(op) == *d,
-        }
-    }
-
-    /// Keeps the digest alone.
-    fn settle(&mut self) {
-        if let KeptInput::Whole(op) = self {
-            *self = KeptInput::Digest(input_digest(op));
-        }
-    }
-}
-
 /// Everything kept for one run, for [`ExecutorCore::restore`].
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct DurableRun {
@@ -239,6 +193,8 @@ pub fn input_digest(op: &Operation) -> u64 {
 /// still come (a replay joins the resubmission's trace).
 #[derive(Debug, Clone)]
 struct Completed {
+    /// [`input_digest`] of the operation.
+    input_digest: u64,
     node: LogicalNodeId,
     outcome: Outcome,
     completed_at: UnixMillis,
@@ -251,9 +207,10 @@ struct Completed {
 }
 
 impl Completed {
-    fn new(result: OperationResult, acked: bool) -> Self {
+    fn new(result: OperationResult, input_digest: u64, acked: bool) -> Self {
         let trace = (result.trace != TraceContext::default()).then(|| Box::new(result.trace));
         Self {
+            input_digest,
             node: result.node,
             outcome: result.outcome,
             completed_at: result.completed_at,
@@ -280,26 +237,65 @@ impl Completed {
     }
 }
 
+/// One row of the dedup table: a word and a tag, so that the table's nodes
+/// stay small however many operations it holds (a leaf of eleven rows and
+/// their ids takes a 384-byte allocation; with the input and the state apart,
+/// two words a row, it took 640).
+///
+/// The whole operation is kept while it may still run (queued or running).
+/// Once it has completed it can never run again: a resubmission is answered
+/// with the recorded result, so only the digest that a resubmission is
+/// compared by is kept (in its [`Completed`] record), and an attempt's
+/// completed operations cost their results, not their templates.
 #[derive(Debug, Clone)]
-enum OpState {
-    Queued,
-    Running,
+enum OpEntry {
+    /// Waiting its attempt's turn, or (`running`) out at the backend.
+    Pending {
+        op: Box<Operation>,
+        running: bool,
+    },
     Completed(Box<Completed>),
 }
 
-/// One row of the dedup table: two words and a tag inline, so that the
-/// table's nodes stay small however many operations it holds.
-#[derive(Debug, Clone)]
-struct OpEntry {
-    input: KeptInput,
-    state: OpState,
-}
+// A row stays a word and a tag: a field added beside the box would take
+// every node of every run's table to the next allocation size.
+const _: () = assert!(std::mem::size_of::<OpEntry>() <= 2 * std::mem::size_of::<usize>());
 
 impl OpEntry {
     fn new(op: Operation) -> Self {
-        Self {
-            input: KeptInput::Whole(Box::new(op)),
-            state: OpState::Queued,
+        OpEntry::Pending {
+            op: Box::new(op),
+            running: false,
+        }
+    }
+
+    /// The whole operation, while it may still run.
+    fn whole(&self) -> Option<&Operation> {
+        match self {
+            OpEntry::Pending { op, .. } => Some(op),
+            OpEntry::Completed(_) => None,
+        }
+    }
+
+    fn digest(&self) -> u64 {
+        match self {
+            OpEntry::Pending { op, .. } => input_digest(op),
+            OpEntry::Completed(done) => done.input_digest,
+        }
+    }
+
+    /// Whether `op` is a resubmission of this one (`Operation::same_input`).
+    fn same(&self, op: &Operation) -> bool {
+        match self {
+            OpEntry::Pending { op: kept, .. } => op.same_input(kept),
+            OpEntry::Completed(done) => input_digest(op) == done.input_digest,
+        }
+    }
+
+    fn completed_mut(&mut self) -> Option<&mut Completed> {
+        match self {
+            OpEntry::Completed(done) => Some(done),
+            OpEntry::Pending { .. } => None,
         }
     }
 }
@@ -441,7 +437,7 @@ impl RunState {
     /// returns it. The caller keeps the attempt's lane consistent.
     fn finish(&mut self, id: OperationId, outcome: Outcome, now: UnixMillis) -> Option<OperationResult> {
         let entry = self.ops.get_mut(&id)?;
-        let op = entry.input.whole()?;
+        let op = entry.whole()?;
         let result = OperationResult {
             run_uid: op.run_uid,
             node: op.node.clone(),
@@ -454,8 +450,8 @@ impl RunState {
             trace: op.trace.clone(),
         };
         self.deadlines.remove(&(op.deadline, id));
-        entry.input.settle();
-        entry.state = OpState::Completed(Box::new(Completed::new(result.clone(), false)));
+        let digest = input_digest(op);
+        *entry = OpEntry::Completed(Box::new(Completed::new(result.clone(), digest, false)));
         self.unacked.insert(id);
         self.changed.insert(id);
         Some(result)
@@ -486,18 +482,15 @@ impl RunState {
                 self.lanes.remove(&attempt);
                 return;
             };
-            let Some(entry) = self.ops.get_mut(&next) else {
-                continue;
-            };
-            let Some(op) = entry.input.whole() else {
+            let Some(OpEntry::Pending { op, running }) = self.ops.get_mut(&next) else {
                 continue;
             };
             if op.deadline <= now {
                 self.expire_unstarted(next, now, out);
                 continue;
             }
-            let op = op.clone();
-            entry.state = OpState::Running;
+            *running = true;
+            let op = Operation::clone(op);
             lane.running = Some(next);
             out.push(Output::Start(op));
             return;
@@ -529,13 +522,13 @@ impl RunState {
         let digests = self
             .ops
             .range(range.clone())
-            .map(|(id, e)| (id.seq(), e.input.digest()))
+            .map(|(id, e)| (id.seq(), e.digest()))
             .collect();
         self.retired.retire(attempt, digests);
         let done: Vec<OperationId> = self
             .ops
             .range(range)
-            .filter(|(_, e)| matches!(&e.state, OpState::Completed(c) if c.acked))
+            .filter(|(_, e)| matches!(e, OpEntry::Completed(c) if c.acked))
             .map(|(id, _)| *id)
             .collect();
         for id in done {
@@ -673,7 +666,7 @@ impl ExecutorCore {
         }
 
         if let Some(existing) = run.ops.get_mut(&id) {
-            if !existing.input.same(&op) {
+            if !existing.same(&op) {
                 let message = format!(
                     "operation {id} of run {run_uid} was already submitted with another node or input"
                 );
@@ -687,7 +680,7 @@ impl ExecutorCore {
                 out.push(Output::Rejected(rejection));
                 return out;
             }
-            if let OpState::Completed(done) = &mut existing.state {
+            if let OpEntry::Completed(done) = existing {
                 // The driver did not see the result, or saw it and restarted
                 // before folding it: it is owed again until acknowledged.
                 done.acked = false;
@@ -774,8 +767,8 @@ impl ExecutorCore {
         let Some(entry) = run.ops.get_mut(&id) else {
             return out;
         };
-        match &mut entry.state {
-            OpState::Running => {
+        match entry {
+            OpEntry::Pending { running: true, .. } => {
                 if let Some(result) = run.finish(id, outcome, now) {
                     out.push(Output::Result(result));
                 }
@@ -783,7 +776,7 @@ impl ExecutorCore {
                 run.release(id.attempt(), id);
                 run.start_next(id.attempt(), now, &mut out);
             }
-            OpState::Completed(done) if done.awaiting_late => {
+            OpEntry::Completed(done) if done.awaiting_late => {
                 // The recorded ambiguous result stays the dedup record: the driver
                 // may already have acted on it, and a replay must not change.
                 done.awaiting_late = false;
@@ -796,7 +789,7 @@ impl ExecutorCore {
             }
             // A queued operation was never started, and a completed one has
             // already been reported: either is a confused shell, and ignored.
-            OpState::Queued | OpState::Completed(_) => {}
+            OpEntry::Pending { running: false, .. } | OpEntry::Completed(_) => {}
         }
         out
     }
@@ -823,7 +816,7 @@ impl ExecutorCore {
             let before = std::mem::take(&mut run.deadlines);
             for (deadline, id) in before {
                 let at = deadline.shifted(by_ms);
-                if let Some(KeptInput::Whole(op)) = run.ops.get_mut(&id).map(|e| &mut e.input) {
+                if let Some(OpEntry::Pending { op, .. }) = run.ops.get_mut(&id) {
                     op.deadline = at;
                 }
                 run.deadlines.insert((at, id));
@@ -845,9 +838,8 @@ impl ExecutorCore {
                     break;
                 }
                 let attempt = id.attempt();
-                let state = run.ops.get(&id).map(|e| &e.state);
-                match state {
-                    Some(OpState::Running) => {
+                match run.ops.get(&id) {
+                    Some(OpEntry::Pending { running: true, .. }) => {
                         out.push(Output::Abort { run_uid, id });
                         let outcome = Outcome::Ambiguous {
                             reason: REASON_ABANDONED.to_owned(),
@@ -855,18 +847,14 @@ impl ExecutorCore {
                         if let Some(result) = run.finish(id, outcome, now) {
                             out.push(Output::Result(result));
                         }
-                        if let Some(OpEntry {
-                            state: OpState::Completed(done),
-                            ..
-                        }) = run.ops.get_mut(&id)
-                        {
+                        if let Some(done) = run.ops.get_mut(&id).and_then(OpEntry::completed_mut) {
                             done.awaiting_late = true;
                         }
                         run.release_held(run_uid, attempt, &mut out);
                         run.release(attempt, id);
                         run.start_next(attempt, now, &mut out);
                     }
-                    Some(OpState::Queued) => {
+                    Some(OpEntry::Pending { running: false, .. }) => {
                         if let Some(lane) = run.lanes.get_mut(&attempt) {
                             lane.queue.retain(|q| *q != id);
                             if lane.running.is_none() && lane.queue.is_empty() {
@@ -877,7 +865,7 @@ impl ExecutorCore {
                     }
                     // A stale index entry; `finish` removes them, so this only
                     // guards against looping forever.
-                    Some(OpState::Completed(_)) | None => {
+                    Some(OpEntry::Completed(_)) | None => {
                         run.deadlines.remove(&(deadline, id));
                     }
                 }
@@ -892,11 +880,7 @@ impl ExecutorCore {
         let Some(run) = self.runs.get_mut(&run_uid) else {
             return;
         };
-        let Some(OpEntry {
-            state: OpState::Completed(done),
-            ..
-        }) = run.ops.get_mut(&id)
-        else {
+        let Some(done) = run.ops.get_mut(&id).and_then(OpEntry::completed_mut) else {
             return;
         };
         done.acked = true;
@@ -924,12 +908,10 @@ impl ExecutorCore {
         self.runs
             .iter()
             .flat_map(|(&run_uid, run)| {
-                run.unacked
-                    .iter()
-                    .filter_map(move |&id| match &run.ops.get(&id)?.state {
-                        OpState::Completed(done) => Some(done.result(run_uid, id)),
-                        OpState::Queued | OpState::Running => None,
-                    })
+                run.unacked.iter().filter_map(move |&id| match run.ops.get(&id)? {
+                    OpEntry::Completed(done) => Some(done.result(run_uid, id)),
+                    OpEntry::Pending { .. } => None,
+                })
             })
             .collect()
     }
@@ -942,9 +924,9 @@ impl ExecutorCore {
         };
         run.unacked
             .iter()
-            .filter_map(|&id| match &run.ops.get(&id)?.state {
-                OpState::Completed(done) => Some(done.result(run_uid, id)),
-                OpState::Queued | OpState::Running => None,
+            .filter_map(|&id| match run.ops.get(&id)? {
+                OpEntry::Completed(done) => Some(done.result(run_uid, id)),
+                OpEntry::Pending { .. } => None,
             })
             .collect()
     }
@@ -966,7 +948,7 @@ impl ExecutorCore {
             .get(&identity.attempt)
             .and_then(|lane| lane.running)
             .and_then(|id| run.ops.get(&id))
-            .and_then(|e| e.input.whole())
+            .and_then(OpEntry::whole)
             .is_some_and(|op| op.input.effect() == contract::Effect::StartBootstrap);
         if !run.sessions.contains_key(&session) {
             // An attempt has one session but for a restart; a vector of one
@@ -1212,13 +1194,13 @@ impl ExecutorCore {
         }
         for (&run_uid, run) in &mut self.runs {
             for id in std::mem::take(&mut run.changed) {
-                let record = run.ops.get(&id).and_then(|e| match &e.state {
-                    OpState::Completed(c) => Some(Box::new(DurableOp {
-                        input_digest: e.input.digest(),
+                let record = run.ops.get(&id).and_then(|e| match e {
+                    OpEntry::Completed(c) => Some(Box::new(DurableOp {
+                        input_digest: c.input_digest,
                         result: c.result(run_uid, id),
                         acked: c.acked,
                     })),
-                    OpState::Queued | OpState::Running => None,
+                    OpEntry::Pending { .. } => None,
                 });
                 changes.push(DurableChange::Op { run_uid, id, record });
             }
@@ -1233,9 +1215,9 @@ impl ExecutorCore {
         let mut out = BTreeMap::new();
         for (&run_uid, run) in &self.runs {
             for (&id, e) in &run.ops {
-                if let OpState::Completed(c) = &e.state {
+                if let OpEntry::Completed(c) = e {
                     let record = DurableOp {
-                        input_digest: e.input.digest(),
+                        input_digest: c.input_digest,
                         result: c.result(run_uid, id),
                         acked: c.acked,
                     };
@@ -1279,10 +1261,7 @@ impl ExecutorCore {
                 }
                 run.ops.insert(
                     id,
-                    OpEntry {
-                        input: KeptInput::Digest(o.input_digest),
-                        state: OpState::Completed(Box::new(Completed::new(o.result, o.acked))),
-                    },
+                    OpEntry::Completed(Box::new(Completed::new(o.result, o.input_digest, o.acked))),
                 );
             }
             core.runs.insert(run_uid, run);
@@ -1487,16 +1466,17 @@ mod tests {
         let first = op(1, 0, 1, 100, create());
         let _ = core.submit(first.clone(), t(0));
         assert!(
-            matches!(core.runs[&RUN].ops[&id(1, 0)].input, KeptInput::Whole(_)),
+            core.runs[&RUN].ops[&id(1, 0)].whole() == Some(&first),
             "a running operation is kept whole"
         );
         let _ = core.complete(RUN, id(1, 0), succeeded(), t(10));
         // Completed, owed to the driver or not: the digest alone, with the result.
-        assert_eq!(
-            core.runs[&RUN].ops[&id(1, 0)].input,
-            KeptInput::Digest(input_digest(&first)),
+        let kept = &core.runs[&RUN].ops[&id(1, 0)];
+        assert!(
+            kept.whole().is_none(),
             "a completed operation keeps only its digest"
         );
+        assert_eq!(kept.digest(), input_digest(&first));
         let owed = core.durable_records();
         assert_eq!(owed[&(RUN, id(1, 0))].input_digest, input_digest(&first));
         assert!(!owed[&(RUN, id(1, 0))].acked);
