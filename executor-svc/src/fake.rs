@@ -343,57 +343,80 @@ struct FakeLease {
 }
 
 /// A session's stage plan, packed: up to [`Plan::MAX`] stages of four bits
-/// each (their place in [`BootstrapStage::ALL`]), in place of a vector the
-/// fake would hold for every node it bootstraps.
+/// each (their place in [`BootstrapStage::ALL`]; `0xf` past the last), in
+/// place of a vector the fake would hold for every node it bootstraps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Plan {
-    codes: u64,
-    len: u8,
-}
+struct Plan(u32);
 
 impl Plan {
-    const MAX: usize = 16;
+    const MAX: usize = 8;
+    const END: u32 = 0xf;
 
     /// The plan of `stages`; stages past [`Plan::MAX`] are left out.
     fn of(stages: &[BootstrapStage]) -> Self {
-        let mut plan = Self { codes: 0, len: 0 };
+        let mut codes = u32::MAX;
         for (i, stage) in stages.iter().take(Self::MAX).enumerate() {
-            let code = BootstrapStage::ALL.iter().position(|s| s == stage).unwrap_or(0) as u64;
-            plan.codes |= code << (4 * i);
-            plan.len = (i + 1) as u8;
+            let code = BootstrapStage::ALL.iter().position(|s| s == stage).unwrap_or(0) as u32;
+            codes &= !(Self::END << (4 * i));
+            codes |= code << (4 * i);
         }
-        plan
+        Self(codes)
     }
 
     /// Stage `i` of the plan, if it has one.
     fn get(self, i: u8) -> Option<BootstrapStage> {
-        (i < self.len).then(|| BootstrapStage::ALL[((self.codes >> (4 * u32::from(i))) & 0xf) as usize])
+        let i = u32::from(i);
+        if i as usize >= Self::MAX {
+            return None;
+        }
+        let code = (self.0 >> (4 * i)) & Self::END;
+        BootstrapStage::ALL.get(code as usize).copied()
     }
 
     fn stages(self) -> Vec<BootstrapStage> {
-        (0..self.len).filter_map(|i| self.get(i)).collect()
+        (0..Self::MAX as u8).map_while(|i| self.get(i)).collect()
     }
 }
 
+/// Four words: the fake holds one for every node it bootstraps, in its
+/// resources' table.
 #[derive(Debug, Clone)]
 struct FakeSession {
     id: SessionId,
+    /// The next stage's time; the stages after it come one stage interval
+    /// apart.
+    next_at: UnixMillis,
     /// Every stage the session will stream, emitted or not, so that a restored
     /// session can stream it again from the start with the same sequence.
     plan: Plan,
-    /// The next stage to stream (its place in the plan) and its time; the
-    /// stages after it come one stage interval apart. `None` once every
-    /// stage has gone, or the next one's time does not fit the clock.
-    next: Option<(u8, UnixMillis)>,
+    /// The next stage's place in the plan; [`FakeSession::DONE`] once every
+    /// stage has gone, or the next one's time did not fit the clock.
+    next: u8,
 }
 
 impl FakeSession {
+    const DONE: u8 = u8::MAX;
+
     /// A session streaming `plan` from the start, its first stage one stage
     /// interval after `now`.
     fn new(id: SessionId, plan: Plan, now: UnixMillis, interval_ms: u64) -> Self {
-        let mut session = Self { id, plan, next: None };
-        session.next = session.after(0, now, interval_ms);
+        let mut session = Self {
+            id,
+            next_at: now,
+            plan,
+            next: Self::DONE,
+        };
+        session.set_next(session.after(0, now, interval_ms));
         session
+    }
+
+    /// The next stage to stream (its place in the plan) and its time.
+    fn next(&self) -> Option<(u8, UnixMillis)> {
+        (self.next != Self::DONE).then_some((self.next, self.next_at))
+    }
+
+    fn set_next(&mut self, next: Option<(u8, UnixMillis)>) {
+        (self.next, self.next_at) = next.unwrap_or((Self::DONE, self.next_at));
     }
 
     /// Stage `i` and its time, one stage interval after `at`, if the plan has
@@ -411,6 +434,10 @@ struct FakeNode {
     lease: FakeLease,
     session: Option<FakeSession>,
 }
+
+// Nine words with the lease: a leaf of the resources' table (eleven of
+// these beside their keys) then stays in a 1,536-byte allocation.
+const _: () = assert!(std::mem::size_of::<FakeNode>() <= 9 * std::mem::size_of::<u64>());
 
 /// A held resource's key: its identity, ordered by the run's uid, the attempt
 /// and the node's index before any string. In identity order every key of a
@@ -714,7 +741,7 @@ impl FakeProvider {
                 reason: NO_SUCH_LEASE.to_owned(),
             });
         };
-        if let Some((_, first)) = session.next {
+        if let Some((_, first)) = session.next() {
             self.agenda.insert((first, identity));
         }
         node.session = Some(session);
@@ -761,7 +788,7 @@ impl FakeProvider {
         else {
             return;
         };
-        if let Some((_, at)) = session.next {
+        if let Some((_, at)) = session.next() {
             self.agenda.remove(&(at, identity.clone()));
         }
     }
@@ -934,7 +961,7 @@ impl FakeProvider {
             else {
                 continue;
             };
-            let Some((i, at)) = session.next else {
+            let Some((i, at)) = session.next() else {
                 continue;
             };
             let Some(stage) = session.plan.get(i) else {
@@ -942,8 +969,8 @@ impl FakeProvider {
             };
             // A stage whose time does not fit the clock never comes: the
             // schedule ends there rather than wrapping.
-            session.next = session.after(i + 1, at, interval);
-            if let Some((_, next)) = session.next {
+            session.set_next(session.after(i + 1, at, interval));
+            if let Some((_, next)) = session.next() {
                 self.agenda.insert((next, identity.clone()));
             }
             out.push(FakeObservation {
@@ -983,7 +1010,7 @@ impl FakeProvider {
         self.nodes
             .get(&Held::of(identity))
             .and_then(|n| n.session.as_ref())
-            .is_some_and(|s| s.next.is_some())
+            .is_some_and(|s| s.next().is_some())
     }
 
     /// The resources and counters, for [`FakeProvider::restore`].
@@ -1024,7 +1051,7 @@ impl FakeProvider {
             let session = r
                 .session
                 .map(|id| FakeSession::new(id, plan, snapshot.latest, interval));
-            if let Some((_, first)) = session.as_ref().and_then(|s| s.next) {
+            if let Some((_, first)) = session.as_ref().and_then(FakeSession::next) {
                 provider.agenda.insert((first, r.identity.clone()));
             }
             if r.sick {
@@ -1409,8 +1436,15 @@ mod tests {
 
     #[test]
     fn a_plan_keeps_its_stages_in_order() {
-        let every: Vec<BootstrapStage> = BootstrapStage::ALL.iter().rev().copied().collect();
-        assert_eq!(Plan::of(&every).stages(), every);
+        // Every stage has a code of its own, in any place of a plan.
+        for every in [
+            &BootstrapStage::ALL[..Plan::MAX],
+            &BootstrapStage::ALL[BootstrapStage::ALL.len() - Plan::MAX..],
+        ] {
+            let backwards: Vec<BootstrapStage> = every.iter().rev().copied().collect();
+            assert_eq!(Plan::of(every).stages(), every);
+            assert_eq!(Plan::of(&backwards).stages(), backwards);
+        }
         let failing = [BootstrapStage::Connected, BootstrapStage::FailedBootCheck];
         assert_eq!(Plan::of(&failing).get(1), Some(BootstrapStage::FailedBootCheck));
         assert_eq!(Plan::of(&failing).get(2), None);
