@@ -337,6 +337,18 @@ impl ChangeSink {
     }
 }
 
+/// What `listing` lists of run `run_uid`.
+pub fn only_run(
+    listing: BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>>,
+    run_uid: RunUid,
+) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
+    Box::pin(async move {
+        let mut items = listing.await?;
+        items.retain(|item| item.identity.run_uid == run_uid);
+        Ok(items)
+    })
+}
+
 /// A live resource, by identity.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InventoryItem {
@@ -381,6 +393,14 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Every live resource, by identity.
     fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>>;
+
+    /// The live resources of one run. The default lists every run and keeps
+    /// the one; a backend that can list one run alone says so here (a
+    /// driver's orphan sweep asks for its own run, and a listing of every
+    /// run of a large executor is as large as the executor).
+    fn inventory_of(&self, run_uid: RunUid) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
+        only_run(self.inventory(), run_uid)
+    }
 
     /// Called once when the executor starts: sessions the backend found already
     /// running (it adopted them after a restart) stream their stages here,

@@ -989,13 +989,29 @@ impl FakeProvider {
     pub fn inventory(&self) -> Vec<FakeResource> {
         self.nodes
             .iter()
-            .map(|(Held(identity), node)| FakeResource {
-                identity: identity.clone(),
-                lease: node.lease.id.clone(),
-                endpoint: (node.lease.ready_at <= self.latest).then(|| node.lease.endpoint.clone()),
-                session_live: node.session.is_some(),
-            })
+            .map(|(held, node)| self.resource(held, node))
             .collect()
+    }
+
+    /// The live resources of run `run_uid`, as [`FakeProvider::inventory`]
+    /// lists them. Only that run's are copied: the resources are in run uid
+    /// order.
+    pub fn inventory_of(&self, run_uid: RunUid) -> Vec<FakeResource> {
+        self.nodes
+            .iter()
+            .skip_while(|(held, _)| held.0.run_uid < run_uid)
+            .take_while(|(held, _)| held.0.run_uid == run_uid)
+            .map(|(held, node)| self.resource(held, node))
+            .collect()
+    }
+
+    fn resource(&self, Held(identity): &Held, node: &FakeNode) -> FakeResource {
+        FakeResource {
+            identity: identity.clone(),
+            lease: node.lease.id.clone(),
+            endpoint: (node.lease.ready_at <= self.latest).then(|| node.lease.endpoint.clone()),
+            session_live: node.session.is_some(),
+        }
     }
 
     /// Tells the provider the time without doing anything else, so that
@@ -1432,6 +1448,32 @@ mod tests {
         assert!(matches!(call.outcome, Outcome::Permanent { .. }), "{call:?}");
         assert_eq!(p.creates(), 0);
         assert_eq!(p.live_resources(RUN), 0);
+    }
+
+    #[test]
+    fn one_runs_inventory_is_the_inventory_of_that_run() {
+        let mut p = FakeProvider::new(FakeConfig::default());
+        for (uid, attempts) in [(8u128, 1..=3u64), (9, 4..=6), (10, 7..=9)] {
+            for attempt in attempts {
+                let create = Operation {
+                    run_uid: RunUid::from_u128(uid),
+                    ..create(attempt)
+                };
+                assert!(matches!(p.execute(&create, t(0)).outcome, Outcome::Succeeded(_)));
+            }
+        }
+        let every = p.inventory();
+        assert_eq!(every.len(), 9);
+        for uid in [7u128, 8, 9, 10, 11] {
+            let run_uid = RunUid::from_u128(uid);
+            let expected: Vec<FakeResource> = every
+                .iter()
+                .filter(|r| r.identity.run_uid == run_uid)
+                .cloned()
+                .collect();
+            assert_eq!(p.inventory_of(run_uid), expected, "run {uid}");
+        }
+        assert_eq!(p.inventory_of(RunUid::from_u128(9)).len(), 3);
     }
 
     #[test]

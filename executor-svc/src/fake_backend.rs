@@ -150,6 +150,32 @@ pub struct NotHeld {
 }
 
 impl FakeBackend {
+    /// The provider's resources as inventory items: every run's, or one's.
+    fn listing(
+        &self,
+        run_uid: Option<RunUid>,
+    ) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move {
+            let mut state = shared.lock();
+            state.provider.advance(shared.provider_now());
+            let resources = match run_uid {
+                Some(uid) => state.provider.inventory_of(uid),
+                None => state.provider.inventory(),
+            };
+            let items = resources
+                .into_iter()
+                .map(|r| InventoryItem {
+                    identity: r.identity,
+                    lease: Some(r.lease),
+                    endpoint: r.endpoint,
+                    session_live: r.session_live,
+                })
+                .collect();
+            Ok(items)
+        })
+    }
+
     /// Starts the backend: loads the state file if one is configured and exists,
     /// writes it once (so an unwritable path fails here, not on the first
     /// create), and spawns the stage emitter. Must run inside a tokio runtime.
@@ -408,23 +434,11 @@ impl Backend for FakeBackend {
     }
 
     fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
-        let shared = Arc::clone(&self.shared);
-        Box::pin(async move {
-            let mut state = shared.lock();
-            state.provider.advance(shared.provider_now());
-            let items = state
-                .provider
-                .inventory()
-                .into_iter()
-                .map(|r| InventoryItem {
-                    identity: r.identity,
-                    lease: Some(r.lease),
-                    endpoint: r.endpoint,
-                    session_live: r.session_live,
-                })
-                .collect();
-            Ok(items)
-        })
+        self.listing(None)
+    }
+
+    fn inventory_of(&self, run_uid: RunUid) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
+        self.listing(Some(run_uid))
     }
 }
 

@@ -14,7 +14,7 @@ use std::{
 };
 
 use contract::{
-    Endpoint, Operation, OperationInput, Outcome, ProviderKind, ResourceIdentity, ServedProvider,
+    Endpoint, Operation, OperationInput, Outcome, ProviderKind, ResourceIdentity, RunUid, ServedProvider,
 };
 use futures::future::{BoxFuture, join_all};
 use tokio::sync::watch;
@@ -269,6 +269,15 @@ impl Backend for Providers {
             }
             out
         })
+    }
+
+    fn inventory_of(&self, run_uid: RunUid) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
+        match &self.entries[..] {
+            [only] => only.backend.inventory_of(run_uid),
+            // Several providers: the listing of every one also tells which
+            // holds what.
+            _ => crate::backend::only_run(self.inventory(), run_uid),
+        }
     }
 
     fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {

@@ -461,8 +461,10 @@ impl ExecutorService {
         } else {
             Some(RunUid::parse("run_uid", &req.run_uid)?)
         };
-        let mut items = self.backend.inventory().await?;
-        items.retain(|item| only.is_none_or(|uid| item.identity.run_uid == uid));
+        let items = match only {
+            Some(uid) => self.backend.inventory_of(uid).await?,
+            None => self.backend.inventory().await?,
+        };
         // Each resource carries its run's highest epoch, so a driver that
         // reclaims it claims the run above that.
         let mut seen = std::collections::HashSet::new();
