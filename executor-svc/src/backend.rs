@@ -394,10 +394,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Every live resource, by identity.
     fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>>;
 
-    /// The live resources of one run. The default lists every run and keeps
-    /// the one; a backend that can list one run alone says so here (a
-    /// driver's orphan sweep asks for its own run, and a listing of every
-    /// run of a large executor is as large as the executor).
+    /// The live resources of one run, for an `Inventory` or
+    /// `InventoryPages` request that names its run. The default lists every
+    /// run and keeps the one; a backend that can list one run alone says so
+    /// here (a listing of every run of a large executor is as large as the
+    /// executor). The driver's orphan sweep names no run: it reads
+    /// [`Backend::inventory`].
     fn inventory_of(&self, run_uid: RunUid) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
         only_run(self.inventory(), run_uid)
     }
