@@ -19,7 +19,11 @@ use contract::{
     AttemptId, BootstrapStage, Change, Endpoint, LeaseId, Operation, Outcome, ResourceIdentity, RunUid,
     SessionId, TraceContext, UnixMillis,
 };
-use futures::future::BoxFuture;
+use futures::{
+    StreamExt as _,
+    future::BoxFuture,
+    stream::{self, BoxStream},
+};
 use tokio::sync::{Notify, mpsc};
 
 /// One bootstrap stage as a backend reports it, before the core gives it its
@@ -349,6 +353,20 @@ pub fn only_run(
     })
 }
 
+/// Every page of `pages` as one listing: a backend whose reads are paged
+/// answers [`Backend::inventory`] with it.
+pub fn all_pages(
+    mut pages: BoxStream<'static, Result<Vec<InventoryItem>, BackendError>>,
+) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
+    Box::pin(async move {
+        let mut all = Vec::new();
+        while let Some(page) = pages.next().await {
+            all.extend(page?);
+        }
+        Ok(all)
+    })
+}
+
 /// A live resource, by identity.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InventoryItem {
@@ -393,6 +411,18 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Every live resource, by identity.
     fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>>;
+
+    /// Every live resource, read a page at a time, for a reader that looks
+    /// at each resource once and keeps little of it (the driver's orphan
+    /// sweep, the health prober): what the read holds is a page, not a
+    /// listing as large as the executor. A resource that lives through the
+    /// whole read is in exactly one page; one made or destroyed during it
+    /// may be in one or in none, as it may be in a listing read at once. An
+    /// error ends the read: it is never a shorter one. The default is one
+    /// page of [`Backend::inventory`].
+    fn inventory_pages(&self) -> BoxStream<'static, Result<Vec<InventoryItem>, BackendError>> {
+        stream::once(self.inventory()).boxed()
+    }
 
     /// The live resources of one run, for an `Inventory` or
     /// `InventoryPages` request that names its run. The default lists every

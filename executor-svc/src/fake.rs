@@ -38,6 +38,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    ops::Bound,
     time::Duration,
 };
 
@@ -1001,6 +1002,23 @@ impl FakeProvider {
             .iter()
             .skip_while(|(held, _)| held.0.run_uid < run_uid)
             .take_while(|(held, _)| held.0.run_uid == run_uid)
+            .map(|(held, node)| self.resource(held, node))
+            .collect()
+    }
+
+    /// At most `limit` live resources, in the order of
+    /// [`FakeProvider::inventory`], from the first past `after` (from the
+    /// first of all without it). Reading every resource this way, each page
+    /// after the last one's final identity, lists a resource that lives
+    /// through the read exactly once.
+    pub fn inventory_after(&self, after: Option<&ResourceIdentity>, limit: usize) -> Vec<FakeResource> {
+        let from = match after {
+            Some(identity) => Bound::Excluded(Held::of(identity)),
+            None => Bound::Unbounded,
+        };
+        self.nodes
+            .range((from, Bound::Unbounded))
+            .take(limit)
             .map(|(held, node)| self.resource(held, node))
             .collect()
     }

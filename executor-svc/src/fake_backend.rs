@@ -34,14 +34,19 @@ use contract::{
     AttemptId, BootstrapStage, Change, Clock, Endpoint, FieldError, LeaseId, LogicalNodeId, Operation,
     OperationInput, Outcome, ResourceIdentity, RunId, RunUid, SessionId, UnixMillis,
 };
-use futures::future::BoxFuture;
+use futures::{
+    StreamExt as _,
+    future::BoxFuture,
+    stream::{self, BoxStream},
+};
 use serde::{Deserialize, Serialize};
 use tokio::{sync::Notify, task::AbortHandle};
 
 use crate::{
     backend::{Backend, BackendError, ChangeSink, InventoryItem, ObservationSink, RawChange, RawObservation},
     fake::{
-        FakeCall, FakeChangeKind, FakeConfig, FakeProvider, FakeSnapshot, FakeSnapshotResource, FaultRates,
+        FakeCall, FakeChangeKind, FakeConfig, FakeProvider, FakeResource, FakeSnapshot, FakeSnapshotResource,
+        FaultRates,
     },
 };
 
@@ -149,6 +154,19 @@ pub struct NotHeld {
     pub attempt: AttemptId,
 }
 
+/// The most resources a page of [`FakeBackend`]'s paged read holds (about
+/// half a megabyte), each page read under the lock on its own.
+const PAGE_RESOURCES: usize = 4096;
+
+fn item(r: FakeResource) -> InventoryItem {
+    InventoryItem {
+        identity: r.identity,
+        lease: Some(r.lease),
+        endpoint: r.endpoint,
+        session_live: r.session_live,
+    }
+}
+
 impl FakeBackend {
     /// The provider's resources as inventory items: every run's, or one's.
     fn listing(
@@ -163,17 +181,41 @@ impl FakeBackend {
                 Some(uid) => state.provider.inventory_of(uid),
                 None => state.provider.inventory(),
             };
-            let items = resources
-                .into_iter()
-                .map(|r| InventoryItem {
-                    identity: r.identity,
-                    lease: Some(r.lease),
-                    endpoint: r.endpoint,
-                    session_live: r.session_live,
-                })
-                .collect();
-            Ok(items)
+            Ok(resources.into_iter().map(item).collect())
         })
+    }
+
+    /// Pages of at most `page` resources, each taken under the lock from
+    /// where the last one ended.
+    fn pages(&self, page: usize) -> BoxStream<'static, Result<Vec<InventoryItem>, BackendError>> {
+        /// Where the read is: at its start, after an identity, or done.
+        enum Cursor {
+            Start,
+            After(ResourceIdentity),
+            Done,
+        }
+        let shared = Arc::clone(&self.shared);
+        stream::unfold(Cursor::Start, move |cursor| {
+            let shared = Arc::clone(&shared);
+            async move {
+                let after = match cursor {
+                    Cursor::Start => None,
+                    Cursor::After(identity) => Some(identity),
+                    Cursor::Done => return None,
+                };
+                let resources = {
+                    let mut state = shared.lock();
+                    state.provider.advance(shared.provider_now());
+                    state.provider.inventory_after(after.as_ref(), page)
+                };
+                let next = match resources.last() {
+                    Some(last) if resources.len() >= page => Cursor::After(last.identity.clone()),
+                    _ => Cursor::Done,
+                };
+                Some((Ok(resources.into_iter().map(item).collect()), next))
+            }
+        })
+        .boxed()
     }
 
     /// Starts the backend: loads the state file if one is configured and exists,
@@ -439,6 +481,10 @@ impl Backend for FakeBackend {
 
     fn inventory_of(&self, run_uid: RunUid) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
         self.listing(Some(run_uid))
+    }
+
+    fn inventory_pages(&self) -> BoxStream<'static, Result<Vec<InventoryItem>, BackendError>> {
+        self.pages(PAGE_RESOURCES)
     }
 }
 
@@ -745,6 +791,44 @@ mod tests {
             restored.try_recv().is_err(),
             "a stage went to the restored sessions' sink"
         );
+    }
+
+    /// A paged read lists what a whole one does, and a resource that lives
+    /// through the read once, whatever is made and destroyed between pages.
+    #[tokio::test]
+    async fn a_paged_read_lists_each_resource_living_through_it_once() {
+        let backend = FakeBackend::start(quick(), None, Arc::new(SystemClock)).unwrap();
+        let at = |attempt: u64, seq: u32, input: OperationInput| {
+            let mut o = op(attempt, seq, input);
+            o.id = OperationId::new(AttemptId::new(attempt), seq);
+            o
+        };
+        let create_at = |attempt| at(attempt, 0, create().input);
+        for attempt in 1..=10 {
+            let _ = facts(backend.execute(create_at(attempt), sink().0).await);
+        }
+        let attempts = |items: &[InventoryItem]| -> Vec<u64> {
+            items.iter().map(|i| i.identity.attempt.get()).collect()
+        };
+        let whole = backend.inventory().await.unwrap();
+        let pages: Vec<Vec<InventoryItem>> = backend.pages(3).map(Result::unwrap).collect().await;
+        assert_eq!(pages.iter().map(Vec::len).collect::<Vec<_>>(), [3, 3, 3, 1]);
+        assert_eq!(pages.concat(), whole);
+        assert_eq!(attempts(&whole), (1..=10).collect::<Vec<_>>());
+
+        let mut read = backend.pages(3);
+        let mut listed = read.next().await.unwrap().unwrap();
+        // Between pages: one already listed and one not yet are destroyed,
+        // and one is made past the cursor.
+        for gone in [2, 5] {
+            let destroy = at(gone, 9, OperationInput::DestroyLease { lease: None });
+            let _ = facts(backend.execute(destroy, sink().0).await);
+        }
+        let _ = facts(backend.execute(create_at(11), sink().0).await);
+        while let Some(page) = read.next().await {
+            listed.extend(page.unwrap());
+        }
+        assert_eq!(attempts(&listed), [1, 2, 3, 4, 6, 7, 8, 9, 10, 11]);
     }
 
     #[tokio::test]

@@ -32,7 +32,7 @@ use contract::{
     Change, Clock, Endpoint, Epoch, GroupId, HealthPolicy, Probe, ResourceIdentity, RunUid, UnixMillis,
     WatchHealth,
 };
-use futures::FutureExt as _;
+use futures::{FutureExt as _, StreamExt as _};
 use tokio::{sync::mpsc, task::JoinSet};
 
 use crate::backend::{Backend, ChangeSink, InventoryItem, RawChange};
@@ -50,6 +50,10 @@ pub struct Key {
     slot: u32,
     generation: u32,
 }
+
+/// One read of the inventory into a [`HealthWatch`], a page at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncRead(u64);
 
 #[derive(Debug, Clone)]
 struct Target {
@@ -155,8 +159,23 @@ impl HealthWatch {
     /// One index lookup per resource; a resource already watched costs no
     /// policy lookup and no allocation.
     pub fn sync(&mut self, inventory: &[InventoryItem], now: UnixMillis) {
+        let read = self.begin_sync();
+        self.sync_page(read, inventory, now);
+        self.end_sync(read);
+    }
+
+    /// Starts a [`HealthWatch::sync`] read a page at a time: each page goes to
+    /// [`HealthWatch::sync_page`], and once every page has, [`HealthWatch::end_sync`]
+    /// drops what none of them listed. A read that fails is not ended: its
+    /// pages added what they listed, and the next read drops what is gone.
+    pub fn begin_sync(&mut self) -> SyncRead {
         self.syncs += 1;
-        let stamp = self.syncs;
+        SyncRead(self.syncs)
+    }
+
+    /// One page of a read begun by [`HealthWatch::begin_sync`].
+    pub fn sync_page(&mut self, read: SyncRead, inventory: &[InventoryItem], now: UnixMillis) {
+        let stamp = read.0;
         // The inventory lists a group's resources together: the last group's
         // policy answers most lookups.
         let mut last: Option<(RunUid, GroupId, Option<HealthPolicy>)> = None;
@@ -197,9 +216,18 @@ impl HealthWatch {
                 });
             }
         }
+    }
+
+    /// Ends a read whose every page was synced: a target none of them
+    /// listed is gone. A later read begun since supersedes this one, which
+    /// then drops nothing.
+    pub fn end_sync(&mut self, read: SyncRead) {
+        if read.0 != self.syncs {
+            return;
+        }
         let gone: Vec<Key> = self
             .targets_mut()
-            .filter(|(_, t)| t.seen != stamp)
+            .filter(|(_, t)| t.seen != read.0)
             .map(|(key, _)| key)
             .collect();
         for key in gone {
@@ -517,12 +545,30 @@ pub async fn run(
                 if watch.has_policies() && spaced && (hint.take() || awaiting_endpoint || resync) {
                     last_read = Some(at);
                     let started = clock.monotonic();
-                    match backend.inventory().await {
-                        Ok(items) => {
-                            awaiting_endpoint = items.iter().any(|i| i.endpoint.is_none());
-                            watch.sync(&items, clock.now());
+                    // A page at a time: the read holds a page, not the
+                    // inventory.
+                    let read = watch.begin_sync();
+                    let mut pages = backend.inventory_pages();
+                    let mut awaiting = false;
+                    let mut failed = None;
+                    while let Some(page) = pages.next().await {
+                        match page {
+                            Ok(items) => {
+                                awaiting |= items.iter().any(|i| i.endpoint.is_none());
+                                watch.sync_page(read, &items, clock.now());
+                            }
+                            Err(e) => {
+                                failed = Some(e);
+                                break;
+                            }
                         }
-                        Err(e) => {
+                    }
+                    match failed {
+                        None => {
+                            awaiting_endpoint = awaiting;
+                            watch.end_sync(read);
+                        }
+                        Some(e) => {
                             hint.mark();
                             tracing::debug!(error = %e, "health: inventory unavailable");
                         }
@@ -813,6 +859,41 @@ mod tests {
         assert_eq!(w.next_due(), Some(at(1_400)));
         assert_eq!(probe_all(&mut w, at(1_400)), 2);
         assert_eq!(probe_all(&mut w, at(2_000)), 3);
+    }
+
+    /// A read a page at a time ends where a whole one does; one that fails
+    /// part way, or that a later read supersedes, drops nothing.
+    #[test]
+    fn a_read_in_pages_drops_only_what_none_of_its_pages_listed() {
+        let mut w = HealthWatch::new();
+        w.set_policy(policy(0));
+        w.sync(&(0..4).map(item).collect::<Vec<_>>(), at(0));
+        assert_eq!(w.len(), 4);
+        let watched = |w: &HealthWatch| (0..6).filter(|&i| w.key_of(&id(i)).is_some()).collect::<Vec<_>>();
+
+        // Pages listing 0 and 4, then 2 and 5: 1 and 3 go at the end, not before.
+        let read = w.begin_sync();
+        w.sync_page(read, &[item(0), item(4)], at(10));
+        w.sync_page(read, &[item(2), item(5)], at(10));
+        assert_eq!(watched(&w), [0, 1, 2, 3, 4, 5]);
+        w.end_sync(read);
+        assert_eq!(watched(&w), [0, 2, 4, 5]);
+
+        // A read that fails after its first page is not ended: nothing goes.
+        let failed = w.begin_sync();
+        w.sync_page(failed, &[item(0)], at(20));
+        assert_eq!(watched(&w), [0, 2, 4, 5]);
+
+        // A read superseded by a later one drops nothing at its end; the
+        // later one's end drops what it did not list.
+        let old = w.begin_sync();
+        w.sync_page(old, &[item(0)], at(30));
+        let new = w.begin_sync();
+        w.sync_page(new, &[item(0), item(2)], at(30));
+        w.end_sync(old);
+        assert_eq!(watched(&w), [0, 2, 4, 5]);
+        w.end_sync(new);
+        assert_eq!(watched(&w), [0, 2]);
     }
 
     #[test]

@@ -32,7 +32,11 @@ use contract::{
     Change, Clock, Endpoint, LeaseId, Operation, OperationInput, Outcome, ResourceIdentity, ResultFacts,
     SessionId,
 };
-use futures::future::BoxFuture;
+use futures::{
+    StreamExt as _,
+    future::BoxFuture,
+    stream::{self, BoxStream},
+};
 use platform::tls::Transport;
 use provider_sdk::{
     Answer, announced_address,
@@ -48,7 +52,8 @@ use tokio::{
 use tonic::transport::{Channel, Endpoint as ChannelEndpoint};
 
 use crate::backend::{
-    Backend, BackendError, ChangeSink, InventoryItem, ObservationSink, RawChange, RawObservation, tcp_probe,
+    Backend, BackendError, ChangeSink, InventoryItem, ObservationSink, RawChange, RawObservation, all_pages,
+    tcp_probe,
 };
 
 type Client = pb::provider_client::ProviderClient<Channel>;
@@ -903,6 +908,95 @@ async fn execute(inner: Arc<Inner>, op: Operation, observations: ObservationSink
 /// How long one read of a plugin's resources may take, all its pages.
 const LIST_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Where a paged read of a plugin's resources is.
+enum ListRead {
+    /// Not asked yet.
+    Open(Arc<Inner>),
+    /// Pages to come.
+    Paging {
+        pages: tonic::Streaming<pb::ListResourcesResponse>,
+        label: String,
+    },
+    /// The page marked last was read: the stream is read to its end, so
+    /// that the call ends with its status and a page past the last is seen.
+    Ending {
+        pages: tonic::Streaming<pb::ListResourcesResponse>,
+        label: String,
+    },
+    Done,
+}
+
+/// A list call begun: its pages, or the whole list of a plugin that
+/// predates pages.
+enum Opened {
+    Pages(Box<tonic::Streaming<pb::ListResourcesResponse>>),
+    Whole(Vec<InventoryItem>),
+}
+
+fn list_failed(label: &str, status: &tonic::Status) -> BackendError {
+    let cause = std::error::Error::source(status).map(|e| format!(" ({})", platform::error_chain(e)));
+    BackendError::Unavailable(format!(
+        "the {label}: {}{}",
+        status.message(),
+        cause.unwrap_or_default()
+    ))
+}
+
+/// Asks the plugin for its resources.
+async fn open_list(inner: &Inner) -> Result<Opened, BackendError> {
+    let label = inner.label();
+    let Some(Connections {
+        streams: mut client, ..
+    }) = inner.current()
+    else {
+        return Err(BackendError::Unavailable(format!("the {label} is down")));
+    };
+    let mut request = tonic::Request::new(pb::ListResourcePagesRequest {});
+    request.set_timeout(LIST_TIMEOUT);
+    match client.list_resource_pages(request).await {
+        Ok(pages) => Ok(Opened::Pages(Box::new(pages.into_inner()))),
+        // A plugin that predates pages answers in one message.
+        Err(status) if status.code() == tonic::Code::Unimplemented => {
+            let mut request = tonic::Request::new(pb::ListResourcesRequest {});
+            request.set_timeout(LIST_TIMEOUT);
+            let listed = client
+                .list_resources(request)
+                .await
+                .map_err(|s| list_failed(&label, &s))?
+                .into_inner();
+            let mut items = Vec::new();
+            add_listed(&mut items, listed.resources, &label)?;
+            Ok(Opened::Whole(items))
+        }
+        Err(status) => Err(list_failed(&label, &status)),
+    }
+}
+
+/// The next page of a paged list, and where the read is after it.
+async fn next_page(
+    mut pages: tonic::Streaming<pb::ListResourcesResponse>,
+    label: String,
+) -> Option<(Result<Vec<InventoryItem>, BackendError>, ListRead)> {
+    let page = match pages.message().await {
+        Ok(Some(page)) => page,
+        Ok(None) => {
+            let ended = BackendError::Unavailable(format!("the {label}'s list ended before its last page"));
+            return Some((Err(ended), ListRead::Done));
+        }
+        Err(status) => return Some((Err(list_failed(&label, &status)), ListRead::Done)),
+    };
+    let mut items = Vec::new();
+    if let Err(e) = add_listed(&mut items, page.resources, &label) {
+        return Some((Err(e), ListRead::Done));
+    }
+    let next = if page.last {
+        ListRead::Ending { pages, label }
+    } else {
+        ListRead::Paging { pages, label }
+    };
+    Some((Ok(items), next))
+}
+
 /// Adds what a plugin listed to `items`.
 fn add_listed(
     items: &mut Vec<InventoryItem>,
@@ -929,63 +1023,34 @@ impl Backend for PluginBackend {
     }
 
     fn inventory(&self) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
-        let inner = Arc::clone(&self.inner);
-        Box::pin(async move {
-            let Some(Connections {
-                streams: mut client, ..
-            }) = inner.current()
-            else {
-                return Err(BackendError::Unavailable(format!(
-                    "the {} is down",
-                    inner.label()
-                )));
-            };
-            let label = inner.label();
-            let unavailable = |s: tonic::Status| {
-                let cause = std::error::Error::source(&s).map(|e| format!(" ({})", platform::error_chain(e)));
-                BackendError::Unavailable(format!(
-                    "the {label}: {}{}",
-                    s.message(),
-                    cause.unwrap_or_default()
-                ))
-            };
-            let mut items = Vec::new();
-            let mut request = tonic::Request::new(pb::ListResourcePagesRequest {});
-            request.set_timeout(LIST_TIMEOUT);
-            match client.list_resource_pages(request).await {
-                Ok(pages) => {
-                    let mut pages = pages.into_inner();
-                    let mut last = false;
-                    while let Some(page) = pages.message().await.map_err(unavailable)? {
-                        if last {
-                            return Err(BackendError::Internal(format!(
-                                "the {label} listed a page after its last one"
-                            )));
-                        }
-                        last = page.last;
-                        add_listed(&mut items, page.resources, &label)?;
-                    }
-                    if !last {
-                        return Err(BackendError::Unavailable(format!(
-                            "the {label}'s list ended before its last page"
-                        )));
-                    }
-                }
-                // A plugin that predates pages answers in one message.
-                Err(status) if status.code() == tonic::Code::Unimplemented => {
-                    let mut request = tonic::Request::new(pb::ListResourcesRequest {});
-                    request.set_timeout(LIST_TIMEOUT);
-                    let listed = client
-                        .list_resources(request)
-                        .await
-                        .map_err(unavailable)?
-                        .into_inner();
-                    add_listed(&mut items, listed.resources, &label)?;
-                }
-                Err(status) => return Err(unavailable(status)),
+        all_pages(self.inventory_pages())
+    }
+
+    /// The plugin's `ListResourcePages`, a page as it arrives (or its
+    /// `ListResources`, in one page, if it predates pages).
+    fn inventory_pages(&self) -> BoxStream<'static, Result<Vec<InventoryItem>, BackendError>> {
+        stream::unfold(ListRead::Open(Arc::clone(&self.inner)), |read| async move {
+            match read {
+                ListRead::Open(inner) => match open_list(&inner).await {
+                    Ok(Opened::Pages(pages)) => next_page(*pages, inner.label()).await,
+                    Ok(Opened::Whole(items)) => Some((Ok(items), ListRead::Done)),
+                    Err(e) => Some((Err(e), ListRead::Done)),
+                },
+                ListRead::Paging { pages, label } => next_page(pages, label).await,
+                ListRead::Ending { mut pages, label } => match pages.message().await {
+                    Ok(None) => None,
+                    Ok(Some(_)) => Some((
+                        Err(BackendError::Internal(format!(
+                            "the {label} listed a page after its last one"
+                        ))),
+                        ListRead::Done,
+                    )),
+                    Err(status) => Some((Err(list_failed(&label, &status)), ListRead::Done)),
+                },
+                ListRead::Done => None,
             }
-            Ok(items)
         })
+        .boxed()
     }
 
     fn resume(&self, observations: ObservationSink) {
@@ -1113,6 +1178,8 @@ mod tests {
         CutShort,
         /// A page marked last, then another.
         PastLast,
+        /// Two pages: two resources, then the third, marked last.
+        Two,
     }
 
     /// A plugin test double that lists three resources, paged as told; a
@@ -1196,6 +1263,10 @@ mod tests {
                 Paging::Absent => return Err(tonic::Status::unimplemented("no pages here")),
                 Paging::CutShort => vec![page(vec![listed(0)], false)],
                 Paging::PastLast => vec![page(vec![listed(0)], true), page(vec![listed(1)], true)],
+                Paging::Two => vec![
+                    page(vec![listed(0), listed(1)], false),
+                    page(vec![listed(2)], true),
+                ],
             };
             Ok(tonic::Response::new(tokio_stream::iter(pages)))
         }
@@ -1351,6 +1422,26 @@ mod tests {
         let items = inventory_of(Paging::Absent).await.unwrap();
         let nodes: Vec<String> = items.iter().map(|i| i.identity.node.to_string()).collect();
         assert_eq!(nodes, ["workers-0", "workers-1", "workers-2"]);
+    }
+
+    /// The backend's paged read hands on each of the plugin's pages as it
+    /// arrives, and its whole read is the pages together.
+    #[tokio::test]
+    async fn a_paged_list_is_read_a_page_at_a_time() {
+        let served = serve_lister(Paging::Two, 100, |_| {}).await;
+        let nodes = |items: &[InventoryItem]| -> Vec<String> {
+            items.iter().map(|i| i.identity.node.to_string()).collect()
+        };
+        let pages: Vec<Vec<String>> = served
+            .backend
+            .inventory_pages()
+            .map(|page| nodes(&page.unwrap()))
+            .collect()
+            .await;
+        assert_eq!(pages, [vec!["workers-0", "workers-1"], vec!["workers-2"]]);
+        let whole = served.backend.inventory().await.unwrap();
+        assert_eq!(nodes(&whole), ["workers-0", "workers-1", "workers-2"]);
+        served.end().await;
     }
 
     #[tokio::test]

@@ -16,7 +16,11 @@ use std::{
 use contract::{
     Endpoint, Operation, OperationInput, Outcome, ProviderKind, ResourceIdentity, RunUid, ServedProvider,
 };
-use futures::future::{BoxFuture, join_all};
+use futures::{
+    StreamExt as _,
+    future::{BoxFuture, join_all},
+    stream::{self, BoxStream},
+};
 use tokio::sync::watch;
 
 use crate::{
@@ -277,6 +281,15 @@ impl Backend for Providers {
             // Several providers: the listing of every one also tells which
             // holds what.
             _ => crate::backend::only_run(self.inventory(), run_uid),
+        }
+    }
+
+    fn inventory_pages(&self) -> BoxStream<'static, Result<Vec<InventoryItem>, BackendError>> {
+        match &self.entries[..] {
+            [only] => only.backend.inventory_pages(),
+            // Several providers: the listing of every one also tells which
+            // holds what.
+            _ => stream::once(self.inventory()).boxed(),
         }
     }
 

@@ -43,6 +43,7 @@ use contract::{
     },
     wire::{trace_from_wire, trace_to_wire},
 };
+use futures::StreamExt as _;
 use platform::{
     event_trace::{self, ChangeRec, ObsRec, OpRec, RejRec, ResultRec, SeqRef, TraceEvent},
     metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS},
@@ -63,8 +64,8 @@ use tracing::Instrument as _;
 
 use crate::{
     backend::{
-        Backend, BackendError, ChangeSink, ObservationReceiver, ObservationSender, ObservationSink,
-        RawChange, RawObservation,
+        Backend, BackendError, ChangeSink, InventoryItem, ObservationReceiver, ObservationSender,
+        ObservationSink, RawChange, RawObservation,
     },
     core::{ExecutorCore, Output},
     health,
@@ -455,16 +456,37 @@ impl std::fmt::Debug for ExecutorService {
 impl ExecutorService {
     /// The live resources `req` asks for, from one read of the backend, each
     /// with its run's highest epoch.
-    async fn inventory_of(&self, req: pb::InventoryRequest) -> Result<Vec<InventoryResource>, RequestError> {
-        let only = if req.run_uid.is_empty() {
-            None
-        } else {
-            Some(RunUid::parse("run_uid", &req.run_uid)?)
-        };
-        let items = match only {
+    async fn inventory_of(&self, req: pb::InventoryRequest) -> Result<Listing, RequestError> {
+        let items = match only_run(&req)? {
             Some(uid) => self.backend.inventory_of(uid).await?,
             None => self.backend.inventory().await?,
         };
+        Listing::of(items, &self.events).await
+    }
+}
+
+/// The run an inventory request names, if it names one.
+fn only_run(req: &pb::InventoryRequest) -> Result<Option<RunUid>, RequestError> {
+    if req.run_uid.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(RunUid::parse("run_uid", &req.run_uid)?))
+}
+
+/// One read of the backend and the highest epoch of each run it lists.
+///
+/// Its items become inventory entries one at a time, as they are encoded:
+/// converted whole, the read and its conversion were two copies of every
+/// resource held at once (two listings of 112 MB at a million resources).
+struct Listing {
+    items: Vec<InventoryItem>,
+    epochs: HashMap<RunUid, Epoch>,
+}
+
+impl Listing {
+    /// `items`, with the highest epoch of each run they name, which the
+    /// actor keeps.
+    async fn of(items: Vec<InventoryItem>, events: &mpsc::Sender<Event>) -> Result<Self, RequestError> {
         // Each resource carries its run's highest epoch, so a driver that
         // reclaims it claims the run above that.
         let mut seen = std::collections::HashSet::new();
@@ -474,7 +496,7 @@ impl ExecutorService {
             .filter(|uid| seen.insert(*uid))
             .collect();
         let (reply, epochs) = oneshot::channel();
-        self.events
+        events
             .send(Event::Epochs {
                 runs: runs.clone(),
                 reply,
@@ -482,24 +504,28 @@ impl ExecutorService {
             .await
             .map_err(|_| RequestError::ShuttingDown)?;
         let epochs = epochs.await.map_err(|_| RequestError::ShuttingDown)?;
-        let by_run: HashMap<RunUid, Epoch> = runs
+        let epochs = runs
             .into_iter()
             .zip(epochs)
             .map(|(uid, e)| (uid, e.unwrap_or_default()))
             .collect();
-        Ok(items
-            .into_iter()
-            .map(|item| {
-                let epoch = by_run.get(&item.identity.run_uid).copied().unwrap_or_default();
-                InventoryResource {
-                    identity: item.identity,
-                    lease: item.lease,
-                    endpoint: item.endpoint,
-                    session_live: item.session_live,
-                    epoch,
-                }
+        Ok(Listing { items, epochs })
+    }
+
+    /// Each item as the wire's resource, in the read's order, converted as
+    /// it is drawn.
+    fn into_wire(self) -> impl Iterator<Item = pb::Resource> + Send + 'static {
+        let Listing { items, epochs } = self;
+        items.into_iter().map(move |item| {
+            let epoch = epochs.get(&item.identity.run_uid).copied().unwrap_or_default();
+            pb::Resource::from(&InventoryResource {
+                identity: item.identity,
+                lease: item.lease,
+                endpoint: item.endpoint,
+                session_live: item.session_live,
+                epoch,
             })
-            .collect())
+        })
     }
 }
 
@@ -574,24 +600,48 @@ impl Executor for ExecutorService {
         &self,
         request: Request<pb::InventoryRequest>,
     ) -> Result<Response<pb::InventoryResponse>, Status> {
-        let resources = self.inventory_of(request.into_inner()).await.map_err(to_status)?;
+        let listing = self.inventory_of(request.into_inner()).await.map_err(to_status)?;
         Ok(Response::new(pb::InventoryResponse {
-            resources: resources.iter().map(pb::Resource::from).collect(),
+            resources: listing.into_wire().collect(),
             last: false,
         }))
     }
 
     type InventoryPagesStream = PageStream<pb::InventoryResponse>;
 
-    /// One read of the backend, encoded a page at a time as the driver reads
-    /// them: what is held is the read, not its whole encoding besides.
+    /// The backend's resources, read a page at a time and encoded as the
+    /// driver reads them, each page's runs with their epochs: what is held
+    /// is a page of the read, not the read. A request that names a run gets
+    /// that run's resources, from one read.
     async fn inventory_pages(
         &self,
         request: Request<pb::InventoryRequest>,
     ) -> Result<Response<Self::InventoryPagesStream>, Status> {
-        let resources = self.inventory_of(request.into_inner()).await.map_err(to_status)?;
-        Ok(Response::new(pages::stream(
-            resources.into_iter().map(|r| pb::Resource::from(&r)),
+        let req = request.into_inner();
+        if only_run(&req).map_err(to_status)?.is_some() {
+            let listing = self.inventory_of(req).await.map_err(to_status)?;
+            return Ok(Response::new(pages::stream(listing.into_wire())));
+        }
+        let events = self.events.clone();
+        let mut chunks = self
+            .backend
+            .inventory_pages()
+            .then(move |read| {
+                let events = events.clone();
+                async move {
+                    let listing = Listing::of(read?, &events).await?;
+                    Ok::<_, RequestError>(listing.into_wire().collect::<Vec<_>>())
+                }
+            })
+            .map(|chunk| chunk.map_err(to_status))
+            .boxed();
+        // A read that fails at once fails the call, as one read did.
+        let first = match chunks.next().await {
+            Some(Err(status)) => return Err(status),
+            first => first,
+        };
+        Ok(Response::new(pages::stream_chunks(
+            futures::stream::iter(first).chain(chunks),
         )))
     }
 }
