@@ -361,11 +361,9 @@ async fn sweep_orphans(
                 let resources = inventory.resources.len();
                 let new = driver.sweep_orphans(inventory, config.destroy).await;
                 tracing::debug!(resources, new_orphans = new.len(), "orphan sweep");
-                // A lease missing at this look is lost if it is missing at
-                // the next: look again soon (a loss the executor reported
-                // before it restarted, and never re-sent, waits on it).
                 if driver.missing_suspected() {
-                    next = Some(at.saturating_add(config.after_link_up));
+                    let took = driver.clock().monotonic().saturating_since(at);
+                    next = Some(relook_at(at, took, &config));
                 }
             }
             Err(status) => {
@@ -374,6 +372,24 @@ async fn sweep_orphans(
             }
         }
     }
+}
+
+/// A look again at leases a sweep found missing comes no sooner than this
+/// many times what that sweep took.
+const RELOOK_COST_FACTOR: u32 = 4;
+
+/// When to look again after a sweep begun at `at`, which took `took`, found
+/// held leases missing. A lease missing at this look is lost if it is
+/// missing at the next, so the next comes soon (a loss the executor reported
+/// before it restarted, and never re-sent, waits on it): `after_link_up`
+/// after this one, but no sooner than [`RELOOK_COST_FACTOR`] times what
+/// this one took (and no later than the sweep's period). While a large run
+/// converges, leases its runs record during a read are missing from it at
+/// every look; without the spacing, sweeps of a million resources ran back
+/// to back, each seconds of the driver's CPU.
+fn relook_at(at: contract::Monotonic, took: Duration, config: &SweepConfig) -> contract::Monotonic {
+    let spaced = config.after_link_up.max(took.saturating_mul(RELOOK_COST_FACTOR));
+    at.saturating_add(spaced.min(config.every))
 }
 
 /// The executor's whole inventory, read in pages (`InventoryPages`), each
@@ -463,6 +479,20 @@ mod tests {
     use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 
     use super::*;
+
+    /// A look again at missing leases comes `after_link_up` after a cheap
+    /// sweep, and no sooner than four times what a costly one took.
+    #[test]
+    fn a_look_again_is_spaced_by_what_the_sweep_took() {
+        let config = SweepConfig::new(Duration::from_secs(60), false);
+        let at = contract::Monotonic::from_origin(Duration::from_secs(100));
+        let after = |took_ms| relook_at(at, Duration::from_millis(took_ms), &config).saturating_since(at);
+        assert_eq!(after(5), Duration::from_secs(1));
+        assert_eq!(after(250), Duration::from_secs(1));
+        assert_eq!(after(2_000), Duration::from_secs(8));
+        // No later than the next sweep would come anyway.
+        assert_eq!(after(20_000), Duration::from_secs(60));
+    }
 
     fn resource(i: u32) -> pb::Resource {
         pb::Resource {
