@@ -44,6 +44,7 @@ use crate::core::{
     ConditionMark, NodeRecord, RunDelta, RunMeta, RunStore, StoreError, StoredRun,
     rollout::{GroupRollout, Halt, StableGroup},
 };
+use crate::group_commit::GroupCommit;
 
 /// The schema this code writes.
 pub const SCHEMA_VERSION: u32 = 3;
@@ -91,6 +92,8 @@ pub struct RedbStore {
     path: PathBuf,
     /// Seals secret parameter values before they are written.
     sealer: Sealer,
+    /// Commits of runs that wait for the file at once, written together.
+    group: GroupCommit<Encoded>,
 }
 
 impl RedbStore {
@@ -114,6 +117,7 @@ impl RedbStore {
             db: RwLock::new(Some(db)),
             path: dir.join(FILE_NAME),
             sealer,
+            group: GroupCommit::default(),
         })
     }
 
@@ -520,8 +524,18 @@ fn node_record(
 }
 
 impl RunStore for RedbStore {
+    /// Encodes the delta on the calling thread, then writes it with the
+    /// commits of other runs waiting at the same time, in one transaction
+    /// (`group_commit`). Each delta is atomic and answered on its own.
     fn commit(&self, delta: &RunDelta) -> Result<(), StoreError> {
-        self.with_db(|db| commit_to(db, &self.sealer, delta))
+        let encoded = self.encode(delta)?;
+        self.group.commit(encoded, |group| {
+            let n = group.len();
+            match self.with_db(|db| write_group(db, &group)) {
+                Ok(answers) => answers,
+                Err(e) => vec![Err(e); n],
+            }
+        })
     }
 
     fn load_all(&self) -> Result<Vec<StoredRun>, StoreError> {
@@ -529,73 +543,157 @@ impl RunStore for RedbStore {
     }
 }
 
-/// One delta in one write transaction.
-fn commit_to(db: &Database, sealer: &Sealer, delta: &RunDelta) -> Result<(), StoreError> {
-    let uid = delta.uid.to_string();
+/// A run's delta as the records it writes: encoded (and sealed) before it
+/// waits for the file, so that runs encode in parallel and the writer only
+/// writes.
+#[derive(Debug)]
+struct Encoded {
+    uid: RunUid,
+    key: String,
+    drop_run: bool,
+    meta: Option<Vec<u8>>,
+    upserts: Vec<(String, Vec<u8>)>,
+    removals: Vec<String>,
+    events: Vec<(u64, Vec<u8>)>,
+    events_below: Option<u64>,
+}
+
+impl RedbStore {
+    fn encode(&self, delta: &RunDelta) -> Result<Encoded, StoreError> {
+        let key = delta.uid.to_string();
+        if delta.drop_run {
+            return Ok(Encoded {
+                uid: delta.uid,
+                key,
+                drop_run: true,
+                meta: None,
+                upserts: Vec::new(),
+                removals: Vec::new(),
+                events: Vec::new(),
+                events_below: None,
+            });
+        }
+        let meta = delta
+            .meta
+            .as_ref()
+            .map(|m| encode_meta(&self.sealer, m))
+            .transpose()?;
+        let upserts = delta
+            .upserts
+            .iter()
+            .map(|r| Ok((r.node.id.to_string(), encode_node(&self.sealer, r)?)))
+            .collect::<Result<_, StoreError>>()?;
+        // An event names its run: from the delta, or as the run is stored
+        // (only this run's own commits change that, and it waits for each).
+        let events = if delta.events.is_empty() {
+            Vec::new()
+        } else {
+            let run_id = match &delta.meta {
+                Some(m) => m.run_id.clone(),
+                None => self
+                    .with_db(|db| stored_run_id(db, &self.sealer, &key))?
+                    .ok_or(StoreError::UnknownRun(delta.uid))?,
+            };
+            delta
+                .events
+                .iter()
+                .map(|e| (e.seq, encode_event(&run_id, e)))
+                .collect()
+        };
+        Ok(Encoded {
+            uid: delta.uid,
+            key,
+            drop_run: false,
+            meta,
+            upserts,
+            removals: delta.removals.iter().map(ToString::to_string).collect(),
+            events,
+            events_below: delta.events_below,
+        })
+    }
+}
+
+/// The run id of the run stored under `key`, if it is stored.
+fn stored_run_id(db: &Database, sealer: &Sealer, key: &str) -> Result<Option<RunId>, StoreError> {
+    let txn = db.begin_read().map_err(unavailable)?;
+    let meta = txn.open_table(META).map_err(unavailable)?;
+    let stored = meta.get(key).map_err(unavailable)?;
+    stored
+        .map(|m| Ok(decode_meta(sealer, m.value())?.run_id))
+        .transpose()
+}
+
+/// Writes a group of deltas in one write transaction and answers each: a
+/// delta for a run that is not stored is refused alone, before any of its
+/// records is written; a transaction that fails fails them all.
+fn write_group(db: &Database, group: &[Encoded]) -> Result<Vec<Result<(), StoreError>>, StoreError> {
     let txn = db.begin_write().map_err(unavailable)?;
+    let mut answers = Vec::with_capacity(group.len());
     {
         let mut meta = txn.open_table(META).map_err(unavailable)?;
         let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
         let mut events = txn.open_table(EVENTS).map_err(unavailable)?;
-        if delta.drop_run {
-            meta.remove(uid.as_str()).map_err(unavailable)?;
-            events
-                .retain_in((uid.as_str(), 0)..=(uid.as_str(), u64::MAX), |_, _| false)
-                .map_err(unavailable)?;
-            let mut keys: Vec<String> = Vec::new();
-            for item in nodes.range((uid.as_str(), "")..).map_err(unavailable)? {
-                let (k, _) = item.map_err(unavailable)?;
-                let (u, n) = k.value();
-                if u != uid.as_str() {
-                    break;
-                }
-                keys.push(n.to_owned());
-            }
-            for k in keys {
-                nodes.remove((uid.as_str(), k.as_str())).map_err(unavailable)?;
-            }
-        } else {
-            if let Some(m) = &delta.meta {
-                meta.insert(uid.as_str(), encode_meta(sealer, m)?.as_slice())
-                    .map_err(unavailable)?;
-            } else if meta.get(uid.as_str()).map_err(unavailable)?.is_none() {
-                return Err(StoreError::UnknownRun(delta.uid));
-            }
-            for r in &delta.upserts {
-                let id = r.node.id.to_string();
-                nodes
-                    .insert((uid.as_str(), id.as_str()), encode_node(sealer, r)?.as_slice())
-                    .map_err(unavailable)?;
-            }
-            for id in &delta.removals {
-                let id = id.to_string();
-                nodes.remove((uid.as_str(), id.as_str())).map_err(unavailable)?;
-            }
-            if !delta.events.is_empty() || delta.events_below.is_some() {
-                let run_id = match &delta.meta {
-                    Some(m) => m.run_id.clone(),
-                    None => {
-                        let stored = meta
-                            .get(uid.as_str())
-                            .map_err(unavailable)?
-                            .ok_or(StoreError::UnknownRun(delta.uid))?;
-                        decode_meta(sealer, stored.value())?.run_id
-                    }
-                };
-                for e in &delta.events {
-                    events
-                        .insert((uid.as_str(), e.seq), encode_event(&run_id, e).as_slice())
-                        .map_err(unavailable)?;
-                }
-                if let Some(below) = delta.events_below {
-                    events
-                        .retain_in((uid.as_str(), 0)..(uid.as_str(), below), |_, _| false)
-                        .map_err(unavailable)?;
-                }
-            }
+        for delta in group {
+            answers.push(write_delta(&mut meta, &mut nodes, &mut events, delta)?);
         }
     }
-    txn.commit().map_err(unavailable)
+    txn.commit().map_err(unavailable)?;
+    Ok(answers)
+}
+
+/// One delta's records, inside the group's transaction. The outer error
+/// fails the transaction; the inner one refuses this delta, which has then
+/// written nothing.
+fn write_delta(
+    meta: &mut redb::Table<&str, &[u8]>,
+    nodes: &mut redb::Table<(&str, &str), &[u8]>,
+    events: &mut redb::Table<(&str, u64), &[u8]>,
+    delta: &Encoded,
+) -> Result<Result<(), StoreError>, StoreError> {
+    let uid = delta.key.as_str();
+    if delta.drop_run {
+        meta.remove(uid).map_err(unavailable)?;
+        events
+            .retain_in((uid, 0)..=(uid, u64::MAX), |_, _| false)
+            .map_err(unavailable)?;
+        let mut keys: Vec<String> = Vec::new();
+        for item in nodes.range((uid, "")..).map_err(unavailable)? {
+            let (k, _) = item.map_err(unavailable)?;
+            let (u, n) = k.value();
+            if u != uid {
+                break;
+            }
+            keys.push(n.to_owned());
+        }
+        for k in keys {
+            nodes.remove((uid, k.as_str())).map_err(unavailable)?;
+        }
+        return Ok(Ok(()));
+    }
+    if let Some(m) = &delta.meta {
+        meta.insert(uid, m.as_slice()).map_err(unavailable)?;
+    } else if meta.get(uid).map_err(unavailable)?.is_none() {
+        return Ok(Err(StoreError::UnknownRun(delta.uid)));
+    }
+    for (id, record) in &delta.upserts {
+        nodes
+            .insert((uid, id.as_str()), record.as_slice())
+            .map_err(unavailable)?;
+    }
+    for id in &delta.removals {
+        nodes.remove((uid, id.as_str())).map_err(unavailable)?;
+    }
+    for (seq, event) in &delta.events {
+        events
+            .insert((uid, *seq), event.as_slice())
+            .map_err(unavailable)?;
+    }
+    if let Some(below) = delta.events_below {
+        events
+            .retain_in((uid, 0)..(uid, below), |_, _| false)
+            .map_err(unavailable)?;
+    }
+    Ok(Ok(()))
 }
 
 /// Every run, in one read transaction.
@@ -717,6 +815,72 @@ mod tests {
                 .iter()
                 .all(|n| n.inflight.is_some() && n.node.pending.is_some())
         );
+    }
+
+    /// Runs committing from threads of their own at once all land, each
+    /// whole (`group_commit` writes those that wait together).
+    #[test]
+    fn commits_of_many_runs_at_once_all_land() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = UnixMillis::new(1_700_000_000_000);
+        let store = Arc::new(RedbStore::open(dir.path()).unwrap());
+        let mem = Arc::new(MemStore::new());
+        let threads: Vec<_> = (1..=8u128)
+            .map(|uid| {
+                let (store, mem) = (Arc::clone(&store), Arc::clone(&mem));
+                std::thread::spawn(move || {
+                    let policy = Arc::new(Policy::default());
+                    let mut run =
+                        RunState::create(shape(1), RunUid::from_u128(uid), Epoch::new(1), policy, now)
+                            .unwrap();
+                    let mut twin = run.clone();
+                    drive(&mut run, &*store, now);
+                    drive(&mut twin, &*mem, now);
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        drop(store);
+        let loaded = RedbStore::open(dir.path()).unwrap().load_all().unwrap();
+        assert_eq!(loaded.len(), 8);
+        assert_eq!(loaded, mem.load_all().unwrap());
+    }
+
+    /// In one group, a delta for a run that is not stored is refused alone
+    /// and writes nothing; the others land.
+    #[test]
+    fn a_delta_refused_in_a_group_writes_nothing_and_the_others_land() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = UnixMillis::new(1_700_000_000_000);
+        let store = RedbStore::open(dir.path()).unwrap();
+        let known = RunUid::from_u128(5);
+        let mut run =
+            RunState::create(shape(1), known, Epoch::new(1), Arc::new(Policy::default()), now).unwrap();
+        drive(&mut run, &store, now);
+        let stored = store.load_all().unwrap().remove(0);
+        assert_eq!(stored.nodes.len(), 4);
+
+        let unknown = RunUid::from_u128(6);
+        let mut stray = RunDelta::new(unknown);
+        stray.upserts.push(stored.nodes[0].clone());
+        let mut removal = RunDelta::new(known);
+        removal.removals.push(stored.nodes[1].node.id.clone());
+        let group = [store.encode(&stray).unwrap(), store.encode(&removal).unwrap()];
+        let answers = store.with_db(|db| write_group(db, &group)).unwrap();
+        assert!(
+            matches!(answers[0], Err(StoreError::UnknownRun(uid)) if uid == unknown),
+            "{answers:?}"
+        );
+        assert!(answers[1].is_ok(), "{answers:?}");
+
+        let loaded = store.load_all().unwrap();
+        assert_eq!(loaded.len(), 1);
+        assert_eq!(loaded[0].nodes.len(), 3);
+        let txn = store.raw().as_ref().unwrap().begin_read().unwrap();
+        let rows = txn.open_table(NODES).unwrap().iter().unwrap().count();
+        assert_eq!(rows, 3, "the refused delta wrote a node");
     }
 
     #[test]

@@ -28,6 +28,7 @@ pub mod error;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 mod events;
+pub mod group_commit;
 pub mod limits;
 pub mod link;
 pub mod metrics;

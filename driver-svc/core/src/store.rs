@@ -124,7 +124,7 @@ pub struct StoredRun {
     pub events: Vec<Event>,
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("store unavailable: {0}")]
     Unavailable(String),
