@@ -528,7 +528,10 @@ impl RunStore for RedbStore {
     /// commits of other runs waiting at the same time, in one transaction
     /// (`group_commit`). Each delta is atomic and answered on its own.
     fn commit(&self, delta: &RunDelta) -> Result<(), StoreError> {
-        let encoded = self.encode(delta)?;
+        if delta.upserts.len() > GROUP_MAX_UPSERTS {
+            return self.commit_alone(delta);
+        }
+        let encoded = self.encode(delta, Upserts::Encoded)?;
         self.group.commit(encoded, |group| {
             let n = group.len();
             match self.with_db(|db| write_group(db, &group)) {
@@ -558,8 +561,45 @@ struct Encoded {
     events_below: Option<u64>,
 }
 
+/// A delta with more node records than this is written alone, each record
+/// encoded as it is written: encoded whole before it waits, as a group's
+/// deltas are, a run's first pass of a million nodes held its records twice
+/// (about 200 MB more at the driver's peak). A delta that large pays for
+/// its transaction many times over anyway.
+const GROUP_MAX_UPSERTS: usize = 4096;
+
+/// Whether [`RedbStore::encode`] encodes the node records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Upserts {
+    Encoded,
+    Left,
+}
+
 impl RedbStore {
-    fn encode(&self, delta: &RunDelta) -> Result<Encoded, StoreError> {
+    /// A large delta in a transaction of its own (see [`GROUP_MAX_UPSERTS`]).
+    fn commit_alone(&self, delta: &RunDelta) -> Result<(), StoreError> {
+        let head = self.encode(delta, Upserts::Left)?;
+        self.with_db(|db| {
+            let txn = db.begin_write().map_err(unavailable)?;
+            {
+                let mut meta = txn.open_table(META).map_err(unavailable)?;
+                let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
+                let mut events = txn.open_table(EVENTS).map_err(unavailable)?;
+                let written = write_delta(
+                    &mut meta,
+                    &mut nodes,
+                    &mut events,
+                    &head,
+                    Some((&self.sealer, &delta.upserts)),
+                )?;
+                // Refused: dropping the transaction writes nothing.
+                written?;
+            }
+            txn.commit().map_err(unavailable)
+        })
+    }
+
+    fn encode(&self, delta: &RunDelta, upserts: Upserts) -> Result<Encoded, StoreError> {
         let key = delta.uid.to_string();
         if delta.drop_run {
             return Ok(Encoded {
@@ -578,11 +618,14 @@ impl RedbStore {
             .as_ref()
             .map(|m| encode_meta(&self.sealer, m))
             .transpose()?;
-        let upserts = delta
-            .upserts
-            .iter()
-            .map(|r| Ok((r.node.id.to_string(), encode_node(&self.sealer, r)?)))
-            .collect::<Result<_, StoreError>>()?;
+        let upserts = match upserts {
+            Upserts::Encoded => delta
+                .upserts
+                .iter()
+                .map(|r| Ok((r.node.id.to_string(), encode_node(&self.sealer, r)?)))
+                .collect::<Result<_, StoreError>>()?,
+            Upserts::Left => Vec::new(),
+        };
         // An event names its run: from the delta, or as the run is stored
         // (only this run's own commits change that, and it waits for each).
         let events = if delta.events.is_empty() {
@@ -634,21 +677,23 @@ fn write_group(db: &Database, group: &[Encoded]) -> Result<Vec<Result<(), StoreE
         let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
         let mut events = txn.open_table(EVENTS).map_err(unavailable)?;
         for delta in group {
-            answers.push(write_delta(&mut meta, &mut nodes, &mut events, delta)?);
+            answers.push(write_delta(&mut meta, &mut nodes, &mut events, delta, None)?);
         }
     }
     txn.commit().map_err(unavailable)?;
     Ok(answers)
 }
 
-/// One delta's records, inside the group's transaction. The outer error
-/// fails the transaction; the inner one refuses this delta, which has then
-/// written nothing.
+/// One delta's records, inside the group's transaction, and after its
+/// encoded node records the `unencoded` ones, each encoded as it is written
+/// (a large delta's, written alone). The outer error fails the transaction;
+/// the inner one refuses this delta, which has then written nothing.
 fn write_delta(
     meta: &mut redb::Table<&str, &[u8]>,
     nodes: &mut redb::Table<(&str, &str), &[u8]>,
     events: &mut redb::Table<(&str, u64), &[u8]>,
     delta: &Encoded,
+    unencoded: Option<(&Sealer, &[NodeRecord])>,
 ) -> Result<Result<(), StoreError>, StoreError> {
     let uid = delta.key.as_str();
     if delta.drop_run {
@@ -679,6 +724,14 @@ fn write_delta(
         nodes
             .insert((uid, id.as_str()), record.as_slice())
             .map_err(unavailable)?;
+    }
+    if let Some((sealer, records)) = unencoded {
+        for r in records {
+            let id = r.node.id.to_string();
+            nodes
+                .insert((uid, id.as_str()), encode_node(sealer, r)?.as_slice())
+                .map_err(unavailable)?;
+        }
     }
     for id in &delta.removals {
         nodes.remove((uid, id.as_str())).map_err(unavailable)?;
@@ -848,6 +901,46 @@ mod tests {
         assert_eq!(loaded, mem.load_all().unwrap());
     }
 
+    /// A delta of more node records than a group takes is written alone,
+    /// its records encoded as they are written: the same records land, and
+    /// one for a run that is not stored is refused whole.
+    #[test]
+    fn a_large_delta_is_written_alone_and_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = UnixMillis::new(1_700_000_000_000);
+        let store = RedbStore::open(dir.path()).unwrap();
+        let mem = MemStore::new();
+        let mut big = shape(1);
+        big.groups[0].count = u32::try_from(GROUP_MAX_UPSERTS).unwrap() + 100;
+        let policy = Arc::new(Policy::default());
+        let mut run = RunState::create(big, RunUid::from_u128(3), Epoch::new(1), policy, now).unwrap();
+        let mut twin = run.clone();
+        drive(&mut run, &store, now);
+        drive(&mut twin, &mem, now);
+        // The file keeps nodes in the order of their ids' text.
+        let by_id = |mut runs: Vec<StoredRun>| {
+            for r in &mut runs {
+                r.nodes.sort_by(|a, b| a.node.id.cmp(&b.node.id));
+            }
+            runs
+        };
+        let loaded = by_id(store.load_all().unwrap());
+        assert_eq!(loaded, by_id(mem.load_all().unwrap()));
+        assert!(
+            loaded[0].nodes.len() > GROUP_MAX_UPSERTS,
+            "{} nodes",
+            loaded[0].nodes.len()
+        );
+
+        let mut stray = RunDelta::new(RunUid::from_u128(4));
+        stray.upserts = loaded[0].nodes.clone();
+        assert!(matches!(store.commit(&stray), Err(StoreError::UnknownRun(_))));
+        assert_eq!(by_id(store.load_all().unwrap()), loaded);
+        let txn = store.raw().as_ref().unwrap().begin_read().unwrap();
+        let rows = txn.open_table(NODES).unwrap().iter().unwrap().count();
+        assert_eq!(rows, loaded[0].nodes.len(), "the refused delta wrote a node");
+    }
+
     /// In one group, a delta for a run that is not stored is refused alone
     /// and writes nothing; the others land.
     #[test]
@@ -867,7 +960,10 @@ mod tests {
         stray.upserts.push(stored.nodes[0].clone());
         let mut removal = RunDelta::new(known);
         removal.removals.push(stored.nodes[1].node.id.clone());
-        let group = [store.encode(&stray).unwrap(), store.encode(&removal).unwrap()];
+        let group = [
+            store.encode(&stray, Upserts::Encoded).unwrap(),
+            store.encode(&removal, Upserts::Encoded).unwrap(),
+        ];
         let answers = store.with_db(|db| write_group(db, &group)).unwrap();
         assert!(
             matches!(answers[0], Err(StoreError::UnknownRun(uid)) if uid == unknown),
