@@ -579,23 +579,11 @@ impl RedbStore {
     /// A large delta in a transaction of its own (see [`GROUP_MAX_UPSERTS`]).
     fn commit_alone(&self, delta: &RunDelta) -> Result<(), StoreError> {
         let head = self.encode(delta, Upserts::Left)?;
+        // Refused, the delta fails its transaction, which then writes nothing.
         self.with_db(|db| {
-            let txn = db.begin_write().map_err(unavailable)?;
-            {
-                let mut meta = txn.open_table(META).map_err(unavailable)?;
-                let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
-                let mut events = txn.open_table(EVENTS).map_err(unavailable)?;
-                let written = write_delta(
-                    &mut meta,
-                    &mut nodes,
-                    &mut events,
-                    &head,
-                    Some((&self.sealer, &delta.upserts)),
-                )?;
-                // Refused: dropping the transaction writes nothing.
-                written?;
-            }
-            txn.commit().map_err(unavailable)
+            in_write(db, |t| {
+                write_delta(t, &head, Some((&self.sealer, &delta.upserts)))?
+            })
         })
     }
 
@@ -670,18 +658,34 @@ fn stored_run_id(db: &Database, sealer: &Sealer, key: &str) -> Result<Option<Run
 /// delta for a run that is not stored is refused alone, before any of its
 /// records is written; a transaction that fails fails them all.
 fn write_group(db: &Database, group: &[Encoded]) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+    in_write(db, |t| {
+        group.iter().map(|delta| write_delta(t, delta, None)).collect()
+    })
+}
+
+/// The tables a delta writes, open in one write transaction.
+struct Tables<'t> {
+    meta: redb::Table<'t, &'static str, &'static [u8]>,
+    nodes: redb::Table<'t, (&'static str, &'static str), &'static [u8]>,
+    events: redb::Table<'t, (&'static str, u64), &'static [u8]>,
+}
+
+/// `write` in one write transaction, committed unless `write` fails.
+fn in_write<T>(
+    db: &Database,
+    write: impl FnOnce(&mut Tables<'_>) -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
     let txn = db.begin_write().map_err(unavailable)?;
-    let mut answers = Vec::with_capacity(group.len());
-    {
-        let mut meta = txn.open_table(META).map_err(unavailable)?;
-        let mut nodes = txn.open_table(NODES).map_err(unavailable)?;
-        let mut events = txn.open_table(EVENTS).map_err(unavailable)?;
-        for delta in group {
-            answers.push(write_delta(&mut meta, &mut nodes, &mut events, delta, None)?);
-        }
-    }
+    let written = {
+        let mut tables = Tables {
+            meta: txn.open_table(META).map_err(unavailable)?,
+            nodes: txn.open_table(NODES).map_err(unavailable)?,
+            events: txn.open_table(EVENTS).map_err(unavailable)?,
+        };
+        write(&mut tables)?
+    };
     txn.commit().map_err(unavailable)?;
-    Ok(answers)
+    Ok(written)
 }
 
 /// One delta's records, inside the group's transaction, and after its
@@ -689,9 +693,7 @@ fn write_group(db: &Database, group: &[Encoded]) -> Result<Vec<Result<(), StoreE
 /// (a large delta's, written alone). The outer error fails the transaction;
 /// the inner one refuses this delta, which has then written nothing.
 fn write_delta(
-    meta: &mut redb::Table<&str, &[u8]>,
-    nodes: &mut redb::Table<(&str, &str), &[u8]>,
-    events: &mut redb::Table<(&str, u64), &[u8]>,
+    Tables { meta, nodes, events }: &mut Tables<'_>,
     delta: &Encoded,
     unencoded: Option<(&Sealer, &[NodeRecord])>,
 ) -> Result<Result<(), StoreError>, StoreError> {

@@ -429,7 +429,7 @@ pub trait Backend: Send + Sync + 'static {
     /// run and keeps the one; a backend that can list one run alone says so
     /// here (a listing of every run of a large executor is as large as the
     /// executor). The driver's orphan sweep names no run: it reads
-    /// [`Backend::inventory`].
+    /// [`Backend::inventory_pages`].
     fn inventory_of(&self, run_uid: RunUid) -> BoxFuture<'static, Result<Vec<InventoryItem>, BackendError>> {
         only_run(self.inventory(), run_uid)
     }
