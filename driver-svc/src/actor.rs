@@ -69,7 +69,8 @@ type PhaseKey = (u64, bool, bool, bool, bool, bool);
 pub struct Held {
     /// Every node, at its current attempt and its successor's, if any.
     pub nodes: Vec<(LogicalNodeId, crate::orphans::Attempts)>,
-    /// The nodes whose lease the run believes live.
+    /// The nodes whose lease the run believes live and recorded before the
+    /// inventory read began (none if it did not see the read begin).
     pub leases: Vec<(LogicalNodeId, contract::AttemptId)>,
 }
 
@@ -128,8 +129,17 @@ pub enum RunEvent {
         node: LogicalNodeId,
         reply: oneshot::Sender<Result<Option<AbandonedNode>, DriverError>>,
     },
-    /// The inventory resync asks which (node, attempt) pairs the run holds,
-    /// and which of them hold a lease the run believes live.
+    /// The inventory resync begins to read the executor's inventory: the
+    /// run notes the leases it records from now on, which the read may not
+    /// list. Answered once noted.
+    InventoryReadBegins {
+        reply: oneshot::Sender<()>,
+    },
+    /// The read failed: nothing more to note.
+    InventoryReadEnds,
+    /// The inventory resync has read the inventory and asks which (node,
+    /// attempt) pairs the run holds, and which of them hold a lease the run
+    /// believed live before the read began and still does. Ends the read.
     Holdings {
         reply: oneshot::Sender<Held>,
     },
@@ -783,9 +793,14 @@ impl RunActor {
                             (n.id.clone(), attempts)
                         })
                         .collect(),
-                    leases: self.run.leases_held().map(|(n, a)| (n.clone(), a)).collect(),
+                    leases: self.run.leases_held_through_read(),
                 });
             }
+            RunEvent::InventoryReadBegins { reply } => {
+                self.run.inventory_read_begins();
+                let _ = reply.send(());
+            }
+            RunEvent::InventoryReadEnds => self.run.inventory_read_ends(),
             RunEvent::Missing { nodes } => {
                 for (node, attempt) in nodes {
                     let lost = ResourceChange {

@@ -779,11 +779,7 @@ impl Driver {
             .unwrap_or_default()
     }
 
-    /// What every run holds: run uid → node → current attempt, and the
-    /// leases the runs believe live. A run whose actor is gone is left out
-    /// (it was deleted). Reclaim runs count: what they hold is being
-    /// destroyed already.
-    pub async fn holdings(&self) -> (Holdings, Vec<ResourceKey>) {
+    fn every_run_handle(&self) -> Vec<RunHandle> {
         let mut handles: Vec<RunHandle> = self
             .shared
             .runs
@@ -791,6 +787,34 @@ impl Driver {
             .map(|r| r.values().cloned().collect())
             .unwrap_or_default();
         handles.extend(self.reclaim_handles());
+        handles
+    }
+
+    /// Tells every run that a read of the executor's inventory begins, and
+    /// returns once each has noted it: a lease a run records from now on
+    /// may be made after its page was read, and is not looked for in this
+    /// read ([`Driver::sweep_orphans`]). Without this, every sweep while
+    /// runs converge suspected such leases lost, and looked again soon.
+    pub async fn begin_inventory_read(&self) -> InventoryRead {
+        let handles = self.every_run_handle();
+        let mut noted = Vec::with_capacity(handles.len());
+        for h in handles {
+            let (tx, rx) = oneshot::channel();
+            if h.tx.send(RunEvent::InventoryReadBegins { reply: tx }).is_ok() && rx.await.is_ok() {
+                noted.push(h.tx);
+            }
+        }
+        InventoryRead { runs: noted }
+    }
+
+    /// What every run holds: run uid → node → current attempt, and the
+    /// leases the runs believed live when `read` began and still do. A run
+    /// whose actor is gone is left out (it was deleted). Reclaim runs count:
+    /// what they hold is being destroyed already.
+    async fn holdings(&self, mut read: InventoryRead) -> (Holdings, Vec<ResourceKey>) {
+        // Each run ends its read as it answers.
+        read.runs.clear();
+        let handles = self.every_run_handle();
         let mut held = Holdings::new();
         let mut leases = Vec::new();
         for h in handles {
@@ -806,9 +830,9 @@ impl Driver {
         (held, leases)
     }
 
-    /// One orphan sweep over `inventory` (read from the executor just
-    /// before): compares it once with what the runs hold now, for both
-    /// findings. Returns the orphans this sweep reported for the first time.
+    /// One orphan sweep over `inventory` (read from the executor since
+    /// `read` began): compares it once with what the runs hold now, for both
+    /// findings (leases only with those held since the read began). Returns the orphans this sweep reported for the first time.
     /// The leases missing at two consecutive looks (SPEC §8, inventory
     /// resync) are lost, and their runs are told. With `destroy`, every
     /// orphan the report holds is handed to the deletion path (see
@@ -817,8 +841,13 @@ impl Driver {
     /// With replicas, a resource of a run the store knows and another replica
     /// holds (or is about to take over) is that replica's business: this
     /// sweep leaves it out.
-    pub async fn sweep_orphans(&self, mut inventory: Inventory, destroy: bool) -> Vec<Orphan> {
-        let (held, leases) = self.holdings().await;
+    pub async fn sweep_orphans(
+        &self,
+        read: InventoryRead,
+        mut inventory: Inventory,
+        destroy: bool,
+    ) -> Vec<Orphan> {
+        let (held, leases) = self.holdings(read).await;
         let theirs = match self.shared.run.replicas.clone() {
             None => Default::default(),
             Some(r) => match blocking(move || r.known_runs()).await {
@@ -994,4 +1023,22 @@ fn fresh_uid() -> RunUid {
     let hi = contract::backoff::mix64(t ^ u64::from(std::process::id()));
     let lo = contract::backoff::mix64(n ^ hi);
     RunUid::from_u128(u128::from(hi) << 64 | u128::from(lo))
+}
+
+/// A read of the executor's inventory under way ([`Driver::begin_inventory_read`]).
+/// Dropped without [`Driver::sweep_orphans`] (the read failed), it tells
+/// the runs the read is over.
+#[derive(Debug)]
+#[must_use = "a read begun is ended by Driver::sweep_orphans, or by dropping it"]
+pub struct InventoryRead {
+    runs: Vec<mpsc::UnboundedSender<RunEvent>>,
+}
+
+impl Drop for InventoryRead {
+    fn drop(&mut self) {
+        for run in self.runs.drain(..) {
+            // A run gone has nothing to end.
+            let _ = run.send(RunEvent::InventoryReadEnds);
+        }
+    }
 }

@@ -355,11 +355,12 @@ async fn sweep_orphans(
         // driver makes no spans).
         let span = tracing::info_span!(parent: None, "orphan sweep");
         platform::telemetry::set_unsampled_root(&span);
+        let read = driver.begin_inventory_read().await;
         let inventory = read_inventory(&mut executor).instrument(span).await;
         match inventory {
             Ok(inventory) => {
                 let resources = inventory.resources.len();
-                let new = driver.sweep_orphans(inventory, config.destroy).await;
+                let new = driver.sweep_orphans(read, inventory, config.destroy).await;
                 tracing::debug!(resources, new_orphans = new.len(), "orphan sweep");
                 if driver.missing_suspected() {
                     let took = driver.clock().monotonic().saturating_since(at);
@@ -367,6 +368,7 @@ async fn sweep_orphans(
                 }
             }
             Err(status) => {
+                drop(read);
                 driver.sweep_failed();
                 tracing::warn!(%status, "orphan sweep: the executor's inventory could not be read");
             }
@@ -383,10 +385,12 @@ const RELOOK_COST_FACTOR: u32 = 4;
 /// missing at the next, so the next comes soon (a loss the executor reported
 /// before it restarted, and never re-sent, waits on it): `after_link_up`
 /// after this one, but no sooner than [`RELOOK_COST_FACTOR`] times what
-/// this one took (and no later than the sweep's period). While a large run
-/// converges, leases its runs record during a read are missing from it at
-/// every look; without the spacing, sweeps of a million resources ran back
-/// to back, each seconds of the driver's CPU.
+/// this one took (and no later than the sweep's period). Before the runs
+/// left the leases they record during a read out of it
+/// ([`Driver::begin_inventory_read`]), such leases were missing at every
+/// look while a large run converged, and sweeps of a million resources ran
+/// back to back, each seconds of the driver's CPU; the spacing still bounds
+/// what real losses cost.
 fn relook_at(at: contract::Monotonic, took: Duration, config: &SweepConfig) -> contract::Monotonic {
     let spaced = config.after_link_up.max(took.saturating_mul(RELOOK_COST_FACTOR));
     at.saturating_add(spaced.min(config.every))

@@ -474,6 +474,10 @@ pub struct RunState {
     /// admit: nothing was recorded for them, and passes with room decide
     /// them again, lowest first, as many as the room.
     dispatch_held: BTreeSet<LogicalNodeId>,
+    /// Nodes whose lease was recorded since the orphan sweep began a read
+    /// of the executor's inventory (`None`: no read under way, as far as
+    /// the run knows). Such a lease may be made after its page was read.
+    leases_during_read: Option<BTreeSet<LogicalNodeId>>,
     /// The slots the run holds, built on first use after a node was
     /// inserted or removed: every pass sends them, and they change only
     /// when the run's nodes do.
@@ -587,6 +591,7 @@ impl RunState {
             rollout_held: BTreeSet::new(),
             dispatch_room: None,
             dispatch_held: BTreeSet::new(),
+            leases_during_read: None,
             slots: std::sync::OnceLock::new(),
             counts_changed: BTreeSet::new(),
             tallies: HashMap::new(),
@@ -2610,6 +2615,9 @@ impl RunState {
             (Effect::CreateLease, Outcome::Succeeded(f)) => match &f.lease {
                 Some(lease) => {
                     n.facts.lease = Some(lease.clone());
+                    if let Some(during) = &mut self.leases_during_read {
+                        during.insert(id.clone());
+                    }
                     n.facts.ambiguous_create = false;
                     if let Some(ep) = &f.endpoint {
                         n.facts.endpoint = Some(ep.clone());
@@ -2973,6 +2981,33 @@ impl RunState {
                 && !matches!(n.stage, NodeStage::Failed | NodeStage::Destroyed);
             live.then_some((&n.id, n.attempt))
         })
+    }
+
+    /// The orphan sweep begins to read the executor's inventory: the leases
+    /// recorded from now on are left out of
+    /// [`RunState::leases_held_through_read`].
+    pub fn inventory_read_begins(&mut self) {
+        self.leases_during_read = Some(BTreeSet::new());
+    }
+
+    /// Ends the read begun by [`RunState::inventory_read_begins`] and
+    /// returns the leases held now that were recorded before it began: only
+    /// those must be in a complete read of the inventory (a resource made
+    /// after its page was read is not). None if the run did not see the read
+    /// begin (it was loaded while the inventory was read).
+    pub fn leases_held_through_read(&mut self) -> Vec<(LogicalNodeId, AttemptId)> {
+        let Some(during) = self.leases_during_read.take() else {
+            return Vec::new();
+        };
+        self.leases_held()
+            .filter(|(id, _)| !during.contains(*id))
+            .map(|(id, attempt)| (id.clone(), attempt))
+            .collect()
+    }
+
+    /// Ends a read of the inventory that failed.
+    pub fn inventory_read_ends(&mut self) {
+        self.leases_during_read = None;
     }
 
     fn check_observation(&self, o: &Observation) -> Fold {
@@ -3522,6 +3557,74 @@ mod tests {
         let before = format!("{:?}", run.node(&node("workers-0")));
         assert!(matches!(run.fold_result(&r, T0).unwrap(), Fold::Discarded(_)));
         assert_eq!(before, format!("{:?}", run.node(&node("workers-0"))));
+    }
+
+    /// `workers-1`'s pending create succeeds with a lease.
+    fn create_succeeds(run: &mut RunState) {
+        let p = run.node(&node("workers-1")).unwrap().pending.unwrap();
+        assert_eq!(p.effect, Effect::CreateLease);
+        let r = OperationResult {
+            run_uid: UID,
+            node: node("workers-1"),
+            id: p.id,
+            effect: p.effect,
+            outcome: Outcome::Succeeded(contract::ResultFacts {
+                lease: Some(contract::LeaseId::new("lease", "lease-w1").unwrap()),
+                ..Default::default()
+            }),
+            completed_at: T0,
+            late: false,
+            replayed: false,
+            trace: TraceContext::default(),
+        };
+        assert!(matches!(run.fold_result(&r, T0).unwrap(), Fold::Folded));
+    }
+
+    #[test]
+    fn a_lease_recorded_while_the_inventory_is_read_is_left_out_of_that_read() {
+        let held =
+            |run: &RunState| -> Vec<LogicalNodeId> { run.leases_held().map(|(id, _)| id.clone()).collect() };
+        let (mut run, _store) = run_with_live_node();
+        // `workers-0` knows its lease but has its create pending still.
+        run.nodes.get_mut(&node("workers-0")).unwrap().rec.node.pending = None;
+        assert_eq!(held(&run), vec![node("workers-0")]);
+
+        // Recorded during the read: held, but not one the read must list.
+        run.inventory_read_begins();
+        create_succeeds(&mut run);
+        assert_eq!(held(&run), vec![node("workers-0"), node("workers-1")]);
+        let through: Vec<_> = run
+            .leases_held_through_read()
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        assert_eq!(through, vec![node("workers-0")]);
+        // The read is over: the next one lists both.
+        assert!(run.leases_held_through_read().is_empty(), "no read under way");
+        run.inventory_read_begins();
+        assert_eq!(run.leases_held_through_read().len(), 2);
+
+        // A read that failed records nothing more.
+        run.inventory_read_begins();
+        run.inventory_read_ends();
+        assert!(run.leases_during_read.is_none());
+    }
+
+    #[test]
+    fn a_lease_recorded_before_the_inventory_is_read_is_in_that_read() {
+        let (mut run, _store) = run_with_live_node();
+        create_succeeds(&mut run);
+        run.inventory_read_begins();
+        let through: Vec<_> = run
+            .leases_held_through_read()
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        assert_eq!(
+            through,
+            vec![node("workers-1")],
+            "workers-0 has its create pending"
+        );
     }
 
     #[test]

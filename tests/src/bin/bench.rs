@@ -269,7 +269,14 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
     let encode = time(5, encode_call);
     let mut rpc = Vec::new();
     let mut bytes = (0, 0);
-    for _ in 0..5 {
+    // Enough calls for a steady median at small sizes, where one call is a
+    // fraction of a millisecond; `BENCH_RPC_CALLS` sets the count (for a
+    // profile).
+    let calls = std::env::var("BENCH_RPC_CALLS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or((200_000 / n).clamp(5, 200));
+    for _ in 0..calls {
         let call = encode_call();
         let sent = call.clone();
         let start = Instant::now();
@@ -1027,6 +1034,31 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
         "passes",
         format!("{:.2}x ladder depth (target <= 3x)", passes as f64 / LADDER_DEPTH),
     );
+    // Under the admission limit a run's passes are bound by it too: two
+    // operations a node, at most the limit pending, so at least that many
+    // passes that dispatch. The same size without the limit shows what the
+    // batching alone does (up to 100,000 nodes: above, the limit is what
+    // lets a run converge at all).
+    let floor = (2 * n).div_ceil(driver_svc::admission::DEFAULT_MAX_OPERATIONS_IN_FLIGHT as u64);
+    if floor > 1 && n <= 100_000 {
+        let free = converge(
+            vec![shape(n)],
+            false,
+            ClusterOptions::default().driver("--max-operations-in-flight", "0"),
+        )
+        .await?;
+        t.add(
+            "passes",
+            n,
+            "passes to converge, no admission limit (3 processes)",
+            free.passes as f64,
+            "passes",
+            format!(
+                "{:.2}x ladder depth (target <= 3x); with the default limit at least {floor} passes dispatch",
+                free.passes as f64 / LADDER_DEPTH
+            ),
+        );
+    }
     t.add(
         "passes",
         n,
