@@ -832,7 +832,8 @@ impl Driver {
 
     /// One orphan sweep over `inventory` (read from the executor since
     /// `read` began): compares it once with what the runs hold now, for both
-    /// findings (leases only with those held since the read began). Returns the orphans this sweep reported for the first time.
+    /// findings (the leases only with those held since the read began).
+    /// Returns the orphans this sweep reported for the first time.
     /// The leases missing at two consecutive looks (SPEC §8, inventory
     /// resync) are lost, and their runs are told. With `destroy`, every
     /// orphan the report holds is handed to the deletion path (see
