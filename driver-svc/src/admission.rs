@@ -19,13 +19,11 @@
 //! granted at most an even share of the limit, and nothing until a quarter
 //! of that share (or all it wants, if less) is free for it: a pass is then
 //! worth its fixed cost. Alone, a run may take all the room there is, in
-//! steps of a quarter of the limit (or all it wants, if less): a run of
-//! 100,000 nodes under the default limit took 284 passes when every
-//! operation's room bought a pass, and 127 in steps, in the same time.
-//! When room comes back and some run waits, the waiting runs
-//! are woken ([`Admission::freed`]); a run granted nothing waits on. Room
-//! cannot stay short of a step for good: what runs hold settles, and with
-//! nothing held all of the limit is free.
+//! steps of a quarter of the limit (or all it wants, if less; what the
+//! steps bought is in docs/driver.md). When room comes back and some run
+//! waits, the waiting runs are woken ([`Admission::freed`]); a run granted
+//! nothing waits on. Room cannot stay short of a step for good: what runs
+//! hold settles, and with nothing held all of the limit is free.
 
 use std::{collections::HashMap, sync::Mutex};
 
