@@ -937,6 +937,48 @@ fn level3_process_checks_can_fail() {
     assert!(check(vec![agents.clone(), respawned]).contains(&Guarantee::NoDoubleCreate));
     // A converged run with a node's agent gone.
     assert!(check(vec![agents[1..].to_vec()]).contains(&Guarantee::ConvergedLeaksNothing));
+    // A slot's replacement seen holding a fact of the attempt it replaced.
+    // With real agents the OS may give the replacement's agent the port the
+    // destroyed attempt's agent had, so an endpoint seen again is no carried
+    // fact there; a lease seen again is one at every level.
+    let replaced = |processes: Vec<Vec<provisioning_tests::conformance::record::Resource>>,
+                    keep_lease: bool| {
+        let mut oracle = Oracle::new(world.policy.clone());
+        let mut before: StepRecord = rec.clone();
+        before.processes = processes;
+        before.inventory = None;
+        assert_eq!(
+            oracle.check(&before),
+            Vec::new(),
+            "the record before the replacement"
+        );
+        let mut after = before.clone();
+        let (_, n) = after
+            .state
+            .nodes
+            .iter_mut()
+            .find(|(_, n)| n.facts.endpoint.is_some() && n.facts.lease.is_some())
+            .expect("a converged node holds an endpoint and a lease");
+        n.attempt = contract::AttemptId::new(n.attempt.get() + 1_000);
+        if !keep_lease {
+            n.facts.lease = Some(contract::LeaseId::new("lease", "4244").unwrap());
+            n.facts.session = Some(contract::SessionId::new("session", "4244").unwrap());
+        }
+        oracle
+            .check(&after)
+            .into_iter()
+            .map(|v| v.guarantee)
+            .collect::<Vec<_>>()
+    };
+    let port_again = replaced(vec![agents.clone()], false);
+    assert!(
+        !port_again.contains(&Guarantee::G03RetiredFactsNeverCarried),
+        "{port_again:?}"
+    );
+    assert!(replaced(vec![agents.clone()], true).contains(&Guarantee::G03RetiredFactsNeverCarried));
+    // Without real agents the endpoint is the provider's own, and seen again
+    // on the replacement it is a carried fact.
+    assert!(replaced(Vec::new(), false).contains(&Guarantee::G03RetiredFactsNeverCarried));
 }
 
 /// Across processes the state is read before the events, so the day-2 checks

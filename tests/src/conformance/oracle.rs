@@ -263,6 +263,10 @@ pub struct Oracle {
     // Guarantee 3.
     lease_owner: BTreeMap<LeaseId, (LogicalNodeId, AttemptId)>,
     endpoint_owner: BTreeMap<Endpoint, (LogicalNodeId, AttemptId)>,
+    /// The endpoints are ports the OS hands out (level 3, real agents): a
+    /// port freed by a destroyed attempt's agent may be bound again by any
+    /// later agent, its own slot's replacement included.
+    endpoints_from_os: bool,
     session_owner: BTreeMap<SessionId, (LogicalNodeId, AttemptId)>,
     // Guarantee 6.
     running: BTreeMap<AttemptId, OperationId>,
@@ -389,6 +393,7 @@ impl Oracle {
             slots_ok: BTreeSet::new(),
             lease_owner: BTreeMap::new(),
             endpoint_owner: BTreeMap::new(),
+            endpoints_from_os: false,
             session_owner: BTreeMap::new(),
             running: BTreeMap::new(),
             first_result: BTreeMap::new(),
@@ -643,6 +648,7 @@ impl Oracle {
         let s = &rec.state;
         self.g01_nodes(&s.nodes);
         self.g01_allocator(s);
+        self.endpoints_from_os |= !rec.processes.is_empty();
         self.g03_fact_owners(&s.nodes);
         if let Some(inv) = &rec.inventory {
             self.g03_inventory_matches_facts(s, inv);
@@ -920,7 +926,11 @@ impl Oracle {
     /// facts hold belongs to the first attempt that held it; no other attempt
     /// of its slot (a replacement in particular) may ever hold it. Another
     /// slot may hold it once its owner no longer does: a real provider hands
-    /// out a freed value again (the OS reuses an exited agent's port).
+    /// out a freed value again (the OS reuses an exited agent's port). With
+    /// real agents (level 3) an endpoint is such a port, which the OS may
+    /// hand to the same slot's replacement too, so there an endpoint is
+    /// released once its owner attempt no longer holds it, whatever the
+    /// slot; leases and sessions stay unique to their attempt at every level.
     fn g03_fact_owners(&mut self, nodes: &Nodes) {
         fn owned<K: Ord + Clone + std::fmt::Display>(
             map: &mut BTreeMap<K, (LogicalNodeId, AttemptId)>,
@@ -928,6 +938,7 @@ impl Oracle {
             n: &ManagedNode,
             what: &str,
             nodes: &Nodes,
+            reused_by_same_slot: bool,
             held: impl Fn(&ManagedNode) -> Option<&K>,
         ) -> Option<String> {
             let key = key?;
@@ -938,7 +949,7 @@ impl Oracle {
                     return None;
                 }
             };
-            let released = owner.0 != n.id
+            let released = (reused_by_same_slot || owner.0 != n.id)
                 && !nodes
                     .values()
                     .any(|o| o.id == owner.0 && o.attempt == owner.1 && held(o) == Some(key));
@@ -956,15 +967,22 @@ impl Oracle {
         for n in nodes.values() {
             let f = &n.facts;
             let found = [
-                owned(&mut self.lease_owner, f.lease.as_ref(), n, "lease", nodes, |o| {
-                    o.facts.lease.as_ref()
-                }),
+                owned(
+                    &mut self.lease_owner,
+                    f.lease.as_ref(),
+                    n,
+                    "lease",
+                    nodes,
+                    false,
+                    |o| o.facts.lease.as_ref(),
+                ),
                 owned(
                     &mut self.endpoint_owner,
                     f.endpoint.as_ref(),
                     n,
                     "endpoint",
                     nodes,
+                    self.endpoints_from_os,
                     |o| o.facts.endpoint.as_ref(),
                 ),
                 owned(
@@ -973,6 +991,7 @@ impl Oracle {
                     n,
                     "session",
                     nodes,
+                    false,
                     |o| o.facts.session.as_ref(),
                 ),
             ];
