@@ -19,8 +19,9 @@ use contract::{
     TraceContext, UnixMillis,
     pb::{self, decide_request::Part, decider_client::DeciderClient},
     wire::{
-        TemplateTable, decision_from_wire, node_to_wire, shape_to_wire_with_table, slot_ranges_to_wire,
-        trace_to_wire,
+        TemplateTable, decision_from_wire,
+        encode::{encode_node, message_len, put_message},
+        shape_to_wire_with_table, slot_ranges_to_wire, trace_to_wire,
     },
 };
 use decider::{SlotRange, SlotSet};
@@ -29,7 +30,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{
     Code, Status,
-    codegen::{Body, Bytes, StdError},
+    codec::{Codec, EncodeBuf, Encoder},
+    codegen::{Body, Bytes, GrpcMethod, StdError, http::uri::PathAndQuery},
 };
 
 use crate::server::SLOT_RANGES_HEADER;
@@ -63,22 +65,46 @@ pub enum SlotEncoding {
     Ranges,
 }
 
-/// One pass's `Decide` call: the header and node batches encoded, the slots
-/// kept until the decider has said which form it reads.
+/// One pass's `Decide` call: the header and node batches encoded (as the
+/// bytes of their `DecideRequest`s), the slots kept until the decider has said
+/// which form it reads.
 #[derive(Debug, Clone)]
 pub struct DecideCall {
-    head: Vec<pb::DecideRequest>,
+    head: Vec<Bytes>,
+    nodes: usize,
     slots: SlotSet,
     trace: Option<pb::TraceContext>,
 }
 
 impl DecideCall {
-    /// The whole request stream, with the slots in `encoding`.
-    pub fn into_messages(self, encoding: SlotEncoding) -> Vec<pb::DecideRequest> {
+    /// The whole request stream, encoded, with the slots in `encoding`.
+    pub fn into_encoded(self, encoding: SlotEncoding) -> Vec<Bytes> {
         let mut messages = self.head;
-        messages.extend(slot_messages(&self.slots, encoding, &self.trace));
-        messages.push(message(&self.trace, Part::End(pb::DecideEnd {})));
+        messages.extend(
+            slot_messages(&self.slots, encoding, &self.trace)
+                .into_iter()
+                .chain([message(&self.trace, Part::End(pb::DecideEnd {}))])
+                .map(|m| Bytes::from(m.encode_to_vec())),
+        );
         messages
+    }
+
+    /// The whole request stream as messages, with the slots in `encoding`:
+    /// for tools and tests that look at the messages themselves.
+    pub fn into_messages(self, encoding: SlotEncoding) -> Vec<pb::DecideRequest> {
+        self.into_encoded(encoding)
+            .iter()
+            .map(|m| {
+                // Not reachable from a request: the bytes are `encode_call`'s
+                // own, which the contract's tests hold to what prost decodes.
+                pb::DecideRequest::decode(m.as_ref()).expect("encode_call writes DecideRequests")
+            })
+            .collect()
+    }
+
+    /// The nodes the call carries.
+    pub fn nodes(&self) -> usize {
+        self.nodes
     }
 }
 
@@ -225,32 +251,27 @@ pub fn encode_call<'a>(
     let mut table = TemplateTable::default();
     let (desired, group_template_refs) = shape_to_wire_with_table(shape, &mut table);
 
-    // A batch starts small and, once a pass proves large, takes its full
-    // size in one step: a wire node is a few hundred bytes, and growing
-    // batches by doubling (fresh pages each time) was a third of this
-    // function at a million nodes.
-    const SMALL: usize = 64;
+    // Each node is written straight into its batch's bytes (no `NodeState`
+    // is built), and a batch is wrapped into its `DecideRequest` once cut.
+    let trace_bytes = trace.as_ref().map(prost::Message::encode_to_vec);
     let mut body = Vec::new();
-    let mut batch = Vec::with_capacity(SMALL);
-    let mut bytes = 0;
+    let mut batch = NodeBatchBytes::default();
+    let mut node_bytes = Vec::new();
+    let mut sent = 0;
     for node in nodes {
-        let wire = node_to_wire(node, &mut table);
-        // Tag and length prefix of the repeated field: 8 bytes covers any length.
-        let len = wire.encoded_len() + 8;
-        if !batch.is_empty() && (batch.len() >= NODE_BATCH || bytes + len > NODE_BATCH_BYTES) {
-            // After a full batch, the next is likely full too.
-            let full = std::mem::replace(&mut batch, Vec::with_capacity(NODE_BATCH));
-            body.push(message(&trace, Part::Nodes(pb::NodeBatch { nodes: full })));
-            bytes = 0;
+        node_bytes.clear();
+        encode_node(node, &mut table, &mut node_bytes);
+        let len = message_len(1, node_bytes.len());
+        if batch.count > 0 && (batch.count >= NODE_BATCH || batch.bytes.len() + len > NODE_BATCH_BYTES) {
+            body.push(batch.into_message(trace_bytes.as_deref()));
+            batch = NodeBatchBytes::default();
         }
-        if batch.len() == SMALL {
-            batch.reserve_exact(NODE_BATCH - SMALL);
-        }
-        batch.push(wire);
-        bytes += len;
+        put_message(&mut batch.bytes, 1, &node_bytes);
+        batch.count += 1;
+        sent += 1;
     }
-    if !batch.is_empty() {
-        body.push(message(&trace, Part::Nodes(pb::NodeBatch { nodes: batch })));
+    if batch.count > 0 {
+        body.push(batch.into_message(trace_bytes.as_deref()));
     }
 
     let header = message(
@@ -278,9 +299,120 @@ pub fn encode_call<'a>(
         }),
     );
     let mut head = Vec::with_capacity(body.len() + 1);
-    head.push(header);
+    head.push(Bytes::from(header.encode_to_vec()));
     head.extend(body);
-    DecideCall { head, slots, trace }
+    DecideCall {
+        head,
+        nodes: sent,
+        slots,
+        trace,
+    }
+}
+
+/// One `NodeBatch`'s repeated `nodes` field, as bytes.
+#[derive(Default)]
+struct NodeBatchBytes {
+    bytes: Vec<u8>,
+    count: usize,
+}
+
+impl NodeBatchBytes {
+    /// The `DecideRequest` carrying the batch (field `nodes`, 2) and the
+    /// call's trace context (field `trace`, 15), encoded.
+    fn into_message(self, trace: Option<&[u8]>) -> Bytes {
+        let trace_len = trace.map_or(0, |t| message_len(15, t.len()));
+        let mut out = Vec::with_capacity(message_len(2, self.bytes.len()) + trace_len);
+        put_message(&mut out, 2, &self.bytes);
+        if let Some(t) = trace {
+            put_message(&mut out, 15, t);
+        }
+        Bytes::from(out)
+    }
+}
+
+/// The driver's way to deciders: the transport the generated client would
+/// wrap (a plain `Channel`, or the driver's balanced channel with the tracing
+/// layer) and its message limits, sending a call's requests as the bytes
+/// [`encode_call`] wrote rather than encoding them again.
+#[derive(Debug, Clone)]
+pub struct DeciderChannel<T> {
+    grpc: tonic::client::Grpc<T>,
+}
+
+impl<T> DeciderChannel<T>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<StdError>,
+    T::ResponseBody: Body<Data = Bytes> + Send + 'static,
+    <T::ResponseBody as Body>::Error: Into<StdError> + Send,
+{
+    pub fn new(inner: T) -> Self {
+        Self {
+            grpc: tonic::client::Grpc::new(inner),
+        }
+    }
+
+    /// The largest response message accepted (tonic's default: 4 MiB).
+    pub fn max_decoding_message_size(mut self, limit: usize) -> Self {
+        self.grpc = self.grpc.max_decoding_message_size(limit);
+        self
+    }
+
+    /// The largest request message sent.
+    pub fn max_encoding_message_size(mut self, limit: usize) -> Self {
+        self.grpc = self.grpc.max_encoding_message_size(limit);
+        self
+    }
+
+    /// Opens a `Decide` call streaming `requests`, each an encoded
+    /// `DecideRequest`: what the generated client's `decide` does, with the
+    /// messages already encoded.
+    async fn decide(
+        &mut self,
+        requests: impl tokio_stream::Stream<Item = Bytes> + Send + 'static,
+    ) -> Result<tonic::Response<tonic::Streaming<pb::DecideResponse>>, Status> {
+        self.grpc
+            .ready()
+            .await
+            .map_err(|e| Status::unknown(format!("Service was not ready: {}", e.into())))?;
+        let mut request = tonic::Request::new(requests);
+        request
+            .extensions_mut()
+            .insert(GrpcMethod::new("provisioning.internal.v1.Decider", "Decide"));
+        let path = PathAndQuery::from_static("/provisioning.internal.v1.Decider/Decide");
+        self.grpc.streaming(request, path, EncodedRequests).await
+    }
+}
+
+/// The codec of a `Decide` call whose requests are already encoded: each
+/// goes on the wire as it is, and responses decode with prost.
+#[derive(Debug, Clone, Copy, Default)]
+struct EncodedRequests;
+
+impl Codec for EncodedRequests {
+    type Encode = Bytes;
+    type Decode = pb::DecideResponse;
+    type Encoder = EncodedRequests;
+    type Decoder = tonic_prost::ProstDecoder<pb::DecideResponse>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        EncodedRequests
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstDecoder::default()
+    }
+}
+
+impl Encoder for EncodedRequests {
+    type Item = Bytes;
+    type Error = Status;
+
+    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        use prost::bytes::BufMut as _;
+        dst.put(item);
+        Ok(())
+    }
 }
 
 /// Sends a pass's call to the decider and collects its answer, as [`decide`]
@@ -290,7 +422,7 @@ pub fn encode_call<'a>(
 /// [`EAGER_SLOTS`] slots sends them as indices at once. Returns the
 /// form used with the answer.
 pub async fn decide_call<T>(
-    client: &mut DeciderClient<T>,
+    client: &mut DeciderChannel<T>,
     call: DecideCall,
 ) -> Result<(DecideOutput, SlotEncoding), DecideError>
 where
@@ -299,12 +431,19 @@ where
     T::ResponseBody: Body<Data = Bytes> + Send + 'static,
     <T::ResponseBody as Body>::Error: Into<StdError> + Send,
 {
+    let nodes_sent = call.nodes;
     if call.slots.len() <= EAGER_SLOTS {
-        let out = decide(client, call.into_messages(SlotEncoding::Indices)).await?;
+        let responses = client
+            .decide(tokio_stream::iter(call.into_encoded(SlotEncoding::Indices)))
+            .await
+            .map_err(DecideError::from_status)?
+            .into_inner();
+        let out = collect(responses, nodes_sent).await?;
         return Ok((out, SlotEncoding::Indices));
     }
-    let DecideCall { head, slots, trace } = call;
-    let nodes_sent = nodes_in(&head);
+    let DecideCall {
+        head, slots, trace, ..
+    } = call;
     let (tx, rx) = mpsc::unbounded_channel();
     for m in head {
         // The receiver is the request stream below, alive until the call ends.
@@ -324,9 +463,11 @@ where
         SlotEncoding::Indices
     };
     for m in slot_messages(&slots, encoding, &trace) {
-        let _ = tx.send(m);
+        let _ = tx.send(Bytes::from(m.encode_to_vec()));
     }
-    let _ = tx.send(message(&trace, Part::End(pb::DecideEnd {})));
+    let _ = tx.send(Bytes::from(
+        message(&trace, Part::End(pb::DecideEnd {})).encode_to_vec(),
+    ));
     drop(tx);
     let out = collect(response.into_inner(), nodes_sent).await?;
     Ok((out, encoding))

@@ -22,7 +22,7 @@ pub mod client;
 pub mod server;
 
 pub use client::{
-    DecideCall, DecideError, SlotEncoding, decide, decide_call, encode_call, encode_request,
+    DecideCall, DecideError, DeciderChannel, SlotEncoding, decide, decide_call, encode_call, encode_request,
     encode_request_with_counts,
 };
 pub use server::{CallError, Config, DeciderService, SLOT_RANGES_HEADER, run, serve};

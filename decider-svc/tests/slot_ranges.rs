@@ -190,7 +190,9 @@ async fn the_decider_says_it_reads_ranges_and_a_large_call_sends_them() {
     );
 
     let call = encode_call(&s, false, [], slots.clone(), &[], now(), &trace());
-    let (out, encoding) = decide_call(&mut server.client().await, call).await.unwrap();
+    let (out, encoding) = decide_call(&mut server.decider_channel().await, call)
+        .await
+        .unwrap();
     assert_eq!(encoding, SlotEncoding::Ranges);
     assert_eq!(out, in_process(&s, &slots));
     assert_eq!(inserted(&out), ["w-7", "w-8", "w-150000"]);
@@ -199,7 +201,9 @@ async fn the_decider_says_it_reads_ranges_and_a_large_call_sends_them() {
     let small = shape(100);
     let few = held_but(100, &[3..4, 50..52]);
     let call = encode_call(&small, false, [], few.clone(), &[], now(), &trace());
-    let (out, encoding) = decide_call(&mut server.client().await, call).await.unwrap();
+    let (out, encoding) = decide_call(&mut server.decider_channel().await, call)
+        .await
+        .unwrap();
     assert_eq!(encoding, SlotEncoding::Indices);
     assert_eq!(out, in_process(&small, &few));
     server.stop().await;
@@ -270,7 +274,8 @@ async fn a_decider_that_predates_ranges_gets_indices_and_the_same_answer() {
         .connect()
         .await
         .unwrap();
-    let mut client = DeciderClient::new(channel);
+    let mut client = DeciderClient::new(channel.clone());
+    let mut raw = decider_svc::DeciderChannel::new(channel);
 
     let s = shape(200_000);
     let slots = held_but(200_000, &[0..1, 199_990..200_000]);
@@ -283,7 +288,7 @@ async fn a_decider_that_predates_ranges_gets_indices_and_the_same_answer() {
     ));
 
     let call = encode_call(&s, false, [], slots.clone(), &[], now(), &trace());
-    let (out, encoding) = decide_call(&mut client, call).await.unwrap();
+    let (out, encoding) = decide_call(&mut raw, call).await.unwrap();
     assert_eq!(encoding, SlotEncoding::Indices);
     assert_eq!(out, in_process(&s, &slots));
     assert_eq!(inserted(&out).len(), 11);

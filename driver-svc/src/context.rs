@@ -8,7 +8,8 @@ use std::{
     time::Duration,
 };
 
-use contract::{Clock, RunId, RunUid, pb::decider_client::DeciderClient};
+use contract::{Clock, RunId, RunUid};
+use decider_svc::DeciderChannel;
 use platform::balance::Balanced;
 use tokio::sync::mpsc;
 
@@ -32,7 +33,7 @@ pub(crate) struct RunContext {
     pub(crate) store: Arc<dyn RunStore>,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) link: Link,
-    pub(crate) decider: DeciderClient<Balanced>,
+    pub(crate) decider: DeciderChannel<Balanced>,
     pub(crate) policy: Arc<Policy>,
     pub(crate) safety_tick: Duration,
     /// The operations all runs together may have pending.

@@ -10,7 +10,7 @@ use std::{
 
 use contract::{
     Clock, ClusterShape, Epoch, FieldError, GroupId, InventoryResource, LogicalNodeId, Problem, RunId,
-    RunUid, pb, pb::decider_client::DeciderClient,
+    RunUid, pb,
 };
 use platform::balance::Balanced;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -166,7 +166,7 @@ pub struct DriverConfig {
     pub clock: Arc<dyn Clock>,
     /// The decider, through the tracing layer: each pass's `Decide` call is
     /// a child of the pass's span.
-    pub decider: DeciderClient<Balanced>,
+    pub decider: decider_svc::DeciderChannel<Balanced>,
     pub link: Link,
     pub policy: Policy,
     pub safety_tick: Duration,

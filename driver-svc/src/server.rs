@@ -5,10 +5,7 @@ use std::{sync::Arc, time::Duration};
 
 use contract::{
     Clock,
-    pb::{
-        decider_client::DeciderClient, executor_client::ExecutorClient,
-        provisioning_server::ProvisioningServer,
-    },
+    pb::{executor_client::ExecutorClient, provisioning_server::ProvisioningServer},
 };
 use platform::{balance::Balanced, telemetry::grpc::ServerLayer, tls::ClientAuth};
 use tokio::net::TcpListener;
@@ -128,7 +125,7 @@ pub async fn run(
     }
     let deciders = Balanced::start(decider_endpoints, config.decider_resolve_interval).await;
     tracing::info!(decider = %config.decider, addresses = ?deciders.addresses(), "deciders");
-    let decider = DeciderClient::new(deciders)
+    let decider = decider_svc::DeciderChannel::new(deciders)
         .max_decoding_message_size(16 << 20)
         .max_encoding_message_size(16 << 20);
     let executor_endpoint = config

@@ -170,6 +170,21 @@ impl LogicalNodeId {
         self.index
     }
 
+    /// Appends the wire's spelling, `{group}-{index}` (what [`Self::to_wire`]
+    /// returns), to `out`, without a string of its own.
+    pub fn push_wire(&self, out: &mut Vec<u8>) {
+        let mut digits = [0u8; 10];
+        out.extend_from_slice(self.group.as_str().as_bytes());
+        out.push(b'-');
+        out.extend_from_slice(decimal(self.index, &mut digits).as_bytes());
+    }
+
+    /// The length in bytes of the wire's spelling.
+    pub fn wire_len(&self) -> usize {
+        let mut digits = [0u8; 10];
+        self.group.as_str().len() + 1 + decimal(self.index, &mut digits).len()
+    }
+
     /// The wire's spelling, `{group}-{index}` (what `Display` writes), in one
     /// allocation of its size: every node of every message is named by it.
     pub fn to_wire(&self) -> String {

@@ -66,6 +66,8 @@ use crate::{
     time::UnixMillis,
 };
 
+pub mod encode;
+
 /// What a secret parameter's value reads as on a read path.
 pub const REDACTED: &str = "<redacted>";
 

@@ -72,6 +72,11 @@ impl Server {
         DeciderClient::new(self.channel().await)
     }
 
+    /// What the driver calls the decider through ([`decider_svc::decide_call`]).
+    pub async fn decider_channel(&self) -> decider_svc::DeciderChannel<Channel> {
+        decider_svc::DeciderChannel::new(self.channel().await)
+    }
+
     /// Stops the server and checks that it shut down cleanly.
     pub async fn stop(mut self) {
         if let Some(stop) = self.stop.take() {

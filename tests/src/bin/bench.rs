@@ -54,7 +54,6 @@ use contract::{
     LeaseId, LogicalNodeId, ManagedNode, NodeGroup, NodeStage, Operation, RetryState, RunId, RunUid,
     SessionId, UnixMillis, pb,
     pb::{
-        decider_client::DeciderClient,
         executor_client::ExecutorClient,
         executor_server::{Executor, ExecutorServer},
     },
@@ -256,7 +255,7 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
         .connect()
         .await?;
-    let mut client = DeciderClient::new(channel).max_decoding_message_size(64 << 20);
+    let mut client = decider_svc::DeciderChannel::new(channel).max_decoding_message_size(64 << 20);
     let s = shape(n);
     let nodes = snapshot(&s);
     let set = slots(&nodes);
@@ -285,11 +284,7 @@ async fn bench_rpc(t: &mut Table, n: u64, library: Duration) -> anyhow::Result<(
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         rpc.push(start.elapsed());
         // The bytes of the form the call used.
-        bytes.0 = sent
-            .into_messages(encoding)
-            .iter()
-            .map(prost::Message::encoded_len)
-            .sum::<usize>();
+        bytes.0 = sent.into_encoded(encoding).iter().map(|m| m.len()).sum::<usize>();
         anyhow::ensure!(
             encoding == decider_svc::client::SlotEncoding::Ranges
                 || n as usize <= decider_svc::client::EAGER_SLOTS,
@@ -356,13 +351,12 @@ fn bench_rpc_parts(t: &mut Table, n: u64) -> anyhow::Result<()> {
     let trace = contract::TraceContext::default();
     let reps = if n >= 100_000 { 5 } else { 15 };
     let reqs = decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace);
+    // What the driver does: the request's bytes written from its nodes.
     let encode = time(reps, || {
-        decider_svc::encode_request(&s, false, nodes.iter(), &set, NOW, &trace)
+        decider_svc::encode_call(&s, false, nodes.iter(), set.clone(), &[], NOW, &trace)
+            .into_encoded(decider_svc::SlotEncoding::Ranges)
     });
     let bytes: Vec<Vec<u8>> = reqs.iter().map(|r| r.encode_to_vec()).collect();
-    let prost_encode = time(reps, || {
-        reqs.iter().map(|r| r.encode_to_vec()).collect::<Vec<_>>()
-    });
     let prost_decode = time(reps, || {
         bytes
             .iter()
@@ -410,8 +404,7 @@ fn bench_rpc_parts(t: &mut Table, n: u64) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
     });
     for (what, d) in [
-        ("encode_request", encode),
-        ("prost encode request", prost_encode),
+        ("encode_call (the request's bytes)", encode),
         ("prost decode request", prost_decode),
         ("node_from_wire (with a clone of its input)", from_wire),
         ("Decision to wire", to_wire),
