@@ -19,7 +19,8 @@ use contract::{
     TraceContext, UnixMillis,
     pb::{self, decide_request::Part, decider_client::DeciderClient},
     wire::{
-        TemplateTable, decision_from_wire,
+        TemplateTable,
+        answer::{Answer, decode_answer},
         encode::{encode_node, message_len, put_message},
         shape_to_wire_with_table, slot_ranges_to_wire, trace_to_wire,
     },
@@ -30,7 +31,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{
     Code, Status,
-    codec::{Codec, EncodeBuf, Encoder},
+    codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
     codegen::{Body, Bytes, GrpcMethod, StdError, http::uri::PathAndQuery},
 };
 
@@ -370,7 +371,7 @@ where
     async fn decide(
         &mut self,
         requests: impl tokio_stream::Stream<Item = Bytes> + Send + 'static,
-    ) -> Result<tonic::Response<tonic::Streaming<pb::DecideResponse>>, Status> {
+    ) -> Result<tonic::Response<tonic::Streaming<Answer>>, Status> {
         self.grpc
             .ready()
             .await
@@ -385,22 +386,35 @@ where
 }
 
 /// The codec of a `Decide` call whose requests are already encoded: each
-/// goes on the wire as it is, and responses decode with prost.
+/// goes on the wire as it is, and each response is read into an [`Answer`]
+/// whose decisions' strings are slices of the message.
 #[derive(Debug, Clone, Copy, Default)]
 struct EncodedRequests;
 
 impl Codec for EncodedRequests {
     type Encode = Bytes;
-    type Decode = pb::DecideResponse;
+    type Decode = Answer;
     type Encoder = EncodedRequests;
-    type Decoder = tonic_prost::ProstDecoder<pb::DecideResponse>;
+    type Decoder = EncodedRequests;
 
     fn encoder(&mut self) -> Self::Encoder {
         EncodedRequests
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        tonic_prost::ProstDecoder::default()
+        EncodedRequests
+    }
+}
+
+impl Decoder for EncodedRequests {
+    type Item = Answer;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Answer>, Status> {
+        // As tonic's prost codec reports a message that does not decode.
+        decode_answer(buf)
+            .map(Some)
+            .map_err(|e| Status::internal(e.to_string()))
     }
 }
 
@@ -514,8 +528,8 @@ where
 
 /// Reads a call's answer: the decisions in the order they arrive, checked
 /// against the summary and the nodes sent.
-async fn collect(
-    mut responses: tonic::Streaming<pb::DecideResponse>,
+async fn collect<A: Into<Answer>>(
+    mut responses: tonic::Streaming<A>,
     nodes_sent: usize,
 ) -> Result<DecideOutput, DecideError> {
     let mut out = DecideOutput::default();
@@ -527,17 +541,19 @@ async fn collect(
                 "the decider's response stream ended without a summary",
             )));
         };
-        match response.part {
-            Some(pb::decide_response::Part::Decisions(batch)) => {
-                out.decisions.reserve(batch.decisions.len());
-                for wire in batch.decisions {
+        match response.into() {
+            Answer::Decisions(batch) => {
+                out.decisions.reserve(batch.len());
+                for k in 0..batch.len() {
                     let i = out.decisions.len();
-                    let d = decision_from_wire(wire, &mut groups)
-                        .map_err(|e| DecideError::Decode(e.within(&format!("decisions[{i}]"))))?;
+                    let Some(d) = batch.decision(k, &mut groups) else {
+                        break;
+                    };
+                    let d = d.map_err(|e| DecideError::Decode(e.within(&format!("decisions[{i}]"))))?;
                     out.decisions.push(d);
                 }
             }
-            Some(pb::decide_response::Part::Summary(summary)) => {
+            Answer::Summary(summary) => {
                 let announced = u64::from(summary.decided_nodes) + u64::from(summary.inserts);
                 let received = u64::try_from(out.decisions.len()).unwrap_or(u64::MAX);
                 let sent = u64::try_from(nodes_sent).unwrap_or(u64::MAX);
@@ -556,7 +572,7 @@ async fn collect(
                 let _ = responses.trailers().await;
                 return Ok(out);
             }
-            None => return Err(DecideError::Decode(FieldError::new("part", Problem::Missing))),
+            Answer::None => return Err(DecideError::Decode(FieldError::new("part", Problem::Missing))),
         }
     }
 }

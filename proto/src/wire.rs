@@ -66,6 +66,7 @@ use crate::{
     time::UnixMillis,
 };
 
+pub mod answer;
 pub mod encode;
 
 /// What a secret parameter's value reads as on a read path.
@@ -1152,12 +1153,30 @@ impl TryFrom<pb::Decision> for Decision {
 /// One of many decisions of an answer, its node's group id shared with the
 /// others of its group through `groups`.
 pub fn decision_from_wire(d: pb::Decision, groups: &mut GroupInterner) -> Result<Decision, FieldError> {
+    decision_from_parts(
+        &d.node_id, d.attempt, d.rule, d.kind, d.effect, d.until_ms, d.reason, groups,
+    )
+}
+
+/// A decision from its fields as the wire carries them: what
+/// [`decision_from_wire`] and [`answer::decision_from_raw`] both check.
+#[allow(clippy::too_many_arguments)]
+fn decision_from_parts(
+    node_id: &str,
+    attempt: u64,
+    rule: u32,
+    kind: i32,
+    effect: i32,
+    until_ms: u64,
+    reason: String,
+    groups: &mut GroupInterner,
+) -> Result<Decision, FieldError> {
     Ok(Decision {
-        node: groups.node("node_id", &d.node_id)?,
-        attempt: (d.attempt != 0).then(|| AttemptId::new(d.attempt)),
-        rule: rule_from_wire(d.rule).map_err(within("rule"))?,
-        action: action_from_wire(d.kind, d.effect, d.until_ms)?,
-        reason: Cow::Owned(d.reason),
+        node: groups.node("node_id", node_id)?,
+        attempt: (attempt != 0).then(|| AttemptId::new(attempt)),
+        rule: rule_from_wire(rule).map_err(within("rule"))?,
+        action: action_from_wire(kind, effect, until_ms)?,
+        reason: Cow::Owned(reason),
     })
 }
 
