@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+pub mod route;
 pub mod server;
 
 pub use client::{

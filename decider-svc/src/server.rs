@@ -17,12 +17,12 @@ use std::future::Future;
 
 use contract::{
     FieldError, GroupCounts, GroupId, GroupInterner, UnixMillis,
-    pb::{
-        self, DecideRequest, DecideResponse,
-        decide_request::Part,
-        decider_server::{Decider, DeciderServer},
+    pb::{self, DecideRequest, DecideResponse, decide_request::Part},
+    wire::{
+        self, TemplateTable,
+        encode::{encode_decision, message_len, put_message},
+        node_from_wire_interned, shape_from_wire_with_table,
     },
-    wire::{self, TemplateTable, node_from_wire_interned, shape_from_wire_with_table},
 };
 use decider::{Budgets, DesiredView, SlotSet};
 use platform::{
@@ -34,8 +34,10 @@ use platform::{
 use prost::Message as _;
 use tokio::{net::TcpListener, sync::mpsc};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status, Streaming, codegen::Bytes};
 use tracing::Instrument as _;
+
+use crate::route::DeciderServer;
 
 /// The most decisions in one `DecisionBatch`.
 pub const MAX_BATCH: usize = 2048;
@@ -182,14 +184,13 @@ impl Tally {
     }
 }
 
-#[tonic::async_trait]
-impl Decider for DeciderService {
-    type DecideStream = ReceiverStream<Result<DecideResponse, Status>>;
-
-    async fn decide(
+impl DeciderService {
+    /// Answers one `Decide` call: its task is spawned, and the response
+    /// streams what it sends, each message already encoded.
+    pub(crate) fn decide(
         &self,
         request: Request<Streaming<DecideRequest>>,
-    ) -> Result<Response<Self::DecideStream>, Status> {
+    ) -> Response<ReceiverStream<Result<Bytes, Status>>> {
         let mut requests = request.into_inner();
         let (tx, rx) = mpsc::channel(RESPONSE_BUFFER);
         let config = self.config;
@@ -235,61 +236,64 @@ impl Decider for DeciderService {
             SLOT_RANGES_HEADER,
             tonic::metadata::MetadataValue::from_static("1"),
         );
-        Ok(response)
+        response
     }
 }
 
-/// The sending half of a call's response stream.
-struct Responses(mpsc::Sender<Result<DecideResponse, Status>>);
+/// The sending half of a call's response stream: each message encoded.
+struct Responses(mpsc::Sender<Result<Bytes, Status>>);
 
 impl Responses {
     async fn send(&self, part: pb::decide_response::Part) -> Result<(), CallError> {
-        self.0
-            .send(Ok(DecideResponse { part: Some(part) }))
-            .await
-            .map_err(|_| CallError::ClientGone)
+        let message = DecideResponse { part: Some(part) }.encode_to_vec();
+        self.send_encoded(Bytes::from(message)).await
+    }
+
+    async fn send_encoded(&self, message: Bytes) -> Result<(), CallError> {
+        self.0.send(Ok(message)).await.map_err(|_| CallError::ClientGone)
     }
 }
 
-/// Decisions waiting to be sent, cut into batches by count and by size.
+/// Decisions waiting to be sent, cut into batches by count and by size: a
+/// `DecisionBatch`'s repeated field, written as each decision is made.
 struct Batcher<'a> {
     out: &'a Responses,
-    decisions: Vec<pb::Decision>,
-    bytes: usize,
+    batch: Vec<u8>,
+    count: usize,
+    decision: Vec<u8>,
 }
 
 impl<'a> Batcher<'a> {
     fn new(out: &'a Responses) -> Self {
         Self {
             out,
-            decisions: Vec::new(),
-            bytes: 0,
+            batch: Vec::new(),
+            count: 0,
+            decision: Vec::new(),
         }
     }
 
     async fn push(&mut self, d: &contract::Decision) -> Result<(), CallError> {
-        let wire = pb::Decision::from(d);
-        // The field tag and length prefix of a repeated message take a few bytes
-        // on top of the message itself; 8 covers any length under 4 GiB.
-        self.bytes += wire.encoded_len() + 8;
-        self.decisions.push(wire);
-        if self.decisions.len() >= MAX_BATCH || self.bytes >= MAX_BATCH_BYTES {
+        self.decision.clear();
+        encode_decision(d, &mut self.decision);
+        put_message(&mut self.batch, 1, &self.decision);
+        self.count += 1;
+        if self.count >= MAX_BATCH || self.batch.len() >= MAX_BATCH_BYTES {
             self.flush().await?;
         }
         Ok(())
     }
 
     async fn flush(&mut self) -> Result<(), CallError> {
-        if self.decisions.is_empty() {
+        if self.count == 0 {
             return Ok(());
         }
-        let decisions = std::mem::take(&mut self.decisions);
-        self.bytes = 0;
-        self.out
-            .send(pb::decide_response::Part::Decisions(pb::DecisionBatch {
-                decisions,
-            }))
-            .await
+        // The `DecideResponse` whose `decisions` part (field 1) is the batch.
+        let mut message = Vec::with_capacity(message_len(1, self.batch.len()));
+        put_message(&mut message, 1, &self.batch);
+        self.batch.clear();
+        self.count = 0;
+        self.out.send_encoded(Bytes::from(message)).await
     }
 }
 
@@ -532,12 +536,11 @@ pub async fn serve(
     policy: &PeerPolicy,
 ) -> Result<(), ServerError> {
     let incoming = policy.incoming(listener)?;
-    let (reporter, health, reflection, reflection_alpha) =
-        health_and_reflection::<DeciderServer<DeciderService>>().await?;
+    let (reporter, health, reflection, reflection_alpha) = health_and_reflection::<DeciderServer>().await?;
     let shutdown = async move {
         shutdown.await;
         // Health checkers see the decider leave before its port closes.
-        reporter.set_not_serving::<DeciderServer<DeciderService>>().await;
+        reporter.set_not_serving::<DeciderServer>().await;
     };
     let router = tonic::transport::Server::builder()
         .layer(ServerLayer::new())

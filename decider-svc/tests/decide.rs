@@ -403,3 +403,22 @@ async fn reflection_lists_the_decider() {
     assert!(names.iter().any(|n| n == "grpc.health.v1.Health"), "{names:?}");
     server.stop().await;
 }
+
+/// The decider's route answers a method it does not serve as tonic's
+/// generated routes do: `UNIMPLEMENTED`, on the `Decider` service's path too.
+#[tokio::test]
+async fn an_unknown_method_is_unimplemented() {
+    let server = Server::start(Config::default()).await;
+    let mut grpc = tonic::client::Grpc::new(server.channel().await);
+    grpc.ready().await.unwrap();
+    let status = grpc
+        .unary(
+            tonic::Request::new(pb::DecideEnd {}),
+            tonic::codegen::http::uri::PathAndQuery::from_static("/provisioning.internal.v1.Decider/Nope"),
+            tonic_prost::ProstCodec::<pb::DecideEnd, pb::DecideEnd>::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
+    server.stop().await;
+}

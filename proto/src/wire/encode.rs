@@ -6,7 +6,8 @@
 //! the node id, one for each fact) that prost then measures and encodes; a
 //! pass over 100,000 nodes did that 100,000 times on the driver's hot path.
 //! [`encode_node`] writes the same fields from the [`ManagedNode`] itself, with
-//! no allocation once its buffer has grown. What it writes decodes to exactly
+//! no allocation once its buffer has grown; [`encode_decision`] does the same
+//! for the decider's answer. What it writes decodes to exactly
 //! what `node_to_wire` builds, templates interned in the same order (the
 //! tests hold it to that over every stage, fact and surge); the bytes may
 //! differ only where protobuf lets two encodings mean one message.
@@ -17,8 +18,9 @@
 
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
 
-use super::{NO_REASON, TemplateTable};
+use super::{NO_REASON, TemplateTable, action_to_wire};
 use crate::{
+    decision::Decision,
     pb,
     state::{ManagedNode, NodeFacts, PendingOp, RetryState, Surge},
     time::UnixMillis,
@@ -54,6 +56,21 @@ pub fn encode_node(n: &ManagedNode, table: &mut TemplateTable, out: &mut Vec<u8>
     put_u64(out, 10, successor_attempt);
     put_bool(out, 11, successor_ready);
     put_bool(out, 12, n.surge == Surge::Successor);
+}
+
+/// Appends the body of `d`'s `Decision` (no tag or length of its own) to
+/// `out`: what prost writes for `pb::Decision::from(d)`, without its strings.
+pub fn encode_decision(d: &Decision, out: &mut Vec<u8>) {
+    let (kind, effect, until_ms) = action_to_wire(d.action);
+    put_key(out, 1, WireType::LengthDelimited);
+    encode_varint(d.node.wire_len() as u64, out);
+    d.node.push_wire(out);
+    put_u64(out, 2, d.attempt.map_or(0, |a| a.get()));
+    put_u64(out, 3, u64::from(d.rule.number()));
+    put_enum(out, 4, kind as i32);
+    put_enum(out, 5, effect as i32);
+    put_str(out, 6, &d.reason);
+    put_u64(out, 7, until_ms);
 }
 
 /// Appends `body` as field `tag`, length-delimited.
@@ -205,7 +222,7 @@ mod tests {
         }
 
         fn one_in(&mut self, n: u64) -> bool {
-            self.next() % n == 0
+            self.next().is_multiple_of(n)
         }
 
         fn pick<T: Copy>(&mut self, of: &[T]) -> T {
@@ -336,6 +353,49 @@ mod tests {
             assert_eq!(decoded, node_to_wire(&n, &mut built), "case {case}: {n:?}");
         }
         assert_eq!(direct.into_wire(), built.into_wire());
+    }
+
+    #[test]
+    fn what_encode_decision_writes_decodes_to_what_from_builds() {
+        use std::borrow::Cow;
+
+        use crate::decision::{Action, Rule};
+        let mut g = Gen(0x2545_f491_4f6c_dd1d);
+        let mut buf = Vec::new();
+        let actions = [
+            Action::Insert,
+            Action::Reap,
+            Action::Restart,
+            Action::BeginDelete,
+            Action::MarkDestroyed,
+            Action::ObserveConvergence,
+            Action::Surge,
+            Action::Dispatch(Effect::CreateLease),
+            Action::Dispatch(Effect::DestroyLease),
+            Action::Wait { until: None },
+            Action::Wait {
+                until: Some(UnixMillis::new(1_700_000_000_000)),
+            },
+        ];
+        for case in 0..2_000 {
+            let group = GroupId::parse("group", g.pick(&["w", "workers"])).unwrap();
+            let reason = g.text("reason");
+            let d = Decision {
+                node: LogicalNodeId::new(group, g.pick(&[0, 7, 128, u32::MAX])),
+                attempt: g.one_in(3).then(|| AttemptId::new(g.pick(&[1, 1 << 40]))),
+                rule: g.pick(&Rule::ALL),
+                action: g.pick(&actions),
+                reason: if g.one_in(2) {
+                    Cow::Borrowed("a static reason")
+                } else {
+                    Cow::Owned(reason)
+                },
+            };
+            buf.clear();
+            encode_decision(&d, &mut buf);
+            let decoded = pb::Decision::decode(buf.as_slice()).unwrap_or_else(|e| panic!("case {case}: {e}"));
+            assert_eq!(decoded, pb::Decision::from(&d), "case {case}: {d:?}");
+        }
     }
 
     #[test]
