@@ -1,10 +1,10 @@
 //! The `Decider` service's gRPC route, written out: what tonic generates for
 //! `provisioning.internal.v1.Decider`, with a codec whose responses are sent
 //! as the bytes the call wrote (decisions are encoded once, straight from the
-//! ladder's output, not built into `pb::Decision`s and encoded again).
-//! Requests decode with prost, as the generated route decodes them; the
-//! service's name, path, limits and unknown-method answer are the generated
-//! route's.
+//! ladder's output, not built into `pb::Decision`s and encoded again), and
+//! whose requests keep their nodes as bytes until each is decided
+//! (`contract::wire::request`). The service's name, path, limits and
+//! unknown-method answer are the generated route's.
 
 use std::{
     convert::Infallible,
@@ -12,12 +12,12 @@ use std::{
     task::{Context, Poll},
 };
 
-use contract::pb;
+use contract::wire::request::{Incoming, decode_request};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{
     Status,
     body::Body as TonicBody,
-    codec::{Codec, EncodeBuf, Encoder},
+    codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
     codegen::{Body, BoxFuture, Bytes, Service, StdError, http},
     server::NamedService,
 };
@@ -67,12 +67,12 @@ impl NamedService for DeciderServer {
 /// The `Decide` method, for tonic's streaming machinery.
 struct DecideMethod(Arc<DeciderService>);
 
-impl tonic::server::StreamingService<pb::DecideRequest> for DecideMethod {
+impl tonic::server::StreamingService<Incoming> for DecideMethod {
     type Response = Bytes;
     type ResponseStream = ReceiverStream<Result<Bytes, Status>>;
     type Future = BoxFuture<tonic::Response<Self::ResponseStream>, Status>;
 
-    fn call(&mut self, request: tonic::Request<tonic::Streaming<pb::DecideRequest>>) -> Self::Future {
+    fn call(&mut self, request: tonic::Request<tonic::Streaming<Incoming>>) -> Self::Future {
         let inner = Arc::clone(&self.0);
         Box::pin(async move { Ok(inner.decide(request)) })
     }
@@ -111,23 +111,36 @@ where
     }
 }
 
-/// The codec of the route: requests decode with prost; each response is
-/// already an encoded `DecideResponse` and goes on the wire as it is.
+/// The codec of the route: each request is read with its nodes left as
+/// bytes ([`decode_request`]); each response is already an encoded
+/// `DecideResponse` and goes on the wire as it is.
 #[derive(Debug, Clone, Copy, Default)]
 struct EncodedAnswers;
 
 impl Codec for EncodedAnswers {
     type Encode = Bytes;
-    type Decode = pb::DecideRequest;
+    type Decode = Incoming;
     type Encoder = EncodedAnswers;
-    type Decoder = tonic_prost::ProstDecoder<pb::DecideRequest>;
+    type Decoder = EncodedAnswers;
 
     fn encoder(&mut self) -> Self::Encoder {
         EncodedAnswers
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        tonic_prost::ProstDecoder::default()
+        EncodedAnswers
+    }
+}
+
+impl Decoder for EncodedAnswers {
+    type Item = Incoming;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Incoming>, Status> {
+        // As tonic's prost codec reports a message that does not decode.
+        decode_request(buf)
+            .map(Some)
+            .map_err(|e| Status::internal(e.to_string()))
     }
 }
 

@@ -17,11 +17,13 @@ use std::future::Future;
 
 use contract::{
     FieldError, GroupCounts, GroupId, GroupInterner, UnixMillis,
-    pb::{self, DecideRequest, DecideResponse, decide_request::Part},
+    pb::{self, DecideResponse, decide_request::Part},
     wire::{
         self, TemplateTable,
         encode::{encode_decision, message_len, put_message},
-        node_from_wire_interned, shape_from_wire_with_table,
+        node_from_wire_ref,
+        request::{Incoming, IncomingPart, NodeRanges, NodeScratch},
+        shape_from_wire_with_table,
     },
 };
 use decider::{Budgets, DesiredView, SlotSet};
@@ -189,7 +191,7 @@ impl DeciderService {
     /// streams what it sends, each message already encoded.
     pub(crate) fn decide(
         &self,
-        request: Request<Streaming<DecideRequest>>,
+        request: Request<Streaming<Incoming>>,
     ) -> Response<ReceiverStream<Result<Bytes, Status>>> {
         let mut requests = request.into_inner();
         let (tx, rx) = mpsc::channel(RESPONSE_BUFFER);
@@ -297,24 +299,83 @@ impl<'a> Batcher<'a> {
     }
 }
 
+/// A message's part, as the call reads it.
+enum CallPart {
+    /// A second header (the first is read on its own).
+    Header,
+    Nodes(Nodes),
+    Slots(pb::SlotBatch),
+    SlotRanges(pb::SlotRanges),
+    End,
+}
+
+/// A `nodes` part: as ranges of its message (each node decoded when its
+/// turn comes, [`NodeScratch`]), or already decoded.
+enum Nodes {
+    Ranges(NodeRanges),
+    Decoded(Vec<pb::NodeState>),
+}
+
+impl Nodes {
+    fn len(&self) -> usize {
+        match self {
+            Nodes::Ranges(r) => r.len(),
+            Nodes::Decoded(v) => v.len(),
+        }
+    }
+
+    /// The `i`th node, decoded into `scratch` if it is not yet. A node that
+    /// does not decode fails the call as a message that does not decode does
+    /// (tonic's `INTERNAL`).
+    fn get<'a>(
+        &'a self,
+        i: usize,
+        scratch: &'a mut NodeScratch,
+    ) -> Result<Option<&'a pb::NodeState>, CallError> {
+        match self {
+            Nodes::Ranges(r) => match r.get(i) {
+                None => Ok(None),
+                Some(body) => scratch
+                    .read(body)
+                    .map(Some)
+                    .map_err(|e| CallError::Receive(Status::internal(e.to_string()))),
+            },
+            Nodes::Decoded(v) => Ok(v.get(i)),
+        }
+    }
+}
+
+impl From<IncomingPart> for CallPart {
+    fn from(p: IncomingPart) -> Self {
+        match p {
+            IncomingPart::Nodes(r) => CallPart::Nodes(Nodes::Ranges(r)),
+            IncomingPart::Other(Part::Nodes(b)) => CallPart::Nodes(Nodes::Decoded(b.nodes)),
+            IncomingPart::Other(Part::Header(_)) => CallPart::Header,
+            IncomingPart::Other(Part::Slots(b)) => CallPart::Slots(b),
+            IncomingPart::Other(Part::SlotRanges(b)) => CallPart::SlotRanges(b),
+            IncomingPart::Other(Part::End(_)) => CallPart::End,
+        }
+    }
+}
+
 /// The next message's part; `None` when the client closed its stream.
-async fn next_part(requests: &mut Streaming<DecideRequest>) -> Result<Option<Part>, CallError> {
+async fn next_part(requests: &mut Streaming<Incoming>) -> Result<Option<CallPart>, CallError> {
     match requests.message().await.map_err(CallError::Receive)? {
         None => Ok(None),
-        Some(DecideRequest { part: None, .. }) => Err(CallError::NoPart),
-        Some(DecideRequest { part: Some(part), .. }) => Ok(Some(part)),
+        Some(Incoming { part: None }) => Err(CallError::NoPart),
+        Some(Incoming { part: Some(part) }) => Ok(Some(part.into())),
     }
 }
 
 /// How a refusal names what arrived instead of the header.
-fn part_name(part: Option<&Part>) -> &'static str {
+fn part_name(part: Option<&CallPart>) -> &'static str {
     match part {
         None => "the end of the stream",
-        Some(Part::Header(_)) => "`header`",
-        Some(Part::Nodes(_)) => "`nodes`",
-        Some(Part::Slots(_)) => "`slots`",
-        Some(Part::SlotRanges(_)) => "`slot_ranges`",
-        Some(Part::End(_)) => "`end`",
+        Some(CallPart::Header) => "`header`",
+        Some(CallPart::Nodes(_)) => "`nodes`",
+        Some(CallPart::Slots(_)) => "`slots`",
+        Some(CallPart::SlotRanges(_)) => "`slot_ranges`",
+        Some(CallPart::End) => "`end`",
     }
 }
 
@@ -329,7 +390,7 @@ fn within_limit(what: &'static str, so_far: u32, adding: usize, limit: u32) -> R
 
 /// One whole call; returns the summary it sent.
 async fn serve_call(
-    requests: &mut Streaming<DecideRequest>,
+    requests: &mut Streaming<Incoming>,
     out: &Responses,
     config: Config,
     metrics: &DeciderMetrics,
@@ -337,18 +398,18 @@ async fn serve_call(
     // The header is read by hand rather than through `next_part`, because its
     // message also carries the call's trace context.
     let header = match requests.message().await.map_err(CallError::Receive)? {
-        Some(DecideRequest {
-            part: Some(Part::Header(h)),
-            ..
+        Some(Incoming {
+            part: Some(IncomingPart::Other(Part::Header(h))),
         }) => h,
-        Some(DecideRequest { part: None, .. }) => {
+        Some(Incoming { part: None }) => {
             return Err(CallError::NoHeader {
                 got: "a message with no part",
             });
         }
         other => {
+            let part = other.and_then(|m| m.part).map(CallPart::from);
             return Err(CallError::NoHeader {
-                got: part_name(other.and_then(|m| m.part).as_ref()),
+                got: part_name(part.as_ref()),
             });
         }
     };
@@ -408,16 +469,21 @@ async fn serve_call(
     let mut tally = Tally::default();
     // Every decision of the call, for the event trace (only when it is on).
     let mut traced: Option<Vec<DecisionRec>> = event_trace::get().map(|_| Vec::new());
+    // One decoded node at a time, its strings' buffers used again.
+    let mut scratch = NodeScratch::default();
     loop {
         match next_part(requests).await? {
             None => return Err(CallError::NoEnd),
-            Some(Part::Header(_)) => return Err(CallError::SecondHeader),
-            Some(Part::Nodes(batch)) => {
-                within_limit("nodes", decided, batch.nodes.len(), config.max_nodes)?;
-                for wire in batch.nodes {
+            Some(CallPart::Header) => return Err(CallError::SecondHeader),
+            Some(CallPart::Nodes(batch)) => {
+                within_limit("nodes", decided, batch.len(), config.max_nodes)?;
+                for i in 0..batch.len() {
+                    let Some(wire) = batch.get(i, &mut scratch)? else {
+                        break;
+                    };
                     // The index counts nodes across the whole call, so it names
                     // one node even though the client chose the batch boundaries.
-                    let node = node_from_wire_interned(wire, &templates, &mut groups)
+                    let node = node_from_wire_ref(wire, &templates, &mut groups)
                         .map_err(|e| e.within(&format!("nodes[{decided}]")))?;
                     // A node due for remediation is answered at `end`, once
                     // the budget has seen every such node of the call.
@@ -438,14 +504,14 @@ async fn serve_call(
                 // side holds more than a batch of it.
                 batcher.flush().await?;
             }
-            Some(Part::Slots(batch)) => {
+            Some(CallPart::Slots(batch)) => {
                 let group = groups.group("slots.group_id", &batch.group_id)?;
                 slot_count = within_limit("slot indices", slot_count, batch.indices.len(), config.max_nodes)?;
                 for index in batch.indices {
                     slots.insert_index(&group, index);
                 }
             }
-            Some(Part::SlotRanges(batch)) => {
+            Some(CallPart::SlotRanges(batch)) => {
                 let group = groups.group("slot_ranges.group_id", &batch.group_id)?;
                 let ranges =
                     wire::slot_ranges_from_wire(&batch.bounds).map_err(|e| e.within("slot_ranges"))?;
@@ -460,7 +526,7 @@ async fn serve_call(
                     slots.insert_range(&group, start, end);
                 }
             }
-            Some(Part::End(_)) => break,
+            Some(CallPart::End) => break,
         }
     }
 

@@ -68,6 +68,7 @@ use crate::{
 
 pub mod answer;
 pub mod encode;
+pub mod request;
 
 /// What a secret parameter's value reads as on a read path.
 pub const REDACTED: &str = "<redacted>";
@@ -942,41 +943,47 @@ impl TryFrom<pb::NodeFacts> for NodeFacts {
     type Error = FieldError;
 
     fn try_from(f: pb::NodeFacts) -> Result<Self, FieldError> {
-        let bootstrap = if f.bootstrap_stage == pb::BootstrapStage::Unspecified as i32 {
-            None
-        } else {
-            Some(BootstrapProgress {
-                stage: enum_from_wire::<pb::BootstrapStage, BootstrapStage>(
-                    "bootstrap_stage",
-                    f.bootstrap_stage,
-                )?,
-                seq: f.bootstrap_seq,
-                at: UnixMillis::new(f.bootstrap_stage_at_ms),
-                detail: String::new(),
-            })
-        };
-        Ok(Self {
-            lease: optional("lease_id", &f.lease_id, LeaseId::new)?,
-            endpoint: optional("endpoint", &f.endpoint, Endpoint::new)?,
-            session: optional("session_id", &f.session_id, SessionId::new)?,
-            bootstrap,
-            failure: (!f.failure_reason.is_empty()).then(|| Failure {
-                reason: f.failure_reason,
-                at: UnixMillis::new(f.failed_at_ms),
-            }),
-            ambiguous_create: f.ambiguous_create,
-            ambiguous_bootstrap: f.ambiguous_bootstrap,
-            lost: f.lost,
-            health: f.health.map(|h| NodeHealth {
-                healthy: h.healthy,
-                since: UnixMillis::new(h.since_ms),
-                observed_at: UnixMillis::new(h.observed_at_ms),
-                seq: h.seq,
-                detail: h.detail,
-                remediate_at: UnixMillis::from_wire(h.remediate_at_ms),
-            }),
-        })
+        facts_from_wire(&f)
     }
+}
+
+/// [`NodeFacts::try_from`] from a borrowed message: its strings are copied
+/// where the facts keep them.
+fn facts_from_wire(f: &pb::NodeFacts) -> Result<NodeFacts, FieldError> {
+    let bootstrap = if f.bootstrap_stage == pb::BootstrapStage::Unspecified as i32 {
+        None
+    } else {
+        Some(BootstrapProgress {
+            stage: enum_from_wire::<pb::BootstrapStage, BootstrapStage>(
+                "bootstrap_stage",
+                f.bootstrap_stage,
+            )?,
+            seq: f.bootstrap_seq,
+            at: UnixMillis::new(f.bootstrap_stage_at_ms),
+            detail: String::new(),
+        })
+    };
+    Ok(NodeFacts {
+        lease: optional("lease_id", &f.lease_id, LeaseId::new)?,
+        endpoint: optional("endpoint", &f.endpoint, Endpoint::new)?,
+        session: optional("session_id", &f.session_id, SessionId::new)?,
+        bootstrap,
+        failure: (!f.failure_reason.is_empty()).then(|| Failure {
+            reason: f.failure_reason.clone(),
+            at: UnixMillis::new(f.failed_at_ms),
+        }),
+        ambiguous_create: f.ambiguous_create,
+        ambiguous_bootstrap: f.ambiguous_bootstrap,
+        lost: f.lost,
+        health: f.health.as_ref().map(|h| NodeHealth {
+            healthy: h.healthy,
+            since: UnixMillis::new(h.since_ms),
+            observed_at: UnixMillis::new(h.observed_at_ms),
+            seq: h.seq,
+            detail: h.detail.clone(),
+            remediate_at: UnixMillis::from_wire(h.remediate_at_ms),
+        }),
+    })
 }
 
 impl From<&NodeFacts> for pb::NodeFacts {
@@ -1028,14 +1035,14 @@ fn retry_to_wire(r: &RetryState, table: &mut TemplateTable) -> pb::RetryState {
     }
 }
 
-fn retry_from_wire(r: pb::RetryState, templates: &[Arc<NodeTemplate>]) -> Result<RetryState, FieldError> {
+fn retry_from_wire(r: &pb::RetryState, templates: &[Arc<NodeTemplate>]) -> Result<RetryState, FieldError> {
     let permanent = if r.permanent_failure.is_empty() {
         None
     } else {
         Some(PermanentFailure {
             spec: template_at(templates, r.permanent_template_ref)
                 .map_err(within("permanent_template_ref"))?,
-            reason: r.permanent_failure,
+            reason: r.permanent_failure.clone(),
         })
     };
     Ok(RetryState {
@@ -1091,12 +1098,23 @@ pub fn node_from_wire_interned(
     templates: &[Arc<NodeTemplate>],
     groups: &mut GroupInterner,
 ) -> Result<ManagedNode, FieldError> {
+    node_from_wire_ref(&n, templates, groups)
+}
+
+/// [`node_from_wire_interned`] from a borrowed message (one decoded into a
+/// buffer that is used again for the next node): its strings are copied where
+/// the node keeps them.
+pub fn node_from_wire_ref(
+    n: &pb::NodeState,
+    templates: &[Arc<NodeTemplate>],
+    groups: &mut GroupInterner,
+) -> Result<ManagedNode, FieldError> {
     let id = groups.node("node_id", &n.node_id)?;
     let attempt = attempt_from_wire("attempt", n.attempt)?;
     let intent = enum_from_wire::<pb::Intent, Intent>("intent", n.intent)?;
     let stage = enum_from_wire::<pb::NodeStage, NodeStage>("stage", n.stage)?;
-    let facts = match n.facts {
-        Some(f) => NodeFacts::try_from(f).map_err(within("facts"))?,
+    let facts = match &n.facts {
+        Some(f) => facts_from_wire(f).map_err(within("facts"))?,
         None => NodeFacts::default(),
     };
     let pending = n
@@ -1105,7 +1123,7 @@ pub fn node_from_wire_interned(
         .transpose()
         .map_err(within("pending"))?;
     let spec = template_at(templates, n.template_ref).map_err(within("template_ref"))?;
-    let retry = match n.retry {
+    let retry = match &n.retry {
         Some(r) => retry_from_wire(r, templates).map_err(within("retry"))?,
         None => RetryState::default(),
     };

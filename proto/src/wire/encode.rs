@@ -193,7 +193,7 @@ fn nested(out: &mut Vec<u8>, tag: u32, body: impl FnOnce(&mut Vec<u8>)) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::Arc;
 
     use prost::Message as _;
@@ -211,30 +211,30 @@ mod tests {
     };
 
     /// A small deterministic generator, so that a failure names its case.
-    struct Gen(u64);
+    pub(crate) struct Gen(pub(crate) u64);
 
     impl Gen {
-        fn next(&mut self) -> u64 {
+        pub(crate) fn next(&mut self) -> u64 {
             self.0 ^= self.0 << 13;
             self.0 ^= self.0 >> 7;
             self.0 ^= self.0 << 17;
             self.0
         }
 
-        fn one_in(&mut self, n: u64) -> bool {
+        pub(crate) fn one_in(&mut self, n: u64) -> bool {
             self.next().is_multiple_of(n)
         }
 
-        fn pick<T: Copy>(&mut self, of: &[T]) -> T {
+        pub(crate) fn pick<T: Copy>(&mut self, of: &[T]) -> T {
             of[(self.next() % of.len() as u64) as usize]
         }
 
-        fn millis(&mut self) -> UnixMillis {
+        pub(crate) fn millis(&mut self) -> UnixMillis {
             UnixMillis::new(self.pick(&[1, 127, 128, 1_700_000_000_000, u64::MAX / 2]))
         }
 
         /// Text of a length around the one-byte length's edge, or long.
-        fn text(&mut self, what: &str) -> String {
+        pub(crate) fn text(&mut self, what: &str) -> String {
             let len = self.pick(&[0, 1, 100, 127, 128, 300, 20_000]);
             let mut s = format!("{what}-");
             while s.len() < len {
@@ -244,11 +244,11 @@ mod tests {
         }
     }
 
-    fn template(image: &str) -> Arc<NodeTemplate> {
+    pub(crate) fn template(image: &str) -> Arc<NodeTemplate> {
         Arc::new(example_template("fake", image))
     }
 
-    fn node(g: &mut Gen, templates: &[Arc<NodeTemplate>]) -> ManagedNode {
+    pub(crate) fn node(g: &mut Gen, templates: &[Arc<NodeTemplate>]) -> ManagedNode {
         let group = GroupId::parse(
             "group",
             g.pick(&["w", "workers", "a-long-group-name-of-forty-characters-x"]),

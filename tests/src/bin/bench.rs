@@ -357,19 +357,24 @@ fn bench_rpc_parts(t: &mut Table, n: u64) -> anyhow::Result<()> {
             .into_encoded(decider_svc::SlotEncoding::Ranges)
     });
     let bytes: Vec<Vec<u8>> = reqs.iter().map(|r| r.encode_to_vec()).collect();
-    let prost_decode = time(reps, || {
+    // What the decider does: each request read with its nodes left as
+    // bytes, then each node decoded into one scratch message and converted.
+    use contract::wire::request::{IncomingPart, NodeRanges, NodeScratch, decode_request};
+    let read_requests = time(reps, || {
         bytes
             .iter()
-            .map(|b| pb::DecideRequest::decode(b.as_slice()))
+            .map(|b| decode_request(&mut b.as_slice()))
             .collect::<Vec<_>>()
     });
-    let wire_nodes: Vec<pb::NodeState> = reqs
+    let ranges: Vec<NodeRanges> = bytes
         .iter()
-        .filter_map(|r| match &r.part {
-            Some(pb::decide_request::Part::Nodes(b)) => Some(b.nodes.clone()),
-            _ => None,
+        .filter_map(|b| match decode_request(&mut b.as_slice()) {
+            Ok(r) => match r.part {
+                Some(IncomingPart::Nodes(n)) => Some(n),
+                _ => None,
+            },
+            Err(_) => None,
         })
-        .flatten()
         .collect();
     let table = match &reqs[0].part {
         Some(pb::decide_request::Part::Header(h)) => {
@@ -379,11 +384,15 @@ fn bench_rpc_parts(t: &mut Table, n: u64) -> anyhow::Result<()> {
         _ => anyhow::bail!("no header"),
     };
     let from_wire = time(reps, || {
-        wire_nodes
-            .iter()
-            .cloned()
-            .map(|w| contract::wire::node_from_wire(w, &table))
-            .collect::<Vec<_>>()
+        let mut scratch = NodeScratch::default();
+        let mut groups = contract::GroupInterner::default();
+        let mut out = Vec::new();
+        for body in ranges.iter().flat_map(NodeRanges::iter) {
+            if let Ok(n) = scratch.read(body) {
+                out.push(contract::wire::node_from_wire_ref(n, &table, &mut groups));
+            }
+        }
+        out
     });
     let view = DesiredView::new(&s, false);
     let decisions = decider::decide(&view, nodes.iter(), &set, NOW).decisions;
@@ -421,8 +430,8 @@ fn bench_rpc_parts(t: &mut Table, n: u64) -> anyhow::Result<()> {
     });
     for (what, d) in [
         ("encode_call (the request's bytes)", encode),
-        ("prost decode request", prost_decode),
-        ("node_from_wire (with a clone of its input)", from_wire),
+        ("decode_request (nodes left as bytes)", read_requests),
+        ("NodeScratch::read + node_from_wire_ref", from_wire),
         ("encode_decision (the answer's bytes)", answer_encode),
         ("decode_answer (the answer's bytes)", answer_decode),
         ("Decisions::decision (each checked)", answer_from),
