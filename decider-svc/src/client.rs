@@ -20,7 +20,7 @@ use contract::{
     pb::{self, decide_request::Part, decider_client::DeciderClient},
     wire::{
         TemplateTable,
-        answer::{Answer, decode_answer},
+        answer::Answer,
         encode::{encode_node, message_len, put_message},
         shape_to_wire_with_table, slot_ranges_to_wire, trace_to_wire,
     },
@@ -31,7 +31,6 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{
     Code, Status,
-    codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
     codegen::{Body, Bytes, GrpcMethod, StdError, http::uri::PathAndQuery},
 };
 
@@ -382,51 +381,9 @@ where
             .extensions_mut()
             .insert(GrpcMethod::new("provisioning.internal.v1.Decider", "Decide"));
         let path = PathAndQuery::from_static("/provisioning.internal.v1.Decider/Decide");
-        self.grpc.streaming(request, path, EncodedRequests).await
-    }
-}
-
-/// The codec of a `Decide` call whose requests are already encoded: each
-/// goes on the wire as it is, and each response is read into an [`Answer`]
-/// whose decisions' strings are slices of the message.
-#[derive(Debug, Clone, Copy, Default)]
-struct EncodedRequests;
-
-impl Codec for EncodedRequests {
-    type Encode = Bytes;
-    type Decode = Answer;
-    type Encoder = EncodedRequests;
-    type Decoder = EncodedRequests;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        EncodedRequests
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        EncodedRequests
-    }
-}
-
-impl Decoder for EncodedRequests {
-    type Item = Answer;
-    type Error = Status;
-
-    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Answer>, Status> {
-        // As tonic's prost codec reports a message that does not decode.
-        decode_answer(buf)
-            .map(Some)
-            .map_err(|e| Status::internal(e.to_string()))
-    }
-}
-
-impl Encoder for EncodedRequests {
-    type Item = Bytes;
-    type Error = Status;
-
-    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        use prost::bytes::BufMut as _;
-        dst.put(item);
-        Ok(())
+        self.grpc
+            .streaming(request, path, crate::codec::Encoded::<Answer>::default())
+            .await
     }
 }
 

@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+mod codec;
 pub mod route;
 pub mod server;
 

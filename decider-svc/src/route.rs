@@ -12,17 +12,16 @@ use std::{
     task::{Context, Poll},
 };
 
-use contract::wire::request::{Incoming, decode_request};
+use contract::wire::request::Incoming;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{
     Status,
     body::Body as TonicBody,
-    codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
     codegen::{Body, BoxFuture, Bytes, Service, StdError, http},
     server::NamedService,
 };
 
-use crate::server::DeciderService;
+use crate::{codec::Encoded, server::DeciderService};
 
 /// The full path of the one method.
 const DECIDE: &str = "/provisioning.internal.v1.Decider/Decide";
@@ -104,53 +103,9 @@ where
         let method = DecideMethod(Arc::clone(&self.inner));
         let limits = (self.max_decoding_message_size, self.max_encoding_message_size);
         Box::pin(async move {
-            let mut grpc =
-                tonic::server::Grpc::new(EncodedAnswers).apply_max_message_size_config(limits.0, limits.1);
+            let mut grpc = tonic::server::Grpc::new(Encoded::<Incoming>::default())
+                .apply_max_message_size_config(limits.0, limits.1);
             Ok(grpc.streaming(method, request).await)
         })
-    }
-}
-
-/// The codec of the route: each request is read with its nodes left as
-/// bytes ([`decode_request`]); each response is already an encoded
-/// `DecideResponse` and goes on the wire as it is.
-#[derive(Debug, Clone, Copy, Default)]
-struct EncodedAnswers;
-
-impl Codec for EncodedAnswers {
-    type Encode = Bytes;
-    type Decode = Incoming;
-    type Encoder = EncodedAnswers;
-    type Decoder = EncodedAnswers;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        EncodedAnswers
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        EncodedAnswers
-    }
-}
-
-impl Decoder for EncodedAnswers {
-    type Item = Incoming;
-    type Error = Status;
-
-    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Incoming>, Status> {
-        // As tonic's prost codec reports a message that does not decode.
-        decode_request(buf)
-            .map(Some)
-            .map_err(|e| Status::internal(e.to_string()))
-    }
-}
-
-impl Encoder for EncodedAnswers {
-    type Item = Bytes;
-    type Error = Status;
-
-    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        use prost::bytes::BufMut as _;
-        dst.put(item);
-        Ok(())
     }
 }

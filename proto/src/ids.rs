@@ -176,13 +176,13 @@ impl LogicalNodeId {
         let mut digits = [0u8; 10];
         out.extend_from_slice(self.group.as_str().as_bytes());
         out.push(b'-');
-        out.extend_from_slice(decimal(self.index, &mut digits).as_bytes());
+        out.extend_from_slice(decimal_digits(self.index, &mut digits));
     }
 
     /// The length in bytes of the wire's spelling.
     pub fn wire_len(&self) -> usize {
         let mut digits = [0u8; 10];
-        self.group.as_str().len() + 1 + decimal(self.index, &mut digits).len()
+        self.group.as_str().len() + 1 + decimal_digits(self.index, &mut digits).len()
     }
 
     /// The wire's spelling, `{group}-{index}` (what `Display` writes), in one
@@ -431,8 +431,8 @@ impl fmt::Debug for LogicalNodeId {
     }
 }
 
-/// `n` in decimal, written at the end of `buf`.
-fn decimal(mut n: u32, buf: &mut [u8; 10]) -> &str {
+/// `n`'s decimal digits, written at the end of `buf`.
+fn decimal_digits(mut n: u32, buf: &mut [u8; 10]) -> &[u8] {
     let mut at = buf.len();
     loop {
         at -= 1;
@@ -442,8 +442,13 @@ fn decimal(mut n: u32, buf: &mut [u8; 10]) -> &str {
             break;
         }
     }
+    &buf[at..]
+}
+
+/// `n` in decimal, written at the end of `buf`.
+fn decimal(n: u32, buf: &mut [u8; 10]) -> &str {
     // Only ASCII digits were written.
-    std::str::from_utf8(&buf[at..]).unwrap_or_default()
+    std::str::from_utf8(decimal_digits(n, buf)).unwrap_or_default()
 }
 
 impl FromStr for LogicalNodeId {
