@@ -1088,22 +1088,13 @@ pub fn node_to_wire(n: &ManagedNode, table: &mut TemplateTable) -> pb::NodeState
 /// defaults (a fresh attempt has none). Field paths are relative to the
 /// `NodeState` (`template_ref`, `pending.id.attempt`).
 pub fn node_from_wire(n: pb::NodeState, templates: &[Arc<NodeTemplate>]) -> Result<ManagedNode, FieldError> {
-    node_from_wire_interned(n, templates, &mut GroupInterner::default())
+    node_from_wire_ref(&n, templates, &mut GroupInterner::default())
 }
 
-/// [`node_from_wire`] for one of many nodes of a message stream: the node's
-/// group id is shared with the others of its group through `groups`.
-pub fn node_from_wire_interned(
-    n: pb::NodeState,
-    templates: &[Arc<NodeTemplate>],
-    groups: &mut GroupInterner,
-) -> Result<ManagedNode, FieldError> {
-    node_from_wire_ref(&n, templates, groups)
-}
-
-/// [`node_from_wire_interned`] from a borrowed message (one decoded into a
-/// buffer that is used again for the next node): its strings are copied where
-/// the node keeps them.
+/// [`node_from_wire`] for one of many nodes of a message stream, from a
+/// borrowed message (one decoded into a buffer that is used again for the
+/// next node): the node's group id is shared with the others of its group
+/// through `groups`, and its strings are copied where the node keeps them.
 pub fn node_from_wire_ref(
     n: &pb::NodeState,
     templates: &[Arc<NodeTemplate>],
