@@ -788,9 +788,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"provider-listening {address}", flush=True)
     log.info("listening on %s (testing hooks %s)", address, "on" if args.testing else "off")
 
-    stop.wait()
+    # A wait with a timeout: the kernel may hand SIGTERM to one of gRPC's
+    # threads, and then the handler runs only when this thread next runs
+    # Python; an untimed wait would sleep through it.
+    while not stop.wait(timeout=0.2):
+        pass
     log.info("stopping")
-    server.stop(grace=1).wait()
+    server.stop(grace=1).wait(timeout=5)
     state.close()
     return 0
 

@@ -75,6 +75,10 @@ class Plugin:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                # Why it did not stop is in its log: keep it with the failure.
+                self._stderr.flush()
+                print(f"plugin {self.proc.pid} ignored SIGTERM for {TIMEOUT_S} s; its stderr:\n"
+                      f"{self.stderr_path.read_text()}", file=sys.stderr)
         self.proc.stdout.close()
         self._stderr.close()
         return self.proc.returncode
