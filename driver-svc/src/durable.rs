@@ -27,7 +27,7 @@
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::{PoisonError, RwLock},
+    sync::{Arc, PoisonError, RwLock},
 };
 
 use contract::{
@@ -695,7 +695,7 @@ fn in_write<T>(
 fn write_delta(
     Tables { meta, nodes, events }: &mut Tables<'_>,
     delta: &Encoded,
-    unencoded: Option<(&Sealer, &[NodeRecord])>,
+    unencoded: Option<(&Sealer, &[Arc<NodeRecord>])>,
 ) -> Result<Result<(), StoreError>, StoreError> {
     let uid = delta.key.as_str();
     if delta.drop_run {
@@ -935,7 +935,7 @@ mod tests {
         );
 
         let mut stray = RunDelta::new(RunUid::from_u128(4));
-        stray.upserts = loaded[0].nodes.clone();
+        stray.upserts = loaded[0].nodes.iter().cloned().map(Arc::new).collect();
         assert!(matches!(store.commit(&stray), Err(StoreError::UnknownRun(_))));
         assert_eq!(by_id(store.load_all().unwrap()), loaded);
         let txn = store.raw().as_ref().unwrap().begin_read().unwrap();
@@ -959,7 +959,7 @@ mod tests {
 
         let unknown = RunUid::from_u128(6);
         let mut stray = RunDelta::new(unknown);
-        stray.upserts.push(stored.nodes[0].clone());
+        stray.upserts.push(Arc::new(stored.nodes[0].clone()));
         let mut removal = RunDelta::new(known);
         removal.removals.push(stored.nodes[1].node.id.clone());
         let group = [

@@ -211,7 +211,9 @@ pub struct LastDecision {
 
 #[derive(Debug, Clone)]
 struct Entry {
-    rec: NodeRecord,
+    /// Shared with the commits that hold it until it changes again (see
+    /// [`Entry::rec_mut`]).
+    rec: Arc<NodeRecord>,
     /// Bumped on every change, so a decision computed from an older state is
     /// recognised and skipped.
     version: u64,
@@ -307,7 +309,7 @@ fn deadline_of(n: &ManagedNode, grace: Duration) -> Option<UnixMillis> {
 impl Entry {
     fn new(rec: NodeRecord) -> Self {
         Self {
-            rec,
+            rec: Arc::new(rec),
             version: 0,
             dirty: true,
             wake_at: None,
@@ -316,6 +318,11 @@ impl Entry {
             trace: TraceContext::default(),
             indexed: Indexed::default(),
         }
+    }
+
+    /// The record, to change: copied first if a commit still holds it.
+    fn rec_mut(&mut self) -> &mut NodeRecord {
+        Arc::make_mut(&mut self.rec)
     }
 
     /// The slot's successor attempt is `attempt`.
@@ -330,10 +337,14 @@ impl Entry {
     /// current in the successor's (its own inverse): the machinery written for
     /// a slot's attempt then works on either (see `RunState::on_attempt`).
     fn swap_successor(&mut self) {
-        if let Some(s) = self.rec.successor.as_deref_mut() {
-            std::mem::swap(&mut self.rec.node, &mut s.node);
-            std::mem::swap(&mut self.rec.next_seq, &mut s.next_seq);
-            std::mem::swap(&mut self.rec.inflight, &mut s.inflight);
+        if self.rec.successor.is_none() {
+            return;
+        }
+        let rec = Arc::make_mut(&mut self.rec);
+        if let Some(s) = rec.successor.as_deref_mut() {
+            std::mem::swap(&mut rec.node, &mut s.node);
+            std::mem::swap(&mut rec.next_seq, &mut s.next_seq);
+            std::mem::swap(&mut rec.inflight, &mut s.inflight);
             std::mem::swap(&mut self.last, &mut self.succ_last);
         }
     }
@@ -647,16 +658,24 @@ impl RunState {
         let Some(e) = self.nodes.get_mut(id) else {
             return;
         };
-        // Each attempt of a slot holding two knows the other's part.
-        match e.rec.successor.as_deref_mut() {
-            Some(s) => {
-                s.node.surge = Surge::Successor;
-                e.rec.node.surge = Surge::Current {
+        // Each attempt of a slot holding two knows the other's part (written
+        // only when it moved: a record a commit holds is copied to change).
+        let (current, successor) = match e.rec.successor.as_deref() {
+            Some(s) => (
+                Surge::Current {
                     successor: s.node.attempt,
                     successor_ready: serves(&s.node),
-                };
+                },
+                Some(Surge::Successor),
+            ),
+            None => (Surge::None, None),
+        };
+        if e.rec.node.surge != current || e.rec.successor.as_ref().map(|s| s.node.surge) != successor {
+            let rec = e.rec_mut();
+            rec.node.surge = current;
+            if let (Some(s), Some(surge)) = (rec.successor.as_deref_mut(), successor) {
+                s.node.surge = surge;
             }
-            None => e.rec.node.surge = Surge::None,
         }
         let deadline = e.attempts().filter_map(|n| deadline_of(n, grace)).min();
         let now = Indexed {
@@ -1008,9 +1027,10 @@ impl RunState {
         // A slot holding a successor: the current attempt is forgotten and
         // the successor takes the slot.
         if let Some(e) = self.nodes.get_mut(id)
-            && let Some(successor) = e.rec.successor.take()
+            && e.rec.successor.is_some()
+            && let Some(successor) = e.rec_mut().successor.take()
         {
-            let gone = std::mem::replace(&mut e.rec, *successor);
+            let gone = Arc::unwrap_or_clone(std::mem::replace(&mut e.rec, Arc::new(*successor)));
             e.last = e.succ_last.take();
             e.version += 1;
             e.dirty = true;
@@ -1259,7 +1279,7 @@ impl RunState {
     pub fn inflight_operations(&self) -> Vec<Operation> {
         self.nodes
             .values()
-            .flat_map(|e| std::iter::once(&e.rec).chain(e.rec.successor.as_deref()))
+            .flat_map(|e| std::iter::once(&*e.rec).chain(e.rec.successor.as_deref()))
             .filter_map(|r| r.inflight.as_deref().cloned())
             .collect()
     }
@@ -1382,7 +1402,7 @@ impl RunState {
         let ids: Vec<LogicalNodeId> = self.nodes.keys().cloned().collect();
         for id in &ids {
             if let Some(e) = self.nodes.get_mut(id) {
-                shift_record(&mut e.rec, &shift);
+                shift_record(e.rec_mut(), &shift);
                 e.wake_at = e.wake_at.map(shift);
                 e.version += 1;
                 self.changed.insert(id.clone());
@@ -1590,8 +1610,11 @@ impl RunState {
         let count = g.count;
         // Nodes already on the stable template share its Arc again.
         for e in self.nodes.values_mut() {
-            if e.rec.node.id.group() == group && *e.rec.node.spec == *stable.group.template {
-                e.rec.node.spec = stable.group.template.clone();
+            if e.rec.node.id.group() == group
+                && !Arc::ptr_eq(&e.rec.node.spec, &stable.group.template)
+                && *e.rec.node.spec == *stable.group.template
+            {
+                e.rec_mut().node.spec = stable.group.template.clone();
             }
         }
         self.meta.shape = shape;
@@ -1695,7 +1718,7 @@ impl RunState {
                     && !Arc::ptr_eq(&e.rec.node.spec, &g.template)
                     && *e.rec.node.spec == *g.template
                 {
-                    e.rec.node.spec = g.template.clone();
+                    e.rec_mut().node.spec = g.template.clone();
                 }
             }
         }
@@ -2112,7 +2135,7 @@ impl RunState {
             }
             _ if paused => e.succ_last = Some(LastDecision { decision: d, at: now }),
             Action::Reap => {
-                e.rec.successor = None;
+                e.rec_mut().successor = None;
                 e.succ_last = None;
                 e.version += 1;
                 e.dirty = true;
@@ -2195,9 +2218,10 @@ impl RunState {
                 // A current attempt cleaned up leaves the slot to its
                 // successor.
                 if let Some(e) = self.nodes.get_mut(&d.node)
-                    && let Some(successor) = e.rec.successor.take()
+                    && e.rec.successor.is_some()
+                    && let Some(successor) = e.rec_mut().successor.take()
                 {
-                    e.rec = *successor;
+                    e.rec = Arc::new(*successor);
                     e.last = e.succ_last.take();
                     e.version += 1;
                     e.dirty = true;
@@ -2342,7 +2366,7 @@ impl RunState {
     /// Applies a change to a node and records the decision that made it.
     fn change(&mut self, id: &LogicalNodeId, now: UnixMillis, d: &Decision, f: impl FnOnce(&mut NodeRecord)) {
         if let Some(e) = self.nodes.get_mut(id) {
-            f(&mut e.rec);
+            f(e.rec_mut());
             e.version += 1;
             e.dirty = true;
             e.wake_at = None;
@@ -2414,7 +2438,7 @@ impl RunState {
             input,
             trace: trace.clone(),
         };
-        let rec = &mut e.rec;
+        let rec = e.rec_mut();
         rec.next_seq = next_seq;
         rec.node.pending = Some(PendingOp {
             id,
@@ -2458,13 +2482,11 @@ impl RunState {
             if self.meta_dirty {
                 delta.meta = Some(self.meta.clone());
             }
-            // Sized up front: node records are large, and growing the vector
-            // by doubling copied them again and again.
             let mut upserts = Vec::with_capacity(self.changed.len());
             upserts.extend(
                 self.changed
                     .iter()
-                    .filter_map(|id| self.nodes.get(id).map(|e| e.rec.clone())),
+                    .filter_map(|id| self.nodes.get(id).map(|e| Arc::clone(&e.rec))),
             );
             delta.upserts = upserts;
             delta.removals = self.removed.iter().cloned().collect();
@@ -2566,9 +2588,10 @@ impl RunState {
         e.version += 1;
         e.dirty = true;
         e.wake_at = None;
-        e.rec.inflight = None;
-        let was_permanent = e.rec.node.retry.permanent.is_some();
-        let n = &mut e.rec.node;
+        let rec = e.rec_mut();
+        rec.inflight = None;
+        let was_permanent = rec.node.retry.permanent.is_some();
+        let n = &mut rec.node;
         if n.pending.take().is_some() {
             self.pending_ops = self.pending_ops.saturating_sub(1);
         }
@@ -2775,7 +2798,7 @@ impl RunState {
         e.version += 1;
         e.dirty = true;
         e.wake_at = None;
-        let n = &mut e.rec.node;
+        let n = &mut e.rec_mut().node;
         n.facts.bootstrap = Some(BootstrapProgress {
             stage: o.stage,
             seq: o.seq,
@@ -2869,8 +2892,9 @@ impl RunState {
             reason: format!("{LOST_PREFIX}{reason}"),
             at: c.at,
         };
-        attempt_failed(&mut e.rec.node, failures, restart_at, failure);
-        e.rec.node.facts.lost = true;
+        let n = &mut e.rec_mut().node;
+        attempt_failed(n, failures, restart_at, failure);
+        n.facts.lost = true;
         self.changed.insert(c.node.clone());
         self.reindex(&c.node);
         self.note_fold(now);
@@ -2928,7 +2952,7 @@ impl RunState {
         } else {
             Some(since.checked_add(std::time::Duration::from_millis(unhealthy_after))?)
         };
-        e.rec.node.facts.health = Some(NodeHealth {
+        e.rec_mut().node.facts.health = Some(NodeHealth {
             healthy,
             since,
             observed_at: c.at,
@@ -3221,7 +3245,7 @@ impl RunState {
             let (endpoint_timeout, bootstrap_timeout) =
                 (self.policy.endpoint_timeout, self.policy.bootstrap_timeout);
             if let Some(e) = self.nodes.get_mut(&id) {
-                let n = &mut e.rec.node;
+                let n = &mut e.rec_mut().node;
                 let reason = match n.stage {
                     NodeStage::LeaseCreated => format!("no endpoint within {}", human(endpoint_timeout)),
                     _ => format!("bootstrap did not converge within {}", human(bootstrap_timeout)),
@@ -3375,9 +3399,10 @@ mod tests {
         let _ = pass(&mut run, &store, T0);
         assert_eq!(run.pending_count(), 2, "both nodes have a create pending");
         let e = run.nodes.get_mut(&node("workers-0")).unwrap();
-        e.rec.node.facts.lease = Some(contract::LeaseId::new("lease", "lease-w0").unwrap());
-        e.rec.node.facts.endpoint = Some(contract::Endpoint::new("endpoint", "127.0.0.1:4000").unwrap());
-        e.rec.node.facts.session = Some(contract::SessionId::new("session", "s-w0").unwrap());
+        let facts = &mut e.rec_mut().node.facts;
+        facts.lease = Some(contract::LeaseId::new("lease", "lease-w0").unwrap());
+        facts.endpoint = Some(contract::Endpoint::new("endpoint", "127.0.0.1:4000").unwrap());
+        facts.session = Some(contract::SessionId::new("session", "s-w0").unwrap());
         (run, store)
     }
 
@@ -3580,13 +3605,49 @@ mod tests {
         assert!(matches!(run.fold_result(&r, T0).unwrap(), Fold::Folded));
     }
 
+    /// A commit holds the run's own records (it copies none), and a change
+    /// after it copies the record first: the commit, and a memory store
+    /// that kept it, still hold the record as it was committed.
+    #[test]
+    fn a_commit_shares_its_records_and_a_later_change_leaves_them_as_committed() {
+        let (mut run, store) = run_with_live_node();
+        let _ = run.take_commit();
+        let id = node("workers-1");
+        // A change, then its commit: the record the commit holds is the run's.
+        run.nodes.get_mut(&id).unwrap().rec_mut().next_seq += 1;
+        run.changed.insert(id.clone());
+        let commit = run.take_commit();
+        let committed = commit.delta().upserts.iter().find(|r| r.node.id == id).unwrap();
+        assert!(
+            Arc::ptr_eq(committed, &run.nodes[&id].rec),
+            "the commit copied the record"
+        );
+        store.commit(commit.delta()).unwrap();
+        let as_committed = NodeRecord::clone(committed);
+
+        // The create succeeds after the commit: the run's record changes ...
+        create_succeeds(&mut run);
+        let now = &run.nodes[&id].rec;
+        assert!(now.node.facts.lease.is_some() && now.node.pending.is_none());
+        // ... and neither the commit nor the store sees it.
+        assert!(!Arc::ptr_eq(committed, now));
+        assert_eq!(**committed, as_committed);
+        let stored = store.load_all().unwrap().remove(0).nodes;
+        assert_eq!(stored.iter().find(|r| r.node.id == id), Some(&as_committed));
+    }
+
     #[test]
     fn a_lease_recorded_while_the_inventory_is_read_is_left_out_of_that_read() {
         let held =
             |run: &RunState| -> Vec<LogicalNodeId> { run.leases_held().map(|(id, _)| id.clone()).collect() };
         let (mut run, _store) = run_with_live_node();
         // `workers-0` knows its lease but has its create pending still.
-        run.nodes.get_mut(&node("workers-0")).unwrap().rec.node.pending = None;
+        run.nodes
+            .get_mut(&node("workers-0"))
+            .unwrap()
+            .rec_mut()
+            .node
+            .pending = None;
         assert_eq!(held(&run), vec![node("workers-0")]);
 
         // Recorded during the read: held, but not one the read must list.

@@ -7,7 +7,7 @@
 
 use std::{
     collections::BTreeMap,
-    sync::{Mutex, PoisonError},
+    sync::{Arc, Mutex, PoisonError},
 };
 
 use contract::{
@@ -81,7 +81,9 @@ impl NodeRecord {
 pub struct RunDelta {
     pub uid: RunUid,
     pub meta: Option<RunMeta>,
-    pub upserts: Vec<NodeRecord>,
+    /// Shared with the run's own state until the run changes the record
+    /// again (copy on write), so a commit copies no record.
+    pub upserts: Vec<Arc<NodeRecord>>,
     pub removals: Vec<LogicalNodeId>,
     /// The run is gone: drop everything stored for it.
     pub drop_run: bool,
@@ -163,7 +165,8 @@ type MemRuns = BTreeMap<RunUid, MemRun>;
 #[derive(Debug, Clone)]
 struct MemRun {
     meta: RunMeta,
-    nodes: BTreeMap<LogicalNodeId, NodeRecord>,
+    /// Shared with the runs' states until they change a record again.
+    nodes: BTreeMap<LogicalNodeId, Arc<NodeRecord>>,
     events: BTreeMap<u64, Event>,
 }
 
@@ -228,7 +231,7 @@ impl RunStore for MemStore {
             (None, None) => return Err(StoreError::UnknownRun(uid)),
         };
         for r in &delta.upserts {
-            entry.nodes.insert(r.node.id.clone(), r.clone());
+            entry.nodes.insert(r.node.id.clone(), Arc::clone(r));
         }
         for id in &delta.removals {
             entry.nodes.remove(id);
@@ -250,7 +253,7 @@ impl RunStore for MemStore {
             .values()
             .map(|r| StoredRun {
                 meta: r.meta.clone(),
-                nodes: r.nodes.values().cloned().collect(),
+                nodes: r.nodes.values().map(|n| NodeRecord::clone(n)).collect(),
                 events: r.events.values().cloned().collect(),
             })
             .collect())

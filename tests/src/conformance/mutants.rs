@@ -392,7 +392,7 @@ impl Tamper for Hooks {
                 });
                 stored.inflight = Some(Box::new(second.clone()));
                 let mut delta = RunDelta::new(uid);
-                delta.upserts.push(stored);
+                delta.upserts.push(std::sync::Arc::new(stored));
                 let _ = sim.store.commit(&delta);
                 vec![second]
             }
