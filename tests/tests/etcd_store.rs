@@ -118,7 +118,7 @@ fn rewrite_delta(stored: &StoredRun) -> RunDelta {
     let mut meta = stored.meta.clone();
     meta.paused = !meta.paused;
     delta.meta = Some(meta);
-    delta.upserts = stored.nodes.clone();
+    delta.upserts = stored.nodes.iter().cloned().map(Arc::new).collect();
     delta
 }
 
@@ -419,7 +419,7 @@ fn a_write_after_ownership_moved_fails_in_its_transaction() {
 
     // A small delta (one transaction) and a large one (a rewrite).
     let mut small = RunDelta::new(RunUid::from_u128(5));
-    small.upserts.push(before[0].nodes[0].clone());
+    small.upserts.push(Arc::new(before[0].nodes[0].clone()));
     small.meta = Some(before[0].meta.clone());
     for delta in [small, rewrite_delta(&after[0])] {
         match first.commit(&delta) {
@@ -644,7 +644,7 @@ fn the_event_log_is_stored_trimmed_and_dropped_with_its_run() {
     a.record_event(EventReason::Paused, Subject::Run, "paused".into(), NOW);
     assert!(a.set_paused(true));
     let mut delta = a.take_commit().delta().clone();
-    delta.upserts = loaded[0].nodes.clone();
+    delta.upserts = loaded[0].nodes.iter().cloned().map(Arc::new).collect();
     assert!(delta.upserts.len() > EtcdConfig::new(Vec::new(), "x").max_txn_ops);
     let gen_key = format!("/provisioning/v1/runs/{}/gen", RunUid::from_u128(21));
     let before: u64 = raw_get(&etcd, &gen_key).unwrap_or_default().parse().unwrap_or(0);
