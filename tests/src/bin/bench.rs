@@ -1084,8 +1084,9 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
         "passes",
         format!("{:.2}x ladder depth", local_passes as f64 / LADDER_DEPTH),
     );
-    // The memory store keeps a second copy of every record in the process;
-    // the redb store (the default) keeps records in its file and page cache.
+    // The memory store keeps every record in the process (the run's own,
+    // until the run changes it); the redb store (the default) keeps records
+    // in its file and page cache.
     // The ceilings at 1,000,000 nodes: driver 2.5 GiB, executor
     // 1 GiB, so 2,048 and 1,024 bytes per node of growth.
     for (store, run) in [("memory store", &memory), ("redb store", &redb)] {
