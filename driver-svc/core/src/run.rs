@@ -349,6 +349,20 @@ impl Entry {
         }
     }
 
+    /// The successor takes the slot (its last decision with it): the
+    /// attempt it replaced, or `None`, and nothing changed, when the slot
+    /// holds no successor.
+    fn promote_successor(&mut self) -> Option<Arc<NodeRecord>> {
+        self.rec.successor.as_ref()?;
+        let successor = self.rec_mut().successor.take()?;
+        let gone = std::mem::replace(&mut self.rec, Arc::new(*successor));
+        self.last = self.succ_last.take();
+        self.version += 1;
+        self.dirty = true;
+        self.wake_at = None;
+        Some(gone)
+    }
+
     /// The slot's attempts: the current one, then its successor.
     fn attempts(&self) -> impl Iterator<Item = &ManagedNode> {
         std::iter::once(&self.rec.node).chain(self.rec.successor.as_deref().map(|s| &s.node))
@@ -1026,15 +1040,8 @@ impl RunState {
     pub fn abandon(&mut self, id: &LogicalNodeId, now: UnixMillis) -> Option<AbandonedNode> {
         // A slot holding a successor: the current attempt is forgotten and
         // the successor takes the slot.
-        if let Some(e) = self.nodes.get_mut(id)
-            && e.rec.successor.is_some()
-            && let Some(successor) = e.rec_mut().successor.take()
-        {
-            let gone = Arc::unwrap_or_clone(std::mem::replace(&mut e.rec, Arc::new(*successor)));
-            e.last = e.succ_last.take();
-            e.version += 1;
-            e.dirty = true;
-            e.wake_at = None;
+        if let Some(gone) = self.nodes.get_mut(id).and_then(|e| e.promote_successor()) {
+            let gone = Arc::unwrap_or_clone(gone);
             self.changed.insert(id.clone());
             self.reindex(id);
             if gone.node.pending.is_some() {
@@ -2217,15 +2224,12 @@ impl RunState {
             Action::Reap => {
                 // A current attempt cleaned up leaves the slot to its
                 // successor.
-                if let Some(e) = self.nodes.get_mut(&d.node)
-                    && e.rec.successor.is_some()
-                    && let Some(successor) = e.rec_mut().successor.take()
+                if self
+                    .nodes
+                    .get_mut(&d.node)
+                    .and_then(|e| e.promote_successor())
+                    .is_some()
                 {
-                    e.rec = Arc::new(*successor);
-                    e.last = e.succ_last.take();
-                    e.version += 1;
-                    e.dirty = true;
-                    e.wake_at = None;
                     self.changed.insert(d.node.clone());
                     self.reindex(&d.node);
                     return Ok(());
