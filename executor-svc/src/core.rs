@@ -82,7 +82,6 @@ pub struct DurableOp {
     /// [`input_digest`] of the operation.
     pub input_digest: u64,
     pub result: OperationResult,
-    pub acked: bool,
 }
 
 /// Everything kept for one run, for [`ExecutorCore::restore`].
@@ -218,6 +217,19 @@ impl Completed {
             effect: result.effect,
             acked,
             awaiting_late: false,
+        }
+    }
+
+    /// What is written of it. Neither its trace nor whether the driver has
+    /// acknowledged it: after a restart a result is sent only to answer a
+    /// resubmission, and then in the resubmission's trace (see
+    /// [`ExecutorCore::restore`]).
+    fn durable(&self, run_uid: RunUid, id: OperationId) -> DurableOp {
+        let mut result = self.result(run_uid, id);
+        result.trace = TraceContext::default();
+        DurableOp {
+            input_digest: self.input_digest,
+            result,
         }
     }
 
@@ -683,9 +695,9 @@ impl ExecutorCore {
             if let OpEntry::Completed(done) = existing {
                 // The driver did not see the result, or saw it and restarted
                 // before folding it: it is owed again until acknowledged.
+                // Whether it is owed is not written (see `restore`).
                 done.acked = false;
                 run.unacked.insert(id);
-                run.changed.insert(id);
                 let mut replay = done.result(run_uid, id);
                 replay.replayed = true;
                 // The replay answers the resubmission, so it joins that trace.
@@ -890,12 +902,14 @@ impl ExecutorCore {
         if !done.awaiting_late {
             done.trace = None;
         }
-        run.changed.insert(id);
+        // The acknowledgement itself is not written: a restarted executor
+        // owes nothing it has recorded (see `restore`).
         let destroyed = done.effect == Effect::DestroyLease && matches!(done.outcome, Outcome::Succeeded(_));
         run.unacked.remove(&id);
         let attempt = id.attempt();
         if run.retired.contains(attempt) {
             run.ops.remove(&id);
+            run.changed.insert(id);
         } else if destroyed {
             run.retire(attempt);
             self.dirty_runs.insert(run_uid);
@@ -1195,11 +1209,7 @@ impl ExecutorCore {
         for (&run_uid, run) in &mut self.runs {
             for id in std::mem::take(&mut run.changed) {
                 let record = run.ops.get(&id).and_then(|e| match e {
-                    OpEntry::Completed(c) => Some(Box::new(DurableOp {
-                        input_digest: c.input_digest,
-                        result: c.result(run_uid, id),
-                        acked: c.acked,
-                    })),
+                    OpEntry::Completed(c) => Some(Box::new(c.durable(run_uid, id))),
                     OpEntry::Pending { .. } => None,
                 });
                 changes.push(DurableChange::Op { run_uid, id, record });
@@ -1216,12 +1226,7 @@ impl ExecutorCore {
         for (&run_uid, run) in &self.runs {
             for (&id, e) in &run.ops {
                 if let OpEntry::Completed(c) = e {
-                    let record = DurableOp {
-                        input_digest: c.input_digest,
-                        result: c.result(run_uid, id),
-                        acked: c.acked,
-                    };
-                    out.insert((run_uid, id), record);
+                    out.insert((run_uid, id), c.durable(run_uid, id));
                 }
             }
         }
@@ -1241,6 +1246,15 @@ impl ExecutorCore {
     /// retired attempts and completed operations (replayed on resubmission).
     /// Nothing is running after a restart; a resubmitted operation that had not
     /// completed runs again, and the backend adopts what the first run made.
+    ///
+    /// A restored result is owed to nobody: the driver resubmits every
+    /// operation it still holds pending when its link comes back (SPEC
+    /// section 4), and the resubmission replays the result. So an
+    /// acknowledgement is never written (one write an operation, not two),
+    /// and a restart does not send the driver every result it has already
+    /// folded. An attempt whose successful `DestroyLease` is on record is
+    /// retired here, as its acknowledgement would have retired it; a
+    /// resubmitted destroy of it is answered "already absent".
     pub fn restore(runs: impl IntoIterator<Item = (RunUid, DurableRun)>) -> Self {
         let mut core = Self::default();
         for (run_uid, d) in runs {
@@ -1254,15 +1268,36 @@ impl ExecutorCore {
                 ),
                 ..RunState::default()
             };
+            let mut destroyed = BTreeSet::new();
             for o in d.ops {
                 let id = o.result.id;
-                if !o.acked {
-                    run.unacked.insert(id);
+                if o.result.effect == Effect::DestroyLease
+                    && matches!(o.result.outcome, Outcome::Succeeded(_))
+                {
+                    destroyed.insert(id.attempt());
                 }
                 run.ops.insert(
                     id,
-                    OpEntry::Completed(Box::new(Completed::new(o.result, o.input_digest, o.acked))),
+                    OpEntry::Completed(Box::new(Completed::new(o.result, o.input_digest, true))),
                 );
+            }
+            // Records of an attempt already retired were kept only until
+            // acknowledged, and a restored record counts as acknowledged.
+            let stale: Vec<OperationId> = run
+                .ops
+                .keys()
+                .filter(|id| run.retired.contains(id.attempt()))
+                .copied()
+                .collect();
+            for id in stale {
+                run.ops.remove(&id);
+                run.changed.insert(id);
+            }
+            for attempt in destroyed {
+                if !run.retired.contains(attempt) {
+                    run.retire(attempt);
+                    core.dirty_runs.insert(run_uid);
+                }
             }
             core.runs.insert(run_uid, run);
         }
@@ -1477,21 +1512,20 @@ mod tests {
             "a completed operation keeps only its digest"
         );
         assert_eq!(kept.digest(), input_digest(&first));
-        let owed = core.durable_records();
-        assert_eq!(owed[&(RUN, id(1, 0))].input_digest, input_digest(&first));
-        assert!(!owed[&(RUN, id(1, 0))].acked);
-        core.ack_result(RUN, id(1, 0));
-        let settled = core.durable_records();
-        assert_eq!(settled[&(RUN, id(1, 0))].input_digest, input_digest(&first));
-        assert!(settled[&(RUN, id(1, 0))].acked);
         let changes = core.take_changes();
         assert!(
             changes
                 .iter()
                 .any(|c| matches!(c, DurableChange::Op { record: Some(r), .. }
-                if r.input_digest == input_digest(&first) && r.acked)),
+                if r.input_digest == input_digest(&first))),
             "{changes:?}"
         );
+        let settled = core.durable_records();
+        assert_eq!(settled[&(RUN, id(1, 0))].input_digest, input_digest(&first));
+        // The acknowledgement is not written.
+        core.ack_result(RUN, id(1, 0));
+        assert_eq!(core.take_changes(), Vec::new());
+        assert_eq!(core.durable_records(), settled);
 
         // Other input under the same id is still refused ...
         let other = op(1, 0, 1, 100, OperationInput::DestroyLease { lease: None });
@@ -2106,16 +2140,16 @@ mod tests {
         assert_eq!(starts(&out), vec![id(1, 2)]);
         let changes = core.take_changes();
         assert!(
-            matches!(changes.as_slice(), [DurableChange::Op { id: written, record: Some(r), .. }]
-                if *written == id(1, 1) && !r.acked),
+            matches!(changes.as_slice(), [DurableChange::Op { id: written, record: Some(_), .. }]
+                if *written == id(1, 1)),
             "{changes:?}"
         );
+        // Neither an acknowledgement nor a replay that owes the result again
+        // writes anything: after a restart nothing is owed until asked for.
         core.ack_result(RUN, id(1, 1));
-        let changes = core.take_changes();
-        assert!(
-            matches!(changes.as_slice(), [DurableChange::Op { id: written, record: Some(r), .. }]
-                if *written == id(1, 1) && r.acked),
-            "{changes:?}"
-        );
+        assert_eq!(core.take_changes(), Vec::new());
+        let out = core.submit(op(1, 1, 1, 100, create()), t(2));
+        assert!(matches!(results(&out).as_slice(), [r] if r.replayed), "{out:?}");
+        assert_eq!(core.take_changes(), Vec::new());
     }
 }

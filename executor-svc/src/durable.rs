@@ -47,7 +47,9 @@ pub const FILE_NAME: &str = "executor.redb";
 /// so its cache holds pages the service keeps in its own structures anyway.
 /// At 100,000 nodes the executor's cache held 122 MB, over two fifths of
 /// what the process kept; the cache grows with the file up to its size.
-const CACHE_BYTES: usize = 64 << 20;
+/// 16 MiB converged a million nodes no slower than 64 MiB on the bench
+/// machine, in about 0.5 KB a node less at 100,000 (docs/profile-notes.md).
+const CACHE_BYTES: usize = 16 << 20;
 
 fn create_database(path: &Path) -> Result<Database, redb::DatabaseError> {
     redb::Builder::new().set_cache_size(CACHE_BYTES).create(path)
@@ -176,7 +178,8 @@ impl ExecutorStore {
                                     schema: SCHEMA_VERSION,
                                     op: None,
                                     result: Some(pb::OperationResult::from(&r.result)),
-                                    acked: r.acked,
+                                    // Not kept (see `ExecutorCore::restore`).
+                                    acked: false,
                                     input_digest: r.input_digest,
                                 }
                                 .encode_to_vec();
@@ -255,11 +258,10 @@ impl ExecutorStore {
                     "operation record under the wrong key {uid}/{attempt}.{seq}"
                 )));
             }
-            runs.entry(result.run_uid).or_default().ops.push(DurableOp {
-                input_digest,
-                result,
-                acked: r.acked,
-            });
+            runs.entry(result.run_uid)
+                .or_default()
+                .ops
+                .push(DurableOp { input_digest, result });
         }
         Ok(runs.into_iter().collect())
     }
@@ -351,6 +353,10 @@ mod tests {
         let store = ExecutorStore::open(dir.path()).unwrap();
         let mut again = ExecutorCore::restore(store.load().unwrap());
         assert_eq!(again.highest_epoch(RUN), Some(Epoch::new(4)));
+        // The result was never acknowledged, but a restored result is owed to
+        // nobody until it is asked for: the driver resubmits what it holds
+        // pending when its link comes back.
+        assert!(again.unacked_results().is_empty());
         // A resubmission replays the recorded result and starts nothing.
         let out = again.submit(create(1, 4), UnixMillis::new(3));
         match out.as_slice() {
@@ -366,17 +372,15 @@ mod tests {
             matches!(out.as_slice(), [Output::Rejected(r)] if r.reason == contract::RejectionReason::Fenced)
         );
 
-        // Acknowledged, the record keeps the digest and the result, and a
-        // store reopened from it still replays the result and refuses the
-        // same id with other input.
+        // An acknowledgement writes nothing (the record keeps the digest and
+        // the result), and a store reopened again still replays the result
+        // and refuses the same id with other input.
         again.ack_result(RUN, OperationId::new(AttemptId::new(1), 1));
-        let changes = again.take_changes();
-        store.apply(&changes).unwrap();
+        assert_eq!(again.take_changes(), Vec::new());
         drop(store);
         let store = ExecutorStore::open(dir.path()).unwrap();
         let loaded = store.load().unwrap();
         assert_eq!(loaded[0].1.ops[0].input_digest, input_digest(&create(1, 4)));
-        assert!(loaded[0].1.ops[0].acked);
         let mut third = ExecutorCore::restore(loaded);
         let out = third.submit(create(1, 4), UnixMillis::new(4));
         assert!(
@@ -388,6 +392,70 @@ mod tests {
         let out = third.submit(other, UnixMillis::new(4));
         assert!(
             matches!(out.as_slice(), [Output::Rejected(r)] if r.reason == contract::RejectionReason::ConflictingInput),
+            "{out:?}"
+        );
+    }
+
+    /// An attempt whose successful destroy is on record is retired by the
+    /// restart, as the destroy's acknowledgement (never written) would have
+    /// retired it: its records go, a resubmitted destroy is answered
+    /// "already absent", and a new operation for it is refused.
+    #[test]
+    fn a_recorded_destroy_retires_its_attempt_at_restore() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ExecutorStore::open(dir.path()).unwrap();
+        let mut core = claimed(1);
+        let mut destroy = create(1, 1);
+        destroy.id = OperationId::new(AttemptId::new(1), 2);
+        destroy.input = OperationInput::DestroyLease { lease: None };
+        for op in [create(1, 1), destroy.clone()] {
+            let id = op.id;
+            let out = core.submit(op, UnixMillis::new(1));
+            assert!(matches!(out.as_slice(), [Output::Start(_)]), "{out:?}");
+            let _ = core.complete(
+                RUN,
+                id,
+                Outcome::Succeeded(ResultFacts::default()),
+                UnixMillis::new(2),
+            );
+        }
+        // A second attempt's create, completed: it stays.
+        let _ = core.submit(create(2, 1), UnixMillis::new(3));
+        let _ = core.complete(
+            RUN,
+            OperationId::new(AttemptId::new(2), 1),
+            Outcome::Succeeded(ResultFacts::default()),
+            UnixMillis::new(4),
+        );
+        store.apply(&core.take_changes()).unwrap();
+        drop(store);
+
+        let store = ExecutorStore::open(dir.path()).unwrap();
+        let mut again = ExecutorCore::restore(store.load().unwrap());
+        store.apply(&again.take_changes()).unwrap();
+        let loaded = store.load().unwrap();
+        let kept: Vec<OperationId> = loaded[0].1.ops.iter().map(|o| o.result.id).collect();
+        assert_eq!(kept, vec![OperationId::new(AttemptId::new(2), 1)]);
+        assert_eq!(
+            loaded[0].1.retired_ranges,
+            vec![(AttemptId::new(1), AttemptId::new(1))]
+        );
+
+        let out = again.submit(destroy, UnixMillis::new(5));
+        assert!(
+            matches!(out.as_slice(), [Output::Result(r)] if matches!(r.outcome, Outcome::Succeeded(_))),
+            "{out:?}"
+        );
+        let mut late = create(1, 1);
+        late.id = OperationId::new(AttemptId::new(1), 3);
+        let out = again.submit(late, UnixMillis::new(5));
+        assert!(
+            matches!(out.as_slice(), [Output::Rejected(r)] if r.reason == contract::RejectionReason::Invalid),
+            "{out:?}"
+        );
+        let out = again.submit(create(2, 1), UnixMillis::new(5));
+        assert!(
+            matches!(out.as_slice(), [Output::Result(r)] if r.replayed),
             "{out:?}"
         );
     }
@@ -413,7 +481,6 @@ mod tests {
         let record = rec::ExecutorOp::decode(bytes.value()).unwrap();
         assert_eq!(record.op, None, "{record:?}");
         assert_eq!(record.input_digest, input_digest(&create(1, 1)));
-        assert!(!record.acked, "owed to the driver");
     }
 
     /// A record from an executor that kept the whole operation (sealed)
