@@ -203,6 +203,11 @@ struct Completed {
     /// The core abandoned the operation at its deadline while the backend call was
     /// out, so one late completion may still arrive; it is reported once.
     awaiting_late: bool,
+    /// Restored from the store and not sent since: the previous incarnation
+    /// may have stopped before it sent the result at all, so the first
+    /// answer to a resubmission is the result re-sent, not a replay of one
+    /// the driver has seen.
+    restored: bool,
 }
 
 impl Completed {
@@ -217,6 +222,7 @@ impl Completed {
             effect: result.effect,
             acked,
             awaiting_late: false,
+            restored: false,
         }
     }
 
@@ -699,7 +705,7 @@ impl ExecutorCore {
                 done.acked = false;
                 run.unacked.insert(id);
                 let mut replay = done.result(run_uid, id);
-                replay.replayed = true;
+                replay.replayed = !std::mem::take(&mut done.restored);
                 // The replay answers the resubmission, so it joins that trace.
                 replay.trace = op.trace;
                 out.push(Output::Result(replay));
@@ -1252,9 +1258,11 @@ impl ExecutorCore {
     /// section 4), and the resubmission replays the result. So an
     /// acknowledgement is never written (one write an operation, not two),
     /// and a restart does not send the driver every result it has already
-    /// folded. An attempt whose successful `DestroyLease` is on record is
-    /// retired here, as its acknowledgement would have retired it; a
-    /// resubmitted destroy of it is answered "already absent".
+    /// folded. Two kinds are owed again, as every result was before: a
+    /// successful `DestroyLease` (its acknowledgement retires the attempt,
+    /// and removes the attempt's records from the store) and a record of an
+    /// attempt already retired (its acknowledgement removes it). Both stay
+    /// on record only until acknowledged.
     pub fn restore(runs: impl IntoIterator<Item = (RunUid, DurableRun)>) -> Self {
         let mut core = Self::default();
         for (run_uid, d) in runs {
@@ -1268,36 +1276,21 @@ impl ExecutorCore {
                 ),
                 ..RunState::default()
             };
-            let mut destroyed = BTreeSet::new();
             for o in d.ops {
                 let id = o.result.id;
-                if o.result.effect == Effect::DestroyLease
-                    && matches!(o.result.outcome, Outcome::Succeeded(_))
-                {
-                    destroyed.insert(id.attempt());
+                // Owed again, as before the restart: a successful destroy,
+                // whose acknowledgement retires its attempt, and a record of
+                // an attempt already retired, whose acknowledgement drops it.
+                // Either is on record only until acknowledged, so few are.
+                let owed = run.retired.contains(id.attempt())
+                    || (o.result.effect == Effect::DestroyLease
+                        && matches!(o.result.outcome, Outcome::Succeeded(_)));
+                if owed {
+                    run.unacked.insert(id);
                 }
-                run.ops.insert(
-                    id,
-                    OpEntry::Completed(Box::new(Completed::new(o.result, o.input_digest, true))),
-                );
-            }
-            // Records of an attempt already retired were kept only until
-            // acknowledged, and a restored record counts as acknowledged.
-            let stale: Vec<OperationId> = run
-                .ops
-                .keys()
-                .filter(|id| run.retired.contains(id.attempt()))
-                .copied()
-                .collect();
-            for id in stale {
-                run.ops.remove(&id);
-                run.changed.insert(id);
-            }
-            for attempt in destroyed {
-                if !run.retired.contains(attempt) {
-                    run.retire(attempt);
-                    core.dirty_runs.insert(run_uid);
-                }
+                let mut done = Completed::new(o.result, o.input_digest, !owed);
+                done.restored = !owed;
+                run.ops.insert(id, OpEntry::Completed(Box::new(done)));
             }
             core.runs.insert(run_uid, run);
         }
@@ -1544,12 +1537,16 @@ mod tests {
                 ops: settled.into_values().collect(),
             },
         )]);
-        for core in [&mut core, &mut restored] {
+        // (The restored core's first answer is the result re-sent, its
+        // second a replay: it cannot know whether its last incarnation
+        // sent the result at all.)
+        for (in_restored, replayed) in [(false, true), (true, false), (true, true)] {
+            let core = if in_restored { &mut restored } else { &mut core };
             let out = core.submit(first.clone(), t(30));
             assert!(starts(&out).is_empty(), "{out:?}");
             let replay = results(&out);
             assert_eq!(replay.len(), 1, "{out:?}");
-            assert!(replay[0].replayed);
+            assert_eq!(replay[0].replayed, replayed);
             assert_eq!(replay[0].outcome, succeeded());
             assert_eq!(replay[0].completed_at, t(10));
         }

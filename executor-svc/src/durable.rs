@@ -357,14 +357,19 @@ mod tests {
         // nobody until it is asked for: the driver resubmits what it holds
         // pending when its link comes back.
         assert!(again.unacked_results().is_empty());
-        // A resubmission replays the recorded result and starts nothing.
-        let out = again.submit(create(1, 4), UnixMillis::new(3));
-        match out.as_slice() {
-            [Output::Result(r)] => {
-                assert!(r.replayed);
-                assert!(matches!(&r.outcome, Outcome::Succeeded(f) if f.lease.as_ref() == Some(&lease)));
+        // A resubmission is answered from the record and starts nothing:
+        // first the result re-sent (this executor cannot know whether the
+        // last one sent it at all), then replays.
+        for replayed in [false, true] {
+            let out = again.submit(create(1, 4), UnixMillis::new(3));
+            match out.as_slice() {
+                [Output::Result(r)] => {
+                    assert_eq!(r.replayed, replayed);
+                    assert_eq!(r.completed_at, UnixMillis::new(2));
+                    assert!(matches!(&r.outcome, Outcome::Succeeded(f) if f.lease.as_ref() == Some(&lease)));
+                }
+                other => panic!("expected the recorded result, got {other:?}"),
             }
-            other => panic!("expected a replay, got {other:?}"),
         }
         // An older epoch stays fenced.
         let out = again.submit(create(2, 3), UnixMillis::new(3));
@@ -384,7 +389,7 @@ mod tests {
         let mut third = ExecutorCore::restore(loaded);
         let out = third.submit(create(1, 4), UnixMillis::new(4));
         assert!(
-            matches!(out.as_slice(), [Output::Result(r)] if r.replayed),
+            matches!(out.as_slice(), [Output::Result(r)] if r.completed_at == UnixMillis::new(2)),
             "{out:?}"
         );
         let mut other = create(1, 4);
@@ -396,19 +401,19 @@ mod tests {
         );
     }
 
-    /// An attempt whose successful destroy is on record is retired by the
-    /// restart, as the destroy's acknowledgement (never written) would have
-    /// retired it: its records go, a resubmitted destroy is answered
-    /// "already absent", and a new operation for it is refused.
+    /// A successful destroy on record is owed to the driver again after a
+    /// restart (the other results wait for a resubmission): a resubmission
+    /// replays it, and its acknowledgement retires the attempt, removes its
+    /// records from the store, and refuses new operations for it.
     #[test]
-    fn a_recorded_destroy_retires_its_attempt_at_restore() {
+    fn a_recorded_destroy_is_owed_again_and_its_acknowledgement_retires_the_attempt() {
         let dir = tempfile::tempdir().unwrap();
         let store = ExecutorStore::open(dir.path()).unwrap();
         let mut core = claimed(1);
         let mut destroy = create(1, 1);
         destroy.id = OperationId::new(AttemptId::new(1), 2);
         destroy.input = OperationInput::DestroyLease { lease: None };
-        for op in [create(1, 1), destroy.clone()] {
+        for op in [create(1, 1), destroy.clone(), create(2, 1)] {
             let id = op.id;
             let out = core.submit(op, UnixMillis::new(1));
             assert!(matches!(out.as_slice(), [Output::Start(_)]), "{out:?}");
@@ -419,19 +424,20 @@ mod tests {
                 UnixMillis::new(2),
             );
         }
-        // A second attempt's create, completed: it stays.
-        let _ = core.submit(create(2, 1), UnixMillis::new(3));
-        let _ = core.complete(
-            RUN,
-            OperationId::new(AttemptId::new(2), 1),
-            Outcome::Succeeded(ResultFacts::default()),
-            UnixMillis::new(4),
-        );
         store.apply(&core.take_changes()).unwrap();
         drop(store);
 
         let store = ExecutorStore::open(dir.path()).unwrap();
         let mut again = ExecutorCore::restore(store.load().unwrap());
+        let owed: Vec<OperationId> = again.unacked_results().iter().map(|r| r.id).collect();
+        assert_eq!(owed, vec![destroy.id]);
+        let out = again.submit(destroy.clone(), UnixMillis::new(3));
+        assert!(
+            matches!(out.as_slice(), [Output::Result(r)] if r.replayed),
+            "{out:?}"
+        );
+
+        again.ack_result(RUN, destroy.id);
         store.apply(&again.take_changes()).unwrap();
         let loaded = store.load().unwrap();
         let kept: Vec<OperationId> = loaded[0].1.ops.iter().map(|o| o.result.id).collect();
@@ -439,12 +445,6 @@ mod tests {
         assert_eq!(
             loaded[0].1.retired_ranges,
             vec![(AttemptId::new(1), AttemptId::new(1))]
-        );
-
-        let out = again.submit(destroy, UnixMillis::new(5));
-        assert!(
-            matches!(out.as_slice(), [Output::Result(r)] if matches!(r.outcome, Outcome::Succeeded(_))),
-            "{out:?}"
         );
         let mut late = create(1, 1);
         late.id = OperationId::new(AttemptId::new(1), 3);
@@ -455,7 +455,7 @@ mod tests {
         );
         let out = again.submit(create(2, 1), UnixMillis::new(5));
         assert!(
-            matches!(out.as_slice(), [Output::Result(r)] if r.replayed),
+            matches!(out.as_slice(), [Output::Result(r)] if !r.replayed && r.completed_at == UnixMillis::new(2)),
             "{out:?}"
         );
     }
@@ -533,7 +533,7 @@ mod tests {
         .unwrap();
         let out = core.submit(first, UnixMillis::new(3));
         assert!(
-            matches!(out.as_slice(), [Output::Result(r)] if r.replayed),
+            matches!(out.as_slice(), [Output::Result(r)] if r.completed_at == UnixMillis::new(2)),
             "{out:?}"
         );
     }
