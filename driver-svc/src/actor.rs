@@ -2,9 +2,10 @@
 //!
 //! The actor consumes a closed enum of events ([`RunEvent`]): client requests,
 //! executor messages, link changes, the decider's answers and its own timers.
-//! After each batch of events it commits what changed (releasing the
-//! acknowledgements of committed folds), starts a pass if one is wanted and none
-//! is running, and publishes the run's status. Every commit is persisted from
+//! After each batch of events it starts a pass if one is wanted and none is
+//! running, commits what changed (releasing the acknowledgements of committed
+//! folds) unless a pass will carry it ([`RunActor::pass_carries`]: the pass's
+//! commit writes the folds with its decisions), and publishes the run's status. Every commit is persisted from
 //! this task, off the async workers when the store may block
 //! ([`RunActor::persist`]): runs commit concurrently, and a pass's operations
 //! and a batch's acknowledgements go out only once their commit is durable. Passes follow work-queue rules:
@@ -443,15 +444,19 @@ impl RunActor {
                 // Room came back, and this run has nodes waiting for it.
                 _ = self.freed.changed(), if self.run.dispatch_held_count() > 0 && !self.pass_in_flight => {}
             }
-            let _ = self.commit().await;
             if self.stopping.is_some() && !self.pass_in_flight {
                 self.stop().await;
                 break;
             }
             self.maybe_pass();
+            if self.pass_carries() {
+                self.send_released();
+            } else {
+                let _ = self.commit().await;
+            }
             self.settle_deadline_folds();
             self.publish();
-            if self.run.uncommitted() {
+            if self.run.uncommitted() && !self.pass_carries() {
                 // The conditions changed (and with them, maybe, the event
                 // log): stored now, not with whatever happens next.
                 let _ = self.commit().await;
@@ -1320,6 +1325,9 @@ impl RunActor {
                             );
                         }
                         // Acknowledged with the batch's commit, in one message.
+                        if !released.acks.is_empty() {
+                            crash::hit(crash::Point::FoldCommitted);
+                        }
                         self.session.acknowledge(released.acks);
                         let ops = released.operations;
                         if !ops.is_empty() {
@@ -1525,6 +1533,36 @@ impl RunActor {
         self.flush();
     }
 
+    /// Whether what changed since the last commit waits for a pass's
+    /// commit rather than being written now: a pass is in flight, or one is
+    /// wanted and waits only for the batch window (at most `BATCH_STRETCH`
+    /// windows), and nothing keeps it from starting then. The pass writes
+    /// the folds with its decisions (`RunState::apply_decisions` commits
+    /// everything changed), so a node folded and then decided is written
+    /// once, not twice, and the folds' acknowledgements go when that commit
+    /// is durable, as they would after their own. A pass that fails leaves
+    /// them to the next commit of the loop.
+    fn pass_carries(&self) -> bool {
+        if self.halted.is_some() || self.stopping.is_some() {
+            return false;
+        }
+        if self.pass_in_flight {
+            return true;
+        }
+        self.decider_retry_at.is_none()
+            && !self.session.is_fenced()
+            && self.shared.owns(self.run.uid())
+            && self.run.pass_batching(self.now())
+    }
+
+    /// Sends what earlier commits released (acknowledgements), the replays
+    /// the run asks for, and whatever else the session has queued.
+    fn send_released(&mut self) {
+        self.session.flush_acks();
+        self.session.ask_replays(&mut self.run);
+        self.flush();
+    }
+
     /// Commits what changed. A failed commit halts the run: its in-memory
     /// state may be ahead of the store, so nothing more is dispatched,
     /// acknowledged or accepted for it until the driver has reloaded it from
@@ -1551,9 +1589,7 @@ impl RunActor {
         }
         self.events.committed(dirty);
         self.publish_event_mark();
-        self.session.flush_acks();
-        self.session.ask_replays(&mut self.run);
-        self.flush();
+        self.send_released();
         Ok(())
     }
 
@@ -1562,6 +1598,11 @@ impl RunActor {
     /// commit, and every other run goes on with its passes and commits.
     async fn persist(&self, commit: Commit) -> Result<Released, StoreError> {
         let store = self.shared.store.clone();
+        if !commit.delta().is_empty() {
+            let e = &self.shared.metrics.exported;
+            e.store_commits.inc(&[]);
+            e.store_node_writes.add(&[], commit.delta().upserts.len() as u64);
+        }
         if commit.delta().is_empty() || !store.blocks() {
             return commit.persist_to(&*store);
         }

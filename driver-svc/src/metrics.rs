@@ -74,6 +74,8 @@ pub(crate) struct Exported {
     pub(crate) admission_waiting: Gauge,
     pub(crate) takeovers: Counter,
     pub(crate) reloads: Counter,
+    pub(crate) store_commits: Counter,
+    pub(crate) store_node_writes: Counter,
     pub(crate) nodes: Gauge,
     pub(crate) runs: Gauge,
     pub(crate) link_up: Gauge,
@@ -131,6 +133,8 @@ impl Exported {
         for state in HEALTH_STATES {
             self.health.init(&[state]);
         }
+        self.store_commits.init(&[]);
+        self.store_node_writes.init(&[]);
     }
 
     fn register(r: &platform::metrics::Registry) -> Self {
@@ -278,6 +282,17 @@ impl Exported {
             reloads: r.counter(
                 "provisioning_run_reloads_total",
                 "Runs halted by a failed store write and reloaded from the store under a new epoch.",
+                &[],
+            ),
+            store_commits: r.counter(
+                "provisioning_store_commits_total",
+                "Run commits that wrote something to the store (several runs' commits may share one \
+                 transaction).",
+                &[],
+            ),
+            store_node_writes: r.counter(
+                "provisioning_store_node_writes_total",
+                "Node records written to the store, by the commits above.",
                 &[],
             ),
             nodes: r.gauge(

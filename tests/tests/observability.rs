@@ -1084,6 +1084,8 @@ const DRIVER_FAMILIES: &[&str] = &[
     "provisioning_stale_results_discarded_total",
     "provisioning_runs_converged_total",
     "provisioning_bootstrap_sessions_asked_again_total",
+    "provisioning_store_commits_total",
+    "provisioning_store_node_writes_total",
     "provisioning_nodes",
     "provisioning_runs",
     "provisioning_executor_link_up",
@@ -1287,6 +1289,18 @@ async fn metrics_endpoints_serve_the_documented_metrics_and_they_move() {
         sum(driver, "provisioning_reconcile_total", &[("controller", "run")]),
         passes
     );
+    // The store: what a batch folds is written with the pass that decides
+    // on it, so the commits are about the passes (plus the apply's), not the
+    // passes and every batch of folds.
+    // (Here: 9 commits for 9 passes; 17-18 when every batch of folds was
+    // committed on its own.)
+    let commits = sum(driver, "provisioning_store_commits_total", &[]);
+    let writes = sum(driver, "provisioning_store_node_writes_total", &[]);
+    assert!(
+        commits >= 1.0 && commits <= passes + 2.0,
+        "{commits} commits for {passes} passes"
+    );
+    assert!(writes >= nodes, "{writes} node writes for {nodes} nodes");
     assert_eq!(
         sum(
             driver,

@@ -1842,6 +1842,14 @@ impl RunState {
         wanted && self.batch_end().is_none_or(|end| end <= now)
     }
 
+    /// Whether a pass is wanted and waits only for the batch window (see
+    /// [`RunState::needs_pass`]), so that what changed since the last commit
+    /// can be written with that pass's decisions.
+    pub fn pass_batching(&self, now: UnixMillis) -> bool {
+        let wanted = !self.dirty_ids.is_empty() || self.missing_slots();
+        wanted && self.batch_end().is_some_and(|end| end > now)
+    }
+
     /// While operations are in flight, folds wait for more results until this:
     /// one `pass_batch` after the first fold since the last pass; and while
     /// results keep streaming in (each within `pass_batch` of the last) and

@@ -777,6 +777,8 @@ struct Converged {
     /// The peak of a plugin the executor started, if it started one.
     plugin_peak_kib: Option<u64>,
     cpu: CpuUsed,
+    /// Node records the driver wrote to its store over the convergence.
+    node_writes: Option<f64>,
 }
 
 async fn three_processes(n: u64, durable: bool) -> anyhow::Result<Converged> {
@@ -943,6 +945,7 @@ async fn converge(
     for ((_, used), (_, before)) in cpu.iter_mut().zip(cpu_before) {
         *used -= before;
     }
+    let node_writes = scraped(&cluster.driver, "provisioning_store_node_writes_total").await;
     Ok(Converged {
         elapsed,
         passes,
@@ -950,6 +953,7 @@ async fn converge(
         executor,
         plugin_peak_kib,
         cpu,
+        node_writes,
     })
 }
 
@@ -1051,6 +1055,20 @@ async fn bench_e2e(t: &mut Table, n: u64) -> anyhow::Result<()> {
         "passes",
         format!("{:.2}x ladder depth (target <= 3x)", passes as f64 / LADDER_DEPTH),
     );
+    // Each write is a record encoded and put in the store's B-tree (redb);
+    // a fold and the pass that decides on it are written together.
+    for (store, run) in [("memory store", &memory), ("redb store", &redb)] {
+        if let Some(writes) = run.node_writes {
+            t.add(
+                "store",
+                n,
+                &format!("driver node records written per node, {store}"),
+                writes / n as f64,
+                "writes",
+                format!("{writes:.0} in all"),
+            );
+        }
+    }
     // Under the admission limit a run's passes are bound by it too: two
     // operations a node, at most the limit pending, so at least that many
     // passes that dispatch. The same size without the limit shows what the
