@@ -5,10 +5,11 @@
 //! After each batch of events it starts a pass if one is wanted and none is
 //! running, commits what changed (releasing the acknowledgements of committed
 //! folds) unless a pass will carry it ([`RunActor::pass_carries`]: the pass's
-//! commit writes the folds with its decisions), and publishes the run's status. Every commit is persisted from
-//! this task, off the async workers when the store may block
-//! ([`RunActor::persist`]): runs commit concurrently, and a pass's operations
-//! and a batch's acknowledgements go out only once their commit is durable. Passes follow work-queue rules:
+//! commit writes the folds with its decisions), and publishes the run's
+//! status. Every commit is persisted from this task, off the async workers
+//! when the store may block ([`RunActor::persist`]): runs commit
+//! concurrently, and a pass's operations and a batch's acknowledgements go
+//! out only once their commit is durable. Passes follow work-queue rules:
 //! one at a time; triggers while one is queued collapse (a pass is wanted when
 //! anything is dirty or due, however many events made it so); a trigger during a
 //! pass leaves a node dirty, which guarantees exactly one follow-up pass.
