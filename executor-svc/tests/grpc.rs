@@ -667,10 +667,14 @@ async fn a_result_completed_before_a_restart_is_replayed_not_run_again() -> Test
     ensure!(fenced.highest_epoch == 2, "{fenced:?}");
     link.claim(2).await?;
     link.claimed(2).await?;
-    // The unacknowledged result is sent again on claim...
+    // Nothing is sent unasked: the driver resubmits what it holds pending.
+    // The resubmission is answered from the record without a backend call,
+    // first as the result re-sent (the last incarnation may never have
+    // sent it), then as replays.
+    link.submit(create(2, deadline_in(30_000))).await?;
     let resent = link.result().await?;
+    ensure!(!resent.replayed, "{resent:?}");
     ensure!(lease_of(&resent)? == lease, "{resent:?}");
-    // ...and a resubmission replays it without a backend call.
     link.submit(create(2, deadline_in(30_000))).await?;
     let replayed = link.result().await?;
     ensure!(replayed.replayed, "{replayed:?}");
@@ -679,7 +683,8 @@ async fn a_result_completed_before_a_restart_is_replayed_not_run_again() -> Test
         second.backend.with_provider(|p| p.calls()) == 0,
         "the operation ran again against the backend"
     );
-    // An operation stamped with the old epoch has no effect.
+    // An operation stamped with the old epoch has no effect (and the next
+    // message is its rejection: no result came unasked).
     link.submit(op(op_id(3, 1), 1, deadline_in(30_000), create_input()))
         .await?;
     let old = link.rejection().await?;
