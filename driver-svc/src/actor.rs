@@ -450,14 +450,15 @@ impl RunActor {
                 break;
             }
             self.maybe_pass();
-            if self.pass_carries() {
+            let carried = self.pass_carries();
+            if carried {
                 self.send_released();
             } else {
                 let _ = self.commit().await;
             }
             self.settle_deadline_folds();
             self.publish();
-            if self.run.uncommitted() && !self.pass_carries() {
+            if self.run.uncommitted() && !carried {
                 // The conditions changed (and with them, maybe, the event
                 // log): stored now, not with whatever happens next.
                 let _ = self.commit().await;

@@ -1278,10 +1278,7 @@ impl ExecutorCore {
             };
             for o in d.ops {
                 let id = o.result.id;
-                // Owed again, as before the restart: a successful destroy,
-                // whose acknowledgement retires its attempt, and a record of
-                // an attempt already retired, whose acknowledgement drops it.
-                // Either is on record only until acknowledged, so few are.
+                // The two kinds still owed (see above).
                 let owed = run.retired.contains(id.attempt())
                     || (o.result.effect == Effect::DestroyLease
                         && matches!(o.result.outcome, Outcome::Succeeded(_)));

@@ -1838,16 +1838,19 @@ impl RunState {
         if !self.dispatch_held.is_empty() && self.dispatch_room.is_none_or(|r| r > 0) {
             return true;
         }
-        let wanted = !self.dirty_ids.is_empty() || self.missing_slots();
-        wanted && self.batch_end().is_none_or(|end| end <= now)
+        self.pass_wanted() && self.batch_end().is_none_or(|end| end <= now)
     }
 
     /// Whether a pass is wanted and waits only for the batch window (see
     /// [`RunState::needs_pass`]), so that what changed since the last commit
     /// can be written with that pass's decisions.
     pub fn pass_batching(&self, now: UnixMillis) -> bool {
-        let wanted = !self.dirty_ids.is_empty() || self.missing_slots();
-        wanted && self.batch_end().is_some_and(|end| end > now)
+        self.pass_wanted() && self.batch_end().is_some_and(|end| end > now)
+    }
+
+    /// A node changed or a desired slot has none: a pass has work.
+    fn pass_wanted(&self) -> bool {
+        !self.dirty_ids.is_empty() || self.missing_slots()
     }
 
     /// While operations are in flight, folds wait for more results until this:
