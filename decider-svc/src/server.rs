@@ -608,7 +608,7 @@ pub async fn serve(
         // Health checkers see the decider leave before its port closes.
         reporter.set_not_serving::<DeciderServer>().await;
     };
-    let router = tonic::transport::Server::builder()
+    let router = platform::runtime::server()
         .layer(ServerLayer::new())
         .layer(policy.layer())
         .add_service(health)

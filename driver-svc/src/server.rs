@@ -221,7 +221,7 @@ pub async fn run(
     // Client certificates are optional on the public API; one presented
     // must chain to the CA.
     let incoming = config.transport.incoming(listener, ClientAuth::Optional)?;
-    let router = tonic::transport::Server::builder()
+    let router = platform::runtime::server()
         .layer(ServerLayer::new())
         .add_service(health)
         .add_service(reflection)

@@ -1169,6 +1169,105 @@ mod tests {
         server.await.unwrap().unwrap();
     }
 
+    /// Thousands of calls at once on the one connection for operations are
+    /// all answered: the plugin's server never takes the burst of small
+    /// request frames for abuse and resets the connection (which made every
+    /// call in flight ambiguous, and the driver's nodes wait for the
+    /// inventory to settle them).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn thousands_of_calls_at_once_are_all_answered() {
+        use provider_sdk::{Answer, Bootstrap, Call, Info, Listen, Resource, ServeOptions};
+
+        const CALLS: u64 = 20_000;
+        struct Quick;
+        impl provider_sdk::Provider for Quick {
+            fn info(&self) -> Info {
+                Info {
+                    provider_names: vec!["quick".into()],
+                    reports_health: false,
+                    reports_loss: false,
+                    description: String::new(),
+                }
+            }
+            fn create_lease(
+                &self,
+                call: Call,
+                _: contract::NodeTemplate,
+            ) -> BoxFuture<'static, Answer<LeaseId>> {
+                Box::pin(async move {
+                    match LeaseId::new("lease", &format!("lease-{}", call.identity.node)) {
+                        Ok(lease) => Answer::Succeeded(lease),
+                        Err(e) => Answer::Permanent(e.to_string()),
+                    }
+                })
+            }
+            fn lookup_endpoint(&self, _: Call, _: LeaseId) -> BoxFuture<'static, Answer<Endpoint>> {
+                Box::pin(async { Answer::NotReady("no".into()) })
+            }
+            fn start_bootstrap(&self, _: Call, _: Bootstrap) -> BoxFuture<'static, Answer<SessionId>> {
+                Box::pin(async { Answer::Retryable("no".into()) })
+            }
+            fn cancel_bootstrap(&self, _: Call, _: Option<SessionId>) -> BoxFuture<'static, Answer<()>> {
+                Box::pin(async { Answer::Succeeded(()) })
+            }
+            fn destroy_lease(&self, _: Call, _: Option<LeaseId>) -> BoxFuture<'static, Answer<()>> {
+                Box::pin(async { Answer::Succeeded(()) })
+            }
+            fn list(&self) -> BoxFuture<'static, Result<Vec<Resource>, String>> {
+                Box::pin(async { Ok(Vec::new()) })
+            }
+        }
+
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("quick.sock");
+        let mut options = ServeOptions::plaintext(Listen::Unix(socket.clone()));
+        options.announce = false;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(provider_sdk::serve(Quick, options, async {
+            let _ = stopped.await;
+        }));
+        let target = PluginTarget::Address(format!("unix:{}", socket.display()));
+        let clock: Arc<dyn contract::Clock> = Arc::new(contract::SystemClock);
+        let backend = PluginBackend::start(PluginConfig::new(target, Transport::Insecure), clock)
+            .await
+            .unwrap();
+        let (tx, _rx) = crate::backend::observation_queue();
+        let template = Arc::new(contract::shape::example_template("quick", "img"));
+        let calls = (0..CALLS).map(|i| {
+            let op = Operation {
+                run_uid: RunUid::from_u128(1),
+                run_id: RunId::parse("run_id", "r").unwrap(),
+                node: LogicalNodeId::parse("node", &format!("w-{i}")).unwrap(),
+                id: OperationId::new(AttemptId::new(i + 1), 1),
+                epoch: Epoch::new(1),
+                deadline: UnixMillis::new(u64::MAX / 2),
+                provider: Arc::from("quick"),
+                input: OperationInput::CreateLease {
+                    template: template.clone(),
+                },
+                trace: TraceContext::default(),
+            };
+            tokio::spawn(backend.execute(op, ObservationSink::new(tx.clone(), TraceContext::default())))
+        });
+        let outcomes = futures::future::join_all(calls.collect::<Vec<_>>()).await;
+        let failed: Vec<String> = outcomes
+            .into_iter()
+            .filter_map(|o| match o.unwrap() {
+                Outcome::Succeeded(_) => None,
+                other => Some(format!("{other:?}")),
+            })
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "{} of {CALLS} calls were not answered; the first: {}",
+            failed.len(),
+            failed[0]
+        );
+        drop(backend);
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    }
+
     /// How a [`Lister`] answers `ListResourcePages`.
     #[derive(Clone, Copy)]
     enum Paging {

@@ -324,7 +324,7 @@ pub async fn run(
     // TLS is set up first: a certificate it cannot use stops the executor
     // before anything else starts.
     let incoming = config.peers.incoming(listener)?;
-    let server = tonic::transport::Server::builder();
+    let server = platform::runtime::server();
     let (reporter, health, reflection, reflection_alpha) =
         health_and_reflection::<ExecutorServer<ExecutorService>>().await?;
 

@@ -158,6 +158,25 @@ pub async fn bind_and_announce(
     Ok(listener)
 }
 
+/// Calls a peer may have in flight on one connection to a server of ours.
+///
+/// tonic's servers otherwise advertise no limit, so a client sends every
+/// call it has at once. h2 guards a server against floods of small DATA
+/// frames: each frame under 256 bytes that the service has not read yet
+/// counts against half the connection window (512 KiB), and past it the
+/// connection is closed (`GOAWAY`, `too_many_data_frames`), failing every
+/// call on it. An executor's ten thousand operations to a provider plugin
+/// did that: each a few hundred bytes, read late on a busy machine. At 1,024
+/// streams the unread frames stay under 256 KiB whatever their size, and the
+/// client holds further calls until a stream frees.
+pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
+
+/// A gRPC server builder with what every server of ours sets
+/// ([`MAX_CONCURRENT_STREAMS`]).
+pub fn server() -> tonic::transport::Server {
+    tonic::transport::Server::builder().max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+}
+
 /// The connections a server accepts on `listener`, each with `TCP_NODELAY`
 /// set. tonic sets it on the connections it accepts itself, not on those a
 /// stream of accepted sockets hands it; without it, the second message of a

@@ -13,7 +13,6 @@ use std::{
 
 use platform::tls::{ClientAuth, TlsArgs, Transport};
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::Server;
 
 use crate::{ANNOUNCEMENT, Events, Provider, server::ProviderService, server::TestingService, wire::pb};
 
@@ -185,7 +184,7 @@ pub async fn serve<P: Provider>(
     let service = pb::provider_server::ProviderServer::new(ProviderService::new(provider, events));
     let mut server = options
         .transport
-        .configure_server(Server::builder(), ClientAuth::Required)
+        .configure_server(platform::runtime::server(), ClientAuth::Required)
         .map_err(ServeError::Tls)?;
     let router = server
         .add_service(service)
