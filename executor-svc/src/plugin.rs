@@ -225,13 +225,23 @@ impl Inner {
     }
 }
 
+/// The calls the executor has in flight on one connection to a plugin; the
+/// rest wait their turn. A plugin's server may advertise no limit on
+/// concurrent streams (tonic's do not), and then takes every call at once:
+/// ten thousand operations sent together tripped h2's guard against floods
+/// of small frames in the plugin's server, which closed the connection and
+/// failed every call on it. The same bound as our own servers advertise
+/// ([`platform::runtime::MAX_CONCURRENT_STREAMS`]).
+const CALLS_IN_FLIGHT: usize = platform::runtime::MAX_CONCURRENT_STREAMS as usize;
+
 /// A channel to `address` (`unix:/path` or `host:port`), connected lazily;
 /// the channel reconnects on its own.
 pub fn channel(address: &str, transport: &Transport) -> Result<Channel, String> {
     if let Some(path) = address.strip_prefix("unix:") {
         let path = PathBuf::from(path);
-        let endpoint =
-            ChannelEndpoint::from_static("http://plugin.invalid").connect_timeout(Duration::from_secs(2));
+        let endpoint = ChannelEndpoint::from_static("http://plugin.invalid")
+            .connect_timeout(Duration::from_secs(2))
+            .concurrency_limit(CALLS_IN_FLIGHT);
         return Ok(
             endpoint.connect_with_connector_lazy(tower::service_fn(move |_: http::Uri| {
                 let path = path.clone();
@@ -246,6 +256,7 @@ pub fn channel(address: &str, transport: &Transport) -> Result<Channel, String> 
     let endpoint = transport.endpoint(address).map_err(|e| e.to_string())?;
     Ok(endpoint
         .connect_timeout(Duration::from_secs(2))
+        .concurrency_limit(CALLS_IN_FLIGHT)
         .tcp_nodelay(true)
         .connect_lazy())
 }
@@ -1169,16 +1180,37 @@ mod tests {
         server.await.unwrap().unwrap();
     }
 
-    /// Thousands of calls at once on the one connection for operations are
-    /// all answered: the plugin's server never takes the burst of small
-    /// request frames for abuse and resets the connection (which made every
-    /// call in flight ambiguous, and the driver's nodes wait for the
-    /// inventory to settle them).
+    /// How many calls the tests below send at once: enough that, sent
+    /// together to a server with no limit on streams, h2 closed the
+    /// connection (8,982 of 20,000 failed).
+    const BURST: u64 = 20_000;
+
+    /// A `CreateLease` of node `w-{i}` on attempt `i + 1`.
+    fn create_lease(i: u64) -> Operation {
+        Operation {
+            run_uid: RunUid::from_u128(1),
+            run_id: RunId::parse("run_id", "r").unwrap(),
+            node: LogicalNodeId::parse("node", &format!("w-{i}")).unwrap(),
+            id: OperationId::new(AttemptId::new(i + 1), 1),
+            epoch: Epoch::new(1),
+            deadline: UnixMillis::new(u64::MAX / 2),
+            provider: Arc::from("quick"),
+            input: OperationInput::CreateLease {
+                template: Arc::new(contract::shape::example_template("quick", "img")),
+            },
+            trace: TraceContext::default(),
+        }
+    }
+
+    /// A plugin served by the SDK answers thousands of calls sent at once
+    /// on one connection by a client that holds none back: its server
+    /// advertises a limit on streams, so the client queues the rest, where
+    /// with none h2's guard against floods of small frames closed the
+    /// connection and every call on it failed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn thousands_of_calls_at_once_are_all_answered() {
+    async fn an_sdk_plugin_answers_thousands_of_calls_sent_at_once() {
         use provider_sdk::{Answer, Bootstrap, Call, Info, Listen, Resource, ServeOptions};
 
-        const CALLS: u64 = 20_000;
         struct Quick;
         impl provider_sdk::Provider for Quick {
             fn info(&self) -> Info {
@@ -1226,46 +1258,79 @@ mod tests {
         let server = tokio::spawn(provider_sdk::serve(Quick, options, async {
             let _ = stopped.await;
         }));
-        let target = PluginTarget::Address(format!("unix:{}", socket.display()));
-        let clock: Arc<dyn contract::Clock> = Arc::new(contract::SystemClock);
-        let backend = PluginBackend::start(PluginConfig::new(target, Transport::Insecure), clock)
+        while !socket.exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // A client without the executor's own bound on calls in flight.
+        let channel = ChannelEndpoint::from_static("http://plugin.invalid")
+            .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+                let socket = socket.clone();
+                async move {
+                    tokio::net::UnixStream::connect(socket)
+                        .await
+                        .map(hyper_util::rt::TokioIo::new)
+                }
+            }))
             .await
             .unwrap();
-        let (tx, _rx) = crate::backend::observation_queue();
-        let template = Arc::new(contract::shape::example_template("quick", "img"));
-        let calls = (0..CALLS).map(|i| {
-            let op = Operation {
-                run_uid: RunUid::from_u128(1),
-                run_id: RunId::parse("run_id", "r").unwrap(),
-                node: LogicalNodeId::parse("node", &format!("w-{i}")).unwrap(),
-                id: OperationId::new(AttemptId::new(i + 1), 1),
-                epoch: Epoch::new(1),
-                deadline: UnixMillis::new(u64::MAX / 2),
-                provider: Arc::from("quick"),
-                input: OperationInput::CreateLease {
-                    template: template.clone(),
-                },
-                trace: TraceContext::default(),
+        let client = plugin_client(channel);
+        let calls = (0..BURST).map(|i| {
+            let op = create_lease(i);
+            let OperationInput::CreateLease { template } = &op.input else {
+                unreachable!()
             };
-            tokio::spawn(backend.execute(op, ObservationSink::new(tx.clone(), TraceContext::default())))
+            let message = pb::CreateLeaseRequest {
+                call: Some(call(&op)),
+                template: Some(template_to_wire(template)),
+            };
+            let mut client = client.clone();
+            tokio::spawn(async move { client.create_lease(message).await.map(|_| ()) })
+        });
+        let failed: Vec<tonic::Status> = futures::future::join_all(calls.collect::<Vec<_>>())
+            .await
+            .into_iter()
+            .filter_map(|r| r.unwrap().err())
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "{} of {BURST} calls failed; the first: {:?}",
+            failed.len(),
+            failed[0]
+        );
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    }
+
+    /// The executor does not send a plugin every call it has at once: on a
+    /// plugin whose server sets no limit on streams, thousands of operations
+    /// started together are all answered (here refused, as this plugin
+    /// refuses every `CreateLease`), none made ambiguous by a closed
+    /// connection.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_executor_holds_back_calls_past_its_bound_on_any_plugin() {
+        let served = serve_lister(Paging::Absent, u32::MAX, |_| {}).await;
+        let (tx, _rx) = crate::backend::observation_queue();
+        let calls = (0..BURST).map(|i| {
+            tokio::spawn(served.backend.execute(
+                create_lease(i),
+                ObservationSink::new(tx.clone(), TraceContext::default()),
+            ))
         });
         let outcomes = futures::future::join_all(calls.collect::<Vec<_>>()).await;
-        let failed: Vec<String> = outcomes
+        let ambiguous: Vec<String> = outcomes
             .into_iter()
             .filter_map(|o| match o.unwrap() {
-                Outcome::Succeeded(_) => None,
+                Outcome::Permanent { .. } => None,
                 other => Some(format!("{other:?}")),
             })
             .collect();
         assert!(
-            failed.is_empty(),
-            "{} of {CALLS} calls were not answered; the first: {}",
-            failed.len(),
-            failed[0]
+            ambiguous.is_empty(),
+            "{} of {BURST} calls were not answered; the first: {}",
+            ambiguous.len(),
+            ambiguous[0]
         );
-        drop(backend);
-        let _ = stop.send(());
-        server.await.unwrap().unwrap();
+        served.end().await;
     }
 
     /// How a [`Lister`] answers `ListResourcePages`.
