@@ -877,19 +877,31 @@ impl Actor {
             self.fold(event);
             // Whatever else is already queued joins this step, so that its
             // changes are written in one transaction (one fsync) before any of
-            // its messages leave.
-            for _ in 0..MAX_BATCH {
+            // its messages leave. With a store, and more calls running than
+            // the step holds, the actor lets them run once before it writes:
+            // calls to a plugin end one at a time, and each step that held
+            // one or two paid a transaction of its own (the plugin-hosted row
+            // at 100,000: 10-18% less time and executor CPU).
+            let mut folded = 1;
+            let mut yielded = false;
+            while folded < MAX_BATCH {
                 let next = match events.try_recv() {
                     Ok(ev) => ev,
                     Err(_) => match observations.try_recv() {
                         Ok(raw) => Event::Observation(raw),
                         Err(_) => match changes.try_recv() {
                             Ok(raw) => Event::ResourceChange(raw),
+                            Err(_) if !yielded && self.store.is_some() && self.tasks.len() > folded => {
+                                yielded = true;
+                                tokio::task::yield_now().await;
+                                continue;
+                            }
                             Err(_) => break,
                         },
                     },
                 };
                 self.fold(next);
+                folded += 1;
             }
             self.start_admitted();
             self.flush();
