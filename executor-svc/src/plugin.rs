@@ -1102,72 +1102,126 @@ mod tests {
 
     use super::*;
 
+    /// A provider plugin test double: it holds `held` resources and, with
+    /// `creates`, makes every lease it is asked for (without, it is full);
+    /// its other calls answer at once.
+    struct Stub {
+        held: u32,
+        creates: bool,
+    }
+
+    impl provider_sdk::Provider for Stub {
+        fn info(&self) -> provider_sdk::Info {
+            provider_sdk::Info {
+                provider_names: vec!["stub".into()],
+                reports_health: false,
+                reports_loss: false,
+                description: String::new(),
+            }
+        }
+        fn create_lease(
+            &self,
+            call: provider_sdk::Call,
+            _: contract::NodeTemplate,
+        ) -> BoxFuture<'static, Answer<LeaseId>> {
+            let answer = if self.creates {
+                match LeaseId::new("lease", &format!("lease-{}", call.identity.node)) {
+                    Ok(lease) => Answer::Succeeded(lease),
+                    Err(e) => Answer::Permanent(e.to_string()),
+                }
+            } else {
+                Answer::Retryable("full".into())
+            };
+            Box::pin(async move { answer })
+        }
+        fn lookup_endpoint(&self, _: provider_sdk::Call, _: LeaseId) -> BoxFuture<'static, Answer<Endpoint>> {
+            Box::pin(async { Answer::NotReady("no".into()) })
+        }
+        fn start_bootstrap(
+            &self,
+            _: provider_sdk::Call,
+            _: provider_sdk::Bootstrap,
+        ) -> BoxFuture<'static, Answer<SessionId>> {
+            Box::pin(async { Answer::Retryable("no".into()) })
+        }
+        fn cancel_bootstrap(
+            &self,
+            _: provider_sdk::Call,
+            _: Option<SessionId>,
+        ) -> BoxFuture<'static, Answer<()>> {
+            Box::pin(async { Answer::Succeeded(()) })
+        }
+        fn destroy_lease(&self, _: provider_sdk::Call, _: Option<LeaseId>) -> BoxFuture<'static, Answer<()>> {
+            Box::pin(async { Answer::Succeeded(()) })
+        }
+        fn list(&self) -> BoxFuture<'static, Result<Vec<provider_sdk::Resource>, String>> {
+            let run_id = RunId::parse("run_id", "big").unwrap();
+            let held = self.held;
+            Box::pin(async move {
+                Ok((0..held)
+                    .map(|i| provider_sdk::Resource {
+                        identity: contract::ResourceIdentity {
+                            run_uid: RunUid::from_u128(9),
+                            run_id: run_id.clone(),
+                            node: LogicalNodeId::parse("node", &format!("workers-{i}")).unwrap(),
+                            attempt: AttemptId::new(u64::from(i) + 1),
+                        },
+                        lease: LeaseId::new("lease", &format!("lease-{i:0>64}")).unwrap(),
+                        endpoint: None,
+                        session_live: false,
+                        provider_name: "stub".into(),
+                    })
+                    .collect())
+            })
+        }
+    }
+
+    /// A [`Stub`] served by the SDK on a Unix socket, until `stop` is sent.
+    struct StubServed {
+        socket: std::path::PathBuf,
+        stop: tokio::sync::oneshot::Sender<()>,
+        server: tokio::task::JoinHandle<Result<(), provider_sdk::ServeError>>,
+        _dir: tempfile::TempDir,
+    }
+
+    async fn serve_stub(stub: Stub) -> StubServed {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("stub.sock");
+        let mut options = provider_sdk::ServeOptions::plaintext(provider_sdk::Listen::Unix(socket.clone()));
+        options.announce = false;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(provider_sdk::serve(stub, options, async {
+            let _ = stopped.await;
+        }));
+        while !socket.exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        StubServed {
+            socket,
+            stop,
+            server,
+            _dir: dir,
+        }
+    }
+
+    impl StubServed {
+        async fn end(self) {
+            let _ = self.stop.send(());
+            self.server.await.unwrap().unwrap();
+        }
+    }
+
     /// Every resource of a plugin whose list is over tonic's default 4 MiB
     /// answer limit reaches the inventory (in pages).
     #[tokio::test]
     async fn a_list_over_four_mib_is_read_whole() {
-        use provider_sdk::{Answer, Bootstrap, Call, Info, Listen, Resource, ServeOptions};
-
         const HELD: u32 = 40_000;
-        struct Many;
-        impl provider_sdk::Provider for Many {
-            fn info(&self) -> Info {
-                Info {
-                    provider_names: vec!["many".into()],
-                    reports_health: false,
-                    reports_loss: false,
-                    description: String::new(),
-                }
-            }
-            fn create_lease(
-                &self,
-                _: Call,
-                _: contract::NodeTemplate,
-            ) -> BoxFuture<'static, Answer<LeaseId>> {
-                Box::pin(async { Answer::Retryable("full".into()) })
-            }
-            fn lookup_endpoint(&self, _: Call, _: LeaseId) -> BoxFuture<'static, Answer<Endpoint>> {
-                Box::pin(async { Answer::NotReady("no".into()) })
-            }
-            fn start_bootstrap(&self, _: Call, _: Bootstrap) -> BoxFuture<'static, Answer<SessionId>> {
-                Box::pin(async { Answer::Retryable("no".into()) })
-            }
-            fn cancel_bootstrap(&self, _: Call, _: Option<SessionId>) -> BoxFuture<'static, Answer<()>> {
-                Box::pin(async { Answer::Succeeded(()) })
-            }
-            fn destroy_lease(&self, _: Call, _: Option<LeaseId>) -> BoxFuture<'static, Answer<()>> {
-                Box::pin(async { Answer::Succeeded(()) })
-            }
-            fn list(&self) -> BoxFuture<'static, Result<Vec<Resource>, String>> {
-                let run_id = RunId::parse("run_id", "big").unwrap();
-                Box::pin(async move {
-                    Ok((0..HELD)
-                        .map(|i| Resource {
-                            identity: contract::ResourceIdentity {
-                                run_uid: RunUid::from_u128(9),
-                                run_id: run_id.clone(),
-                                node: LogicalNodeId::parse("node", &format!("workers-{i}")).unwrap(),
-                                attempt: AttemptId::new(u64::from(i) + 1),
-                            },
-                            lease: LeaseId::new("lease", &format!("lease-{i:0>64}")).unwrap(),
-                            endpoint: None,
-                            session_live: false,
-                            provider_name: "many".into(),
-                        })
-                        .collect())
-                })
-            }
-        }
-
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("many.sock");
-        let mut options = ServeOptions::plaintext(Listen::Unix(socket.clone()));
-        options.announce = false;
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(provider_sdk::serve(Many, options, async {
-            let _ = stopped.await;
-        }));
-        let target = PluginTarget::Address(format!("unix:{}", socket.display()));
+        let served = serve_stub(Stub {
+            held: HELD,
+            creates: false,
+        })
+        .await;
+        let target = PluginTarget::Address(format!("unix:{}", served.socket.display()));
         let clock: Arc<dyn contract::Clock> = Arc::new(contract::SystemClock);
         let backend = PluginBackend::start(PluginConfig::new(target, Transport::Insecure), clock)
             .await
@@ -1176,8 +1230,7 @@ mod tests {
         assert_eq!(items.len(), HELD as usize);
         assert_eq!(items[7].identity.node.to_string(), "workers-7");
         drop(backend);
-        let _ = stop.send(());
-        server.await.unwrap().unwrap();
+        served.end().await;
     }
 
     /// How many calls the tests below send at once: enough that, sent
@@ -1194,9 +1247,9 @@ mod tests {
             id: OperationId::new(AttemptId::new(i + 1), 1),
             epoch: Epoch::new(1),
             deadline: UnixMillis::new(u64::MAX / 2),
-            provider: Arc::from("quick"),
+            provider: Arc::from("stub"),
             input: OperationInput::CreateLease {
-                template: Arc::new(contract::shape::example_template("quick", "img")),
+                template: Arc::new(contract::shape::example_template("stub", "img")),
             },
             trace: TraceContext::default(),
         }
@@ -1209,58 +1262,12 @@ mod tests {
     /// connection and every call on it failed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_sdk_plugin_answers_thousands_of_calls_sent_at_once() {
-        use provider_sdk::{Answer, Bootstrap, Call, Info, Listen, Resource, ServeOptions};
-
-        struct Quick;
-        impl provider_sdk::Provider for Quick {
-            fn info(&self) -> Info {
-                Info {
-                    provider_names: vec!["quick".into()],
-                    reports_health: false,
-                    reports_loss: false,
-                    description: String::new(),
-                }
-            }
-            fn create_lease(
-                &self,
-                call: Call,
-                _: contract::NodeTemplate,
-            ) -> BoxFuture<'static, Answer<LeaseId>> {
-                Box::pin(async move {
-                    match LeaseId::new("lease", &format!("lease-{}", call.identity.node)) {
-                        Ok(lease) => Answer::Succeeded(lease),
-                        Err(e) => Answer::Permanent(e.to_string()),
-                    }
-                })
-            }
-            fn lookup_endpoint(&self, _: Call, _: LeaseId) -> BoxFuture<'static, Answer<Endpoint>> {
-                Box::pin(async { Answer::NotReady("no".into()) })
-            }
-            fn start_bootstrap(&self, _: Call, _: Bootstrap) -> BoxFuture<'static, Answer<SessionId>> {
-                Box::pin(async { Answer::Retryable("no".into()) })
-            }
-            fn cancel_bootstrap(&self, _: Call, _: Option<SessionId>) -> BoxFuture<'static, Answer<()>> {
-                Box::pin(async { Answer::Succeeded(()) })
-            }
-            fn destroy_lease(&self, _: Call, _: Option<LeaseId>) -> BoxFuture<'static, Answer<()>> {
-                Box::pin(async { Answer::Succeeded(()) })
-            }
-            fn list(&self) -> BoxFuture<'static, Result<Vec<Resource>, String>> {
-                Box::pin(async { Ok(Vec::new()) })
-            }
-        }
-
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("quick.sock");
-        let mut options = ServeOptions::plaintext(Listen::Unix(socket.clone()));
-        options.announce = false;
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(provider_sdk::serve(Quick, options, async {
-            let _ = stopped.await;
-        }));
-        while !socket.exists() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let served = serve_stub(Stub {
+            held: 0,
+            creates: true,
+        })
+        .await;
+        let socket = served.socket.clone();
         // A client without the executor's own bound on calls in flight.
         let channel = ChannelEndpoint::from_static("http://plugin.invalid")
             .connect_with_connector(tower::service_fn(move |_: http::Uri| {
@@ -1297,8 +1304,7 @@ mod tests {
             failed.len(),
             failed[0]
         );
-        let _ = stop.send(());
-        server.await.unwrap().unwrap();
+        served.end().await;
     }
 
     /// The executor does not send a plugin every call it has at once: on a
