@@ -248,7 +248,8 @@ fn resource(service: &'static str) -> Resource {
 /// the stack (an `Option` that is `None`) left every callsite's interest
 /// open, so h2's TRACE spans (several on every poll of every HTTP/2
 /// connection) were built and dropped in the registry though nothing took
-/// them: about 8% of the executor's CPU with a provider plugin.
+/// them: without them the executor hosting a provider plugin used a fifth
+/// less CPU (docs/profile-notes.md).
 fn dispatch(
     provider: Option<&SdkTracerProvider>,
     service: &'static str,
